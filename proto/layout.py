@@ -115,12 +115,11 @@ class KVLayout:
                 )
         if min(self.layer_offsets) < 0:
             raise LayoutError("negative layer offset")
-        for layer_off in self.layer_offsets:
-            if layer_off + self.max_extent() > self.region_size:
-                raise LayoutError(
-                    f"layer at offset {layer_off} extends to {layer_off + self.max_extent()}, "
-                    f"past the region's {self.region_size} bytes"
-                )
+        last = max(self.layer_offsets) + self.max_extent()
+        if last > self.region_size:
+            raise LayoutError(
+                f"a layer extends to byte {last}, past the region's {self.region_size} bytes"
+            )
 
     def max_extent(self) -> int:
         """Bytes past a layer's base that the last byte of the last granule reaches."""

@@ -1,0 +1,126 @@
+"""``kvpushd``: run the node supervisor, one device daemon alone, or show the config.
+
+    kvpushd [--config FILE] [--devices all|cpu0,cpu1] [--runtime-dir DIR] [--base-port N]
+            [--metrics-port N] [--backend UCX|LIBFABRIC] [--log-level LEVEL]
+    kvpushd worker --device cuda0 [same flags]    # one accelerator's daemon, foreground
+    kvpushd print-config [--format toml|json] [same flags]
+
+Flags beat ``KVPUSH_*`` environment variables, which beat the TOML file (see config.py).
+Exit codes: 0 clean stop, 1 runtime failure, 2 usage or configuration error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from kvpush.daemon import sdnotify
+from kvpush.daemon.config import (
+    BACKENDS,
+    LOG_LEVELS,
+    ConfigError,
+    dump_json,
+    dump_toml,
+    load_config,
+)
+
+log = logging.getLogger("kvpush.cli")
+
+# flag dest -> config key (same names: the flags are the top-level config keys)
+FLAG_KEYS = ("config", "devices", "count", "device_kind", "runtime_dir", "base_port",
+             "peer_host", "advertise_host", "metrics_host", "metrics_port", "backend",
+             "log_level")
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    # SUPPRESS: a flag given before the subcommand is not reset by the subparser's default.
+    s = argparse.SUPPRESS
+    p.add_argument("--config", metavar="FILE", default=s, help="TOML config file")
+    p.add_argument("--devices", default=s,
+                   help='"all" (default) or comma-separated names, e.g. cuda0,cuda1')
+    p.add_argument("--count", type=int, default=s, help="run devices 0..N-1")
+    p.add_argument("--device-kind", choices=("auto", "cpu", "cuda"), default=s,
+                   help="kind for --count / all (default auto: cuda if visible)")
+    p.add_argument("--runtime-dir", metavar="DIR", default=s, help="socket directory")
+    p.add_argument("--base-port", type=int, default=s, help="peer port of device i = N + i")
+    p.add_argument("--peer-host", default=s, help="peer endpoint bind address")
+    p.add_argument("--advertise-host", default=s, help="address peers connect to")
+    p.add_argument("--metrics-host", default=s)
+    p.add_argument("--metrics-port", type=int, default=s, help="0 disables /metrics, /health")
+    p.add_argument("--backend", type=str.upper, choices=BACKENDS, default=s)
+    p.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default=s)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # allow_abbrev=False: the parent parser sees every argument, and `--device` would be an
+    # ambiguous abbreviation of --devices / --device-kind there.
+    parser = argparse.ArgumentParser(
+        prog="kvpushd", description="kvpush node daemon: one KV-push daemon per accelerator",
+        allow_abbrev=False)
+    _add_common(parser)
+    sub = parser.add_subparsers(dest="cmd", metavar="{worker,print-config}")
+    w = sub.add_parser("worker", help="run one accelerator's daemon in the foreground",
+                       allow_abbrev=False)
+    w.add_argument("--device", required=True, help="device name, e.g. cpu0 or cuda1")
+    _add_common(w)
+    pc = sub.add_parser("print-config", help="print the effective configuration",
+                        allow_abbrev=False)
+    pc.add_argument("--format", choices=("toml", "json"), default="toml")
+    _add_common(pc)
+    return parser
+
+
+class _ForegroundReady:
+    """ready_event for `kvpushd worker`: tells systemd directly (no supervisor in between)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._event = threading.Event()
+
+    def set(self) -> None:
+        if not self._event.is_set():
+            self._event.set()
+            sdnotify.notify(f"READY=1\nSTATUS={self._name} up")
+            log.info("%s is up", self._name)
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    cmd = ns.cmd or "run"
+    overrides: dict[str, Any] = {k: getattr(ns, k, None) for k in FLAG_KEYS}
+    if cmd == "worker":
+        overrides["devices"], overrides["count"] = [ns.device], None
+    try:
+        node = load_config(None, overrides)
+    except ConfigError as e:
+        print(f"kvpushd: configuration error: {e}", file=sys.stderr)
+        return 2
+    if cmd == "print-config":
+        sys.stdout.write(dump_json(node) + "\n" if ns.format == "json" else dump_toml(node))
+        return 0
+    from kvpush.daemon.supervisor import Supervisor, configure_logging, ensure_runtime_dir
+
+    configure_logging(node.log_level)
+    try:
+        if cmd == "worker":
+            cfg = node.devices[0]
+            configure_logging(cfg.log_level)
+            ensure_runtime_dir(cfg.runtime_dir)
+            from kvpush.daemon.worker import run_worker
+
+            return run_worker(cfg, ready_event=_ForegroundReady(cfg.name))
+        return Supervisor(node).run()
+    except (RuntimeError, OSError) as e:
+        log.error("%s", e)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,344 @@
+"""msgpack wire codec for :mod:`kvpush.proto.messages`, driven by the dataclasses themselves.
+
+Wire format: one msgpack map per message, ``{"v": PROTOCOL_VERSION, "t": <class name>,
+<field>: <value>, ...}``; nested dataclasses (MemoryHandle, KVLayout, Packing) are nested maps,
+tuples are arrays, bytes are msgpack bin.
+
+``decode`` is the trust boundary: it checks the version, the type, the exact field set (fields
+with a Python default may be omitted), every field's type (bool is not int), ranges, lengths and
+enumerated values, and that a nested KVLayout is consistent; anything else is a ProtocolError
+naming the field. msgpack's own limits are set from :class:`Limits` so a hostile length prefix
+cannot make the unpacker pre-allocate more than the message could really hold.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from kvpush.proto.errors import ProtocolError
+from kvpush.proto.messages import MESSAGE_TYPES, PROTOCOL_VERSION, Message
+
+__all__ = ["Limits", "decode", "encode"]
+
+JSON_MAX_DEPTH = 8  # OpsReply.data: nesting of maps/lists, the top map counting as 1
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds decode enforces; small values let tests (and wary callers) tighten them."""
+
+    max_list: int = 1 << 20  # elements of any array, entries of any map (at least _MAP_FLOOR)
+    max_str: int = 4096  # chars of a typed str field (OpsReply.data strings: max_message)
+    max_bytes: int = 16 << 20  # length of a bytes field
+    max_int: int = 2**63 - 1  # every int field is in [0, max_int]
+    max_message: int = 64 << 20  # bytes of one encoded message
+
+
+DEFAULT_LIMITS = Limits()
+
+_ENVELOPE = frozenset({"v", "t"})
+_NO_KEYS: frozenset[str] = frozenset()
+_Converter = Callable[[Any, Limits, str], Any]
+
+
+def _tname(v: object) -> str:
+    return "nil" if v is None else type(v).__name__
+
+
+def _short(v: object, n: int = 60) -> str:
+    """repr() cut short, so error texts stay small whatever a peer sent."""
+    r = repr(v)
+    return r if len(r) <= n else r[: n - 3] + "..."
+
+
+# ---- per-kind converters: (wire value, limits, path) -> Python value --------------------
+
+
+def _int(v: Any, lim: Limits, path: str) -> int:
+    if type(v) is not int:
+        raise ProtocolError(f"{path}: expected int, got {_tname(v)}")
+    if v < 0 or v > lim.max_int:
+        raise ProtocolError(f"{path}: {v} is outside [0, {lim.max_int}]")
+    return v
+
+
+def _bool(v: Any, lim: Limits, path: str) -> bool:
+    if type(v) is not bool:
+        raise ProtocolError(f"{path}: expected bool, got {_tname(v)}")
+    return v
+
+
+def _str(v: Any, lim: Limits, path: str) -> str:
+    if type(v) is not str:
+        raise ProtocolError(f"{path}: expected str, got {_tname(v)}")
+    if len(v) > lim.max_str:
+        raise ProtocolError(f"{path}: string of {len(v)} chars exceeds max_str {lim.max_str}")
+    return v
+
+
+def _bytes(v: Any, lim: Limits, path: str) -> bytes:
+    if type(v) is not bytes:
+        raise ProtocolError(f"{path}: expected bytes (msgpack bin), got {_tname(v)}")
+    if len(v) > lim.max_bytes:
+        raise ProtocolError(f"{path}: {len(v)} bytes exceed max_bytes {lim.max_bytes}")
+    return v
+
+
+def _ints(v: Any, lim: Limits, path: str) -> tuple[int, ...]:
+    # One C-level pass per check (map/min/max), no Python loop: Register carries ~1k IDs.
+    if type(v) is not list:
+        raise ProtocolError(f"{path}: expected array of int, got {_tname(v)}")
+    if not v:
+        return ()
+    if list(map(type, v)).count(int) != len(v):
+        bad = sorted({k.__name__ for k in map(type, v)} - {"int"})
+        raise ProtocolError(f"{path}: elements must be int, found {', '.join(bad)}")
+    lo, hi = min(v), max(v)
+    if lo < 0 or hi > lim.max_int:
+        raise ProtocolError(f"{path}: element {lo if lo < 0 else hi} is outside [0, {lim.max_int}]")
+    return tuple(v)
+
+
+def _strs(v: Any, lim: Limits, path: str) -> tuple[str, ...]:
+    if type(v) is not list:
+        raise ProtocolError(f"{path}: expected array of str, got {_tname(v)}")
+    if not v:
+        return ()
+    if list(map(type, v)).count(str) != len(v):
+        bad = sorted({k.__name__ for k in map(type, v)} - {"str"})
+        raise ProtocolError(f"{path}: elements must be str, found {', '.join(bad)}")
+    longest = max(map(len, v))
+    if longest > lim.max_str:
+        raise ProtocolError(f"{path}: element of {longest} chars exceeds max_str {lim.max_str}")
+    return tuple(v)
+
+
+_JSON_SCALARS = (type(None), bool, int, float, str)
+
+
+def _check_json(v: Any, depth: int, path: str) -> None:
+    if depth > JSON_MAX_DEPTH:
+        raise ProtocolError(f"{path}: nested deeper than {JSON_MAX_DEPTH}")
+    if type(v) is dict:
+        for k, item in v.items():
+            if type(k) is not str:
+                raise ProtocolError(f"{path}: map key {_short(k)} is not a str")
+            if type(item) not in _JSON_SCALARS:
+                _check_json(item, depth + 1, f"{path}[{_short(k, 40)}]")
+    elif type(v) is list:
+        for i, item in enumerate(v):
+            if type(item) not in _JSON_SCALARS:
+                _check_json(item, depth + 1, f"{path}[{i}]")
+    else:
+        raise ProtocolError(f"{path}: {_tname(v)} is not JSON-like")
+
+
+def _json(v: Any, lim: Limits, path: str) -> dict[str, Any]:
+    if type(v) is not dict:
+        raise ProtocolError(f"{path}: expected map, got {_tname(v)}")
+    _check_json(v, 1, path)
+    return v
+
+
+def _nested(cls: type) -> _Converter:
+    def convert(v: Any, lim: Limits, path: str) -> Any:
+        if type(v) is not dict:
+            raise ProtocolError(f"{path}: expected {cls.__name__} map, got {_tname(v)}")
+        obj = _decode_fields(cls, v, lim, path, _NO_KEYS)
+        check = getattr(obj, "validate", None)  # e.g. KVLayout: every address in region
+        if check is not None:
+            try:
+                check()
+            except (ValueError, ArithmeticError) as e:
+                raise ProtocolError(f"{path}: invalid {cls.__name__}: {e}") from e
+        return obj
+
+    return convert
+
+
+# ---- schema, read once per class from the dataclass fields and type hints ---------------
+
+
+@dataclass(frozen=True)
+class _Field:
+    name: str
+    convert: _Converter
+    required: bool
+    choices: frozenset[str] | None
+    sub: type | None  # nested dataclass, encoded as a map
+
+
+_SCALARS: dict[object, _Converter] = {int: _int, bool: _bool, str: _str, bytes: _bytes}
+
+
+def _converter(hint: Any, owner: str) -> tuple[_Converter, type | None]:
+    if hint in _SCALARS:
+        return _SCALARS[hint], None
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is tuple and args == (int, Ellipsis):
+        return _ints, None
+    if origin is tuple and args == (str, Ellipsis):
+        return _strs, None
+    if hint is dict or origin is dict:
+        return _json, None
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        _schema(hint)  # fail at import, not at first use, on an unsupported nested hint
+        return _nested(hint), hint
+    raise TypeError(f"{owner}: field type {hint!r} has no wire encoding")
+
+
+@functools.cache
+def _schema(cls: type) -> tuple[tuple[_Field, ...], frozenset[str]]:
+    hints = typing.get_type_hints(cls)
+    fields = []
+    for f in dataclasses.fields(cls):
+        convert, sub = _converter(hints[f.name], f"{cls.__name__}.{f.name}")
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        fields.append(_Field(f.name, convert, required, f.metadata.get("choices"), sub))
+    return tuple(fields), frozenset(f.name for f in fields)
+
+
+def _decode_fields(
+    cls: type, m: dict[Any, Any], lim: Limits, path: str, envelope: frozenset[str]
+) -> Any:
+    fields, names = _schema(cls)
+    extra = m.keys() - names - envelope
+    if extra:
+        shown = sorted(_short(k, 40) for k in extra)
+        raise ProtocolError(f"{path}: unexpected field(s) {', '.join(shown)}")
+    kwargs: dict[str, Any] = {}
+    for f in fields:
+        if f.name not in m:
+            if f.required:
+                raise ProtocolError(f"{path}: missing field {f.name!r}")
+            continue
+        value = f.convert(m[f.name], lim, f"{path}.{f.name}")
+        if f.choices is not None and value not in f.choices:
+            raise ProtocolError(
+                f"{path}.{f.name}: {_short(value)} is not one of {', '.join(sorted(f.choices))}"
+            )
+        kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+def _to_map(obj: Any) -> dict[str, Any]:
+    fields, _ = _schema(type(obj))
+    out: dict[str, Any] = {}
+    for f in fields:
+        v = getattr(obj, f.name)
+        if f.sub is not None:
+            if type(v) is not f.sub:
+                raise ProtocolError(
+                    f"{type(obj).__name__}.{f.name}: expected {f.sub.__name__}, got {_tname(v)}"
+                )
+            v = _to_map(v)
+        out[f.name] = v
+    return out
+
+
+def _map_floor() -> int:
+    """Entries of the largest map a message itself uses (envelope included), nested too."""
+    seen: set[type] = set()
+    todo = list(MESSAGE_TYPES.values())
+    while todo:
+        cls = todo.pop()
+        if cls not in seen:
+            seen.add(cls)
+            todo.extend(f.sub for f in _schema(cls)[0] if f.sub is not None)
+    for cls in MESSAGE_TYPES.values():
+        if _schema(cls)[1] & _ENVELOPE:
+            raise TypeError(f"{cls.__name__}: field names 'v' and 't' are the envelope's")
+    return max(len(_schema(c)[1]) for c in seen) + len(_ENVELOPE)
+
+
+# A tiny Limits.max_list must not make the messages' own maps undecodable.
+_MAP_FLOOR = _map_floor()
+
+
+# ---- public API -------------------------------------------------------------------------
+
+
+def encode(msg: Message) -> bytes:
+    """Serialise a well-formed message; decode() on the other side re-validates it."""
+    cls = type(msg)
+    name = cls.__name__
+    if MESSAGE_TYPES.get(name) is not cls:
+        raise ProtocolError(f"cannot encode {_tname(msg)}: not a registered message type")
+    wire = {"v": PROTOCOL_VERSION, "t": name, **_to_map(msg)}
+    try:
+        out: bytes = msgpack.packb(wire, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise ProtocolError(f"cannot encode {name}: {e}") from e
+    if len(out) > DEFAULT_LIMITS.max_message:
+        raise ProtocolError(f"{name}: {len(out)} bytes exceed max_message")
+    return out
+
+
+def _unpack_failure(e: Exception, lim: Limits) -> str:
+    if isinstance(e, msgpack.ExtraData):
+        return "trailing bytes after the message"
+    text = str(e)
+    if "incomplete input" in text:
+        return "truncated message"
+    if "max_ext_len" in text:
+        return "msgpack extension types are not allowed"
+    if "exceeds max_" in text:
+        return (
+            f"{text} (limits: max_list={lim.max_list}, max_bytes={lim.max_bytes}; "
+            "or a length runs past the end of the message)"
+        )
+    return f"malformed msgpack ({type(e).__name__}{': ' + text if text else ''})"
+
+
+def decode(data: bytes, limits: Limits | None = None) -> Message:
+    """Parse and fully validate one message; raise ProtocolError for anything else."""
+    lim = DEFAULT_LIMITS if limits is None else limits
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ProtocolError(f"expected bytes, got {_tname(data)}")
+    n = memoryview(data).nbytes
+    if n == 0:
+        raise ProtocolError("empty message")
+    if n > lim.max_message:
+        raise ProtocolError(f"message of {n} bytes exceeds max_message {lim.max_message}")
+    try:
+        obj = msgpack.unpackb(
+            data,
+            raw=False,
+            use_list=True,
+            strict_map_key=True,
+            max_str_len=n,
+            max_bin_len=min(n, lim.max_bytes),
+            max_array_len=min(n, lim.max_list),
+            max_map_len=min(n // 2, max(lim.max_list, _MAP_FLOOR)),
+            max_ext_len=0,
+        )
+    except Exception as e:  # the unpacker is a black box: any failure means bad input
+        raise ProtocolError(_unpack_failure(e, lim)) from e
+    if type(obj) is not dict:
+        raise ProtocolError(f"message must be a msgpack map, got {_tname(obj)}")
+    if "v" not in obj:
+        raise ProtocolError("missing protocol version field 'v'")
+    v = obj["v"]
+    if type(v) is not int:
+        raise ProtocolError(f"protocol version 'v' must be an int, got {_tname(v)}")
+    if v != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"unsupported protocol version {v} (this side speaks {PROTOCOL_VERSION})"
+        )
+    if "t" not in obj:
+        raise ProtocolError("missing message type field 't'")
+    t = obj["t"]
+    if type(t) is not str:
+        raise ProtocolError(f"message type field 't' must be a str, got {_tname(t)}")
+    cls = MESSAGE_TYPES.get(t)
+    if cls is None:
+        raise ProtocolError(f"unknown message type {_short(t)}")
+    result: Message = _decode_fields(cls, obj, lim, t, _ENVELOPE)
+    return result

@@ -1,0 +1,305 @@
+"""Every message kvpush sends, as frozen dataclasses.
+
+The dataclasses are the schema: :mod:`kvpush.proto.codec` reads their fields and type hints
+to encode and validate, so adding a message is adding a class here (decorated with
+``@message``) and nothing else. Enumerated string fields carry their allowed values in the
+field metadata (``choices``) so the codec can reject anything else at the boundary.
+
+All ints are >= 0 on the wire; ``block_ids`` and other sequences are tuples at runtime.
+"""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass, field
+from typing import Any, TypeVar
+
+from kvpush.proto.layout import KVLayout
+
+PROTOCOL_VERSION = 1
+
+MEMORY_KINDS = frozenset({"cpu_shm", "cuda_ipc"})
+ROLES = frozenset({"prefill", "decode", "both"})
+OPS_COMMANDS = frozenset({"status", "pending", "peers", "transfers", "cancel", "drain", "metrics"})
+
+MESSAGE_TYPES: dict[str, type] = {}
+"""Wire type name ("t") -> message class."""
+
+_T = TypeVar("_T", bound=type)
+
+
+def message(cls: _T) -> _T:
+    """Register a message class under its class name, which is its wire type name."""
+    if cls.__name__ in MESSAGE_TYPES:
+        raise TypeError(f"message type {cls.__name__} registered twice")
+    MESSAGE_TYPES[cls.__name__] = cls
+    return cls
+
+
+def choice(values: frozenset[str], default: Any = MISSING) -> Any:
+    """A str field restricted to ``values`` (the codec enforces it on decode).
+
+    Without ``default`` the field stays required (``MISSING`` is dataclasses' "no default").
+    """
+    return field(default=default, metadata={"choices": values})
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryHandle:
+    """Engine memory another process can map (a shm file or a CUDA IPC handle)."""
+
+    kind: str = choice(MEMORY_KINDS)
+    handle: bytes  # opaque to the codec; memory.py interprets it per kind
+    size: int
+    offset: int = 0
+    device: int = 0
+
+
+# ---- engine -> daemon -------------------------------------------------------------------
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Attach:
+    """An engine rank hands its daemon the KV memory and how it is laid out."""
+
+    engine_id: str
+    rank: int
+    tp_size: int
+    role: str = choice(ROLES)
+    memory: MemoryHandle
+    layout: KVLayout
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Register:
+    """Decode side: these blocks wait for a transfer's KV, from these prefill endpoints."""
+
+    transfer_id: str
+    attempt: int
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    prefill_endpoints: tuple[str, ...]
+    prefill_tp_size: int
+    timeout_ms: int
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class PrefillDone:
+    """Prefill side: the transfer's KV is in these blocks, held for ``lease_ms``."""
+
+    transfer_id: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    lease_ms: int
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """Engine gives up on one attempt of a transfer (either side)."""
+
+    transfer_id: str
+    attempt: int
+    reason: str
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """Engine liveness probe; the daemon echoes ``seq``."""
+
+    seq: int
+
+
+# ---- daemon -> engine -------------------------------------------------------------------
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class AttachAck:
+    """Daemon accepted an Attach; ``daemon_id`` changes on every daemon restart."""
+
+    agent_name: str
+    daemon_id: str
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Sent:
+    """Prefill side: all WRITEs of the attempt completed; source blocks are free."""
+
+    transfer_id: str
+    attempt: int
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class SendFailed:
+    """Prefill side: the attempt's WRITEs will not happen (or did not complete)."""
+
+    transfer_id: str
+    attempt: int
+    reason: str
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Received:
+    """Decode side: every expected producer's KV landed in the registered blocks."""
+
+    transfer_id: str
+    attempt: int
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class ReceiveFailed:
+    """Decode side: the attempt failed; blocks are *not* yet safe to reuse (wait Released)."""
+
+    transfer_id: str
+    attempt: int
+    reason: str
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Released:
+    """Decode side: no WRITE of this aborted registration can land any more; reuse blocks."""
+
+    transfer_id: str
+    attempt: int
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class HeartbeatAck:
+    """Answer to Heartbeat; a new ``daemon_id`` tells the engine to re-attach."""
+
+    seq: int
+    daemon_id: str
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Error:
+    """A request was rejected; ``ref`` names what it refers to (e.g. a transfer ID)."""
+
+    code: str
+    message: str
+    ref: str = ""
+
+
+# ---- daemon <-> daemon ------------------------------------------------------------------
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """Peer handshake: NIXL agent metadata, layout and compatibility hash of one rank."""
+
+    agent_name: str
+    agent_metadata: bytes
+    layout: KVLayout
+    region_base: int
+    version: int
+    compat: str
+    engine_id: str
+    rank: int
+    tp_size: int
+    endpoint: str
+    reply: bool = False
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class PeerRegister:
+    """Decode daemon tells a prefill daemon where (and how many producers) to WRITE."""
+
+    transfer_id: str
+    attempt: int
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    dest_rank: int
+    dest_tp_size: int
+    expected_dests: int
+    deadline_ms: int
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    """Decode daemon withdraws a registration; the producer must confirm."""
+
+    transfer_id: str
+    attempt: int
+    reason: str
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class CancelConfirmed:
+    """Producer guarantees no WRITE of this attempt is or will be in flight."""
+
+    transfer_id: str
+    attempt: int
+    producer_rank: int
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class WriteFailedNotice:
+    """Producer could not post or complete its WRITEs; the consumer stops waiting for it."""
+
+    transfer_id: str
+    attempt: int
+    producer_rank: int
+    reason: str
+
+
+# ---- ops --------------------------------------------------------------------------------
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class OpsRequest:
+    """A kvpushctl command."""
+
+    cmd: str = choice(OPS_COMMANDS)
+    arg: str = ""
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class OpsReply:
+    """Answer to OpsRequest; ``data`` is JSON-like (str keys, depth <= 8)."""
+
+    ok: bool
+    data: dict[str, Any]
+    error: str = ""
+
+
+Message = (
+    Attach
+    | Register
+    | PrefillDone
+    | Abort
+    | Heartbeat
+    | AttachAck
+    | Sent
+    | SendFailed
+    | Received
+    | ReceiveFailed
+    | Released
+    | HeartbeatAck
+    | Error
+    | Hello
+    | PeerRegister
+    | Cancel
+    | CancelConfirmed
+    | WriteFailedNotice
+    | OpsRequest
+    | OpsReply
+)
+"""Any wire message (what decode returns)."""

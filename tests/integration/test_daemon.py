@@ -296,3 +296,36 @@ def test_prefill_daemon_killed_mid_transfer_fails_decode_within_deadline(tmp_pat
         de.close()
         d.stop()
         p.stop()
+
+
+def test_curve_peer_endpoint_refuses_unauthorised_peers(tmp_path):
+    """With CURVE on, a daemon holding the cluster certificate transfers; a plain
+    ZeroMQ client (no key) cannot even get a reply, so it can never cause a WRITE."""
+    import zmq.auth
+
+    keys = tmp_path / "keys"
+    auth = tmp_path / "authorized"
+    keys.mkdir()
+    auth.mkdir()
+    pub, sec = zmq.auth.create_certificates(str(keys), "cluster")
+    (auth / "cluster.key").write_bytes(open(pub, "rb").read())
+    curve = dict(curve_secret_key_file=sec, curve_public_key_file=pub, authorized_keys_dir=str(auth))
+    p = Daemon(device_config(tmp_path, 0, **curve))
+    d = Daemon(device_config(tmp_path, 1, **curve))
+    lay, meta = cpu()
+    pe = Engine(p, lay, "prefill", seed=9)
+    de = Engine(d, lay, "decode", fill="zeros")
+    try:
+        before = de.bytes.copy()
+        reg = proto.PeerRegister("evil", 0, (0, 1), 20, 0, 1, 1, 5000)
+        assert _raw(p.peer_endpoint, [proto.encode(reg)]) is None  # no CURVE: no session at all
+        t, n = tid(), 40
+        register(de, [p], t, [4, 5, 6], n)
+        prefill_done(pe, t, [1, 2, 3], n)
+        assert isinstance(de.result(t), proto.Received)
+        check_transfer(pe, meta, [1, 2, 3], de, meta, [4, 5, 6], n, before)
+    finally:
+        pe.close()
+        de.close()
+        p.stop()
+        d.stop()

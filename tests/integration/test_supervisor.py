@@ -124,6 +124,7 @@ class Node:
         self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.notify.bind("\0" + notify_addr[1:] if notify_addr.startswith("@") else notify_addr)
         self.messages: list[str] = []
+        self.pids: set[int] = set()  # every child pid seen, killed in close() if still there
         cfg = {"devices": devices, "runtime_dir": str(runtime), "metrics_port": self.port,
                "base_port": 21000, "restart_backoff_s": 0.2,
                "stop_timeout_s": 5.0, **overrides}
@@ -145,7 +146,9 @@ class Node:
         if self.proc.poll() is not None:
             raise AssertionError(f"supervisor exited with {self.proc.returncode}")
         code, body = self.get("/health")
-        return code, json.loads(body) if code else {}
+        h = json.loads(body) if code else {}
+        self.pids.update(d["pid"] for d in h.get("devices", {}).values() if d["pid"])
+        return code, h
 
     def drain_notify(self, timeout: float = 0.0) -> list[str]:
         self.notify.settimeout(timeout if timeout > 0 else None)
@@ -167,9 +170,14 @@ class Node:
         return self.proc.wait(timeout)
 
     def close(self) -> None:
+        """Leave nothing behind, even after a failed test (a stubborn child ignores the
+        SIGTERM its parent's death sends it)."""
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        for pid in self.pids:
+            if not gone(pid):
+                os.kill(pid, signal.SIGKILL)
         self.notify.close()
         self.log.seek(0)
         sys.stderr.write(self.log.read()[-4000:])
@@ -264,15 +272,16 @@ def test_crash_loop_is_held_down_and_stubborn_child_is_killed(runtime: Path) -> 
 
 def test_child_never_ready_is_killed_and_children_die_with_supervisor(runtime: Path) -> None:
     node = Node(runtime, ["cpu0", "cpu1"], {"cpu0": "hang"}, str(runtime / "notify.sock"),
-                restart_backoff_s=0.1, ready_timeout_s=1.0)
+                restart_backoff_s=0.1, ready_timeout_s=3.0)  # cpu1 must beat it under load
     try:
         code, h = wait_for(lambda: (r := node.health())[1].get("devices", {}).get("cpu0", {})
-                           .get("restarts", 0) >= 1 and r, 15, "cpu0 killed for not getting ready")
+                           .get("restarts", 0) >= 1 and r, 20, "cpu0 killed for not getting ready")
         assert code == 503 and h["devices"]["cpu0"]["last_exit"] == -signal.SIGKILL
         assert not any("READY=1" in m for m in node.drain_notify())
         # a supervisor killed outright takes its children with it (PR_SET_PDEATHSIG)
-        child = wait_for(lambda: node.health()[1]["devices"]["cpu1"]["pid"], 10, "cpu1 up")
-        assert node.health()[1]["devices"]["cpu1"]["up"]
+        cpu1 = wait_for(lambda: node.health()[1]["devices"]["cpu1"], 10, "cpu1 status")
+        assert cpu1["up"] and cpu1["restarts"] == 0, cpu1
+        child = cpu1["pid"]
         node.proc.kill()
         node.proc.wait(5)
         wait_for(lambda: gone(child), 5, "orphaned child to exit")

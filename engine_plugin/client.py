@@ -5,19 +5,27 @@ every send is ``zmq.NOBLOCK`` with a bounded local queue behind it, every receiv
 zero-timeout drain inside :meth:`DaemonClient.poll`, and there are no threads (libzmq's own
 I/O thread does the socket work).
 
-Liveness and re-attach. The daemon can restart at any time (the supervisor respawns it) and a
-new daemon knows nothing of this engine, so the client re-sends the remembered ``Attach``:
+Links and re-attach. The socket monitor (read without blocking) is the one source of truth
+for the link: nothing at all (Attach, Heartbeat, queued messages) is sent before its
+``HANDSHAKE_SUCCEEDED`` was read, so every link starts with ``Attach`` and the daemon never
+sees an engine message from an engine it does not know. ``Attach`` goes out exactly once per
+link, and again on the same link only when
 
-* at once when a new ZeroMQ connection completes its handshake (a socket monitor, read
-  without blocking, reports it), so a restarted daemon sees ``Attach`` before anything else;
-* when a ``HeartbeatAck`` carries a ``daemon_id`` other than the one we know (a restart the
-  monitor could not see), or is the first ack after the daemon was unavailable.
+* a ``HeartbeatAck`` carries a ``daemon_id`` other than the one seen on this link (a restart
+  the monitor could not see), or
+* the daemon answers again after it was declared unavailable for silence (it may have lost
+  what it knew of us; a repeated identical Attach is a no-op for the daemon).
+
+Why the socket is told to process its commands right after the handshake event: libzmq
+attaches the new pipe to the socket by a command queued just before it emits the event, and a
+``NOBLOCK`` send only looks at pending commands about once a millisecond (command
+throttling), so a send right after the event could fail with EAGAIN and the link's first
+Attach and Heartbeat would never go out. An unsent Attach is also retried on every poll.
 
 While an ``Attach`` is remembered but not acknowledged, other messages wait in the local
-queue, so the daemon never gets a ``Register`` from an engine it does not know yet; they flush
-when ``AttachAck`` arrives. A dropped connection makes the daemon unavailable at once (its
-in-flight work died with it); a connected but silent daemon becomes unavailable after
-``dead_after_s``. Each transition to unavailable is logged once.
+queue; they flush when ``AttachAck`` arrives. A dropped connection makes the daemon
+unavailable at once (its in-flight work died with it); a connected but silent daemon becomes
+unavailable after ``dead_after_s``. Each transition to unavailable is logged once.
 """
 
 from __future__ import annotations
@@ -94,8 +102,11 @@ class DaemonClient:
         self._queue: deque[bytes] = deque()
         self._attach: Attach | None = None
         self._attach_frame = b""
-        self._attach_inflight = False  # Attach sent on the current link, no AttachAck yet
-        self._connected = False
+        self._attach_sent = False  # the remembered Attach went out on the current link
+        self._attach_sends = 0  # of the current Attach; beyond the first are re-attaches
+        self._reattach_on_ack = False  # went silent on a live link: re-attach when it answers
+        self._link_up = False  # the monitor's HANDSHAKE_SUCCEEDED read, no DISCONNECTED since
+        self._link_daemon_id: str | None = None  # daemon_id heard on the current link
         self._last_heard: float | None = None
         self._started = self.unavailable_since
         self._ever_available = False
@@ -148,7 +159,7 @@ class DaemonClient:
         self._maybe_check_monitor()  # a pending "daemon gone / back" event applies first
         if self._queue:
             self._try_flush()  # keep order: nothing overtakes what is queued
-        if self._queue or not self._connected or not self._ready():
+        if self._queue or not self._link_up or not self._ready():
             if len(self._queue) >= self.max_queue:
                 self.dropped += 1  # refused before encoding: the full-queue path stays cheap
                 return False
@@ -198,14 +209,15 @@ class DaemonClient:
         return self.send(Abort(transfer_id, attempt, reason))
 
     def attach(self, msg: Attach) -> None:
-        """Remember ``msg`` and send it now and to every daemon that (re)appears."""
+        """Remember ``msg``; send it now if a link is up, else as a new link's first frame."""
         self._attach = msg
         self._attach_frame = encode(msg)
         self.attached = False
-        self._attach_inflight = False
+        self._attach_sent = False
+        self._attach_sends = 0  # a new Attach, not a re-attach
         if not self._closed:
-            self._maybe_check_monitor()  # a fresh link's handler may send it already
-            if not self._attach_inflight:
+            self._maybe_check_monitor()  # a fresh link's handler sends it already
+            if self._link_up and not self._attach_sent:
                 self._send_attach()
 
     def discard_queued(self) -> int:
@@ -228,7 +240,7 @@ class DaemonClient:
 
     def _try_flush(self) -> bool:
         """Hand queued frames to zmq while it takes them; True if room was made."""
-        if not self._queue or not self._connected or not self._ready():
+        if not self._queue or not self._link_up or not self._ready():
             return False
         n = len(self._queue)
         q = self._queue
@@ -238,12 +250,18 @@ class DaemonClient:
         return len(q) < n
 
     def _send_attach(self) -> None:
+        """Only call with a link up: the frame must land on the link it is meant for."""
         if self._attach is not None and self._raw_send(self._attach_frame):
-            self._attach_inflight = True
+            self._attach_sent = True
+            self._attach_sends += 1
+            if self._attach_sends > 1:
+                self.reattaches += 1
 
     def _send_heartbeat(self, now: float) -> None:
         self._next_hb = now + self.heartbeat_s
         self._mon_dirty = True  # safety net: re-read the monitor's EVENTS once per period
+        if not self._link_up:
+            return  # nothing may precede a link's Attach; its handshake sends one at once
         self._hb_seq += 1
         if self._raw_send(encode(Heartbeat(self._hb_seq))):
             self.heartbeats += 1
@@ -266,6 +284,8 @@ class DaemonClient:
             self._sock_dirty = self._mon_dirty = True
         if self._mon_dirty:
             self._check_monitor()
+        if self._link_up and not self._attach_sent and self._attach is not None:
+            self._send_attach()  # the handshake's send failed (HWM): Attach still goes first
         if self._queue:
             self._try_flush()
         if now >= self._next_hb:
@@ -296,15 +316,14 @@ class DaemonClient:
                     log.warning("kvpush: undecodable frame from daemon %s: %s", self.endpoint, e)
                 continue
             self.received += 1
-            self._connected = True
             self._last_heard = now
             if type(msg) is HeartbeatAck:
                 self._on_heartbeat_ack(msg, now)
                 continue
             if type(msg) is AttachAck:
                 self.attached = True
-                self._attach_inflight = False
-                self.daemon_id = msg.daemon_id
+                self._reattach_on_ack = False  # it knows us: a slow Attach is not a silence
+                self.daemon_id = self._link_daemon_id = msg.daemon_id
                 self.agent_name = msg.agent_name
             out.append(msg)
 
@@ -312,18 +331,19 @@ class DaemonClient:
         sent_at = self._hb_sent_at.pop(ack.seq, None)
         if sent_at is not None:
             self.rtt_s = now - sent_at
-        restarted = self.daemon_id is not None and ack.daemon_id != self.daemon_id
-        self.daemon_id = ack.daemon_id
-        if self._attach is None:
+        # Compared with this link's id only: a new link to a restarted daemon was attached by
+        # its handshake already, and its first ack must not re-attach a second time.
+        restarted = self._link_daemon_id is not None and ack.daemon_id != self._link_daemon_id
+        self.daemon_id = self._link_daemon_id = ack.daemon_id
+        if self._attach is None or not self._link_up:
             return
-        # Not attached and no Attach outstanding: the first ack after the daemon was unavailable
-        # (which cleared ``attached``), or an Attach that found no peer to go to.
-        if restarted or (not self.attached and not self._attach_inflight):
+        if restarted or self._reattach_on_ack:
             if restarted:
                 log.warning("kvpush: daemon %s restarted (id %s); re-attaching",
                             self.endpoint, ack.daemon_id)
+            self._reattach_on_ack = False
             self.attached = False
-            self.reattaches += 1
+            self._attach_sent = False
             self._send_attach()
 
     def _maybe_check_monitor(self) -> None:
@@ -343,17 +363,24 @@ class DaemonClient:
                 return
             event = int.from_bytes(frames[0][:2], "little")
             if event == zmq.EVENT_DISCONNECTED:
-                self._connected = False
+                self._link_up = False
                 self.attached = False
-                self._attach_inflight = False
+                self._attach_sent = False
+                self._reattach_on_ack = False
+                self._link_daemon_id = None
                 self._last_heard = None  # the daemon's state died with the link
                 self._hb_sent_at.clear()
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self._connected = True
+                self._link_up = True
                 self.attached = False
-                self._attach_inflight = False
+                self._attach_sent = False
+                self._reattach_on_ack = False
+                self._link_daemon_id = None
+                # Unthrottled command processing attaches the new pipe (queued before the
+                # event), so the sends below cannot fail for want of it; see module doc.
+                self._sock.get(zmq.EVENTS)
+                self._sock_dirty = True
                 if self._attach is not None:
-                    self.reattaches += 1
                     self._send_attach()  # first on the new link, before anything queued
                 self._send_heartbeat(self._clock())  # learn the daemon_id now
 
@@ -363,7 +390,7 @@ class DaemonClient:
         return self._last_heard is not None and now - self._last_heard <= self.dead_after_s
 
     def _update_liveness(self, now: float) -> None:
-        alive = self._connected and self._heard_recently(now)
+        alive = self._link_up and self._heard_recently(now)
         if alive == self.available:
             if not alive and not self._ever_available and not self._warned_never:
                 if now - self._started > self.dead_after_s:
@@ -378,13 +405,14 @@ class DaemonClient:
             log.info("kvpush: daemon at %s available (id %s)", self.endpoint, self.daemon_id)
         else:
             self.unavailable_since = now
-            # Whatever the daemon knew of us may be gone: re-attach on its next ack.
+            # Whatever the daemon knew of us may be gone: re-attach on its next ack (a dropped
+            # link re-attaches on its next handshake instead).
             self.attached = False
-            self._attach_inflight = False
+            self._reattach_on_ack = self._link_up
             log.warning(
                 "kvpush: daemon at %s unavailable (%s)",
                 self.endpoint,
-                "connection lost" if not self._connected else
+                "connection lost" if not self._link_up else
                 f"silent for more than {self.dead_after_s:.1f} s",
             )
 

@@ -82,6 +82,7 @@ class Register:
     prefill_endpoints: tuple[str, ...]
     prefill_tp_size: int
     timeout_ms: int
+    first_token: int = 0  # block_ids cover tokens [first_token, num_tokens): a local prefix hit
 
 
 @message
@@ -225,6 +226,7 @@ class PeerRegister:
     dest_tp_size: int
     expected_dests: int
     deadline_ms: int
+    first_token: int = 0  # as in Register: destination blocks start at this token
 
 
 @message

@@ -62,7 +62,7 @@ def scattered_pieces(size: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, 
     return shuffled(), shuffled(), lens
 
 
-def _target(conn: Any, size: int, params: dict[str, str]) -> None:
+def _target(conn: Any, size: int, params: dict[str, str], poll_s: float) -> None:
     """Receiver: register a buffer, publish metadata, poll notifications until told to stop."""
     a = _agent("bench-target", params)
     buf = _buffer(size)
@@ -72,6 +72,8 @@ def _target(conn: Any, size: int, params: dict[str, str]) -> None:
     while not conn.poll():
         for msgs in a.get_new_notifs().values():
             notifs += len(msgs)
+        if poll_s:
+            time.sleep(poll_s)
     conn.recv()
     conn.send(notifs)
     a.deregister_memory(reg)
@@ -113,16 +115,26 @@ def _initiator(conn: Any, size: int, scattered: bool, iters: int, params: dict[s
 
 
 def raw_nixl_write_gbps(size: int, scattered: bool, iters: int,
-                        backend_params: dict[str, str] | None = None) -> float:
-    """GB/s of back-to-back NIXL WRITEs of ``size`` bytes between two fresh processes."""
-    return _raw(size, scattered, iters, backend_params or {})[0]
+                        backend_params: dict[str, str] | None = None,
+                        target_poll_s: float | None = None) -> float:
+    """GB/s of back-to-back NIXL WRITEs of ``size`` bytes between two fresh processes.
+
+    ``target_poll_s``: the receiver's sleep between polls. None picks the faster one for the
+    mode: busy polling under UCX's default "peer" error handling (RMA is emulated with
+    active messages over TCP, so every chunk needs the target's progress; a WRITE to a target
+    that never polls never completes), 1 ms under ``ucx_error_handling_mode=none`` (one-sided
+    CMA writes; a busy target only steals the initiator's CPU)."""
+    return _raw(size, scattered, iters, backend_params or {}, target_poll_s)[0]
 
 
-def _raw(size: int, scattered: bool, iters: int, params: dict[str, str]) -> tuple[float, int]:
+def _raw(size: int, scattered: bool, iters: int, params: dict[str, str],
+         target_poll_s: float | None = None) -> tuple[float, int]:
+    if target_poll_s is None:
+        target_poll_s = 0.001 if params.get("ucx_error_handling_mode") == "none" else 0.0
     ctx = mp.get_context("spawn")
     t_conn, t_child = ctx.Pipe()
     i_conn, i_child = ctx.Pipe()
-    tgt = ctx.Process(target=_target, args=(t_child, size, params), daemon=True)
+    tgt = ctx.Process(target=_target, args=(t_child, size, params, target_poll_s), daemon=True)
     ini = ctx.Process(target=_initiator, args=(i_child, size, scattered, iters, params),
                       daemon=True)
     tgt.start()

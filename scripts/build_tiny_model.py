@@ -49,16 +49,71 @@ class TinySpec:
 def corpus(seed: int = SEED, lines: int = 4000) -> list[str]:
     """Deterministic pseudo-English text: enough variety for a few thousand BPE merges."""
     rng = random.Random(seed)
-    subjects = ["the cache", "a decoder", "the prefill node", "every block", "the daemon",
-                "a request", "the scheduler", "our model", "this token", "the network",
-                "a worker", "the engine", "one layer", "the queue", "a transfer"]
-    verbs = ["writes", "reads", "pushes", "pulls", "holds", "frees", "sends", "receives",
-             "computes", "waits for", "registers", "releases", "counts", "moves", "copies"]
-    objects = ["keys and values", "the blocks", "a prompt", "its memory", "the tensors",
-               "many tokens", "the result", "one buffer", "a handle", "the metadata",
-               "green apples", "blue rivers", "quiet mountains", "small numbers", "red stars"]
-    extras = ["quickly", "slowly", "again", "today", "at night", "in order", "in parallel",
-              "without copies", "over the wire", "once more", "before the deadline", ""]
+    subjects = [
+        "the cache",
+        "a decoder",
+        "the prefill node",
+        "every block",
+        "the daemon",
+        "a request",
+        "the scheduler",
+        "our model",
+        "this token",
+        "the network",
+        "a worker",
+        "the engine",
+        "one layer",
+        "the queue",
+        "a transfer",
+    ]
+    verbs = [
+        "writes",
+        "reads",
+        "pushes",
+        "pulls",
+        "holds",
+        "frees",
+        "sends",
+        "receives",
+        "computes",
+        "waits for",
+        "registers",
+        "releases",
+        "counts",
+        "moves",
+        "copies",
+    ]
+    objects = [
+        "keys and values",
+        "the blocks",
+        "a prompt",
+        "its memory",
+        "the tensors",
+        "many tokens",
+        "the result",
+        "one buffer",
+        "a handle",
+        "the metadata",
+        "green apples",
+        "blue rivers",
+        "quiet mountains",
+        "small numbers",
+        "red stars",
+    ]
+    extras = [
+        "quickly",
+        "slowly",
+        "again",
+        "today",
+        "at night",
+        "in order",
+        "in parallel",
+        "without copies",
+        "over the wire",
+        "once more",
+        "before the deadline",
+        "",
+    ]
     words = [f"w{i}" for i in range(300)]
     out: list[str] = []
     for _ in range(lines):

@@ -48,16 +48,23 @@ def engine_cmd(
         python or vllm_python(),
         "-m",
         "vllm.entrypoints.openai.api_server",
-        "--model", str(model_dir),
-        "--served-model-name", served_name,
-        "--host", "127.0.0.1",
-        "--port", str(port),
-        "--dtype", "float32",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        served_name,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
         "--enforce-eager",
-        "--kv-cache-memory-bytes", str(kv_cache_bytes),
-        "--max-model-len", "4096",
-        "--disable-log-stats",
-        "--seed", "0",
+        "--kv-cache-memory-bytes",
+        str(kv_cache_bytes),
+        "--max-model-len",
+        "4096",
+        "--seed",
+        "0",
     ]
     if kv_transfer_config is not None:
         cmd += ["--kv-transfer-config", json.dumps(dict(kv_transfer_config))]
@@ -98,7 +105,9 @@ def start_engine(
     log = open(log_path, "ab")  # noqa: SIM115 - handed to the child, closed by the OS
     try:
         return subprocess.Popen(
-            engine_cmd(model_dir, port, extra_args=extra_args, kv_transfer_config=kv_transfer_config),
+            engine_cmd(
+                model_dir, port, extra_args=extra_args, kv_transfer_config=kv_transfer_config
+            ),
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -202,3 +211,19 @@ def completion(
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
     body.update(extra)
     return post_json(f"http://127.0.0.1:{port}/v1/completions", body)
+
+
+def ensure_tiny_model(out: str | Path, timeout: float = 600.0) -> Path:
+    """Build the tiny model into `out` (no-op if complete) with the vllm venv's interpreter.
+
+    Why: transformers/tokenizers live only in the vllm venv, not in the shared one.
+    """
+    script = Path(__file__).with_name("build_tiny_model.py")
+    subprocess.run(
+        [vllm_python(), str(script), "--out", str(out)],
+        check=True,
+        timeout=timeout,
+        stdout=subprocess.DEVNULL,
+        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+    )
+    return Path(out)

@@ -1,0 +1,56 @@
+"""KVPushConnector settings: the few keys of ``kv_connector_extra_config``.
+
+Required:
+  daemon            socket template of the rank's daemon, e.g. "ipc:///run/kvpush/engine-{rank}.sock"
+                    ({rank} = TP rank, {device} = local device index; default index = rank)
+Optional:
+  lease_ms          prefill side: how long the daemon may hold finished blocks waiting for a
+                    registration before releasing them (default 30000)
+  timeout_ms        decode side: how long a registration waits for every producer before the
+                    load fails and vLLM recomputes (default 30000)
+  device_offset     added to the rank for {device} (several engines on one node; default 0)
+  unavailable_fail  fail loads at once while the daemon is unreachable (default true)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+class PluginConfigError(ValueError):
+    """A connector config key is missing or malformed."""
+
+
+@dataclass(frozen=True)
+class PluginConfig:
+    daemon: str
+    lease_ms: int = 30_000
+    timeout_ms: int = 30_000
+    device_offset: int = 0
+    unavailable_fail: bool = True
+
+    def socket_for(self, rank: int) -> str:
+        return self.daemon.format(rank=rank, device=rank + self.device_offset)
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> PluginConfig:
+        extra = dict(extra or {})
+        known = {"daemon", "lease_ms", "timeout_ms", "device_offset", "unavailable_fail"}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise PluginConfigError(f"unknown kv_connector_extra_config key(s) {unknown}; known: {sorted(known)}")
+        if not isinstance(extra.get("daemon"), str) or not extra["daemon"]:
+            raise PluginConfigError(
+                'kv_connector_extra_config needs "daemon", e.g. "ipc:///run/kvpush/engine-{rank}.sock"'
+            )
+        out: dict[str, Any] = {"daemon": extra["daemon"]}
+        for key in ("lease_ms", "timeout_ms", "device_offset"):
+            if key in extra:
+                v = extra[key]
+                if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                    raise PluginConfigError(f"{key} must be a non-negative integer, got {v!r}")
+                out[key] = v
+        if "unavailable_fail" in extra:
+            out["unavailable_fail"] = bool(extra["unavailable_fail"])
+        return cls(**out)

@@ -1,0 +1,126 @@
+"""KVPushConnector: the vLLM facade, split into a scheduler half and a worker half.
+
+Loaded by vLLM through ``kv_connector_module_path``::
+
+    --kv-transfer-config '{"kv_connector": "KVPushConnector",
+        "kv_connector_module_path": "kvpush.engine_plugin", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"daemon": "ipc:///run/kvpush/engine-{rank}.sock"}}'
+
+The connector moves no bytes: the rank's kvpushd does (NIXL WRITEs out of the
+engine process). This class only routes vLLM's hooks to the right half.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvpush.engine_plugin.config import PluginConfig
+from kvpush.engine_plugin.metadata import KVPushMetadata
+from kvpush.engine_plugin.scheduler import KVPushScheduler
+from kvpush.engine_plugin.worker import KVPushWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+_ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
+
+
+class KVPushConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
+        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
+        ktc = vllm_config.kv_transfer_config
+        self.cfg = PluginConfig.from_extra(ktc.kv_connector_extra_config)
+        self.block_size = vllm_config.cache_config.block_size
+        self.engine_id = str(ktc.engine_id)
+        self.scheduler: KVPushScheduler | None = None
+        self.worker: KVPushWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = KVPushScheduler(self.cfg, self.block_size)
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            mc = vllm_config.model_config
+            tp = vllm_config.parallel_config.tensor_parallel_size
+            self.worker = KVPushWorker(
+                self.cfg,
+                engine_id=self.engine_id,
+                role=_ROLES.get(ktc.kv_role or "kv_both", "both"),
+                rank=get_tensor_model_parallel_rank(),
+                tp_size=tp,
+                model=os.path.basename(str(mc.model).rstrip("/")),
+                total_kv_heads=mc.get_total_num_kv_heads(),
+            )
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self.scheduler is not None
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self.scheduler is not None
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self.scheduler is not None
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
+        return self.scheduler.request_finished(request, block_ids)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self.scheduler is not None
+        self.scheduler.update_connector_output(connector_output)
+
+    def has_pending_push_work(self) -> bool:
+        return self.scheduler is not None and self.scheduler.has_pending_push_work()
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self.worker is not None
+        self.worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        # Runs after the step's forward on CPU: publish what the scheduler decided.
+        assert self.worker is not None
+        meta = self._get_connector_metadata()
+        if isinstance(meta, KVPushMetadata) and meta:
+            self.worker.publish(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        assert self.worker is not None
+        sending, recving = self.worker.collect()
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_load_errors() if self.worker is not None else set()
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()

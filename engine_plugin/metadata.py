@@ -1,0 +1,56 @@
+"""The one object the scheduler half hands the worker half each step.
+
+vLLM's connector split: the scheduler half decides (which requests register
+blocks, which finished prefill, which were aborted); the worker half, which owns
+the daemon connection, publishes. Plain dataclasses: vLLM may pickle this to a
+worker process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass
+class RegisterReq:
+    """Decode side: these blocks wait for the transfer's KV."""
+
+    req_id: str
+    transfer_id: str
+    attempt: int
+    block_ids: list[int]
+    num_tokens: int
+    first_token: int
+    prefill_endpoints: list[str]
+    prefill_tp_size: int
+
+
+@dataclass
+class SendReq:
+    """Prefill side: the request's KV is in memory in these blocks (held until Sent)."""
+
+    req_id: str
+    transfer_id: str
+    block_ids: list[int]
+    num_tokens: int
+
+
+@dataclass
+class AbortReq:
+    """Decode side: the request went away while its registration was live."""
+
+    req_id: str
+    transfer_id: str
+    attempt: int
+
+
+@dataclass
+class KVPushMetadata(KVConnectorMetadata):
+    registers: list[RegisterReq] = field(default_factory=list)
+    sends: list[SendReq] = field(default_factory=list)
+    aborts: list[AbortReq] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.registers or self.sends or self.aborts)

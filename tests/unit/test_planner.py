@@ -24,8 +24,12 @@ from kvpush.proto.layout import flash_layout, vllm_cpu_layout
 @st.composite
 def scenarios(draw):
     dtype = draw(st.sampled_from(["bfloat16", "float32", "int8"]))
-    family = draw(st.sampled_from(["amx", "row", "flash", "mixed"]))
-    head_size = draw(st.sampled_from([16, 32])) if family in ("amx",) else draw(st.sampled_from([8, 16, 32]))
+    family = draw(st.sampled_from(["amx", "row", "flash", "mixed", "vec"]))
+    head_size = (
+        draw(st.sampled_from([16, 32]))
+        if family in ("amx",)
+        else draw(st.sampled_from([8, 16, 32]))
+    )
     total_heads = draw(st.sampled_from([1, 2, 4]))
     tps = [t for t in (1, 2, 4) if total_heads % t == 0]
     src_tp, dst_tp = draw(st.sampled_from(tps)), draw(st.sampled_from(tps))
@@ -36,6 +40,9 @@ def scenarios(draw):
     elif family == "mixed":
         kinds = draw(st.sampled_from([("row", "flash"), ("flash", "row")]))
         bsizes = [1, 2, 3, 4, 8, 16]
+    elif family == "vec":  # vLLM-cpu vec/vec16 kernels: same bytes, any block sizes
+        kinds = draw(st.sampled_from([("vec", "vec"), ("vec", "vec16"), ("vec16", "vec")]))
+        bsizes = [1, 2, 3, 4, 8, 16, 32]
     else:
         kinds = (family, family)
         bsizes = [1, 2, 3, 4, 8, 16]
@@ -49,7 +56,11 @@ def scenarios(draw):
     src_rank = draw(st.integers(0, src_tp - 1))
     sh = total_heads // src_tp
     dh = total_heads // dst_tp
-    dst_ranks = [r for r in range(dst_tp) if max(r * dh, src_rank * sh) < min((r + 1) * dh, (src_rank + 1) * sh)]
+    dst_ranks = [
+        r
+        for r in range(dst_tp)
+        if max(r * dh, src_rank * sh) < min((r + 1) * dh, (src_rank + 1) * sh)
+    ]
     dst_rank = draw(st.sampled_from(dst_ranks))
     n_src = -(-num_tokens // sbs)
     n_dst = -(-(num_tokens - first) // dbs)
@@ -60,8 +71,22 @@ def scenarios(draw):
     if draw(st.booleans()):  # contiguous runs are the common case: exercise merging
         src_blocks, dst_blocks = sorted(src_blocks), sorted(dst_blocks)
     common = dict(num_layers=layers, head_size=head_size, dtype=dtype, total_heads=total_heads)
-    src = make(kinds[0], num_blocks=src_nb, block_size=sbs, num_heads=sh, head_start=src_rank * sh, **common)
-    dst = make(kinds[1], num_blocks=dst_nb, block_size=dbs, num_heads=dh, head_start=dst_rank * dh, **common)
+    src = make(
+        kinds[0],
+        num_blocks=src_nb,
+        block_size=sbs,
+        num_heads=sh,
+        head_start=src_rank * sh,
+        **common,
+    )
+    dst = make(
+        kinds[1],
+        num_blocks=dst_nb,
+        block_size=dbs,
+        num_heads=dh,
+        head_start=dst_rank * dh,
+        **common,
+    )
     return src, list(src_blocks), dst, list(dst_blocks), num_tokens, first
 
 
@@ -85,8 +110,24 @@ def test_plan_matches_reference_copy(sc, seed):
 
 def test_reference_executor_can_fail():
     """A plan off by one block must be caught by the comparison above."""
-    src, sp = make("amx", num_layers=1, num_blocks=4, block_size=16, num_heads=1, head_size=16, dtype="bfloat16")
-    dst, dp = make("amx", num_layers=1, num_blocks=4, block_size=16, num_heads=1, head_size=16, dtype="bfloat16")
+    src, sp = make(
+        "amx",
+        num_layers=1,
+        num_blocks=4,
+        block_size=16,
+        num_heads=1,
+        head_size=16,
+        dtype="bfloat16",
+    )
+    dst, dp = make(
+        "amx",
+        num_layers=1,
+        num_blocks=4,
+        block_size=16,
+        num_heads=1,
+        head_size=16,
+        dtype="bfloat16",
+    )
     rng = np.random.default_rng(0)
     sbuf = rng.integers(0, 256, src.region_size, dtype=np.uint8)
     dbuf = rng.integers(0, 256, dst.region_size, dtype=np.uint8)
@@ -96,21 +137,32 @@ def test_reference_executor_can_fail():
 
 
 def test_contiguous_blocks_merge_to_one_descriptor_per_layer():
-    lay = vllm_cpu_layout(num_layers=4, num_blocks=64, block_size=16, num_heads=2, head_size=32,
-                          dtype="bfloat16", layer_stride=None)
+    lay = vllm_cpu_layout(
+        num_layers=4,
+        num_blocks=64,
+        block_size=16,
+        num_heads=2,
+        head_size=32,
+        dtype="bfloat16",
+        layer_stride=None,
+    )
     p = plan(lay, list(range(8, 24)), lay, list(range(30, 46)), 16 * 16)
     assert len(p) == 4  # one run per layer: K/V, heads and blocks all folded
     assert p.nbytes == 4 * 16 * lay.block_stride
 
 
 def test_flash_layout_merges_k_and_v_runs_separately():
-    lay = flash_layout(num_layers=2, num_blocks=32, block_size=16, num_heads=4, head_size=64, dtype="float16")
+    lay = flash_layout(
+        num_layers=2, num_blocks=32, block_size=16, num_heads=4, head_size=64, dtype="float16"
+    )
     p = plan(lay, list(range(10)), lay, list(range(5, 15)), 150)
     assert len(p) == 2 * 2  # per layer: one K run, one V run
 
 
 def test_scattered_blocks_one_descriptor_per_block_and_layer():
-    lay = vllm_cpu_layout(num_layers=2, num_blocks=64, block_size=16, num_heads=2, head_size=32, dtype="bfloat16")
+    lay = vllm_cpu_layout(
+        num_layers=2, num_blocks=64, block_size=16, num_heads=2, head_size=32, dtype="bfloat16"
+    )
     src_blocks = [1, 3, 5, 7]
     p = plan(lay, src_blocks, lay, [2, 4, 6, 8], 64)
     assert len(p) == 2 * 4
@@ -128,28 +180,56 @@ def test_scattered_blocks_one_descriptor_per_block_and_layer():
     ],
 )
 def test_invalid_input_raises_before_planning(change, message):
-    lay = vllm_cpu_layout(num_layers=1, num_blocks=8, block_size=16, num_heads=1, head_size=32, dtype="bfloat16")
+    lay = vllm_cpu_layout(
+        num_layers=1, num_blocks=8, block_size=16, num_heads=1, head_size=32, dtype="bfloat16"
+    )
     args = dict(src_blocks=[0, 1], dst_blocks=[2, 3], num_tokens=20, dst_first_token=0)
     args.update(change)
     with pytest.raises(PlanError, match=message):
-        plan(lay, args["src_blocks"], lay, args["dst_blocks"], args["num_tokens"],
-             dst_first_token=args["dst_first_token"])
+        plan(
+            lay,
+            args["src_blocks"],
+            lay,
+            args["dst_blocks"],
+            args["num_tokens"],
+            dst_first_token=args["dst_first_token"],
+        )
 
 
 def test_incompatible_layouts_name_both_values():
-    a = vllm_cpu_layout(num_layers=1, num_blocks=8, block_size=16, num_heads=1, head_size=32, dtype="bfloat16")
-    b = vllm_cpu_layout(num_layers=1, num_blocks=8, block_size=16, num_heads=1, head_size=64, dtype="bfloat16")
+    a = vllm_cpu_layout(
+        num_layers=1, num_blocks=8, block_size=16, num_heads=1, head_size=32, dtype="bfloat16"
+    )
+    b = vllm_cpu_layout(
+        num_layers=1, num_blocks=8, block_size=16, num_heads=1, head_size=64, dtype="bfloat16"
+    )
     with pytest.raises(PlanError, match="head_size is 32 on the source, 64 on the destination"):
         plan(a, [0], b, [0], 4)
-    c = vllm_cpu_layout(num_layers=1, num_blocks=8, block_size=16, num_heads=1, head_size=32, dtype="bfloat16", amx=False)
+    c = vllm_cpu_layout(
+        num_layers=1,
+        num_blocks=8,
+        block_size=16,
+        num_heads=1,
+        head_size=32,
+        dtype="bfloat16",
+        packing="row",
+    )
     with pytest.raises(PlanError, match="packing"):
         plan(a, [0], c, [0], 4)
 
 
 def test_expected_producers_for_tp_ratios():
     # P TP 4 (1 head each) -> D TP 2 (2 heads each): two producers per destination.
-    d1 = flash_layout(num_layers=1, num_blocks=2, block_size=4, num_heads=2, head_size=8, dtype="float16",
-                      head_start=2, total_heads=4)
+    d1 = flash_layout(
+        num_layers=1,
+        num_blocks=2,
+        block_size=4,
+        num_heads=2,
+        head_size=8,
+        dtype="float16",
+        head_start=2,
+        total_heads=4,
+    )
     assert expected_producers(d1, 4, 1) == [2, 3]
     # P TP 1 -> D TP 2: the single producer serves both destinations.
     assert expected_producers(d1, 1, 4) == [0]

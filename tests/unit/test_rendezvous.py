@@ -175,6 +175,15 @@ def test_registration_without_prefill_expires() -> None:
     assert of(StartWrite, rv.handle(reg(attempt=1, now=7.0)))
 
 
+def test_earliest_registration_deadline_ends_the_attempt() -> None:
+    rv = Rendezvous()
+    rv.handle(reg(dest=0, expected=2, deadline=10.0))
+    rv.handle(reg(dest=1, expected=2, deadline=5.0))
+    out = rv.handle(pf(now=6.0))  # dest 1's blocks may already be reused: no write
+    assert not of(StartWrite, out)
+    assert {a.dest_rank for a in of(NotifyFailure, out)} == {0, 1}
+
+
 def test_write_failed_notifies_peer_and_releases_not_ok() -> None:
     rv = Rendezvous()
     rv.handle(pf())
@@ -315,6 +324,14 @@ def test_heap_stays_bounded_under_rescheduling() -> None:
         rv.handle(pf(f"t{i}", now=float(i), lease=i + 20.0))
         rv.handle(WriteDone(f"t{i}", 0, 0, float(i)))
     assert len(rv._heap) <= 2 * len(rv._t) + 64
+
+
+def test_zero_tombstones_with_heap_compaction_during_expiry() -> None:
+    rv = Rendezvous(tombstone_s=0.0)
+    for i in range(500):
+        rv.handle(reg(f"t{i}", deadline=1.0 + i % 7))
+    rv.handle(Tick(100.0))
+    assert sum(rv.counts().values()) == 0 and rv._heap == [] and rv._by_peer == {}
 
 
 # --------------------------------------------------------- order does not matter

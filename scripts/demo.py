@@ -1,0 +1,236 @@
+#!/usr/bin/env python3
+"""The main job: a local 1P1D push demo on CPU with real vLLM engines and kvpush daemons.
+
+1. builds the tiny random-weight Llama (offline, deterministic);
+2. runs a colocated engine (no disaggregation) on the prompts: the reference tokens;
+3. starts `kvpushd` (one daemon per engine), a prefill and a decode vLLM engine with
+   KVPushConnector, and the kvpush router (both legs sent concurrently);
+4. sends the same prompts through the router (streaming), prints per-request TTFT,
+   TPOT and whether the generated tokens equal the colocated run; exits 1 if any differ.
+
+Every process runs in its own process group and is cleaned up, also on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import vllm_env as ve  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def prompts(n_extra: int) -> list[str]:
+    """Lengths around the block size (128 on CPU) and a few long ones."""
+    words = "the quick brown fox jumps over a lazy dog while seven small birds sing".split()
+    out = ["hello", "once upon a time"]
+    for n in (100, 127, 128, 129, 300, 700, 1000):
+        out.append(" ".join(words[i % len(words)] for i in range(n)))
+    for i in range(n_extra):
+        out.append(" ".join(words[(i * 7 + j) % len(words)] for j in range(40 + 37 * i)))
+    return out
+
+
+async def stream_one(session: Any, url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    """One streaming completion: text, TTFT and TPOT as the client sees them."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "stream": True, "ignore_eos": True}
+    t0 = time.perf_counter()
+    first = last = None
+    chunks: list[str] = []
+    async with session.post(url, json=body) as r:
+        if r.status != 200:
+            return {"error": f"HTTP {r.status}: {(await r.text())[:300]}"}
+        async for raw in r.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[5:])
+            if "error" in data:
+                return {"error": str(data["error"])[:300]}
+            text = data["choices"][0].get("text", "")
+            now = time.perf_counter()
+            if text:
+                first = first or now
+                last = now
+                chunks.append(text)
+    n = len(chunks)
+    return {
+        "text": "".join(chunks),
+        "ttft_ms": (first - t0) * 1e3 if first else None,
+        "tpot_ms": ((last - first) / (n - 1) * 1e3) if first and last and n > 1 else None,
+        "chunks": n,
+    }
+
+
+async def run_prompts(url: str, ps: list[str], max_tokens: int, concurrency: int) -> list[dict[str, Any]]:
+    import aiohttp
+
+    sem = asyncio.Semaphore(concurrency)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
+        async def one(p: str) -> dict[str, Any]:
+            async with sem:
+                return await stream_one(s, url, p, max_tokens)
+
+        return await asyncio.gather(*(one(p) for p in ps))
+
+
+class Stack:
+    """Processes of the demo; stop() kills every group, whatever state it is in."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def add(self, p: subprocess.Popen[bytes]) -> subprocess.Popen[bytes]:
+        self.procs.append(p)
+        return p
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            try:
+                ve.stop_group(p, grace=10)
+            except Exception as exc:  # keep cleaning the others
+                print(f"warning: stopping pid {p.pid}: {exc}", file=sys.stderr)
+        self.procs.clear()
+
+
+def popen(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
+                            env=env or dict(os.environ))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-dir", default=str(ROOT / ".models" / "tiny"))
+    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--extra-prompts", type=int, default=8, help="more prompts, sent concurrently")
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--workdir", default=None, help="logs and sockets (default: a temp dir)")
+    ap.add_argument("--ucx-error-handling", choices=("peer", "none"), default="none")
+    args = ap.parse_args(argv)
+
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="kvpush-demo-"))
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"kvpush demo: logs and sockets in {work}")
+    model = ve.ensure_tiny_model(args.model_dir)
+    stack = Stack()
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        stack.stop()
+        raise SystemExit(130)
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    ps = prompts(args.extra_prompts)
+    try:
+        # 1. colocated reference
+        port = free_port()
+        print("starting the colocated reference engine ...", flush=True)
+        ref = stack.add(ve.start_engine(model, port, work / "colocated.log", cpu_bind="0-1"))
+        ve.wait_healthy(f"http://127.0.0.1:{port}/health", 600, ref)
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        asyncio.run(run_prompts(url, ps[:1], 2, 1))  # warm-up
+        reference = asyncio.run(run_prompts(url, ps, args.max_tokens, args.concurrency))
+        stack.stop()
+
+        # 2. kvpushd + P + D + router
+        rt = work / "run"
+        base = free_port()
+        metrics = free_port()
+        cfg = work / "kvpushd.toml"
+        cfg.write_text(
+            f'devices = ["cpu0", "cpu1"]\nruntime_dir = "{rt}"\nbase_port = {base}\n'
+            f'metrics_port = {metrics}\nucx_error_handling_mode = "{args.ucx_error_handling}"\n'
+        )
+        print("starting kvpushd (one daemon per engine) ...", flush=True)
+        stack.add(popen([ve.vllm_python(), "-m", "kvpush.daemon.cli", "--config", str(cfg)], work / "kvpushd.log"))
+
+        def ktc(role: str, eid: str, idx: int) -> dict[str, Any]:
+            return {
+                "kv_connector": "KVPushConnector", "kv_connector_module_path": "kvpush.engine_plugin",
+                "kv_role": role, "engine_id": eid, "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": {"daemon": f"ipc://{rt}/engine-{idx}.sock"},
+            }
+
+        pp, dp, rp = free_port(), free_port(), free_port()
+        print("starting the prefill and decode engines ...", flush=True)
+        p = stack.add(ve.start_engine(model, pp, work / "prefill.log", cpu_bind="0",
+                                      kv_transfer_config=ktc("kv_producer", "prefill", 0)))
+        d = stack.add(ve.start_engine(model, dp, work / "decode.log", cpu_bind="1",
+                                      kv_transfer_config=ktc("kv_consumer", "decode", 1),
+                                      extra_args=["--no-enable-prefix-caching"]))
+        r = stack.add(popen([ve.vllm_python(), str(ROOT / "scripts" / "router.py"), "--port", str(rp),
+                             "--prefill", f"http://127.0.0.1:{pp}=tcp://127.0.0.1:{base}",
+                             "--decode", f"http://127.0.0.1:{dp}"], work / "router.log"))
+        ve.wait_healthy(f"http://127.0.0.1:{pp}/health", 600, p)
+        ve.wait_healthy(f"http://127.0.0.1:{dp}/health", 600, d)
+        ve.wait_healthy(f"http://127.0.0.1:{rp}/health", 60, r)
+        url = f"http://127.0.0.1:{rp}/v1/completions"
+        asyncio.run(run_prompts(url, ps[:1], 2, 1))  # warm-up
+        before = _external_tokens(dp)
+        pd = asyncio.run(run_prompts(url, ps, args.max_tokens, args.concurrency))
+        after = _external_tokens(dp)
+        stack.stop()
+    finally:
+        stack.stop()
+
+    return report(ps, reference, pd, after - before)
+
+
+def _external_tokens(port: int) -> float:
+    """Prompt tokens the decode engine got from the connector (vLLM's own counter)."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    for line in text.splitlines():
+        if line.startswith("vllm:prompt_tokens_by_source_total") and 'source="external_kv_transfer"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def report(ps: list[str], reference: list[dict[str, Any]], pd: list[dict[str, Any]], external: float) -> int:
+    print()
+    print(f"{'#':>3} {'prompt words':>12} {'TTFT ms':>9} {'TPOT ms':>9} {'colocated TTFT':>15}  tokens equal")
+    bad = 0
+    for i, (p, ref, got) in enumerate(zip(ps, reference, pd, strict=True)):
+        if "error" in got or "error" in ref:
+            bad += 1
+            print(f"{i:>3} {len(p.split()):>12}  ERROR {got.get('error') or ref.get('error')}")
+            continue
+        same = got["text"] == ref["text"]
+        bad += not same
+
+        def ms(v: float | None) -> str:
+            return f"{v:9.1f}" if v is not None else "        -"
+
+        print(f"{i:>3} {len(p.split()):>12} {ms(got['ttft_ms'])} {ms(got['tpot_ms'])} {ms(ref['ttft_ms']):>15}  "
+              f"{'yes' if same else 'NO'}")
+    print(f"\ndecode engine: {external:.0f} prompt tokens came from kvpush (vllm:prompt_tokens_by_source_total"
+          f"{{source=\"external_kv_transfer\"}})")
+    if bad:
+        print(f"FAILED: {bad} of {len(ps)} requests differ from the colocated run or failed")
+        return 1
+    print(f"OK: all {len(ps)} requests equal the colocated run")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

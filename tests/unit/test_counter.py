@@ -1,0 +1,455 @@
+"""CompletionCounter (decode side): examples, a plain reference model, and invariants.
+
+The reference model restates the rules with dicts of sets and full scans (no heap, no
+table) and must produce the same actions for every random event sequence; the
+invariant checker restates the safety rules on the actions alone.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpush.daemon import counter as cm
+from kvpush.daemon.counter import (
+    Abort,
+    Accepted,
+    CancelConfirmed,
+    Complete,
+    CompletionCounter,
+    Expect,
+    Fail,
+    Notified,
+    ProducerFailed,
+    Release,
+    SendCancel,
+    State,
+    Tick,
+)
+
+
+def run(cc: CompletionCounter, *events: object) -> list:
+    return [a for e in events for a in cc.handle(e)]  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------ examples
+
+
+def test_table_covers_every_state_and_event() -> None:
+    for ev in (Notified, ProducerFailed, CancelConfirmed, Abort):
+        for state in (None, *State):
+            assert (state, ev) in cm._TABLE, (state, ev)
+    for ev in (cm._Deadline, cm._Supersede):
+        for state in State:
+            assert (state, ev) in cm._TABLE, (state, ev)
+
+
+def test_complete_needs_every_producer_of_this_attempt() -> None:
+    cc = CompletionCounter()
+    assert cc.handle(Expect("t", 1, 3, 0.0, 10.0)) == [Accepted("t", 1)]
+    out = run(
+        cc,
+        Notified("t", 1, 0, 1.0),
+        Notified("t", 1, 0, 1.0),  # duplicate
+        Notified("t", 0, 1, 1.0),  # other attempt
+        Notified("t", 1, 7, 1.0),  # out of range
+        Notified("x", 1, 1, 1.0),  # other transfer
+        Notified("t", 1, 2, 1.0),
+    )
+    assert out == []
+    assert cc.handle(Notified("t", 1, 1, 2.0)) == [Complete("t", 1)]
+    assert run(cc, Notified("t", 1, 1, 2.0), Tick(20.0)) == []
+
+
+def test_deadline_fails_and_cancels() -> None:
+    cc = CompletionCounter()
+    run(cc, Expect("t", 0, 2, 0.0, 10.0), Notified("t", 0, 1, 1.0))
+    out = cc.handle(Tick(10.0))
+    why = "timed out waiting for 1 of 2 producers"
+    assert out == [Fail("t", 0, why), SendCancel("t", 0, why)]
+    assert run(cc, Notified("t", 0, 0, 11.0)) == []  # too late: never Complete after Fail
+
+
+def test_producer_failure_cancels_the_rest_and_fails_once_they_answer() -> None:
+    cc = CompletionCounter()
+    run(cc, Expect("t", 0, 3, 0.0, 10.0), Notified("t", 0, 0, 1.0))
+    out = cc.handle(ProducerFailed("t", 0, 1, "ucx", 2.0))
+    assert out == [SendCancel("t", 0, "producer 1: ucx")]
+    assert cc.counts()["failing"] == 1
+    assert cc.handle(CancelConfirmed("t", 0, 2, 3.0)) == [Fail("t", 0, "producer 1: ucx")]
+
+
+def test_single_producer_failure_fails_at_once() -> None:
+    cc = CompletionCounter()
+    run(cc, Expect("t", 0, 1, 0.0, 10.0))
+    assert cc.handle(ProducerFailed("t", 0, 0, "gone", 1.0)) == [Fail("t", 0, "producer 0: gone")]
+
+
+def test_abort_releases_only_after_every_producer_answered() -> None:
+    cc = CompletionCounter()
+    run(cc, Expect("t", 0, 2, 0.0, 10.0))
+    assert cc.handle(Abort("t", 0, "preempted", 1.0)) == [SendCancel("t", 0, "aborted: preempted")]
+    assert cc.handle(CancelConfirmed("t", 0, 0, 2.0)) == []
+    assert cc.handle(Notified("t", 0, 1, 3.0)) == [Release("t", 0)]  # no Complete: aborted
+    assert run(cc, Abort("t", 0, "again", 4.0), Tick(50.0)) == []
+
+
+def test_abort_releases_at_the_hard_deadline_if_a_producer_hangs() -> None:
+    cc = CompletionCounter()
+    run(cc, Expect("t", 0, 2, 0.0, 10.0), Abort("t", 0, "x", 1.0))
+    assert cc.handle(Tick(9.0)) == []
+    assert cc.handle(Tick(10.0)) == [Release("t", 0)]
+
+
+def test_abort_after_complete_or_of_unknown_releases_at_once() -> None:
+    cc = CompletionCounter()
+    run(cc, Expect("t", 0, 1, 0.0, 10.0), Notified("t", 0, 0, 1.0))
+    assert cc.handle(Abort("t", 0, "x", 2.0)) == [Release("t", 0)]
+    assert cc.handle(Abort("never", 3, "x", 2.0)) == [Release("never", 3)]
+
+
+def test_newer_attempt_supersedes_silently() -> None:
+    cc = CompletionCounter()
+    run(cc, Expect("t", 0, 2, 0.0, 10.0), Notified("t", 0, 0, 1.0))
+    out = cc.handle(Expect("t", 1, 1, 2.0, 12.0))
+    assert out == [SendCancel("t", 0, "superseded by attempt 1"), Accepted("t", 1)]
+    assert run(cc, Notified("t", 0, 1, 3.0)) == []  # old attempt settles: no Complete
+    assert cc.counts()["superseded"] == 0  # and is forgotten
+    assert cc.handle(Expect("t", 0, 1, 4.0, 12.0))[0].reason.startswith("stale attempt")
+    assert cc.handle(Expect("t", 1, 1, 4.0, 12.0)) == []  # duplicate
+    assert cc.handle(Notified("t", 1, 0, 5.0)) == [Complete("t", 1)]
+
+
+def test_aborted_attempt_still_owes_release_after_supersession() -> None:
+    cc = CompletionCounter()
+    run(cc, Expect("t", 0, 1, 0.0, 10.0), Abort("t", 0, "preempt", 1.0))
+    assert cc.handle(Expect("t", 1, 1, 2.0, 12.0)) == [Accepted("t", 1)]
+    assert cc.handle(CancelConfirmed("t", 0, 0, 3.0)) == [Release("t", 0)]
+
+
+def test_invalid_registrations_fail_at_once() -> None:
+    cc = CompletionCounter()
+    assert cc.handle(Expect("t", 0, 0, 0.0, 10.0)) == [Fail("t", 0, "invalid registration")]
+    assert cc.handle(Expect("t", 0, 1, 5.0, 5.0))[0] == Fail(
+        "t", 0, "registration deadline already passed"
+    )
+
+
+@pytest.mark.parametrize("order", [[30.0, 10.0, 20.0, 5.0], [5.0, 10.0, 20.0, 30.0]])
+def test_expiry_does_not_stop_at_first_unexpired_entry(order: list[float]) -> None:
+    cc = CompletionCounter(tombstone_s=100.0)
+    for i, d in enumerate(order):
+        cc.handle(Expect(f"t{i}", 0, 1, 0.0, d))
+    out = cc.handle(Tick(15.0))
+    assert {a.transfer_id for a in out if isinstance(a, Fail)} == {
+        f"t{i}" for i, d in enumerate(order) if d <= 15.0
+    }
+    assert all(p.deadline > 15.0 for p in cc.pending()) and len(cc.pending()) == 2
+
+
+def test_tombstones_purged_and_tick_cheap() -> None:
+    cc = CompletionCounter(tombstone_s=1.0)
+    for i in range(50_000):
+        cc.handle(Expect(f"t{i}", 0, 1, 0.0, 1e6 - i))
+    t0 = time.perf_counter()
+    for k in range(2_000):
+        cc.handle(Tick(float(k)))
+    assert time.perf_counter() - t0 < 1.0
+    for i in range(50_000):
+        cc.handle(Notified(f"t{i}", 0, 0, 2_000.0))
+    cc.handle(Tick(2_002.0))
+    assert sum(cc.counts().values()) == 0 and not cc._current
+    assert len(cc._heap) <= 64
+
+
+def test_zero_tombstones_with_heap_compaction_during_expiry() -> None:
+    cc = CompletionCounter(tombstone_s=0.0)
+    for i in range(500):
+        cc.handle(Expect(f"t{i}", 0, 1, 0.0, 1.0 + i % 7))
+    cc.handle(Tick(100.0))
+    assert sum(cc.counts().values()) == 0 and cc._heap == []
+
+
+# ---------------------------------------------------------------- reference model
+
+
+@dataclass
+class _R:
+    producers: int
+    deadline: float
+    state: str = "waiting"
+    notified: set[int] = field(default_factory=set)
+    resolved: set[int] = field(default_factory=set)
+    reason: str = ""
+    until: float = 0.0  # tombstone end
+
+
+class RefCounter:
+    """The rules, stated plainly: every step scans everything."""
+
+    TOMB = ("completed", "failed", "released")
+
+    def __init__(self, tombstone_s: float) -> None:
+        self.tomb = tombstone_s
+        self.now = float("-inf")
+        self.recs: dict[tuple[str, int], _R] = {}
+        self.cur: dict[str, int] = {}
+
+    def step(self, ev: object) -> list:
+        self.now = max(self.now, ev.now)  # type: ignore[attr-defined]
+        out = self.expire()
+        if isinstance(ev, Expect):
+            self.expect(ev, out)
+        elif not isinstance(ev, Tick):
+            key = (ev.transfer_id, ev.attempt)  # type: ignore[attr-defined]
+            r = self.recs.get(key)
+            if isinstance(ev, Abort):
+                self.abort(key, r, ev, out)
+            elif r is not None and r.state not in self.TOMB:
+                self.result(key, r, ev, out)
+        return out + self.expire()
+
+    def end(self, key: tuple[str, int], r: _R, state: str) -> None:
+        r.state, r.until = state, self.now + self.tomb
+
+    def forget(self, key: tuple[str, int]) -> None:
+        del self.recs[key]
+        if self.cur.get(key[0]) == key[1]:
+            del self.cur[key[0]]
+
+    def cancel(self, key: tuple[str, int], r: _R, why: str, out: list) -> None:
+        if len(r.resolved) < r.producers:
+            out.append(SendCancel(*key, why))
+
+    def settle(self, key: tuple[str, int], r: _R, out: list) -> None:
+        if r.state == "waiting" and len(r.notified) == r.producers:
+            out.append(Complete(*key))
+            self.end(key, r, "completed")
+        elif r.state != "waiting" and len(r.resolved) == r.producers:
+            if r.state == "failing":
+                out.append(Fail(*key, r.reason))
+                self.end(key, r, "failed")
+            elif r.state == "aborting":
+                out.append(Release(*key))
+                self.end(key, r, "released")
+            elif r.state == "superseded":
+                self.forget(key)
+
+    def expire(self) -> list:
+        out: list = []
+        while True:
+            due = sorted(
+                (r.until if r.state in self.TOMB else r.deadline, k)
+                for k, r in self.recs.items()
+                if (r.until if r.state in self.TOMB else r.deadline) <= self.now
+            )
+            if not due:
+                return out
+            for _, key in due:
+                r = self.recs[key]
+                if r.state == "waiting":
+                    why = f"timed out waiting for {r.producers - len(r.notified)} of {r.producers} producers"
+                    out.append(Fail(*key, why))
+                    self.cancel(key, r, why, out)
+                    self.end(key, r, "failed")
+                elif r.state == "failing":
+                    out.append(Fail(*key, r.reason))
+                    self.end(key, r, "failed")
+                elif r.state == "aborting":
+                    out.append(Release(*key))
+                    self.end(key, r, "released")
+                else:
+                    self.forget(key)
+
+    def expect(self, ev: Expect, out: list) -> None:
+        key = (ev.transfer_id, ev.attempt)
+        cur = self.cur.get(ev.transfer_id)
+        if key in self.recs:
+            return
+        if ev.attempt < 0 or ev.producers < 1:
+            out.append(Fail(*key, "invalid registration"))
+        elif ev.deadline <= self.now:
+            out.append(Fail(*key, "registration deadline already passed"))
+        elif cur is not None and ev.attempt < cur:
+            out.append(Fail(*key, f"stale attempt: attempt {cur} is newer"))
+        else:
+            old = self.recs.get((ev.transfer_id, cur)) if cur is not None else None
+            if old is not None and old.state in ("waiting", "failing"):
+                if old.state == "waiting":
+                    self.cancel(
+                        (ev.transfer_id, cur), old, f"superseded by attempt {ev.attempt}", out
+                    )  # type: ignore[arg-type]
+                old.state = "superseded"
+                self.settle((ev.transfer_id, cur), old, out)  # type: ignore[arg-type]
+            self.recs[key] = _R(ev.producers, ev.deadline)
+            self.cur[ev.transfer_id] = ev.attempt
+            out.append(Accepted(*key))
+
+    def abort(self, key: tuple[str, int], r: _R | None, ev: Abort, out: list) -> None:
+        if r is None:
+            out.append(Release(*key))
+        elif r.state in ("completed", "failed"):
+            out.append(Release(*key))
+            self.end(key, r, "released")
+        elif r.state in ("waiting", "failing", "superseded"):
+            if r.state == "waiting":
+                self.cancel(key, r, f"aborted: {ev.reason}", out)
+            r.state = "aborting"
+            self.settle(key, r, out)
+
+    def result(self, key: tuple[str, int], r: _R, ev: object, out: list) -> None:
+        p = ev.producer_rank  # type: ignore[attr-defined]
+        if not 0 <= p < r.producers or p in r.resolved:
+            return
+        r.resolved.add(p)
+        if isinstance(ev, Notified):
+            r.notified.add(p)
+        else:
+            if not r.reason:
+                why = ev.reason if isinstance(ev, ProducerFailed) else "cancelled"
+                r.reason = f"producer {p}: {why}"
+            if r.state == "waiting":
+                r.state = "failing"
+                self.cancel(key, r, r.reason, out)
+        self.settle(key, r, out)
+
+
+# ------------------------------------------------------------------ invariants
+
+
+@dataclass
+class _Seen:
+    producers: int
+    deadline: float
+    notified: set[int] = field(default_factory=set)
+    resolved: set[int] = field(default_factory=set)
+    completed: bool = False
+    failed: bool = False
+    aborts: int = 0
+    releases: int = 0
+    superseded: bool = False
+
+
+REJECTIONS = ("invalid registration", "registration deadline already passed", "stale attempt")
+
+
+class Checker:
+    """The safety rules, restated on the events sent and the actions seen."""
+
+    def __init__(self) -> None:
+        self.seen: dict[tuple[str, int], _Seen] = {}
+        self.pending_expect: dict[tuple[str, int], Expect] = {}
+        self.aborts: dict[tuple[str, int], int] = {}
+        self.releases: dict[tuple[str, int], int] = {}
+
+    def before(self, ev: object) -> None:
+        if isinstance(ev, Expect):
+            self.pending_expect[(ev.transfer_id, ev.attempt)] = ev
+        elif isinstance(ev, Abort):
+            key = (ev.transfer_id, ev.attempt)
+            self.aborts[key] = self.aborts.get(key, 0) + 1
+            if key in self.seen:
+                self.seen[key].aborts += 1
+        elif not isinstance(ev, Tick):
+            s = self.seen.get((ev.transfer_id, ev.attempt))  # type: ignore[attr-defined]
+            p = ev.producer_rank  # type: ignore[attr-defined]
+            if s is not None and 0 <= p < s.producers and p not in s.resolved:
+                s.resolved.add(p)  # a producer's first word is its final word
+                if isinstance(ev, Notified):
+                    s.notified.add(p)
+
+    def after(self, now: float, actions: list) -> None:
+        for a in actions:
+            key = (a.transfer_id, a.attempt)
+            s = self.seen.get(key)
+            if isinstance(a, Accepted):
+                e = self.pending_expect[key]
+                for k, old in self.seen.items():
+                    if k[0] == key[0] and k[1] < key[1]:
+                        old.superseded = True
+                self.seen[key] = _Seen(e.producers, e.deadline)
+            elif isinstance(a, Complete):
+                assert s is not None and not s.completed and not s.failed, a
+                assert s.notified == set(range(s.producers)), "Complete on a partial set"
+                assert now < s.deadline and not s.superseded and not s.aborts, a
+                s.completed = True
+            elif isinstance(a, Fail) and a.reason.startswith(REJECTIONS):
+                pass  # an Expect refused outright: nothing was forwarded to producers
+            elif isinstance(a, Fail):
+                assert s is not None and not s.completed and not s.failed, a
+                # blocks get recomputed into: nobody may still be writing them
+                assert len(s.resolved) == s.producers or now >= s.deadline, "Fail mid-write"
+                assert not s.superseded and not s.aborts, a
+                s.failed = True
+            elif isinstance(a, Release):
+                self.releases[key] = self.releases.get(key, 0) + 1
+                assert self.releases[key] <= self.aborts.get(key, 0), "Release without Abort"
+                if s is not None:
+                    assert len(s.resolved) == s.producers or now >= s.deadline, "early Release"
+                    s.releases += 1
+            elif isinstance(a, SendCancel):
+                assert s is not None, a
+
+    def final(self) -> None:
+        for key, s in self.seen.items():
+            if s.aborts:
+                assert s.releases >= 1, f"{key}: aborted but never released"
+            elif not s.superseded:
+                assert s.completed != s.failed, f"{key}: no outcome"
+
+
+# --------------------------------------------------------------- random sequences
+
+TIDS = ("a", "b")
+_op = st.one_of(
+    st.tuples(st.just("expect"), st.sampled_from(TIDS), st.integers(0, 2), st.integers(1, 3),
+              st.floats(1, 15)),
+    st.tuples(st.just("notified"), st.sampled_from(TIDS), st.integers(0, 2), st.integers(0, 3)),
+    st.tuples(st.just("notified"), st.sampled_from(TIDS), st.integers(0, 2), st.integers(0, 1)),
+    st.tuples(st.just("failed"), st.sampled_from(TIDS), st.integers(0, 2), st.integers(0, 3)),
+    st.tuples(st.just("confirmed"), st.sampled_from(TIDS), st.integers(0, 2), st.integers(0, 3)),
+    st.tuples(st.just("abort"), st.sampled_from(TIDS), st.integers(0, 2)),
+    st.tuples(st.just("tick"), st.floats(0, 6)),
+)  # fmt: skip
+
+
+def _events(ops: list[tuple]) -> list[object]:
+    now, evs = 0.0, []
+    for op in ops:
+        kind = op[0]
+        if kind == "tick":
+            now += op[1]
+            evs.append(Tick(now))
+        elif kind == "expect":
+            evs.append(Expect(op[1], op[2], op[3], now, now + op[4]))
+        elif kind == "notified":
+            evs.append(Notified(op[1], op[2], op[3], now))
+        elif kind == "failed":
+            evs.append(ProducerFailed(op[1], op[2], op[3], "boom", now))
+        elif kind == "confirmed":
+            evs.append(CancelConfirmed(op[1], op[2], op[3], now))
+        else:
+            evs.append(Abort(op[1], op[2], "stop", now))
+    evs.append(Tick(now + 1e4))
+    return evs
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(_op, max_size=60), st.sampled_from([3.0, 1e9]))
+def test_random_sequences_match_reference_and_invariants(ops: list[tuple], tomb: float) -> None:
+    cc, ref, chk = CompletionCounter(tombstone_s=tomb), RefCounter(tomb), Checker()
+    for ev in _events(ops):
+        chk.before(ev)
+        got = cc.handle(ev)  # type: ignore[arg-type]
+        want = ref.step(ev)
+        assert sorted(map(repr, got)) == sorted(map(repr, want)), ev
+        chk.after(ev.now, got)  # type: ignore[attr-defined]
+        assert all(p.deadline > ev.now for p in cc.pending())  # type: ignore[attr-defined]
+        live = sum(n for s, n in cc.counts().items() if s not in RefCounter.TOMB)
+        assert live == len(cc.pending())
+    if tomb > 1e6:  # with tombstones kept, every accepted attempt ended correctly
+        chk.final()

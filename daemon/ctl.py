@@ -1,46 +1,564 @@
-"""``kvpushctl``: operator commands against a device daemon's ops socket (stub).
+"""``kvpushctl``: operator commands against the ops sockets of a node's device daemons.
 
-The command set is fixed here so scripts and docs can rely on it; the requests themselves
-(OpsRequest over the ops socket) are filled in by a later change.
+    kvpushctl [--config FILE | --runtime-dir DIR] [--socket ipc://PATH | --device NAME]
+              [--json] [--timeout S] [--watch S]
+              {status,pending,peers,transfers,cancel TRANSFER_ID,drain,metrics}
+
+Which daemons: by default every daemon of the node, i.e. the ops sockets of the devices in
+the config (``--config``, else /etc/kvpush/kvpushd.toml if it exists, else ``KVPUSH_*`` env
+and defaults, exactly as kvpushd reads them) plus any ``{runtime_dir}/ops-*.sock`` not named
+there (daemons started by hand with ``kvpushd worker``). ``--socket`` or ``--device`` picks
+one. All daemons are asked at once; each one that does not answer within ``--timeout`` is
+reported down.
+
+Wire: one ``OpsRequest`` frame on a fresh DEALER (LINGER 0) per daemon, one ``OpsReply``
+frame back; the ops endpoint is a ROUTER, so REQ's empty delimiter frame must not be sent.
+
+Exit codes (worst daemon wins, in this order): 3 permission denied on a socket or the
+config file, 1 a daemon is down (no socket file, stale socket, no reply, undecodable reply),
+4 a daemon refused the command (e.g. cancel of a transfer it does not hold), 2 usage or
+configuration error, 0 otherwise. ``cancel`` succeeds (0) if any daemon cancelled the
+transfer: a transfer lives on one daemon, the others answer "not pending here".
+Every error is one line on stderr, never a traceback.
+
+``--json`` prints one object::
+
+    {
+      "command": "pending",              # the command that was run
+      "daemons": [                       # one entry per daemon asked, in discovery order
+        {
+          "device": "cuda0" | null,      # from the config, else the daemon's own answer
+          "socket": "ipc:///run/kvpush/ops-0.sock",
+          "ok": true,                    # the daemon answered and accepted the command
+          "error": null | "one line",    # why not ok (down, permission, refusal text)
+          "data": {...} | null           # the daemon's OpsReply.data (see daemon/ops.py);
+        }                                #   null when it did not answer
+      ]
+    }
+
+``data`` is the daemon's reply unchanged except for two additions made here:
+``status`` gets ``"supervisor": {"state", "up", "restarts", "last_exit"} | null`` from the
+supervisor's ``/health`` when that answers; every ``pending`` row gets ``"deadline_in_s"``
+(seconds until its deadline, negative when overdue, null without one); the daemon's
+``deadline`` is a CLOCK_MONOTONIC time, shared by all processes of the host.
+``metrics`` data is ``{"text": "<Prometheus exposition>"}``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import glob
+import json
+import os
+import socket
+import stat
 import sys
-from collections.abc import Sequence
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+import zmq
+
+from kvpush import proto
+from kvpush.daemon.config import ConfigError, NodeConfig, load_config, parse_device_name
+
+DEFAULT_CONFIG = "/etc/kvpush/kvpushd.toml"
+DEFAULT_TIMEOUT_S = 2.0
+HEALTH_TIMEOUT_S = 1.0
+
+EXIT_OK = 0
+EXIT_DOWN = 1
+EXIT_USAGE = 2
+EXIT_DENIED = 3
+EXIT_REFUSED = 4
 
 COMMANDS = {
     "status": "daemon and device status",
     "pending": "rendezvous waiting for register or prefill, with ages",
     "peers": "peer daemons and their state",
-    "transfers": "transfers in flight",
-    "cancel": "cancel a transfer by id",
-    "drain": "stop accepting new transfers, finish the current ones",
+    "transfers": "transfers in flight and recently finished",
+    "cancel": "cancel a pending transfer by ID",
+    "drain": "refuse new transfers, finish the current ones",
+    "metrics": "raw Prometheus text of each daemon",
 }
+WATCHABLE = ("status", "pending", "peers", "transfers", "metrics")
+
+
+class UsageError(Exception):
+    """Bad flags or configuration: exit 2 (or 3 when ``code`` says permission)."""
+
+    def __init__(self, message: str, code: int = EXIT_USAGE) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+# --------------------------------------------------------------------------- targets
+
+@dataclass
+class Target:
+    """One daemon to ask, and what came of it."""
+
+    socket: str
+    device: str | None = None
+    outcome: str = "ok"  # ok | down | denied | refused
+    error: str | None = None
+    data: dict[str, Any] | None = None
+
+    def label(self) -> str:
+        return self.device or _ipc_path(self.socket) or self.socket
+
+    def as_json(self) -> dict[str, Any]:
+        return {"device": self.device, "socket": self.socket, "ok": self.outcome == "ok",
+                "error": self.error, "data": self.data}
+
+
+@dataclass
+class Node:
+    """What the config says about the node (None where kvpushctl could not tell)."""
+
+    runtime_dir: str
+    devices: dict[str, str] = field(default_factory=dict)  # name -> ops socket
+    health_url: str | None = None
+
+
+def _ipc_path(endpoint: str) -> str | None:
+    return endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else None
+
+
+def _cuda_count_from_dev() -> int:
+    """/dev/nvidiaN count: devices = "all" without importing torch (seconds, maybe CUDA)."""
+    return len(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def load_node(config: str | None, runtime_dir: str | None) -> Node:
+    """The node's runtime dir, device ops sockets and /health URL, from the same sources
+    (file, env, defaults) that kvpushd uses."""
+    path = config
+    if path is None and "KVPUSH_CONFIG" not in os.environ and os.path.exists(DEFAULT_CONFIG):
+        path = DEFAULT_CONFIG
+    if path is not None and os.path.exists(path) and not os.access(path, os.R_OK):
+        raise UsageError(f"permission denied reading config file {path}", EXIT_DENIED)
+    try:
+        node: NodeConfig = load_config(path, {"runtime_dir": runtime_dir},
+                                       cuda_count=_cuda_count_from_dev)
+    except ConfigError as e:
+        raise UsageError(f"configuration error: {e}") from None
+    url = None
+    if node.metrics_port:
+        host = node.metrics_host
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+        host = f"[{host}]" if ":" in host else host
+        url = f"http://{host}:{node.metrics_port}/health"
+    return Node(node.runtime_dir, {d.name: d.ops_socket for d in node.devices}, url)
+
+
+def _norm(endpoint: str) -> str:
+    path = _ipc_path(endpoint)
+    return "ipc://" + os.path.realpath(path) if path else endpoint
+
+
+def discover(node: Node, sock: str | None, device: str | None) -> list[Target]:
+    """The daemons to ask: --socket, --device, or every configured + found one."""
+    if sock:
+        if "://" not in sock:
+            sock = "ipc://" + os.path.abspath(sock)
+        return [Target(sock)]
+    if device:
+        if device in node.devices:
+            return [Target(node.devices[device], device)]
+        try:
+            _, index = parse_device_name(device)
+        except ConfigError as e:
+            raise UsageError(str(e)) from None
+        return [Target(f"ipc://{node.runtime_dir}/ops-{index}.sock", device)]
+    targets = [Target(ep, name) for name, ep in node.devices.items()]
+    seen = {_norm(t.socket) for t in targets}
+    for path in sorted(glob.glob(os.path.join(glob.escape(node.runtime_dir), "ops-*.sock"))):
+        ep = "ipc://" + path
+        if _norm(ep) not in seen:
+            seen.add(_norm(ep))
+            targets.append(Target(ep))
+    return targets
+
+
+# --------------------------------------------------------------------------- asking
+
+def _probe(t: Target) -> bool:
+    """Cheap local checks before ZeroMQ (which would only time out): missing or stale
+    socket file -> down, no access -> denied. True if the daemon is worth asking."""
+    path = _ipc_path(t.socket)
+    if path is None:
+        return True
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        t.outcome, t.error = "down", f"daemon not running (no socket {path})"
+        return False
+    except PermissionError:
+        t.outcome, t.error = "denied", f"permission denied: cannot reach {path}"
+        return False
+    if not stat.S_ISSOCK(st.st_mode):
+        t.outcome, t.error = "down", f"{path} is not a socket"
+        return False
+    if not os.access(path, os.R_OK | os.W_OK):
+        t.outcome, t.error = "denied", f"permission denied on {path} (run as its owner or group)"
+        return False
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        try:
+            s.connect(path)
+        except PermissionError:
+            t.outcome, t.error = "denied", f"permission denied connecting to {path}"
+            return False
+        except ConnectionRefusedError:
+            t.outcome, t.error = "down", f"daemon not running (stale socket {path})"
+            return False
+        except OSError:
+            pass  # let ZeroMQ have its go (and time out) rather than guess
+    return True
+
+
+def ask(targets: list[Target], req: proto.OpsRequest, timeout_s: float,
+        ctx: zmq.Context | None = None) -> None:
+    """Send ``req`` to every target at once and fill in each outcome; waits at most
+    ``timeout_s`` in total. A fresh DEALER per daemon: no late reply is ever misread."""
+    ctx = ctx or zmq.Context.instance()
+    socks: dict[zmq.Socket, Target] = {}
+    payload = proto.encode(req)
+    try:
+        for t in targets:
+            if not _probe(t):
+                continue
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            try:
+                s.connect(t.socket)
+                s.send(payload, zmq.NOBLOCK)
+            except zmq.ZMQError as e:
+                s.close(0)
+                t.outcome, t.error = "down", f"cannot send to {t.socket}: {e}"
+                continue
+            socks[s] = t
+        poller = zmq.Poller()
+        for s in socks:
+            poller.register(s, zmq.POLLIN)
+        waiting = set(socks)
+        deadline = time.monotonic() + timeout_s
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            for s, _ in poller.poll(int(left * 1000) + 1):
+                if s not in waiting:
+                    continue
+                waiting.discard(s)
+                poller.unregister(s)
+                _take_reply(socks[s], s.recv())
+        for s in waiting:
+            socks[s].outcome = "down"
+            socks[s].error = f"no reply within {timeout_s:g}s from {socks[s].socket}"
+    finally:
+        for s in socks:
+            s.close(0)
+
+
+def _take_reply(t: Target, frame: bytes) -> None:
+    try:
+        reply = proto.decode(frame)
+    except proto.ProtocolError as e:
+        t.outcome, t.error = "down", f"unreadable reply from {t.socket}: {e}"
+        return
+    if not isinstance(reply, proto.OpsReply):
+        t.outcome, t.error = "down", f"unexpected {type(reply).__name__} from {t.socket}"
+        return
+    t.data = dict(reply.data)
+    if t.device is None and isinstance(t.data.get("device"), str):
+        t.device = t.data["device"]
+    if not reply.ok:
+        t.outcome, t.error = "refused", reply.error or "refused"
+
+
+def fetch_health(url: str | None) -> dict[str, Any] | None:
+    """The supervisor's /health JSON (also on 503), or None when it does not answer."""
+    if url is None:
+        return None
+    try:
+        with urllib.request.urlopen(url, timeout=HEALTH_TIMEOUT_S) as r:
+            body = r.read()
+    except urllib.error.HTTPError as e:
+        body = e.read()
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+    try:
+        health = json.loads(body)
+    except ValueError:
+        return None
+    return health if isinstance(health, dict) else None
+
+
+def augment(cmd: str, targets: list[Target], health: dict[str, Any] | None) -> None:
+    """The two additions documented in the module docstring."""
+    devices = (health or {}).get("devices") or {}
+    now = time.monotonic()
+    for t in targets:
+        if t.data is None or t.outcome != "ok":
+            continue
+        if cmd == "status":
+            d = devices.get(t.device or "")
+            t.data["supervisor"] = None if not isinstance(d, dict) else {
+                k: d.get(k) for k in ("state", "up", "restarts", "last_exit")}
+        elif cmd == "pending":
+            for row in t.data.get("pending") or []:
+                dl = row.get("deadline")
+                row["deadline_in_s"] = round(dl - now, 3) if isinstance(dl, (int, float)) else None
+
+
+def exit_code(cmd: str, targets: list[Target]) -> int:
+    outcomes = {t.outcome for t in targets}
+    if cmd == "cancel" and "ok" in outcomes:
+        return EXIT_OK
+    for outcome, code in (("denied", EXIT_DENIED), ("down", EXIT_DOWN), ("refused", EXIT_REFUSED)):
+        if outcome in outcomes:
+            return code
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------- rendering
+
+def _size(n: Any) -> str:
+    if not isinstance(n, (int, float)):
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return "-"  # unreachable
+
+
+def _dur(s: Any) -> str:
+    if not isinstance(s, (int, float)):
+        return "-"
+    sign, s = ("-" if s < 0 else ""), abs(s)
+    if s < 60:
+        return f"{sign}{s:.1f}s"
+    m, sec = divmod(int(s), 60)
+    if m < 60:
+        return f"{sign}{m}m{sec:02d}s"
+    h, m = divmod(m, 60)
+    if h < 24:
+        return f"{sign}{h}h{m:02d}m"
+    d, h = divmod(h, 24)
+    return f"{sign}{d}d{h:02d}h"
+
+
+def _v(x: Any) -> str:
+    return "-" if x is None or x == "" else str(x)
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Left-aligned columns, two spaces apart, headers first."""
+    cells = [list(headers)] + [[_v(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+                     for r in cells)
+
+
+def _status_rows(targets: list[Target]) -> list[list[Any]]:
+    rows = []
+    for t in targets:
+        d = t.data if t.outcome == "ok" and t.data is not None else None
+        if d is None:
+            rows.append([t.label(), "denied" if t.outcome == "denied" else "no"] + [None] * 10)
+            continue
+        eng = d.get("engine") or {}
+        peers = d.get("peers") or {}
+        sup = d.get("supervisor") or {}
+        rows.append([
+            t.label(), "draining" if d.get("draining") else "yes", d.get("pid"),
+            eng.get("role"),
+            f"{eng['rank']}/{eng['tp_size']}" if "rank" in eng else None,
+            d.get("backend"),
+            eng.get("engine_id") or "(none)",
+            _size(eng["memory_bytes"]) if "memory_bytes" in eng else None,
+            f"{peers.get('producers', 0)}/{peers.get('consumers', 0)}",
+            _dur(d.get("uptime_s")),
+            sup.get("restarts"),
+            d.get("version"),
+        ])
+    return rows
+
+
+def render(cmd: str, targets: list[Target]) -> str:
+    """The human view of one command's answers."""
+    ok = [t for t in targets if t.outcome == "ok" and t.data is not None]
+    if cmd == "status":
+        return table(["DEVICE", "UP", "PID", "ROLE", "RANK", "BACKEND", "ENGINE", "MEMORY",
+                      "PEERS P/C", "UPTIME", "RESTARTS", "PROTO"], _status_rows(targets))
+    if cmd == "pending":
+        rows = []
+        for t in ok:
+            for r in t.data.get("pending") or []:  # type: ignore[union-attr]
+                if r.get("side") == "prefill":
+                    blocks = r.get("blocks")
+                    detail = f"registered {r.get('registered', 0)}/{r.get('expected', 0)}"
+                else:
+                    blocks = None
+                    detail = f"notified {r.get('notified', 0)}/{r.get('producers', 0)}"
+                attempt = r.get("attempt")
+                rows.append([t.label(), r.get("transfer_id"),
+                             None if attempt is None or attempt < 0 else attempt, r.get("side"),
+                             r.get("state"), blocks, _dur(r.get("age")),
+                             _dur(r.get("deadline_in_s")), detail])
+        if not rows:
+            return "no pending transfers"
+        return table(["DEVICE", "TRANSFER", "ATTEMPT", "SIDE", "STATE", "BLOCKS", "AGE",
+                      "DEADLINE-IN", "PROGRESS"], rows)
+    if cmd == "peers":
+        rows = [[t.label(), p.get("role"), p.get("endpoint"), p.get("state"), p.get("engine_id"),
+                 f"{p.get('rank')}/{p.get('tp_size')}", _dur(p.get("last_seen_s")),
+                 p.get("transfers"), p.get("queued"), p.get("error")]
+                for t in ok for p in t.data.get("peers") or []]  # type: ignore[union-attr]
+        if not rows:
+            return "no peers"
+        return table(["DEVICE", "ROLE", "ENDPOINT", "STATE", "ENGINE", "RANK", "LAST-SEEN",
+                      "TRANSFERS", "QUEUED", "ERROR"], rows)
+    if cmd == "transfers":
+        rows = []
+        for t in ok:
+            d = t.data or {}
+            for r in [*(d.get("in_flight") or []), *(d.get("recent") or [])]:
+                lat = r.get("latency_ms")
+                rows.append([t.label(), r.get("transfer_id"), r.get("attempt"), r.get("side"),
+                             r.get("result"), r.get("bytes"),
+                             f"{lat:.3f} ms" if isinstance(lat, (int, float)) else None,
+                             _dur(r.get("age_s")), r.get("error")])
+        if not rows:
+            return "no transfers"
+        return table(["DEVICE", "TRANSFER", "ATTEMPT", "SIDE", "RESULT", "BYTES", "LATENCY",
+                      "AGE", "ERROR"], rows)
+    if cmd == "cancel":
+        return "\n".join(f"{t.label()}: cancelled {t.data.get('cancelled')}" for t in ok)  # type: ignore[union-attr]
+    if cmd == "drain":
+        return "\n".join(f"{t.label()}: draining" for t in ok)
+    if cmd == "metrics":
+        parts = []
+        for t in ok:
+            text = (t.data or {}).get("text")
+            if isinstance(text, str):
+                parts.append(text if len(ok) == 1 else f"# kvpushctl: {t.label()}\n{text}")
+        return "".join(parts).rstrip("\n")
+    raise ValueError(cmd)
+
+
+# --------------------------------------------------------------------------- CLI
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    # SUPPRESS: options are accepted before and after the command without resetting.
+    s = argparse.SUPPRESS
+    p.add_argument("--config", metavar="FILE", default=s,
+                   help=f"kvpushd config (default: {DEFAULT_CONFIG} if present)")
+    p.add_argument("--runtime-dir", metavar="DIR", default=s, help="socket directory of kvpushd")
+    who = p.add_mutually_exclusive_group()
+    who.add_argument("--socket", metavar="ENDPOINT", default=s,
+                     help="one daemon's ops socket (ipc://PATH or PATH)")
+    who.add_argument("--device", metavar="NAME", default=s, help="one device, e.g. cuda0")
+    p.add_argument("--json", action="store_true", default=s, help="machine-readable output")
+    p.add_argument("--timeout", type=float, metavar="S", default=s,
+                   help=f"seconds to wait for replies (default {DEFAULT_TIMEOUT_S:g})")
+    p.add_argument("--watch", type=float, metavar="S", default=s,
+                   help="refresh every S seconds until Ctrl-C")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvpushctl", description="inspect and steer kvpushd")
-    parser.add_argument("--device", default="all", help="device name (e.g. cuda0) or all")
-    parser.add_argument("--runtime-dir", metavar="DIR", help="socket directory of kvpushd")
-    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser = argparse.ArgumentParser(
+        prog="kvpushctl", description="inspect and steer the kvpushd daemons of this node",
+        epilog="exit codes: 0 ok, 1 a daemon is down, 2 usage, 3 permission denied, "
+               "4 command refused", allow_abbrev=False)
+    _add_common(parser)
     sub = parser.add_subparsers(dest="cmd", metavar="{" + ",".join(COMMANDS) + "}")
     for name, text in COMMANDS.items():
-        p = sub.add_parser(name, help=text)
+        p = sub.add_parser(name, help=text, description=text, allow_abbrev=False)
+        _add_common(p)
         if name == "cancel":
             p.add_argument("transfer_id")
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def run_once(ns: argparse.Namespace, node: Node, out: TextIO, err: TextIO) -> int:
+    cmd: str = ns.cmd
+    targets = discover(node, getattr(ns, "socket", None), getattr(ns, "device", None))
+    if not targets:
+        print(f"kvpushctl: no daemons configured or found in {node.runtime_dir}", file=err)
+        return EXIT_DOWN
+    timeout = getattr(ns, "timeout", DEFAULT_TIMEOUT_S)
+    ask(targets, proto.OpsRequest(cmd, getattr(ns, "transfer_id", "")), timeout)
+    health = fetch_health(node.health_url) if cmd == "status" else None
+    augment(cmd, targets, health)
+    code = exit_code(cmd, targets)
+    if getattr(ns, "json", False):
+        out.write(json.dumps({"command": cmd, "daemons": [t.as_json() for t in targets]},
+                             indent=2) + "\n")
+    else:
+        text = render(cmd, targets)
+        if text:
+            out.write(text + "\n")
+    quiet_refusals = cmd == "cancel" and code == EXIT_OK
+    for t in targets:
+        if t.outcome != "ok" and not (quiet_refusals and t.outcome == "refused"):
+            print(f"kvpushctl: {t.label()}: {t.error}", file=err)
+    out.flush()
+    return code
+
+
+def main(argv: Sequence[str] | None = None, out: TextIO | None = None,
+         err: TextIO | None = None, sleep: Callable[[float], None] = time.sleep) -> int:
+    out = out or sys.stdout
+    err = err or sys.stderr
     parser = build_parser()
-    ns = parser.parse_args(argv)  # unknown commands/flags: usage error, exit 2
+    try:
+        ns = parser.parse_args(argv)
+    except SystemExit as e:  # argparse printed the usage; keep its code (2, or 0 for -h)
+        return int(e.code or 0)
     if ns.cmd is None:
-        parser.print_help(sys.stderr)
-        return 2
-    print(f"kvpushctl: '{ns.cmd}' is not implemented yet", file=sys.stderr)
-    return 1
+        parser.print_usage(err)
+        print("kvpushctl: a command is required", file=err)
+        return EXIT_USAGE
+    if getattr(ns, "socket", None) and getattr(ns, "device", None):
+        print("kvpushctl: give --socket or --device, not both", file=err)
+        return EXIT_USAGE
+    watch = getattr(ns, "watch", None)
+    if watch is not None and (watch <= 0 or ns.cmd not in WATCHABLE):
+        print(f"kvpushctl: --watch needs a positive interval and one of {', '.join(WATCHABLE)}",
+              file=err)
+        return EXIT_USAGE
+    if getattr(ns, "timeout", DEFAULT_TIMEOUT_S) <= 0:
+        print("kvpushctl: --timeout must be positive", file=err)
+        return EXIT_USAGE
+    try:
+        node = load_node(getattr(ns, "config", None), getattr(ns, "runtime_dir", None))
+        if watch is None:
+            return run_once(ns, node, out, err)
+        code = EXIT_OK
+        with contextlib.suppress(KeyboardInterrupt):
+            while True:
+                out.write("\033[H\033[2J")  # home + clear, as watch(1) does
+                out.write(f"kvpushctl {ns.cmd}  (every {watch:g}s, Ctrl-C to stop)  "
+                          f"{time.strftime('%H:%M:%S')}\n\n")
+                code = run_once(ns, node, out, err)
+                sleep(watch)
+        return code
+    except UsageError as e:
+        print(f"kvpushctl: {e}", file=err)
+        return e.code
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # an operator tool prints one line, never a traceback
+        print(f"kvpushctl: internal error: {type(e).__name__}: {e}", file=err)
+        return EXIT_DOWN
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from kvpush.proto.layout import KVLayout
 log = logging.getLogger("kvpush.worker")
 
 NOTIF_PREFIX = b"kvp1"
+RECV_POLL_MAX_S = 0.002
 
 
 def encode_notif(transfer_id: str, attempt: int, rank: int) -> bytes:
@@ -212,7 +213,10 @@ class Worker:
         if now - self.last_tick >= 0.05:
             self.last_tick = now
             self.tick(now)
-        self.poll_s = self.cfg.poll_min_s if activity else min(self.poll_s * 2, self.cfg.poll_max_s)
+        # While notifications are expected, stay responsive: a notification waits in NIXL
+        # until we poll, and every millisecond here is added to the request's TTFT.
+        cap = min(self.cfg.poll_max_s, RECV_POLL_MAX_S) if self.receiving else self.cfg.poll_max_s
+        self.poll_s = self.cfg.poll_min_s if activity else min(self.poll_s * 2, cap)
 
     def _drain(self, sock: zmq.Socket, handler: Any) -> bool:
         got = False

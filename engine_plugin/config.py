@@ -10,6 +10,8 @@ Optional:
                     load fails and vLLM recomputes (default 30000)
   device_offset     added to the rank for {device} (several engines on one node; default 0)
   unavailable_fail  fail loads at once while the daemon is unreachable (default true)
+  idle_wait_ms      on a step with no forward and transfers pending, wait up to this long
+                    for the daemon's answer instead of letting vLLM spin (default 2; 0 = never)
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class PluginConfig:
     timeout_ms: int = 30_000
     device_offset: int = 0
     unavailable_fail: bool = True
+    idle_wait_ms: int = 2
 
     def socket_for(self, rank: int) -> str:
         return self.daemon.format(rank=rank, device=rank + self.device_offset)
@@ -36,7 +39,7 @@ class PluginConfig:
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> PluginConfig:
         extra = dict(extra or {})
-        known = {"daemon", "lease_ms", "timeout_ms", "device_offset", "unavailable_fail"}
+        known = {"daemon", "lease_ms", "timeout_ms", "device_offset", "unavailable_fail", "idle_wait_ms"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise PluginConfigError(f"unknown kv_connector_extra_config key(s) {unknown}; known: {sorted(known)}")
@@ -45,7 +48,7 @@ class PluginConfig:
                 'kv_connector_extra_config needs "daemon", e.g. "ipc:///run/kvpush/engine-{rank}.sock"'
             )
         out: dict[str, Any] = {"daemon": extra["daemon"]}
-        for key in ("lease_ms", "timeout_ms", "device_offset"):
+        for key in ("lease_ms", "timeout_ms", "device_offset", "idle_wait_ms"):
             if key in extra:
                 v = extra[key]
                 if not isinstance(v, int) or isinstance(v, bool) or v < 0:

@@ -101,8 +101,10 @@ class KVPushConnector(KVConnectorBase_V1):
         # Runs after the step's forward on CPU: publish what the scheduler decided.
         assert self.worker is not None
         meta = self._get_connector_metadata()
-        if isinstance(meta, KVPushMetadata) and meta:
-            self.worker.publish(meta)
+        if isinstance(meta, KVPushMetadata):
+            self.worker.idle_step = meta.idle
+            if meta:
+                self.worker.publish(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return

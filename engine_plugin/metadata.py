@@ -51,6 +51,7 @@ class KVPushMetadata(KVConnectorMetadata):
     registers: list[RegisterReq] = field(default_factory=list)
     sends: list[SendReq] = field(default_factory=list)
     aborts: list[AbortReq] = field(default_factory=list)
+    idle: bool = False  # the step runs no forward: the worker may wait briefly for the daemon
 
     def __bool__(self) -> bool:
         return bool(self.registers or self.sends or self.aborts)

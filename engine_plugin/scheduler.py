@@ -105,6 +105,7 @@ class KVPushScheduler:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVPushMetadata:
         meta, self._meta = self._meta, KVPushMetadata()
+        meta.idle = scheduler_output.total_num_scheduled_tokens == 0
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import zmq
 
 from kvpush import proto
 from kvpush.engine_plugin.client import DaemonClient
@@ -115,6 +116,7 @@ class KVPushWorker:
         self._finished_recving: set[str] = set()
         self._daemon_id: str | None = None
         self._down_logged = False
+        self.idle_step = False
 
     # ------------------------------------------------------------------ set-up
 
@@ -182,8 +184,19 @@ class KVPushWorker:
             self._finished_sending.add(rid)
 
     def collect(self) -> tuple[set[str], set[str]]:
-        """Poll the daemon (zero timeout) and return (finished_sending, finished_recving)."""
-        for m in self.client.poll():
+        """Poll the daemon and return (finished_sending, finished_recving).
+
+        Zero timeout, except on an idle step (no forward scheduled) while transfers are
+        pending: vLLM then steps in a tight loop just to ask us, burning the cores the
+        other engine needs, so we wait up to ``idle_wait_ms`` for the daemon's answer.
+        Nothing else is waiting on such a step, and an answer ends the wait at once.
+        """
+        msgs = self.client.poll()
+        if (not msgs and self.idle_step and self.cfg.idle_wait_ms
+                and (self._recv or self._send or self._releasing) and self.client.available):
+            if self.client._sock.poll(self.cfg.idle_wait_ms, zmq.POLLIN):
+                msgs = self.client.poll()
+        for m in msgs:
             tid = getattr(m, "transfer_id", None)
             if isinstance(m, proto.Received):
                 p = self._recv.get(tid)

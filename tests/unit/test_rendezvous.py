@@ -307,6 +307,17 @@ def test_expiry_does_not_stop_at_first_unexpired_entry(kind: str) -> None:
     assert len(rv.pending()) == 4
 
 
+def test_expiry_skips_past_stale_heap_entries() -> None:
+    rv = Rendezvous()
+    for i in range(10):  # finished transfers leave stale lease entries at 5.0
+        rv.handle(pf(f"s{i}", lease=5.0))
+        rv.handle(reg(f"s{i}"))
+        rv.handle(WriteDone(f"s{i}", 0, 0, 1.0))
+    rv.handle(reg("late", deadline=6.0))
+    assert of(NotifyFailure, rv.handle(Tick(7.0)))[0].transfer_id == "late"
+    assert rv.pending() == []
+
+
 def test_tick_is_cheap_when_nothing_is_due() -> None:
     rv = Rendezvous()
     for i in range(50_000):

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# Install kvpushd as a systemd service on this node (run as root, from a checkout):
+#   sudo scripts/install_systemd.sh
+# Creates the kvpush system user/group, a virtualenv in /opt/kvpush/venv with this repo
+# installed, the unit in /etc/systemd/system and the example config in
+# /etc/kvpush/kvpushd.toml (an existing config is kept), then reloads systemd.
+# Safe to run again after an upgrade. Environment:
+#   PYTHON=python3.11      interpreter for the virtualenv (default: python3)
+#   KVPUSH_PREFIX=/opt/kvpush
+#   PIP_EXTRA="torch==2.13.0"  extra pip requirements installed with the repo
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PREFIX="${KVPUSH_PREFIX:-/opt/kvpush}"
+VENV="$PREFIX/venv"
+PY="${PYTHON:-python3}"
+UNIT_SRC="$ROOT/scripts/systemd/kvpushd.service"
+CONF_SRC="$ROOT/scripts/systemd/kvpushd.toml"
+UNIT_DST=/etc/systemd/system/kvpushd.service
+CONF_DIR=/etc/kvpush
+CONF_DST="$CONF_DIR/kvpushd.toml"
+
+die() {
+  echo "install_systemd: $*" >&2
+  exit 1
+}
+
+[[ $(id -u) -eq 0 ]] || die "run as root (it creates a user and writes /etc, /opt)"
+command -v systemctl >/dev/null || die "systemctl not found: this script needs systemd"
+[[ -f $UNIT_SRC && -f $CONF_SRC ]] || die "run from a kvpush checkout ($ROOT)"
+
+# 1. The service account: a system user without login or home.
+if ! getent group kvpush >/dev/null; then
+  groupadd --system kvpush
+fi
+if ! getent passwd kvpush >/dev/null; then
+  useradd --system --gid kvpush --no-create-home --home-dir /nonexistent \
+    --shell /usr/sbin/nologin --comment "kvpush daemons" kvpush
+fi
+# Device nodes that are not world-accessible belong to one of these groups.
+for group in video render rdma; do
+  if getent group "$group" >/dev/null; then
+    usermod --append --groups "$group" kvpush
+  fi
+done
+
+# 2. The code: a virtualenv owned by root (the service only reads it).
+install -d -m 0755 "$PREFIX"
+if [[ ! -x "$VENV/bin/python" ]]; then
+  "$PY" -m venv "$VENV"
+fi
+read -r -a extra <<<"${PIP_EXTRA:-}"
+"$VENV/bin/python" -m pip install --disable-pip-version-check -q --upgrade pip
+"$VENV/bin/python" -m pip install --disable-pip-version-check -q "$ROOT" "${extra[@]}"
+install -m 0644 "$ROOT/README.md" "$PREFIX/README.md"
+[[ -x "$VENV/bin/kvpushd" ]] || die "$VENV/bin/kvpushd missing after pip install"
+ln -sf "$VENV/bin/kvpushctl" /usr/local/bin/kvpushctl
+
+# 3. Configuration: the example only if there is none yet.
+install -d -m 0755 "$CONF_DIR"
+if [[ -e $CONF_DST ]]; then
+  echo "keeping existing $CONF_DST (the new example is $CONF_SRC)"
+else
+  install -m 0644 "$CONF_SRC" "$CONF_DST"
+  echo "installed example config $CONF_DST: review devices, peer_host and ports"
+fi
+"$VENV/bin/kvpushd" --config "$CONF_DST" print-config >/dev/null ||
+  die "$CONF_DST is not a valid kvpushd configuration"
+
+# 4. The unit.
+install -m 0644 "$UNIT_SRC" "$UNIT_DST"
+if command -v systemd-analyze >/dev/null; then
+  systemd-analyze verify "$UNIT_DST"
+fi
+systemctl daemon-reload
+
+cat <<EOF
+kvpushd installed. Start it now and at every boot with:
+  systemctl enable --now kvpushd
+Engines (and operators running kvpushctl) need group kvpush: usermod -aG kvpush USER
+Check it with: kvpushctl status    Logs: journalctl -u kvpushd
+EOF

@@ -166,7 +166,8 @@ def discover(node: Node, sock: str | None, device: str | None) -> list[Target]:
     if sock:
         if "://" not in sock:
             sock = "ipc://" + os.path.abspath(sock)
-        return [Target(sock)]
+        names = [n for n, ep in node.devices.items() if _norm(ep) == _norm(sock)]
+        return [Target(sock, names[0] if names else None)]
     if device:
         if device in node.devices:
             return [Target(node.devices[device], device)]
@@ -280,6 +281,18 @@ def _take_reply(t: Target, frame: bytes) -> None:
         t.device = t.data["device"]
     if not reply.ok:
         t.outcome, t.error = "refused", reply.error or "refused"
+
+
+def name_unknown(cmd: str, targets: list[Target], timeout_s: float) -> None:
+    """Sockets found by globbing have no device name, and only some replies carry one:
+    ask those daemons for their status first (cheap, local) to label their rows."""
+    unnamed = [t for t in targets if t.device is None]
+    if cmd == "status" or not unnamed:
+        return
+    probes = [Target(t.socket) for t in unnamed]
+    ask(probes, proto.OpsRequest("status"), timeout_s)
+    for t, probe in zip(unnamed, probes, strict=True):
+        t.device = probe.device
 
 
 def fetch_health(url: str | None) -> dict[str, Any] | None:
@@ -495,6 +508,7 @@ def run_once(ns: argparse.Namespace, node: Node, out: TextIO, err: TextIO) -> in
         print(f"kvpushctl: no daemons configured or found in {node.runtime_dir}", file=err)
         return EXIT_DOWN
     timeout = getattr(ns, "timeout", DEFAULT_TIMEOUT_S)
+    name_unknown(cmd, targets, timeout)
     ask(targets, proto.OpsRequest(cmd, getattr(ns, "transfer_id", "")), timeout)
     health = fetch_health(node.health_url) if cmd == "status" else None
     augment(cmd, targets, health)

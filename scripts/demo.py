@@ -16,10 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,14 +25,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vllm_env as ve  # noqa: E402
+from pd_stack import PDStack, free_port, prompt_tokens_by_source  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def prompts(n_extra: int) -> list[str]:
@@ -93,30 +85,6 @@ async def run_prompts(url: str, ps: list[str], max_tokens: int, concurrency: int
         return await asyncio.gather(*(one(p) for p in ps))
 
 
-class Stack:
-    """Processes of the demo; stop() kills every group, whatever state it is in."""
-
-    def __init__(self) -> None:
-        self.procs: list[subprocess.Popen[bytes]] = []
-
-    def add(self, p: subprocess.Popen[bytes]) -> subprocess.Popen[bytes]:
-        self.procs.append(p)
-        return p
-
-    def stop(self) -> None:
-        for p in reversed(self.procs):
-            try:
-                ve.stop_group(p, grace=10)
-            except Exception as exc:  # keep cleaning the others
-                print(f"warning: stopping pid {p.pid}: {exc}", file=sys.stderr)
-        self.procs.clear()
-
-
-def popen(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
-                            env=env or dict(os.environ))
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-dir", default=str(ROOT / ".models" / "tiny"))
@@ -131,79 +99,47 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     print(f"kvpush demo: logs and sockets in {work}")
     model = ve.ensure_tiny_model(args.model_dir)
-    stack = Stack()
+    procs: list[Any] = []
+    stack = PDStack(model, work, ucx_error_handling_mode=args.ucx_error_handling)
+
+    def cleanup() -> None:
+        stack.stop()
+        for p in procs:
+            ve.stop_group(p, grace=10)
+        procs.clear()
 
     def on_signal(signum: int, _frame: Any) -> None:
-        stack.stop()
+        cleanup()
         raise SystemExit(130)
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     ps = prompts(args.extra_prompts)
     try:
-        # 1. colocated reference
+        # 1. colocated reference: the same engine flags, no disaggregation
         port = free_port()
         print("starting the colocated reference engine ...", flush=True)
-        ref = stack.add(ve.start_engine(model, port, work / "colocated.log", cpu_bind="0-1"))
+        ref = ve.start_engine(model, port, work / "colocated.log", cpu_bind="0-1")
+        procs.append(ref)
         ve.wait_healthy(f"http://127.0.0.1:{port}/health", 600, ref)
         url = f"http://127.0.0.1:{port}/v1/completions"
         asyncio.run(run_prompts(url, ps[:1], 2, 1))  # warm-up
         reference = asyncio.run(run_prompts(url, ps, args.max_tokens, args.concurrency))
-        stack.stop()
+        cleanup()
 
         # 2. kvpushd + P + D + router
-        rt = work / "run"
-        base = free_port()
-        metrics = free_port()
-        cfg = work / "kvpushd.toml"
-        cfg.write_text(
-            f'devices = ["cpu0", "cpu1"]\nruntime_dir = "{rt}"\nbase_port = {base}\n'
-            f'metrics_port = {metrics}\nucx_error_handling_mode = "{args.ucx_error_handling}"\n'
-        )
-        print("starting kvpushd (one daemon per engine) ...", flush=True)
-        stack.add(popen([ve.vllm_python(), "-m", "kvpush.daemon.cli", "--config", str(cfg)], work / "kvpushd.log"))
-
-        def ktc(role: str, eid: str, idx: int) -> dict[str, Any]:
-            return {
-                "kv_connector": "KVPushConnector", "kv_connector_module_path": "kvpush.engine_plugin",
-                "kv_role": role, "engine_id": eid, "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": {"daemon": f"ipc://{rt}/engine-{idx}.sock"},
-            }
-
-        pp, dp, rp = free_port(), free_port(), free_port()
-        print("starting the prefill and decode engines ...", flush=True)
-        p = stack.add(ve.start_engine(model, pp, work / "prefill.log", cpu_bind="0",
-                                      kv_transfer_config=ktc("kv_producer", "prefill", 0)))
-        d = stack.add(ve.start_engine(model, dp, work / "decode.log", cpu_bind="1",
-                                      kv_transfer_config=ktc("kv_consumer", "decode", 1),
-                                      extra_args=["--no-enable-prefix-caching"]))
-        r = stack.add(popen([ve.vllm_python(), str(ROOT / "scripts" / "router.py"), "--port", str(rp),
-                             "--prefill", f"http://127.0.0.1:{pp}=tcp://127.0.0.1:{base}",
-                             "--decode", f"http://127.0.0.1:{dp}"], work / "router.log"))
-        ve.wait_healthy(f"http://127.0.0.1:{pp}/health", 600, p)
-        ve.wait_healthy(f"http://127.0.0.1:{dp}/health", 600, d)
-        ve.wait_healthy(f"http://127.0.0.1:{rp}/health", 60, r)
-        url = f"http://127.0.0.1:{rp}/v1/completions"
+        print("starting kvpushd (one daemon per engine), the prefill and decode engines, the router ...",
+              flush=True)
+        stack.start()
+        url = f"{stack.router_url}/v1/completions"
         asyncio.run(run_prompts(url, ps[:1], 2, 1))  # warm-up
-        before = _external_tokens(dp)
+        before = prompt_tokens_by_source(stack.d_url).get("external_kv_transfer", 0.0)
         pd = asyncio.run(run_prompts(url, ps, args.max_tokens, args.concurrency))
-        after = _external_tokens(dp)
-        stack.stop()
+        after = prompt_tokens_by_source(stack.d_url).get("external_kv_transfer", 0.0)
     finally:
-        stack.stop()
+        cleanup()
 
     return report(ps, reference, pd, after - before)
-
-
-def _external_tokens(port: int) -> float:
-    """Prompt tokens the decode engine got from the connector (vLLM's own counter)."""
-    import urllib.request
-
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    for line in text.splitlines():
-        if line.startswith("vllm:prompt_tokens_by_source_total") and 'source="external_kv_transfer"' in line:
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 def report(ps: list[str], reference: list[dict[str, Any]], pd: list[dict[str, Any]], external: float) -> int:

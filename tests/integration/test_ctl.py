@@ -264,7 +264,8 @@ def test_drain_refuses_new_prefill(short_tmp: Path) -> None:
     pe = None
     try:
         pe = Engine(dm, lay, "prefill", seed=4)
-        code, out, err = ctl("drain", "--socket", dm.cfg.ops_socket)
+        # --device outside the config: its socket follows the default template
+        code, out, err = ctl("drain", "--device", "cpu3", "--runtime-dir", str(short_tmp))
         assert (code, out.strip(), err) == (0, "cpu3: draining", "")
         assert row_with(ctl("status", "--socket", dm.cfg.ops_socket)[1], "cpu3")[1] == "draining"
         t = tid()
@@ -324,21 +325,52 @@ def test_usage_errors_exit_2(tmp_path: Path) -> None:
     assert code == 2 and "devices" in one_line(err)  # names the nearest key
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root is never denied by file modes, so a "
-                    "mode-000 socket or config cannot produce EACCES here")
-def test_permission_denied_exit_3(tmp_path: Path) -> None:
-    sock = tmp_path / "ops-0.sock"
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.bind(str(sock))
-        s.listen()
-        sock.chmod(0)
-        code, _, err = ctl("status", "--socket", str(sock))
-    assert code == 3 and "permission denied" in one_line(err)
-    conf = tmp_path / "kvpushd.toml"
-    conf.write_text("metrics_port = 0\n")
-    conf.chmod(0)
-    code, _, err = ctl("status", "--config", str(conf))
-    assert code == 3 and "permission denied" in one_line(err)
+def unprivileged() -> dict[str, Any]:
+    """Popen arguments that run kvpushctl without root, whom file modes never stop: as
+    nobody when the tests run as root (skipped where nobody cannot run this Python)."""
+    if os.geteuid() != 0:
+        return {}
+    kw: dict[str, Any] = {"user": 65534, "group": 65534, "extra_groups": [], "cwd": "/"}
+    try:
+        r = subprocess.run([sys.executable, "-c", "import kvpush.daemon.ctl"],
+                           capture_output=True, text=True, timeout=60, **kw)
+    except OSError as e:
+        pytest.skip(f"running as root and user nobody cannot start {sys.executable} ({e}); "
+                    "root itself is never denied by file modes")
+    if r.returncode:
+        pytest.skip("running as root and user nobody cannot import kvpush "
+                    f"({r.stderr.strip().splitlines()[-1:]}); root is never denied by file modes")
+    return kw
+
+
+def test_permission_denied_exit_3() -> None:
+    kw = unprivileged()
+    base = Path(tempfile.mkdtemp(prefix="kvperm-", dir="/tmp"))
+    try:
+        base.chmod(0o755)
+        sock = base / "ops-0.sock"
+        conf = base / "kvpushd.toml"
+        conf.write_text("metrics_port = 0\n")
+        conf.chmod(0)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.bind(str(sock))
+            s.listen()
+            sock.chmod(0)
+            r = subprocess.run([*kvpushctl_cmd(), "status", "--socket", str(sock)],
+                               capture_output=True, text=True, timeout=60, **kw)
+            assert r.returncode == 3, r.stderr
+            assert "permission denied" in one_line(r.stderr)
+            r = subprocess.run([*kvpushctl_cmd(), "status", "--config", str(conf)],
+                               capture_output=True, text=True, timeout=60, **kw)
+            assert r.returncode == 3 and "permission denied" in one_line(r.stderr)
+            if kw:  # a directory nobody may traverse (0700, owned by root)
+                base.chmod(0o700)
+                sock.chmod(0o666)
+                r = subprocess.run([*kvpushctl_cmd(), "status", "--socket", str(sock)],
+                                   capture_output=True, text=True, timeout=60, **kw)
+                assert r.returncode == 3 and "permission denied" in one_line(r.stderr)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------- restart

@@ -1,0 +1,148 @@
+"""A local P/D serving stack: kvpushd, a prefill and a decode vLLM engine, the router.
+
+Shared by the demo, the end-to-end tests and the benchmarks so that all of them
+run exactly the same processes. Every process gets its own process group;
+``stop()`` always cleans up.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import vllm_env as ve
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def popen(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
+                            env=env or dict(os.environ))
+
+
+def kvpush_transfer_config(role: str, engine_id: str, socket_path: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "kv_connector": "KVPushConnector",
+        "kv_connector_module_path": "kvpush.engine_plugin",
+        "kv_role": role,
+        "engine_id": engine_id,
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"daemon": socket_path, **extra},
+    }
+
+
+@dataclass
+class PDStack:
+    model: Path
+    work: Path
+    p_block_size: int | None = None
+    d_block_size: int | None = None
+    ucx_error_handling_mode: str = "none"
+    d_prefix_caching: bool = False
+    with_router: bool = True
+    plugin_extra: dict[str, Any] = field(default_factory=dict)
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.rt = self.work / "run"
+        self.base_port = free_port()
+        self.metrics_port = free_port()
+        self.p_port, self.d_port, self.r_port = free_port(), free_port(), free_port()
+
+    # ------------------------------------------------------------------ urls
+    @property
+    def p_url(self) -> str:
+        return f"http://127.0.0.1:{self.p_port}"
+
+    @property
+    def d_url(self) -> str:
+        return f"http://127.0.0.1:{self.d_port}"
+
+    @property
+    def router_url(self) -> str:
+        return f"http://127.0.0.1:{self.r_port}"
+
+    @property
+    def prefill_endpoint(self) -> str:
+        return f"tcp://127.0.0.1:{self.base_port}"
+
+    def engine_socket(self, idx: int) -> str:
+        return f"ipc://{self.rt}/engine-{idx}.sock"
+
+    def ops_socket(self, idx: int) -> str:
+        return f"ipc://{self.rt}/ops-{idx}.sock"
+
+    # ------------------------------------------------------------------ lifecycle
+    def start_daemons(self) -> None:
+        cfg = self.work / "kvpushd.toml"
+        cfg.write_text(
+            f'devices = ["cpu0", "cpu1"]\nruntime_dir = "{self.rt}"\nbase_port = {self.base_port}\n'
+            f'metrics_port = {self.metrics_port}\nucx_error_handling_mode = "{self.ucx_error_handling_mode}"\n'
+        )
+        self.procs["kvpushd"] = popen([ve.vllm_python(), "-m", "kvpush.daemon.cli", "--config", str(cfg)],
+                                      self.work / "kvpushd.log")
+
+    def start(self, timeout: float = 900.0) -> PDStack:
+        self.start_daemons()
+        p_args = ["--block-size", str(self.p_block_size)] if self.p_block_size else []
+        d_args = ["--block-size", str(self.d_block_size)] if self.d_block_size else []
+        if not self.d_prefix_caching:
+            d_args.append("--no-enable-prefix-caching")
+        self.procs["prefill"] = ve.start_engine(
+            self.model, self.p_port, self.work / "prefill.log", cpu_bind="0", extra_args=p_args,
+            kv_transfer_config=kvpush_transfer_config("kv_producer", "prefill", self.engine_socket(0),
+                                                      **self.plugin_extra))
+        self.procs["decode"] = ve.start_engine(
+            self.model, self.d_port, self.work / "decode.log", cpu_bind="1", extra_args=d_args,
+            kv_transfer_config=kvpush_transfer_config("kv_consumer", "decode", self.engine_socket(1),
+                                                      **self.plugin_extra))
+        if self.with_router:
+            self.procs["router"] = popen(
+                [ve.vllm_python(), str(ROOT / "scripts" / "router.py"), "--port", str(self.r_port),
+                 "--prefill", f"{self.p_url}={self.prefill_endpoint}", "--decode", self.d_url],
+                self.work / "router.log")
+        try:
+            ve.wait_healthy(f"{self.p_url}/health", timeout, self.procs["prefill"])
+            ve.wait_healthy(f"{self.d_url}/health", timeout, self.procs["decode"])
+            if self.with_router:
+                ve.wait_healthy(f"{self.router_url}/health", 120, self.procs["router"])
+        except Exception:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for name in ("router", "decode", "prefill", "kvpushd"):
+            p = self.procs.pop(name, None)
+            if p is not None:
+                try:
+                    ve.stop_group(p, grace=10)
+                except Exception as exc:  # keep cleaning the others
+                    print(f"warning: stopping {name}: {exc}")
+
+    def pids(self) -> dict[str, int]:
+        return {k: v.pid for k, v in self.procs.items()}
+
+
+def prompt_tokens_by_source(url: str) -> dict[str, float]:
+    """vLLM's own counter of where the decode engine's prompt tokens came from."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:prompt_tokens_by_source_total{"):
+            src = line.split('source="', 1)[1].split('"', 1)[0]
+            out[src] = float(line.rsplit(" ", 1)[1])
+    return out

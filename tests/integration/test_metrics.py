@@ -1,0 +1,192 @@
+"""The supervisor's /metrics with real device daemons: every documented kvpush_* family is
+exposed once, per device, and a transfer between the two daemons shows up in the counters.
+
+``kvpushd --devices cpu0,cpu1`` runs as a subprocess (its own supervisor and children);
+the engines are harness Engines (DaemonClients) pointed at its engine sockets.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from daemon_harness import Engine, ops_request
+from kvref import make
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvpush import proto
+from kvpush.daemon import metrics as metrics_mod
+from kvpush.daemon.config import DeviceConfig
+from kvpush.daemon.ctl import main as ctl_main
+
+pytestmark = pytest.mark.integration
+
+BIN = Path(sys.executable).parent
+DEVICES = ("cpu0", "cpu1")
+
+
+def documented_families() -> set[str]:
+    """Metric names from the table in kvpush.daemon.metrics' docstring, without _total."""
+    names = re.findall(r"^(kvpush_\w+)\s", metrics_mod.__doc__ or "", flags=re.M)
+    assert len(names) >= 9
+    return {n.removesuffix("_total") for n in names}
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Remote:
+    """What harness Engines need of a daemon the supervisor started."""
+
+    cfg: DeviceConfig
+    peer_endpoint: str
+
+
+class Node:
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.port = free_port()
+        self.log = open(tmp / "kvpushd.log", "w+")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [str(BIN / "kvpushd"), "--devices", ",".join(DEVICES), "--runtime-dir", str(tmp),
+             "--base-port", "0", "--metrics-port", str(self.port)],
+            stdout=self.log, stderr=subprocess.STDOUT)
+
+    def get(self, path: str) -> tuple[int, str]:
+        assert self.proc.poll() is None, f"kvpushd exited with {self.proc.returncode}"
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+        except (urllib.error.URLError, ConnectionError):
+            return 0, ""
+
+    def wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self.get("/health")[0] != 200:
+            assert time.monotonic() < deadline, "kvpushd never became healthy"
+            time.sleep(0.1)
+
+    def scrape(self) -> dict[str, Any]:
+        code, text = self.get("/metrics")
+        assert code == 200
+        fams = list(text_string_to_metric_families(text))
+        names = [f.name for f in fams]
+        assert len(names) == len(set(names)), "a family appears twice: Prometheus rejects that"
+        return {f.name: f for f in fams}
+
+    def remote(self, index: int) -> Remote:
+        cfg = DeviceConfig(index=index, name=f"cpu{index}", runtime_dir=str(self.tmp))
+        status = ops_request(cfg.ops_socket, "status").data
+        return Remote(cfg, status["peer_endpoint"])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.seek(0)
+        sys.stderr.write(self.log.read()[-3000:])
+        self.log.close()
+
+
+@pytest.fixture
+def node() -> Iterator[Node]:
+    tmp = Path(tempfile.mkdtemp(prefix="kvmet-", dir="/tmp"))  # ipc paths <= 107 bytes
+    n = Node(tmp)
+    try:
+        n.wait_healthy(90)
+        yield n
+    finally:
+        n.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def sample(fams: dict[str, Any], family: str, name: str, **labels: str) -> float:
+    got = [s.value for s in fams[family].samples
+           if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
+    assert len(got) == 1, (name, labels, fams[family].samples)
+    return got[0]
+
+
+def test_metrics_families_and_a_transfer(node: Node) -> None:
+    # gauges set by the worker's periodic tick appear within its first loop pass
+    deadline = time.monotonic() + 10
+    while True:
+        fams = node.scrape()
+        devs = {s.labels.get("device") for s in fams["kvpush_pending_rendezvous"].samples}
+        if devs == set(DEVICES) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert documented_families() <= set(fams), documented_families() - set(fams)
+    # families with samples before any traffic carry both devices
+    for fam in ("kvpush_pending_rendezvous", "kvpush_transfers_in_flight",
+                "kvpush_bytes_written", "kvpush_write_latency_seconds", "kvpush_notifications"):
+        assert {s.labels.get("device") for s in fams[fam].samples} == set(DEVICES), fam
+    for dev in DEVICES:
+        assert sample(fams, "kvpushd_child_metrics_ok", "kvpushd_child_metrics_ok", device=dev) == 1
+        assert sample(fams, "kvpush_bytes_written", "kvpush_bytes_written_total", device=dev) == 0
+    assert not [s for s in fams["kvpush_transfers"].samples if s.value]
+
+    lay, _ = make("amx", num_layers=2, num_blocks=32, block_size=16, num_heads=2, head_size=64,
+                  dtype="bfloat16")
+    p, d = node.remote(0), node.remote(1)
+    pe = Engine(p, lay, "prefill", seed=7)  # type: ignore[arg-type]
+    de = Engine(d, lay, "decode", fill="zeros")  # type: ignore[arg-type]
+    try:
+        t, n = "metrics-t1", 3 * 16
+        de.send(proto.Register(t, 0, (1, 2, 3), n, (p.peer_endpoint,), 1, 10_000))
+        pe.send(proto.PrefillDone(t, (9, 8, 7), n, 10_000))
+        assert isinstance(de.result(t), proto.Received)
+        assert isinstance(pe.result(t), proto.Sent)
+        recent = ops_request(p.cfg.ops_socket, "transfers").data["recent"]
+        nbytes = sum(r["bytes"] for r in recent if r["transfer_id"] == t)
+        assert nbytes > 0
+    finally:
+        pe.close()
+        de.close()
+
+    fams = node.scrape()
+    assert sample(fams, "kvpush_bytes_written", "kvpush_bytes_written_total", device="cpu0") == nbytes
+    assert sample(fams, "kvpush_bytes_written", "kvpush_bytes_written_total", device="cpu1") == 0
+    assert sample(fams, "kvpush_transfers", "kvpush_transfers_total", device="cpu0",
+                  side="prefill", result="ok") == 1
+    assert sample(fams, "kvpush_transfers", "kvpush_transfers_total", device="cpu1",
+                  side="decode", result="ok") == 1
+    assert sample(fams, "kvpush_write_latency_seconds", "kvpush_write_latency_seconds_count",
+                  device="cpu0") == 1
+    assert sample(fams, "kvpush_notifications", "kvpush_notifications_total", device="cpu1") == 1
+    assert sample(fams, "kvpushd_child_restarts", "kvpushd_child_restarts_total", device="cpu1") == 0
+
+    # kvpushctl metrics: the same counters, straight from each daemon (found by glob)
+    import io
+
+    out, err = io.StringIO(), io.StringIO()
+    conf = node.tmp / "kvpushd.toml"
+    conf.write_text(f'devices = ["cpu0"]\nruntime_dir = "{node.tmp}"\nmetrics_port = 0\n')
+    assert ctl_main(["--config", str(conf), "metrics"], out=out, err=err) == 0, err.getvalue()
+    text = out.getvalue()
+    assert "# kvpushctl: cpu0" in text and "# kvpushctl: cpu1" in text
+    assert f'kvpush_bytes_written_total{{device="cpu0"}} {float(nbytes)}' in text

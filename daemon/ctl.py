@@ -107,6 +107,7 @@ class Target:
     outcome: str = "ok"  # ok | down | denied | refused
     error: str | None = None
     data: dict[str, Any] | None = None
+    supervisor: dict[str, Any] | None = None  # its entry in the supervisor's /health
 
     def label(self) -> str:
         return self.device or _ipc_path(self.socket) or self.socket
@@ -232,7 +233,7 @@ def ask(targets: list[Target], req: proto.OpsRequest, timeout_s: float,
     payload = proto.encode(req)
     try:
         for t in targets:
-            if not _probe(t):
+            if t.outcome != "ok" or not _probe(t):  # already known to be unreachable
                 continue
             s = ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
@@ -293,6 +294,8 @@ def name_unknown(cmd: str, targets: list[Target], timeout_s: float) -> None:
     ask(probes, proto.OpsRequest("status"), timeout_s)
     for t, probe in zip(unnamed, probes, strict=True):
         t.device = probe.device
+        if probe.outcome in ("down", "denied"):  # do not wait for it a second time
+            t.outcome, t.error = probe.outcome, probe.error
 
 
 def fetch_health(url: str | None) -> dict[str, Any] | None:
@@ -318,12 +321,13 @@ def augment(cmd: str, targets: list[Target], health: dict[str, Any] | None) -> N
     devices = (health or {}).get("devices") or {}
     now = time.monotonic()
     for t in targets:
+        d = devices.get(t.device or "")
+        if isinstance(d, dict):
+            t.supervisor = {k: d.get(k) for k in ("state", "up", "restarts", "last_exit")}
         if t.data is None or t.outcome != "ok":
             continue
         if cmd == "status":
-            d = devices.get(t.device or "")
-            t.data["supervisor"] = None if not isinstance(d, dict) else {
-                k: d.get(k) for k in ("state", "up", "restarts", "last_exit")}
+            t.data["supervisor"] = t.supervisor
         elif cmd == "pending":
             for row in t.data.get("pending") or []:
                 dl = row.get("deadline")
@@ -384,12 +388,16 @@ def _status_rows(targets: list[Target]) -> list[list[Any]]:
     rows = []
     for t in targets:
         d = t.data if t.outcome == "ok" and t.data is not None else None
-        if d is None:
-            rows.append([t.label(), "denied" if t.outcome == "denied" else "no"] + [None] * 10)
+        sup = t.supervisor or {}
+        if d is None:  # the supervisor may still know why (backoff, crash-loop, ...)
+            up = "denied" if t.outcome == "denied" else "no"
+            if sup.get("state") not in (None, "up"):
+                up = f"{up}({sup['state']})"
+            rows.append([t.label(), up, None, None, None, None, None, None, None, None,
+                         sup.get("restarts"), None])
             continue
         eng = d.get("engine") or {}
         peers = d.get("peers") or {}
-        sup = d.get("supervisor") or {}
         rows.append([
             t.label(), "draining" if d.get("draining") else "yes", d.get("pid"),
             eng.get("role"),
@@ -501,6 +509,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _node_for(ns: argparse.Namespace) -> Node:
+    """The config; with --socket it only names devices, so an implicit one that fails to
+    load (someone else's broken /etc file) does not stop a query of one socket."""
+    config, runtime_dir = getattr(ns, "config", None), getattr(ns, "runtime_dir", None)
+    try:
+        return load_node(config, runtime_dir)
+    except UsageError:
+        if config is None and getattr(ns, "socket", None):
+            return Node(runtime_dir or "/nonexistent")
+        raise
+
+
 def run_once(ns: argparse.Namespace, node: Node, out: TextIO, err: TextIO) -> int:
     cmd: str = ns.cmd
     targets = discover(node, getattr(ns, "socket", None), getattr(ns, "device", None))
@@ -553,7 +573,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None,
         print("kvpushctl: --timeout must be positive", file=err)
         return EXIT_USAGE
     try:
-        node = load_node(getattr(ns, "config", None), getattr(ns, "runtime_dir", None))
+        node = _node_for(ns)
         if watch is None:
             return run_once(ns, node, out, err)
         code = EXIT_OK

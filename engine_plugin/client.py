@@ -271,6 +271,16 @@ class DaemonClient:
 
     # ---- receiving -----------------------------------------------------------------------
 
+    def wait(self, timeout_s: float) -> bool:
+        """Block up to ``timeout_s`` for a frame from the daemon; True if one is readable.
+
+        Only for the plugin's idle steps (no forward scheduled): it replaces vLLM's busy
+        spin with a bounded sleep that any daemon message ends at once.
+        """
+        if self._closed:
+            return False
+        return bool(self._sock.poll(max(0, int(timeout_s * 1000)), zmq.POLLIN))
+
     def poll(self) -> list[Message]:
         """Zero-timeout step: flush, heartbeat, drain replies; returns daemon->engine messages.
 
@@ -387,7 +397,17 @@ class DaemonClient:
     # ---- liveness ------------------------------------------------------------------------
 
     def _heard_recently(self, now: float) -> bool:
-        return self._last_heard is not None and now - self._last_heard <= self.dead_after_s
+        """Silence is only proven by a heartbeat left unanswered for ``dead_after_s``.
+
+        An idle engine does not step, so it neither polls nor sends heartbeats; a long
+        gap since the last message then says nothing about the daemon.
+        """
+        if self._last_heard is None:
+            return False
+        if now - self._last_heard <= self.dead_after_s:
+            return True
+        oldest = min(self._hb_sent_at.values(), default=None)
+        return oldest is None or now - oldest <= self.dead_after_s
 
     def _update_liveness(self, now: float) -> None:
         alive = self._link_up and self._heard_recently(now)

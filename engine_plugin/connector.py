@@ -65,6 +65,12 @@ class KVPushConnector(KVConnectorBase_V1):
                 model=os.path.basename(str(mc.model).rstrip("/")),
                 total_kv_heads=mc.get_total_num_kv_heads(),
             )
+        prefix = os.environ.get("KVPUSH_PROFILE_HOOKS")
+        if prefix:  # opt-in: unset, no hook is wrapped and nothing costs anything
+            from kvpush.engine_plugin.profiling import install
+
+            install(self, "scheduler" if self.scheduler is not None else "worker", prefix,
+                    meta={"engine_id": self.engine_id, "kv_role": str(ktc.kv_role)})
 
     # ------------------------------------------------------------------ scheduler side
 

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import zmq
 
 from kvpush import proto
 from kvpush.engine_plugin.client import DaemonClient
@@ -194,7 +193,7 @@ class KVPushWorker:
         msgs = self.client.poll()
         if (not msgs and self.idle_step and self.cfg.idle_wait_ms
                 and (self._recv or self._send or self._releasing) and self.client.available):
-            if self.client._sock.poll(self.cfg.idle_wait_ms, zmq.POLLIN):
+            if self.client.wait(self.cfg.idle_wait_ms / 1000.0):
                 msgs = self.client.poll()
         for m in msgs:
             tid = getattr(m, "transfer_id", None)

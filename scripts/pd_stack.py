@@ -51,6 +51,7 @@ class PDStack:
     d_prefix_caching: bool = False
     with_router: bool = True
     plugin_extra: dict[str, Any] = field(default_factory=dict)
+    engine_env: dict[str, str] = field(default_factory=dict)  # extra env for both engines
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -101,10 +102,12 @@ class PDStack:
             d_args.append("--no-enable-prefix-caching")
         self.procs["prefill"] = ve.start_engine(
             self.model, self.p_port, self.work / "prefill.log", cpu_bind="0", extra_args=p_args,
+            env_extra=self.engine_env,
             kv_transfer_config=kvpush_transfer_config("kv_producer", "prefill", self.engine_socket(0),
                                                       **self.plugin_extra))
         self.procs["decode"] = ve.start_engine(
             self.model, self.d_port, self.work / "decode.log", cpu_bind="1", extra_args=d_args,
+            env_extra=self.engine_env,
             kv_transfer_config=kvpush_transfer_config("kv_consumer", "decode", self.engine_socket(1),
                                                       **self.plugin_extra))
         if self.with_router:

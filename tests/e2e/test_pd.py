@@ -15,7 +15,6 @@ from typing import Any
 
 import aiohttp
 import pytest
-
 from pd_stack import PDStack, prompt_tokens_by_source
 
 pytestmark = pytest.mark.e2e

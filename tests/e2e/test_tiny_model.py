@@ -9,7 +9,6 @@ import os
 from pathlib import Path
 
 import pytest
-
 import vllm_env
 
 pytestmark = pytest.mark.e2e

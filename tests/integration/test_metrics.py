@@ -7,6 +7,9 @@ the engines are harness Engines (DaemonClients) pointed at its engine sockets.
 
 from __future__ import annotations
 
+import io
+import json
+import os
 import re
 import shutil
 import signal
@@ -181,8 +184,6 @@ def test_metrics_families_and_a_transfer(node: Node) -> None:
     assert sample(fams, "kvpushd_child_restarts", "kvpushd_child_restarts_total", device="cpu1") == 0
 
     # kvpushctl metrics: the same counters, straight from each daemon (found by glob)
-    import io
-
     out, err = io.StringIO(), io.StringIO()
     conf = node.tmp / "kvpushd.toml"
     conf.write_text(f'devices = ["cpu0"]\nruntime_dir = "{node.tmp}"\nmetrics_port = 0\n')
@@ -190,3 +191,22 @@ def test_metrics_families_and_a_transfer(node: Node) -> None:
     text = out.getvalue()
     assert "# kvpushctl: cpu0" in text and "# kvpushctl: cpu1" in text
     assert f'kvpush_bytes_written_total{{device="cpu0"}} {float(nbytes)}' in text
+
+    # a crashed child: kvpushctl status says so, then shows the supervisor's restart count
+    conf.write_text(f'devices = ["cpu0", "cpu1"]\nruntime_dir = "{node.tmp}"\n'
+                    f'metrics_port = {node.port}\n')
+    os.kill(ops_request(d.cfg.ops_socket, "status").data["pid"], signal.SIGKILL)
+    out, err = io.StringIO(), io.StringIO()
+    assert ctl_main(["--config", str(conf), "status"], out=out, err=err) == 1
+    assert [ln.split()[1] for ln in out.getvalue().splitlines() if ln.startswith("cpu1 ")][0] \
+        .startswith("no"), out.getvalue()
+    deadline = time.monotonic() + 60
+    while True:
+        out, err = io.StringIO(), io.StringIO()
+        if ctl_main(["--config", str(conf), "status", "--json"], out=out, err=err) == 0:
+            break
+        assert time.monotonic() < deadline, err.getvalue()
+        time.sleep(0.2)
+    by = {x["device"]: x["data"]["supervisor"] for x in json.loads(out.getvalue())["daemons"]}
+    assert by["cpu1"]["restarts"] == 1 and by["cpu1"]["last_exit"] == -signal.SIGKILL
+    assert by["cpu0"] == {"state": "up", "up": True, "restarts": 0, "last_exit": None}

@@ -288,7 +288,10 @@ def test_silent_daemon_goes_unavailable_after_dead_after_s(ctx, endpoint, clock,
     for _ in range(3):
         clock.advance(1.0)
         pump(c, [d], lambda: True)
-        assert c.available  # 3.0 s since heard: not yet past dead_after_s
+        assert c.available  # the oldest unanswered heartbeat (t=1) is not yet 3 s old
+    clock.advance(1.0)
+    pump(c, [d], lambda: True)
+    assert c.available  # t=4.0: exactly dead_after_s after that heartbeat
     clock.advance(0.5)
     t_dead = clock.t
     for _ in range(5):
@@ -466,5 +469,22 @@ def test_poll_and_send_cost(ctx, endpoint, clock) -> None:
           f" send Register(64) median {send_med:.2f} us p99 {sorted(sends)[int(0.99 * len(sends))] / 1e3:.2f} us")
     assert poll_med < 10.0
     assert send_med < 100.0
+    c.close()
+    d.close()
+
+
+def test_idle_engine_gap_is_not_silence(ctx, endpoint, clock) -> None:
+    """An idle engine does not step, so it does not poll: a long gap without polls must not
+    make the daemon unavailable (that would fail the next request's load for nothing)."""
+    d = FakeDaemon(ctx, endpoint, "d1")
+    c = make_client(ctx, endpoint, clock, heartbeat_s=1.0, dead_after_s=3.0)
+    c.attach(make_attach())
+    pump(c, [d], lambda: c.available and c.attached and c.rtt_s is not None)
+    d.send(AttachAck("agent-d1", "d1"))
+    pump(c, [d], lambda: c.attached)
+    clock.advance(30.0)  # no poll at all for 30 s
+    c.poll()
+    assert c.available and c.attached
+    assert c.reattaches == 0
     c.close()
     d.close()

@@ -179,6 +179,28 @@ def _mapping_of(addr: int, path: str) -> tuple[int, int]:
     raise RegionError(f"no mapping of {path} holds address {addr:#x}")
 
 
+SHM_GROUP_ENV = "KVPUSH_SHM_GROUP"
+
+
+def _open_to_group(path: str) -> None:
+    """torch creates the file 0600; a daemon running as its own user (kvpushd.service runs
+    as ``kvpush``) must be able to map it. Grant the file's group read/write, and move it to
+    the group named by $KVPUSH_SHM_GROUP (default ``kvpush``) when that group exists and the
+    engine's user belongs to it; otherwise run the engine as the daemon's user."""
+    import grp
+
+    os.chmod(path, 0o660)
+    group = os.environ.get(SHM_GROUP_ENV, "kvpush")
+    try:
+        gid = grp.getgrnam(group).gr_gid
+    except KeyError:
+        return
+    try:
+        os.chown(path, -1, gid)
+    except PermissionError:
+        pass
+
+
 def export_cpu_tensor(t: torch.Tensor) -> MemoryHandle:
     """Share ``t``'s storage through a /dev/shm file and return a handle a daemon can open.
 
@@ -208,6 +230,7 @@ def export_cpu_tensor(t: torch.Tensor) -> MemoryHandle:
         )
     if file_off != 0 or data_offset < 4:
         raise RegionError(f"{path}: torch's refcount header is not mapped at {start:#x}")
+    _open_to_group(path)
     if name not in _PINNED:
         # torch's MapInfo header: an atomic int refcount at file offset 0. Plain (non-atomic)
         # increment: at export nobody else holds this file through torch.

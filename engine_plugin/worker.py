@@ -116,6 +116,7 @@ class KVPushWorker:
         self._daemon_id: str | None = None
         self._down_logged = False
         self.idle_step = False
+        self._created = time.monotonic()
 
     # ------------------------------------------------------------------ set-up
 
@@ -142,7 +143,8 @@ class KVPushWorker:
 
     def publish(self, meta: KVPushMetadata) -> None:
         now = time.monotonic()
-        down = self.cfg.unavailable_fail and not self.client.available and self._seen_daemon()
+        self._handle(self.client.poll())  # an AttachAck or a liveness change may be waiting
+        down = self._daemon_down()
         for r in meta.registers:
             self._recv[r.transfer_id] = _Pending(r.req_id, r.attempt, r.block_ids, now)
             sent = not down and self.client.send(proto.Register(
@@ -166,8 +168,15 @@ class KVPushWorker:
                 self._finished_sending.add(a.req_id)
                 self._releasing.pop(a.transfer_id, None)
 
-    def _seen_daemon(self) -> bool:
-        return self._daemon_id is not None or self.client.unavailable_since is not None
+    def _daemon_down(self) -> bool:
+        """Is the daemon known to be unreachable? Not merely "no answer yet": right after
+        start-up the Attach is in flight and messages queue behind it. Down = it answered
+        once and is now lost, or it never answered within the client's dead_after_s."""
+        if not self.cfg.unavailable_fail or self.client.available:
+            return False
+        if self._daemon_id is not None:
+            return True
+        return time.monotonic() - self._created > self.client.dead_after_s
 
     def _fail_recv(self, tid: str, why: str) -> None:
         p = self._recv.pop(tid, None)
@@ -195,6 +204,19 @@ class KVPushWorker:
                 and (self._recv or self._send or self._releasing) and self.client.available):
             if self.client.wait(self.cfg.idle_wait_ms / 1000.0):
                 msgs = self.client.poll()
+        self._handle(msgs)
+        if self._daemon_down():
+            if not self._down_logged:
+                log.warning("kvpush: daemon %s unavailable; failing loads and releasing blocks until it returns",
+                            self.endpoint)
+                self._down_logged = True
+            self._daemon_lost("daemon unavailable")
+        self._expire(time.monotonic())
+        fs, fr = self._finished_sending, self._finished_recving
+        self._finished_sending, self._finished_recving = set(), set()
+        return fs, fr
+
+    def _handle(self, msgs: list[Any]) -> None:
         for m in msgs:
             tid = getattr(m, "transfer_id", None)
             if isinstance(m, proto.Received):
@@ -222,16 +244,6 @@ class KVPushWorker:
                     self._daemon_lost("daemon restarted")
                 self._daemon_id = m.daemon_id
                 self._down_logged = False
-        if self.cfg.unavailable_fail and not self.client.available and self._seen_daemon():
-            if not self._down_logged:
-                log.warning("kvpush: daemon %s unavailable; failing loads and releasing blocks until it returns",
-                            self.endpoint)
-                self._down_logged = True
-            self._daemon_lost("daemon unavailable")
-        self._expire(time.monotonic())
-        fs, fr = self._finished_sending, self._finished_recving
-        self._finished_sending, self._finished_recving = set(), set()
-        return fs, fr
 
     def _daemon_lost(self, why: str) -> None:
         for tid in list(self._recv):

@@ -159,9 +159,10 @@ def test_chat_completions_stream_through_router(pd: PDStack) -> None:
 
 @pytest.fixture(scope="module")
 def pd_blocks(tiny_model, tmp_path_factory):
-    """A second stack whose engines use other block sizes (P 32, D 64; the main one uses 128)."""
+    """A second stack whose engines use other block sizes (P 32, D 64; the main one uses 128),
+    with prefix caching on the decode engine (partial local hits)."""
     stack = PDStack(tiny_model, tmp_path_factory.mktemp("pd_blocks"), p_block_size=32, d_block_size=64,
-                    with_router=False)
+                    with_router=False, d_prefix_caching=True)
     stack.start()
     try:
         yield stack
@@ -190,6 +191,32 @@ def test_different_block_sizes(pd: PDStack, pd_blocks: PDStack, direction: str) 
     ext1, _ = external(pd_blocks, pd_blocks.d_url)
     assert text(got) == want
     assert loaded_all(ext1 - ext0, [len(prompt)])
+
+
+def test_partial_prefix_hit_on_decode_loads_only_the_rest(pd: PDStack, pd_blocks: PDStack) -> None:
+    """D already holds the first 4 blocks (256 tokens) of the prompt in its prefix cache: it
+    registers only the blocks after them (first_token = 256) and kvpush writes only those
+    tokens; the cached blocks, shared with other requests, are never written."""
+    base = ids(300, seed=77)
+    prompt = base[:256] + ids(90, seed=78)
+    want = run(reference(pd, [prompt], 12))[0]
+
+    async def go(p: list[int], tid: str) -> dict[str, Any]:
+        p_body, d = legs(pd_blocks, p, tid, d_url=pd_blocks.d_url, endpoint=pd_blocks.prefill_endpoint)
+        async with aiohttp.ClientSession() as s:
+            dtask = asyncio.create_task(post(s, d["url"], d["body"]))
+            text(await post(s, f"{pd_blocks.p_url}/v1/completions", p_body))
+            return await dtask
+
+    text(run(go(base, f"prefix-a-{uuid.uuid4().hex[:8]}")))  # fills D's prefix cache
+    c0 = prompt_tokens_by_source(pd_blocks.d_url)
+    got = run(go(prompt, f"prefix-b-{uuid.uuid4().hex[:8]}"))
+    c1 = prompt_tokens_by_source(pd_blocks.d_url)
+    assert text(got) == want
+    hit = c1.get("local_cache_hit", 0) - c0.get("local_cache_hit", 0)
+    ext = c1.get("external_kv_transfer", 0) - c0.get("external_kv_transfer", 0)
+    assert hit == 256, f"decode engine hit {hit} tokens in its prefix cache, expected 256"
+    assert loaded_all(ext, [len(prompt) - 256]), f"{ext} tokens came through kvpush"
 
 
 def test_prefill_daemon_killed_mid_run(pd: PDStack) -> None:

@@ -107,7 +107,7 @@ class DeviceConfig:
     socket_mode: int = 0o600
     lease_s: float = 30.0
     register_timeout_s: float = 30.0
-    write_timeout_s: float = 20.0
+    write_timeout_s: float = 5.0
     peer_timeout_s: float = 10.0
     curve_secret_key_file: str | None = None
     curve_public_key_file: str | None = None

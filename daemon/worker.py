@@ -508,9 +508,12 @@ class Worker:
             return
         peer.transfers += 1
         self.first_tokens[(msg.transfer_id, msg.attempt, peer.key)] = msg.first_token
+        # The decode side gives up at its deadline even with a WRITE in flight, so the last
+        # WRITE must start early enough to finish (or time out) before then.
+        margin = self.cfg.write_timeout_s + 1.0
         self.apply_rdv(rv.Register(
             msg.transfer_id, msg.attempt, peer.key, msg.dest_rank, msg.expected_dests, msg.block_ids,
-            msg.num_tokens, now, now + msg.deadline_ms / 1000.0,
+            msg.num_tokens, now, now + max(0.0, msg.deadline_ms / 1000.0 - margin),
         ))
 
     def _rank(self) -> int:
@@ -584,6 +587,10 @@ class Worker:
         elif isinstance(msg, proto.Error):
             if peer.state != "ready":
                 self._producer_failed(peer, f"prefill daemon {peer.endpoint} refused: {msg.message}")
+            elif msg.code == "handshake":
+                # A new daemon on the same endpoint (restarted): it knows nothing of us or of
+                # what we registered. Fail those transfers now; the next one re-handshakes.
+                self._producer_failed(peer, f"prefill daemon {peer.endpoint} restarted (handshake lost)")
             else:
                 log.warning("prefill daemon %s: %s: %s", peer.endpoint, msg.code, msg.message)
         elif isinstance(msg, proto.HeartbeatAck):

@@ -199,6 +199,30 @@ def group_cpu_seconds(proc: subprocess.Popen[bytes] | None) -> float:
     return total
 
 
+def shm_files(groups: dict[str, subprocess.Popen[bytes]]) -> set[str]:
+    """/dev/shm files mapped by the groups' processes (vLLM's queues, torch's KV segments).
+
+    Why: engines that are SIGKILLed leave them behind (hundreds of MiB each); these are
+    ours to remove once the mode is stopped.
+    """
+    out: set[str] = set()
+    for proc in groups.values():
+        try:
+            root = psutil.Process(proc.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+        for p in procs:
+            try:
+                with open(f"/proc/{p.pid}/maps") as f:
+                    for line in f:
+                        if " /dev/shm/" in line and not line.rstrip().endswith("(deleted)"):
+                            out.add(line.split(" /dev/shm/", 1)[1].strip())
+            except OSError:
+                pass
+    return {f"/dev/shm/{name}" for name in out if "/" not in name}
+
+
 def cpu_snapshot(groups: dict[str, subprocess.Popen[bytes]]) -> dict[str, float]:
     return {name: group_cpu_seconds(p) for name, p in groups.items()}
 
@@ -555,6 +579,7 @@ def run_mode(cfg: SweepConfig, mode: str, client: ClientRunner) -> dict[str, Any
     info: dict[str, Any] = {"mode": mode, "status": "starting", "points": []}
     t0 = time.monotonic()
     stack: ModeStack | None = None
+    shm: set[str] = set()
     work = Path(tempfile.mkdtemp(prefix=f"kvsw-{mode[:4]}-"))  # short: ipc socket paths
     try:
         if mode == "kvpush":
@@ -564,6 +589,7 @@ def run_mode(cfg: SweepConfig, mode: str, client: ClientRunner) -> dict[str, Any
         info["startup_s"] = round(time.monotonic() - t0, 1)
         info["warmup"] = warm_up(stack, cfg.correct_timeout)
         info["idle_cpu_cores"] = idle_cpu(stack, cfg.idle_seconds)
+        shm = shm_files(stack.groups)
         load0 = cpu_snapshot(stack.groups)
         info["status"] = "running"
         for pt in cfg.points:
@@ -576,6 +602,7 @@ def run_mode(cfg: SweepConfig, mode: str, client: ClientRunner) -> dict[str, Any
         load1 = cpu_snapshot(stack.groups)
         info["load_cpu_seconds"] = {k: round(load1[k] - load0[k], 3) for k in load0}
         info["status"] = "ok"
+        shm |= shm_files(stack.groups)
     except (KeyboardInterrupt, SystemExit):
         info["status"] = "interrupted"
         raise
@@ -586,7 +613,11 @@ def run_mode(cfg: SweepConfig, mode: str, client: ClientRunner) -> dict[str, Any
     finally:
         client.kill()
         if stack is not None:
+            shm |= shm_files(stack.groups)
             stack.stop()
+        for path in shm:
+            Path(path).unlink(missing_ok=True)
+        info["shm_files_removed"] = len(shm)
         shutil.rmtree(work, ignore_errors=True)
         info["wall_s"] = round(time.monotonic() - t0, 1)
         (cfg.results / f"mode_{mode}.json").write_text(json.dumps(info, indent=1))

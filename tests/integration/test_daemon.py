@@ -329,3 +329,46 @@ def test_curve_peer_endpoint_refuses_unauthorised_peers(tmp_path):
         de.close()
         p.stop()
         d.stop()
+
+
+def test_restarted_producer_on_the_same_endpoint_is_re_handshaken(tmp_path):
+    """A prefill daemon restarts on the same endpoint (supervisor restart): the decode daemon
+    notices (the new daemon refuses our un-handshaken traffic), fails what it had registered
+    there, and re-handshakes for the next transfer; the engines re-attach by themselves."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    p = Daemon(device_config(tmp_path, 0, peer_port=port))
+    d = Daemon(device_config(tmp_path, 1))
+    lay, meta = cpu()
+    pe = Engine(p, lay, "prefill", seed=10)
+    de = Engine(d, lay, "decode", fill="zeros")
+    try:
+        t, n = tid(), 40
+        register(de, [p], t, [4, 5, 6], n)
+        prefill_done(pe, t, [1, 2, 3], n)
+        assert isinstance(de.result(t), proto.Received)
+        p.kill()
+        p = Daemon(device_config(tmp_path, 0, peer_port=port))
+        # The prefill engine's client re-attaches to the new daemon on its own.
+        pe.wait_for(lambda m: isinstance(m, proto.AttachAck), 20)
+        deadline = time.monotonic() + 30
+        while True:
+            before = de.bytes.copy()
+            t = tid()
+            register(de, [p], t, [7, 8, 9], n)
+            prefill_done(pe, t, [10, 11, 12], n)
+            res = de.result(t, timeout=20)
+            pe.result(t, timeout=20)
+            if isinstance(res, proto.Received):
+                check_transfer(pe, meta, [10, 11, 12], de, meta, [7, 8, 9], n, before)
+                break
+            assert time.monotonic() < deadline, f"no transfer through the restarted daemon: {res}"
+            time.sleep(1)
+    finally:
+        pe.close()
+        de.close()
+        p.stop()
+        d.stop()

@@ -55,7 +55,7 @@ def test_defaults_on_a_cpu_node() -> None:
     assert dev.peer_endpoint == "tcp://127.0.0.1:17500"
     assert (dev.backend, dev.socket_mode, dev.log_level) == ("UCX", 0o600, "INFO")
     assert (dev.lease_s, dev.register_timeout_s, dev.write_timeout_s, dev.peer_timeout_s) == (
-        30.0, 30.0, 20.0, 10.0)
+        30.0, 30.0, 5.0, 10.0)
     assert (dev.poll_min_s, dev.poll_max_s) == (0.0005, 0.05)
     assert not dev.curve_enabled
     assert (node.metrics_host, node.metrics_port) == ("127.0.0.1", 9470)

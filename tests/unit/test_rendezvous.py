@@ -320,12 +320,12 @@ def test_expiry_skips_past_stale_heap_entries() -> None:
 
 def test_tick_is_cheap_when_nothing_is_due() -> None:
     rv = Rendezvous()
-    for i in range(50_000):
+    for i in range(20_000):
         rv.handle(reg(f"t{i}", deadline=1e6 - i))
     t0 = time.perf_counter()
     for k in range(2_000):
         rv.handle(Tick(float(k)))
-    assert time.perf_counter() - t0 < 1.0  # a scan would be ~10^8 steps
+    assert time.perf_counter() - t0 < 1.0  # a scan: ~4e7 steps
 
 
 def test_heap_stays_bounded_under_rescheduling() -> None:

@@ -242,30 +242,11 @@ class ModeStack:
     stop: Any  # () -> None
 
 
-_used_ports: set[int] = set()
 
 
 def quiet_port(lo: int = 20000, hi: int = 32000) -> int:
-    """A free port below the kernel's ephemeral range (32768+).
-
-    Why: an engine binds its NIXL side channel only a minute after start; a port taken from
-    the ephemeral range by then is often the source port of some other connection.
-    """
-    import socket
-
-    rng = random.Random()
-    for _ in range(1000):
-        port = rng.randrange(lo, hi)
-        if port in _used_ports:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _used_ports.add(port)
-        return port
-    return free_port()
+    """A free port below the kernel's ephemeral range (see pd_stack.free_port)."""
+    return free_port(lo, hi)
 
 
 def nixl_transfer_config(connector: str, engine_id: str) -> dict[str, Any]:

@@ -8,6 +8,7 @@ run exactly the same processes. Every process gets its own process group;
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 from dataclasses import dataclass, field
@@ -19,10 +20,28 @@ import vllm_env as ve
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+_given: set[int] = set()
+
+
+def free_port(lo: int = 20000, hi: int = 32000) -> int:
+    """A free port below the kernel's ephemeral range (32768+), never handed out twice.
+
+    Engines bind their ports tens of seconds after we pick them; a port from the ephemeral
+    range is by then often the source port of some other connection.
+    """
+    rng = random.Random()
+    for _ in range(2000):
+        port = rng.randrange(lo, hi)
+        if port in _given:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _given.add(port)
+        return port
+    raise RuntimeError(f"no free port in [{lo}, {hi})")
 
 
 def popen(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:

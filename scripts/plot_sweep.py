@@ -186,8 +186,11 @@ def plot_metric(aggs: dict[tuple[str, Key], Agg], metric: str, out: Path) -> Pat
     fig, axes = plt.subplots(1, max(len(qpss), 1), figsize=(4.2 * max(len(qpss), 1), 3.8), squeeze=False,
                              sharey=True)
     for ax, q in zip(axes[0], qpss, strict=False):
-        for m in modes:
-            pts = sorted((k.input_len, aggs[(m, k)]) for k in keys if k.qps == q and (m, k) in aggs)
+        for mi, m in enumerate(modes):
+            # a small per-mode nudge along x so that modes at one point do not hide each other
+            nudge = 1.0 + 0.012 * (mi - (len(modes) - 1) / 2)
+            pts = sorted(((k.input_len * nudge, aggs[(m, k)]) for k in keys if k.qps == q and (m, k) in aggs),
+                         key=lambda t: t[0])
             color = STYLE.get(m)
             med = [(x, a.stats[metric]["median"]) for x, a in pts if a.stats[metric]["median"] is not None]
             p99 = [(x, a.stats[metric]["p99"]) for x, a in pts if a.stats[metric]["p99"] is not None]
@@ -201,6 +204,10 @@ def plot_metric(aggs: dict[tuple[str, Key], Agg], metric: str, out: Path) -> Pat
                 ax.annotate(f"{a.failed + a.timed_out}✗", (x, 1), xycoords=("data", "axes fraction"),
                             textcoords="offset points", xytext=(0, -12 - 10 * modes.index(m)),
                             ha="center", fontsize=7, color=color)
+        xs = sorted({k.input_len for k in keys if k.qps == q})
+        ax.set_xticks(xs)
+        if len(xs) == 1:  # one input length: keep the per-mode nudge small on screen
+            ax.set_xlim(xs[0] * 0.85, xs[0] * 1.15)
         ax.set_title(f"QPS {q:g}")
         ax.set_xlabel("input length (tokens)")
         ax.set_yscale("log")

@@ -191,7 +191,12 @@ class Worker:
         if ready is not None:
             ready.set()
         while not self.stopping:
-            self.step()
+            try:
+                self.step()
+            except Exception:  # a bug in one handler must not take the node's transfers down
+                log.exception("daemon loop error; continuing")
+                self.metrics.failure("internal")
+                time.sleep(0.01)
         self.shutdown()
         return 0
 
@@ -262,6 +267,8 @@ class Worker:
                 continue
             peer.last_seen = time.monotonic()
             self.on_producer(peer, msg)
+            if peer.dealer is not sock:  # the handler dropped this producer (and closed it)
+                break
         return got
 
     def _bad(self, cause: str, detail: str) -> None:
@@ -894,6 +901,10 @@ def run_worker(cfg: DeviceConfig, ready_event: Any = None) -> int:
         level=getattr(logging, str(cfg.log_level).upper(), logging.INFO),
         format=f"%(asctime)s kvpushd[{cfg.name}:{os.getpid()}] %(levelname)s %(name)s: %(message)s",
     )
+    import faulthandler
+
+    # `kill -USR1 <pid>` dumps every thread's stack to stderr: what is this daemon doing?
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     w = Worker(cfg)
 
     def stop(signum: int, _frame: Any) -> None:

@@ -8,6 +8,7 @@ shared memory, as the vLLM plugin's worker half does.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -64,6 +65,19 @@ def ops_request(endpoint: str, cmd: str, arg: str = "", timeout_s: float = 5.0) 
         s.close(0)
 
 
+_LIVE: list[Daemon] = []
+
+
+def dump_all_daemons() -> None:
+    """Ask every live daemon for a stack dump (faulthandler on SIGUSR1) before a test fails."""
+    import signal
+
+    for d in _LIVE:
+        if d.proc.is_alive():
+            os.kill(d.proc.pid, signal.SIGUSR1)
+    time.sleep(0.5)
+
+
 class Daemon:
     """One per-accelerator daemon process."""
 
@@ -77,6 +91,7 @@ class Daemon:
             self.proc.kill()
             raise RuntimeError(f"daemon {cfg.name} did not become ready")
         self.peer_endpoint = self.ops("status")["peer_endpoint"]
+        _LIVE.append(self)
 
     def ops(self, cmd: str, arg: str = "") -> dict:
         reply = ops_request(self.cfg.ops_socket, cmd, arg)
@@ -145,6 +160,7 @@ class Engine:
                 if pred(m):
                     return self.inbox.pop(i)
             if time.monotonic() > end:
+                dump_all_daemons()
                 raise TimeoutError(f"no matching message; inbox: {self.inbox[-5:]}")
             time.sleep(0.002)
 

@@ -31,12 +31,12 @@ import asyncio
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 from aiohttp import web
+from router import LegFailed, decode_chunks  # the same streaming and failure rules
 
 log = logging.getLogger("baseline-proxy")
 MODES = ("pull", "push")
@@ -55,10 +55,6 @@ class ProxyConfig:
     prefill_tp_size: int = 1
     prefill_timeout_s: float = 600.0
     request_timeout_s: float = 600.0
-
-
-class LegFailed(RuntimeError):
-    """One leg of a P/D request failed; the client gets a 502."""
 
 
 def prefill_body(body: dict[str, Any], kv_params: dict[str, Any]) -> dict[str, Any]:
@@ -209,7 +205,7 @@ class Proxy:
                 resp = web.StreamResponse(status=200, headers={
                     "content-type": up.headers.get("content-type", "application/json")})
                 await resp.prepare(req)
-                async for chunk in _chunks(up, prefill):
+                async for chunk in decode_chunks(up, prefill):
                     await resp.write(chunk)
                 if prefill is not None:
                     await prefill  # the decode leg ended; the prefill leg must have succeeded
@@ -225,35 +221,6 @@ class Proxy:
                 raise
             self.stats["errors"] += 1
             return resp
-
-
-async def _chunks(up: aiohttp.ClientResponse, prefill: asyncio.Task[Any] | None) -> AsyncIterator[bytes]:
-    """Decode-leg bytes as they arrive; raise LegFailed once a concurrent prefill leg failed."""
-    it = up.content.iter_any().__aiter__()
-    nxt: asyncio.Future[bytes] | None = None
-    try:
-        while True:
-            if prefill is not None and prefill.done() and not prefill.cancelled():
-                exc = prefill.exception()
-                if exc is not None:
-                    up.close()  # closing the decode leg aborts it in the engine
-                    raise LegFailed(str(exc))
-            if nxt is None:
-                nxt = asyncio.ensure_future(it.__anext__())
-            waits: set[asyncio.Future[Any]] = {nxt}
-            if prefill is not None and not prefill.done():
-                waits.add(prefill)
-            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            if nxt in done:
-                try:
-                    chunk = nxt.result()
-                except StopAsyncIteration:
-                    return
-                nxt = None
-                yield chunk
-    finally:
-        if nxt is not None and not nxt.done():
-            nxt.cancel()
 
 
 def _error(status: int, message: str) -> web.Response:

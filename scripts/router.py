@@ -25,6 +25,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -144,12 +145,19 @@ class Router:
         p.in_flight += 1
         d.in_flight += 1
         prefill = asyncio.create_task(self._prefill(p, path, p_body, headers))
+        decode = asyncio.ensure_future(self.session.post(
+            f"{d.url}{path}", json=d_body, headers=headers,
+            timeout=aiohttp.ClientTimeout(total=self.cfg.request_timeout_s),
+        ))
         resp: web.StreamResponse | None = None
         try:
-            async with self.session.post(
-                f"{d.url}{path}", json=d_body, headers=headers,
-                timeout=aiohttp.ClientTimeout(total=self.cfg.request_timeout_s),
-            ) as upstream:
+            # A non-streaming decode leg answers only when generation is done: race its
+            # headers against the prefill leg so a failed prefill cancels it at once.
+            await asyncio.wait({decode, prefill}, return_when=asyncio.FIRST_COMPLETED)
+            if not decode.done() and prefill.exception() is not None:
+                decode.cancel()  # closes the connection: vLLM aborts the request
+                raise LegFailed(str(prefill.exception()))
+            async with await decode as upstream:
                 if upstream.status != 200:
                     text = await upstream.text()
                     prefill.cancel()
@@ -157,7 +165,7 @@ class Router:
                     return _error(upstream.status, f"decode engine {d.url}: {text[:500]}")
                 resp = web.StreamResponse(status=200, headers={"content-type": upstream.headers.get("content-type", "application/json"), "x-request-id": rid})
                 await resp.prepare(req)
-                async for chunk in _chunks(upstream, prefill):
+                async for chunk in decode_chunks(upstream, prefill):
                     await resp.write(chunk)
                 # The decode leg finished; the prefill leg must have succeeded too.
                 await prefill
@@ -178,8 +186,9 @@ class Router:
                 return _error(502, f"decode engine {d.url}: {type(exc).__name__}: {exc}")
             return resp
         finally:
-            if not prefill.done():
-                prefill.cancel()
+            for task in (prefill, decode):
+                if not task.done():
+                    task.cancel()
             p.in_flight -= 1
             d.in_flight -= 1
 
@@ -206,18 +215,22 @@ class LegFailed(RuntimeError):
     """One leg of a P/D request failed; the other is cancelled."""
 
 
-async def _chunks(upstream: aiohttp.ClientResponse, prefill: asyncio.Task[None]) -> Any:
-    """Decode-leg bytes as they come; raise LegFailed as soon as the prefill leg fails."""
-    it = upstream.content.iter_any().__aiter__()
+async def decode_chunks(up: aiohttp.ClientResponse, prefill: asyncio.Task[Any] | None) -> AsyncIterator[bytes]:
+    """Decode-leg bytes as they arrive; raise LegFailed once a concurrent prefill leg failed."""
+    it = up.content.iter_any().__aiter__()
     nxt: asyncio.Future[bytes] | None = None
     try:
         while True:
-            if prefill.done() and not prefill.cancelled() and prefill.exception() is not None:
-                upstream.close()  # closing the decode leg aborts it in the engine
-                raise LegFailed(str(prefill.exception()))
+            if prefill is not None and prefill.done() and not prefill.cancelled():
+                exc = prefill.exception()
+                if exc is not None:
+                    up.close()  # closing the decode leg aborts it in the engine
+                    raise LegFailed(str(exc))
             if nxt is None:
                 nxt = asyncio.ensure_future(it.__anext__())
-            waits: set[asyncio.Future[Any]] = {nxt} if prefill.done() else {nxt, prefill}
+            waits: set[asyncio.Future[Any]] = {nxt}
+            if prefill is not None and not prefill.done():
+                waits.add(prefill)
             done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             if nxt in done:
                 try:

@@ -9,6 +9,7 @@ silent local recompute fails the test instead of passing it.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from typing import Any
@@ -155,6 +156,58 @@ def test_chat_completions_stream_through_router(pd: PDStack) -> None:
         return "\n".join(out)
 
     assert "chat.completion.chunk" in run(go())
+
+
+def test_router_failed_prefill_leg_cancels_decode_leg(pd: PDStack, tmp_path) -> None:
+    """The prefill engine is unreachable: the client gets a clear error at once, and the
+    decode leg (already registered, waiting for KV) is cancelled instead of waiting out
+    its deadline."""
+    import vllm_env as ve
+    from pd_stack import ROOT, free_port, popen
+
+    port, dead = free_port(), free_port()
+    router = popen([ve.vllm_python(), str(ROOT / "scripts" / "router.py"), "--port", str(port),
+                    "--prefill", f"http://127.0.0.1:{dead}=tcp://127.0.0.1:{dead}", "--decode", pd.d_url],
+                   tmp_path / "router.log")
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                import urllib.request
+
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5).read()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "router did not start"
+                time.sleep(0.5)
+        t0 = time.monotonic()
+        got = run(via_router_url(f"http://127.0.0.1:{port}", [ids(200, seed=31)], 8))[0]
+        assert "error" in got and got["status"] == 502
+        assert "prefill engine" in json.dumps(got["error"])
+        assert time.monotonic() - t0 < 20, "the client waited for the decode leg's deadline"
+        # The decode engine dropped the request (nothing left running there).
+        deadline = time.monotonic() + 30
+        while running(pd.d_url) > 0:
+            assert time.monotonic() < deadline, "decode leg still running after the prefill leg failed"
+            time.sleep(0.5)
+    finally:
+        ve.stop_group(router)
+
+
+def running(url: str) -> float:
+    import urllib.request
+
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{")):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def via_router_url(url: str, prompts: list[list[int]], max_tokens: int) -> list[dict[str, Any]]:
+    async with aiohttp.ClientSession() as s:
+        return list(await asyncio.gather(*(post(s, f"{url}/v1/completions", body(p, max_tokens)) for p in prompts)))
 
 
 @pytest.fixture(scope="module")

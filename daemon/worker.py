@@ -37,7 +37,7 @@ from kvpush.proto.layout import KVLayout
 log = logging.getLogger("kvpush.worker")
 
 NOTIF_PREFIX = b"kvp1"
-RECV_POLL_MAX_S = 0.002
+RECV_POLL_MAX_S = 0.0005
 
 
 def encode_notif(transfer_id: str, attempt: int, rank: int) -> bytes:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import time
 from typing import Any
 
@@ -33,8 +34,26 @@ def _agent(name: str, params: dict[str, str], prog_thread: bool = False) -> Any:
     return a
 
 
+SHM_ENV = "KVPUSH_BENCH_SHM"
+
+
 def _buffer(size: int) -> np.ndarray:
-    buf = np.empty(size, dtype=np.uint8)
+    """Anonymous memory, or with $KVPUSH_BENCH_SHM=1 a /dev/shm mapping: the kind of memory
+    kvpush moves (engines share their KV through /dev/shm), for a like-for-like baseline."""
+    if os.environ.get(SHM_ENV) == "1":
+        import mmap
+
+        path = f"/dev/shm/kvpush-bench-{os.getpid()}-{time.monotonic_ns()}"
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            m = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+            os.unlink(path)
+        buf = np.frombuffer(m, dtype=np.uint8)
+    else:
+        buf = np.empty(size, dtype=np.uint8)
     buf[:] = 1  # fault the pages in before registering / timing
     return buf
 

@@ -2,9 +2,12 @@
 """kvpushd end to end vs a raw NIXL two-process WRITE vs memcpy, on the same bytes, in one run.
 
 Daemon end to end = from the prefill engine publishing PrefillDone (the decode side
-registered first) to the decode engine hearing Received: the WRITE, its notification,
-the counter and two ZeroMQ hops. Raw NIXL = back-to-back WRITEs between two fresh
-processes that do nothing else (scripts/bench_raw_nixl.py). memcpy = one numpy copy.
+registered first) to the decode engine hearing Received: the plan, a fresh NIXL transfer,
+the WRITE, its notification, the counter and two ZeroMQ hops. Raw NIXL = back-to-back
+WRITEs of one prepared transfer between two processes that do nothing else
+(scripts/bench_raw_nixl.py), on /dev/shm memory like the engines' KV (``raw_nixl_gbps``,
+the baseline of ``daemon_vs_raw``) and on anonymous memory (``raw_nixl_anon_gbps``).
+memcpy = one numpy copy.
 
     python scripts/bench_transfer.py --json [--sizes 1,16,256] [--modes none,peer]
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -30,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_raw_nixl import memcpy_gbps, raw_nixl_write_gbps  # noqa: E402
+from bench_raw_nixl import SHM_ENV, memcpy_gbps, raw_nixl_write_gbps  # noqa: E402
 from daemon_harness import Daemon, Engine, device_config  # noqa: E402
 
 from kvpush import proto  # noqa: E402
@@ -87,6 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--idle-seconds", type=float, default=5.0)
     args = ap.parse_args(argv)
     sizes = [int(s) * MiB for s in args.sizes.split(",")]
+    # NIXL logs to stdout (in this process and in the daemons it spawns): keep stdout for
+    # the result alone by pointing fd 1 at stderr until the end.
+    sys.stdout.flush()
+    real_stdout = os.dup(1)
+    os.dup2(2, 1)
     blocks = 2 * max(sizes) // BLOCK_BYTES
     out: dict[str, Any] = {"block_bytes": BLOCK_BYTES, "modes": {}}
     for mode in args.modes.split(","):
@@ -103,11 +112,18 @@ def main(argv: list[str] | None = None) -> int:
                 for scattered in (False, True):
                     key = f"{size // MiB}MiB_{'scattered' if scattered else 'contiguous'}"
                     e2e = daemon_e2e_gbps(p, d, pe, de, size, scattered, iters, seed=size)
-                    raw = raw_nixl_write_gbps(size, scattered, iters, backend_params={"ucx_error_handling_mode": mode})
+                    params = {"ucx_error_handling_mode": mode}
+                    raw_anon = raw_nixl_write_gbps(size, scattered, iters, backend_params=params)
+                    os.environ[SHM_ENV] = "1"  # same kind of memory as the engines' KV
+                    try:
+                        raw = raw_nixl_write_gbps(size, scattered, iters, backend_params=params)
+                    finally:
+                        os.environ.pop(SHM_ENV, None)
                     mem = memcpy_gbps(size, iters)
                     rows[key] = {
                         "daemon_gbps": round(e2e["gbps"], 3), "daemon_median_ms": round(e2e["median_ms"], 3),
-                        "raw_nixl_gbps": round(raw, 3), "memcpy_gbps": round(mem, 3),
+                        "raw_nixl_gbps": round(raw, 3), "raw_nixl_anon_gbps": round(raw_anon, 3),
+                        "memcpy_gbps": round(mem, 3),
                         "daemon_vs_raw": round(e2e["gbps"] / raw, 3) if raw else None,
                     }
                     if not args.json:
@@ -123,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
             p.stop()
             d.stop()
         out["modes"][mode] = {"sizes": rows, "idle": idle}
+    sys.stdout.flush()
+    os.dup2(real_stdout, 1)
     print(json.dumps(out) if args.json else json.dumps(out, indent=2))
     return 0
 

@@ -7,7 +7,7 @@ prefill engine computes, so for every request the router makes a
 **concurrently**; it streams the decode leg back. If either leg fails, the other
 is cancelled and the client gets a clear error.
 
-    kvpush-router --port 8000 \\
+    python scripts/router.py --port 8000 \\
         --prefill http://127.0.0.1:8100=tcp://127.0.0.1:17500 \\
         --decode http://127.0.0.1:8200
 
@@ -263,7 +263,7 @@ def build_app(cfg: RouterConfig) -> web.Application:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="kvpush-router", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="router.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--prefill", type=parse_prefill, action="append", required=True, metavar="URL=ENDPOINTS")

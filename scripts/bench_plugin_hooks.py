@@ -12,7 +12,7 @@ Only steps that started inside the load window (after ``--ramp`` seconds, before
 the last request was issued) count. The worker's idle-step wait (a deliberate
 bounded sleep, ``idle_wait_ms``) is reported both included and excluded.
 
-    python scripts/bench_plugin_hooks.py --model /tmp/tiny1 --duration 30
+    python scripts/bench_plugin_hooks.py --model .models/tiny --duration 30
 
 Prints one JSON object on stdout; progress goes to stderr.
 """
@@ -202,7 +202,7 @@ def analyse(files: list[Path], win: tuple[float, float]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, default=Path("/tmp/tiny1"))
+    ap.add_argument("--model", type=Path, default=Path(__file__).resolve().parent.parent / ".models" / "tiny")
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=200)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -220,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     prof_dir.mkdir(parents=True, exist_ok=True)
     prefix = str(prof_dir / "hooks")
     extra = {} if args.idle_wait_ms is None else {"idle_wait_ms": args.idle_wait_ms}
+    import vllm_env
+
+    vllm_env.ensure_tiny_model(args.model)  # no-op when already built
     pd = PDStack(args.model, work / "stack", plugin_extra=extra,
                  engine_env={ENV: prefix, ENV_FLUSH: str(args.flush_s)})
     log(f"starting the stack in {work}")

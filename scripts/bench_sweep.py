@@ -24,8 +24,8 @@ CPU seconds per process group, the decode engine's own inter-token latency histo
 KV-source counters); per mode ``mode_<mode>.json`` (start-up, warm-up, idle CPU); vLLM's
 raw result files and every log under raw/ and logs/. Plot with scripts/plot_sweep.py.
 
-    /work/venv-vllm/bin/python scripts/bench_sweep.py --quick --results-dir /work/sweep-quick
-    /work/venv-vllm/bin/python scripts/bench_sweep.py --results-dir DIR \\
+    .venv/bin/python scripts/bench_sweep.py --quick --results-dir results/sweep-quick
+    .venv/bin/python scripts/bench_sweep.py --results-dir DIR \\
         [--modes kvpush,pull,vllm-push] [--qps 1,2,4,8] [--input-lens 256,512,1024,1536] \\
         [--output-len 32] [--num-prompts 32] [--iterations 1] [--env UCX_TLS=...]
 """
@@ -630,7 +630,7 @@ def _pairs(s: str) -> list[tuple[float, int]]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results-dir", required=True)
-    ap.add_argument("--model-dir", default="/tmp/tiny1", help="built if missing (scripts/build_tiny_model.py)")
+    ap.add_argument("--model-dir", default=str(ROOT / ".models" / "tiny"), help="built if missing (scripts/build_tiny_model.py)")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--qps", type=_floats, default=[1, 2, 4, 8])
     ap.add_argument("--input-lens", type=_ints, default=[256, 512, 1024, 1536])

@@ -116,10 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     ps = prompts(args.extra_prompts)
     try:
-        # 1. colocated reference: the same engine flags, no disaggregation
+        # 1. colocated reference: the same engine flags and one core, like each P/D engine
         port = free_port()
         print("starting the colocated reference engine ...", flush=True)
-        ref = ve.start_engine(model, port, work / "colocated.log", cpu_bind="0-1")
+        ref = ve.start_engine(model, port, work / "colocated.log", cpu_bind="0")
         procs.append(ref)
         ve.wait_healthy(f"http://127.0.0.1:{port}/health", 600, ref)
         url = f"http://127.0.0.1:{port}/v1/completions"

@@ -20,10 +20,11 @@ Every transition lives in one table, ``_TABLE`` at the end of this module, keyed
 from __future__ import annotations
 
 import enum
-import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from kvpush.daemon.deadlines import Deadlines
 
 # --------------------------------------------------------------------------- events
 
@@ -194,8 +195,6 @@ class _Attempt:
     notified: set[int] = field(default_factory=set)
     resolved: set[int] = field(default_factory=set)
     reason: str = ""
-    due: float | None = None  # what the heap holds for this record
-    gen: int = 0
 
 
 Handler = Callable[..., None]
@@ -213,8 +212,7 @@ class CompletionCounter:
         self.tombstone_s = tombstone_s
         self._recs: dict[_Key, _Attempt] = {}
         self._current: dict[str, int] = {}  # newest attempt per transfer
-        self._heap: list[tuple[float, int, str, int]] = []
-        self._seq = 0
+        self._deadlines: Deadlines[_Key] = Deadlines()
         self._now = float("-inf")
         self._counts: dict[State, int] = {s: 0 for s in State}
 
@@ -271,32 +269,12 @@ class CompletionCounter:
         _TABLE[(rec.state if rec is not None else None, type(ev))](self, rec, ev, out)
 
     def _expire(self, out: list[Action]) -> None:
-        """Pop every entry due at ``now``; stale heap entries (gen mismatch) are skipped."""
-        while self._heap and self._heap[0][0] <= self._now:  # not aliased: may be compacted
-            _, gen, tid, attempt = heapq.heappop(self._heap)
-            rec = self._recs.get((tid, attempt))
-            if rec is None or rec.gen != gen:
-                continue
-            rec.due = None
-            self._dispatch(rec, _Deadline(self._now), out)
+        """Dispatch a deadline event to every record due at ``now``."""
+        for key in self._deadlines.pop_due(self._now):
+            self._dispatch(self._recs[key], _Deadline(self._now), out)
 
     def _schedule(self, rec: _Attempt, due: float) -> None:
-        if due == rec.due:
-            return
-        self._seq += 1
-        rec.gen, rec.due = self._seq, due
-        heapq.heappush(self._heap, (due, self._seq, rec.transfer_id, rec.attempt))
-        self._compact()
-
-    def _compact(self) -> None:
-        """Drop stale heap entries once they outnumber live ones (amortised O(1))."""
-        if len(self._heap) > 2 * len(self._recs) + 64:
-            self._heap = [
-                (r.due, r.gen, r.transfer_id, r.attempt)
-                for r in self._recs.values()
-                if r.due is not None
-            ]
-            heapq.heapify(self._heap)
+        self._deadlines.set((rec.transfer_id, rec.attempt), due)
 
     def _set_state(self, rec: _Attempt, new: State) -> None:
         """Move to ``new``; tombstones are purged later, live states end by the deadline."""
@@ -318,7 +296,7 @@ class CompletionCounter:
         self._counts[rec.state] -= 1
         if self._current.get(rec.transfer_id) == rec.attempt:
             del self._current[rec.transfer_id]
-        self._compact()
+        self._deadlines.set(key, None)
 
     def _unresolved(self, rec: _Attempt) -> bool:
         return len(rec.resolved) < rec.producers

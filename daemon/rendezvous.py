@@ -25,10 +25,11 @@ Safety rules the table upholds (each one is a bug seen in other systems):
 from __future__ import annotations
 
 import enum
-import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from kvpush.daemon.deadlines import Deadlines
 
 # --------------------------------------------------------------------------- events
 
@@ -233,8 +234,6 @@ class _Transfer:
     inflight: dict[tuple[int, int], _Flight] = field(default_factory=dict)  # (attempt, dest)
     outcome: tuple[bool, str] | None = None  # decided ReleaseBlocks(ok, reason)
     peers: set[str] = field(default_factory=set)  # every peer that registered (index cleanup)
-    deadline: float | None = None
-    gen: int = 0
 
 
 Handler = Callable[..., None]
@@ -252,8 +251,7 @@ class Rendezvous:
         self.max_transfers = max_transfers
         self._t: dict[str, _Transfer] = {}
         self._by_peer: dict[str, set[str]] = {}
-        self._heap: list[tuple[float, int, str]] = []
-        self._seq = 0
+        self._deadlines: Deadlines[str] = Deadlines()
         self._now = float("-inf")
         self._counts: dict[State, int] = {s: 0 for s in State}
         self._live = 0
@@ -307,41 +305,19 @@ class Rendezvous:
             expected=rec.expected,
             writes_in_flight=len(rec.inflight),
             age=now - rec.created,
-            deadline=rec.deadline,
+            deadline=self._deadlines.get(rec.transfer_id),
         )
 
     def _dispatch(self, rec: _Transfer | None, ev: Any, out: list[Action]) -> None:
         _TABLE[(rec.state if rec is not None else None, type(ev))](self, rec, ev, out)
 
     def _expire(self, out: list[Action]) -> None:
-        """Pop every entry due at ``now``; stale heap entries (gen mismatch) are skipped."""
-        while self._heap and self._heap[0][0] <= self._now:  # not aliased: may be compacted
-            _, gen, tid = heapq.heappop(self._heap)
-            rec = self._t.get(tid)
-            if rec is None or rec.gen != gen:
-                continue
-            rec.deadline = None
-            self._dispatch(rec, _Deadline(self._now), out)
+        """Dispatch a deadline event to every record due at ``now``."""
+        for tid in self._deadlines.pop_due(self._now):
+            self._dispatch(self._t[tid], _Deadline(self._now), out)
 
     def _schedule(self, rec: _Transfer, deadline: float | None) -> None:
-        if deadline == rec.deadline:
-            return
-        self._seq += 1
-        rec.gen = self._seq  # invalidates any older heap entry of this record
-        rec.deadline = deadline
-        if deadline is not None:
-            heapq.heappush(self._heap, (deadline, self._seq, rec.transfer_id))
-            self._compact()
-
-    def _compact(self) -> None:
-        """Drop stale heap entries once they outnumber live ones (amortised O(1))."""
-        if len(self._heap) > 2 * len(self._t) + 64:
-            self._heap = [
-                (r.deadline, r.gen, r.transfer_id)
-                for r in self._t.values()
-                if r.deadline is not None
-            ]
-            heapq.heapify(self._heap)
+        self._deadlines.set(rec.transfer_id, deadline)
 
     def _set_state(self, rec: _Transfer, new: State) -> None:
         old = rec.state
@@ -370,7 +346,7 @@ class Rendezvous:
                 s.discard(rec.transfer_id)
                 if not s:
                     del self._by_peer[p]
-        self._compact()
+        self._deadlines.set(rec.transfer_id, None)
 
     def _settle(self, rec: _Transfer, out: list[Action]) -> None:
         """Derive the state from the record's facts and do what entering it implies."""

@@ -174,7 +174,7 @@ def test_tombstones_purged_and_tick_cheap() -> None:
         cc.handle(Notified(f"t{i}", 0, 0, 2_000.0))
     cc.handle(Tick(2_002.0))
     assert sum(cc.counts().values()) == 0 and not cc._current
-    assert len(cc._heap) <= 64
+    assert len(cc._deadlines._heap) <= 64
 
 
 def test_zero_tombstones_with_heap_compaction_during_expiry() -> None:
@@ -182,7 +182,7 @@ def test_zero_tombstones_with_heap_compaction_during_expiry() -> None:
     for i in range(500):
         cc.handle(Expect(f"t{i}", 0, 1, 0.0, 1.0 + i % 7))
     cc.handle(Tick(100.0))
-    assert sum(cc.counts().values()) == 0 and cc._heap == []
+    assert sum(cc.counts().values()) == 0 and cc._deadlines._heap == []
 
 
 # ---------------------------------------------------------------- reference model

@@ -334,7 +334,7 @@ def test_heap_stays_bounded_under_rescheduling() -> None:
         rv.handle(reg(f"t{i}", now=float(i), deadline=i + 10.0))
         rv.handle(pf(f"t{i}", now=float(i), lease=i + 20.0))
         rv.handle(WriteDone(f"t{i}", 0, 0, float(i)))
-    assert len(rv._heap) <= 2 * len(rv._t) + 64
+    assert len(rv._deadlines._heap) <= 2 * len(rv._t) + 64
 
 
 def test_zero_tombstones_with_heap_compaction_during_expiry() -> None:
@@ -342,7 +342,7 @@ def test_zero_tombstones_with_heap_compaction_during_expiry() -> None:
     for i in range(500):
         rv.handle(reg(f"t{i}", deadline=1.0 + i % 7))
     rv.handle(Tick(100.0))
-    assert sum(rv.counts().values()) == 0 and rv._heap == [] and rv._by_peer == {}
+    assert sum(rv.counts().values()) == 0 and rv._deadlines._heap == [] and rv._by_peer == {}
 
 
 # --------------------------------------------------------- order does not matter

@@ -31,6 +31,7 @@ import ctypes
 import mmap
 import os
 import re
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
@@ -295,7 +296,7 @@ def export_cuda_tensor(t: torch.Tensor) -> MemoryHandle:
 # ---- daemon side --------------------------------------------------------------------------
 
 
-class MappedRegion:
+class MappedRegion(ABC):
     """Engine memory mapped into this process: ``[base, base + size)`` starts at the
     exported tensor's first byte. Register it with NIXL only after mapping (addresses are
     those of this process)."""
@@ -306,12 +307,13 @@ class MappedRegion:
     base: int
     size: int
 
+    @abstractmethod
     def view(self, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         """The region as a 1-D tensor (tests, debugging); drop it before ``close()``."""
-        raise NotImplementedError
 
+    @abstractmethod
     def close(self) -> None:
-        raise NotImplementedError
+        """Unmap (after the transport deregistered the region)."""
 
     def __enter__(self) -> MappedRegion:
         return self

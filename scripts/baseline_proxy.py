@@ -36,7 +36,12 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from router import LegFailed, decode_chunks  # the same streaming and failure rules
+from router import (  # one front end, two policies
+    LegFailed,
+    decode_chunks,
+    error_response,
+    front_app,
+)
 
 log = logging.getLogger("baseline-proxy")
 MODES = ("pull", "push")
@@ -224,20 +229,12 @@ class Proxy:
 
 
 def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": "baseline_proxy_error", "code": status}},
-                             status=status)
+    return error_response(status, message, "baseline_proxy_error")
 
 
 def build_app(cfg: ProxyConfig) -> web.Application:
     p = Proxy(cfg)
-    app = web.Application(client_max_size=64 << 20)
-    app.on_startup.append(p.start)
-    app.on_cleanup.append(p.stop)
-    app.router.add_get("/health", p.health)
-    app.router.add_get("/v1/models", p.models)
-    app.router.add_get("/proxy/status", p.status)
-    app.router.add_post("/v1/completions", p.completions)
-    app.router.add_post("/v1/chat/completions", p.completions)
+    app = front_app(p, "/proxy/status")
     app["proxy"] = p
     return app
 

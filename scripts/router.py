@@ -244,20 +244,32 @@ async def decode_chunks(up: aiohttp.ClientResponse, prefill: asyncio.Task[Any] |
             nxt.cancel()
 
 
+def error_response(status: int, message: str, kind: str = "kvpush_router_error") -> web.Response:
+    """An OpenAI-style error body, so clients show the message."""
+    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+
+
 def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": "kvpush_router_error", "code": status}}, status=status)
+    return error_response(status, message)
+
+
+def front_app(front: Any, status_path: str) -> web.Application:
+    """The OpenAI-API surface shared by this router and the baselines' proxy: ``front``
+    provides start/stop/health/models/status/completions."""
+    app = web.Application(client_max_size=64 << 20)
+    app.on_startup.append(front.start)
+    app.on_cleanup.append(front.stop)
+    app.router.add_get("/health", front.health)
+    app.router.add_get("/v1/models", front.models)
+    app.router.add_get(status_path, front.status)
+    app.router.add_post("/v1/completions", front.completions)
+    app.router.add_post("/v1/chat/completions", front.completions)
+    return app
 
 
 def build_app(cfg: RouterConfig) -> web.Application:
     r = Router(cfg)
-    app = web.Application(client_max_size=64 << 20)
-    app.on_startup.append(r.start)
-    app.on_cleanup.append(r.stop)
-    app.router.add_get("/health", r.health)
-    app.router.add_get("/v1/models", r.models)
-    app.router.add_get("/router/status", r.status)
-    app.router.add_post("/v1/completions", r.completions)
-    app.router.add_post("/v1/chat/completions", r.completions)
+    app = front_app(r, "/router/status")
     app["router"] = r
     return app
 

@@ -47,6 +47,7 @@ class Register:
     num_tokens: int
     now: float
     deadline: float
+    first_token: int = 0  # block_ids cover tokens [first_token, num_tokens) (decode prefix hit)
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,7 @@ class StartWrite:
     src_block_ids: tuple[int, ...]
     dst_block_ids: tuple[int, ...]
     num_tokens: int
+    dst_first_token: int = 0
 
 
 @dataclass(frozen=True)
@@ -210,6 +212,7 @@ class _Reg:
     block_ids: tuple[int, ...]
     num_tokens: int
     deadline: float
+    first_token: int = 0
 
 
 @dataclass
@@ -403,6 +406,7 @@ class Rendezvous:
                 rec.prefill.block_ids,
                 reg.block_ids,
                 rec.prefill.num_tokens,
+                reg.first_token,
             )
         )
 
@@ -471,7 +475,7 @@ class Rendezvous:
             self._kill(rec, f"superseded by attempt {ev.attempt}", out)
             rec.attempt, rec.live, rec.expected = ev.attempt, True, ev.expected_dests
             rec.regs, rec.started, rec.done = {}, set(), set()
-        rec.regs[ev.dest_rank] = _Reg(ev.peer, tuple(ev.block_ids), ev.num_tokens, ev.deadline)
+        rec.regs[ev.dest_rank] = _Reg(ev.peer, tuple(ev.block_ids), ev.num_tokens, ev.deadline, ev.first_token)
         rec.peers.add(ev.peer)
         self._by_peer.setdefault(ev.peer, set()).add(rec.transfer_id)
         if rec.prefill is not None:

@@ -164,9 +164,6 @@ class Worker:
         self.producers: dict[str, PeerInfo] = {}  # endpoint -> prefill daemon
         self.receiving: dict[str, Receiving] = {}
         self.in_flight: dict[int, InFlight] = {}
-        # (transfer, attempt, peer) -> first destination token (kept beside the pure core,
-        # which does not need it); dropped when the write starts or fails.
-        self.first_tokens: dict[tuple[str, int, str], int] = {}
         self.history = History()
         self.started = time.monotonic()
         self.stopping = False
@@ -514,13 +511,12 @@ class Worker:
             self._reply(self.ep.peer, peer.routing_id, proto.WriteFailedNotice(msg.transfer_id, msg.attempt, self._rank(), why))
             return
         peer.transfers += 1
-        self.first_tokens[(msg.transfer_id, msg.attempt, peer.key)] = msg.first_token
         # The decode side gives up at its deadline even with a WRITE in flight, so the last
         # WRITE must start early enough to finish (or time out) before then.
         margin = self.cfg.write_timeout_s + 1.0
         self.apply_rdv(rv.Register(
             msg.transfer_id, msg.attempt, peer.key, msg.dest_rank, msg.expected_dests, msg.block_ids,
-            msg.num_tokens, now, now + max(0.0, msg.deadline_ms / 1000.0 - margin),
+            msg.num_tokens, now, now + max(0.0, msg.deadline_ms / 1000.0 - margin), msg.first_token,
         ))
 
     def _rank(self) -> int:
@@ -713,9 +709,8 @@ class Worker:
         if not err:
             assert me is not None and peer is not None and peer.layout is not None
             try:
-                first = self.first_tokens.pop((a.transfer_id, a.attempt, a.peer), 0)
                 p = plan(me.layout, a.src_block_ids, peer.layout, a.dst_block_ids, a.num_tokens,
-                         dst_first_token=first)
+                         dst_first_token=a.dst_first_token)
                 local = np.stack((p.src_off + me.region.base, p.length), axis=1)
                 remote = np.stack((p.dst_off + peer.region_base, p.length), axis=1)
                 h = self.transport.write(
@@ -810,8 +805,6 @@ class Worker:
     def tick(self, now: float) -> None:
         self.apply_rdv(rv.Tick(now))
         self.apply_counter(ctr.Tick(now))
-        for key in [k for k in self.first_tokens if not self._rdv_live(k[0])]:
-            del self.first_tokens[key]
         timeout = self.cfg.peer_timeout_s
         for p in list(self.producers.values()):
             if p.state == "handshaking" and now - p.since > timeout:

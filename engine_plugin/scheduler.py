@@ -118,6 +118,3 @@ class KVPushScheduler:
 
     def has_pending_push_work(self) -> bool:
         return bool(self._held or self._releasing or self._meta)
-
-    def forget(self, rid: str) -> None:
-        self._done_recv.discard(rid)

@@ -2,7 +2,8 @@
 
     kvpushctl [--config FILE | --runtime-dir DIR] [--socket ipc://PATH | --device NAME]
               [--json] [--timeout S] [--watch S]
-              {status,pending,peers,transfers,cancel TRANSFER_ID,drain,metrics}
+              {status,pending,peers,transfers,cancel TRANSFER_ID,drain,metrics,
+               trace [TRANSFER_ID] [--router URL]}
 
 Which daemons: by default every daemon of the node, i.e. the ops sockets of the devices in
 the config (``--config``, else /etc/kvpush/kvpushd.toml if it exists, else ``KVPUSH_*`` env
@@ -42,6 +43,12 @@ supervisor's ``/health`` when that answers; every ``pending`` row gets ``"deadli
 (seconds until its deadline, negative when overdue, null without one); the daemon's
 ``deadline`` is a CLOCK_MONOTONIC time, shared by all processes of the host.
 ``metrics`` data is ``{"text": "<Prometheus exposition>"}``.
+``trace`` data is ``{"device", "clock": {"monotonic_ns", "wall_ns"}, "transfer_id",
+"events": [[hop, monotonic_ns], ...]}`` (without an ID: ``"recent": [ids]``); the JSON adds
+``"timeline": [{"t_ms", "delta_ms", "source", "hop"}]``, merged over every daemon and, with
+``--router``, the router's own stamps (its ``/router/trace``). Same-host stamps share
+CLOCK_MONOTONIC; a router on another host is aligned through both sides' wall clocks, so its
+rows carry that clock's offset between the hosts as their uncertainty.
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ import stat
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -65,6 +73,7 @@ import zmq
 
 from kvpush import proto
 from kvpush.daemon.config import ConfigError, NodeConfig, load_config, parse_device_name
+from kvpush.proto.trace import ClockPair, Row, merge
 
 DEFAULT_CONFIG = "/etc/kvpush/kvpushd.toml"
 DEFAULT_TIMEOUT_S = 2.0
@@ -84,6 +93,7 @@ COMMANDS = {
     "cancel": "cancel a pending transfer by ID",
     "drain": "refuse new transfers, finish the current ones",
     "metrics": "raw Prometheus text of each daemon",
+    "trace": "one transfer's timeline across router, engines and daemons (no ID: recent IDs)",
 }
 WATCHABLE = ("status", "pending", "peers", "transfers", "metrics")
 
@@ -465,6 +475,8 @@ def render(cmd: str, targets: list[Target]) -> str:
         return "\n".join(f"{t.label()}: cancelled {t.data.get('cancelled')}" for t in ok)  # type: ignore[union-attr]
     if cmd == "drain":
         return "\n".join(f"{t.label()}: draining" for t in ok)
+    if cmd == "trace":
+        return render_trace(ok)
     if cmd == "metrics":
         parts = []
         for t in ok:
@@ -473,6 +485,57 @@ def render(cmd: str, targets: list[Target]) -> str:
                 parts.append(text if len(ok) == 1 else f"# kvpushctl: {t.label()}\n{text}")
         return "".join(parts).rstrip("\n")
     raise ValueError(cmd)
+
+
+def fetch_router_trace(url: str, tid: str) -> dict[str, Any] | None:
+    """The router's stamps of ``tid`` (``/router/trace``), or None when it does not answer."""
+    q = urllib.parse.urlencode({"transfer_id": tid})
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/router/trace?{q}", timeout=HEALTH_TIMEOUT_S) as r:
+            data = json.loads(r.read())
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def merge_trace(targets: list[Target], router: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """One timeline from every daemon's (and the router's) stamps, in this host's monotonic clock.
+
+    Daemons of this node share CLOCK_MONOTONIC with us. The router may run elsewhere: its
+    stamps go through its wall clock and ours (its monotonic->wall offset, then ours back).
+    """
+    rows: list[Row] = []
+    for t in targets:
+        if t.outcome != "ok" or not t.data:
+            continue
+        for hop, ns in t.data.get("events") or []:
+            who = "engine" if ".plugin." in hop else "daemon"
+            rows.append(Row(int(ns), f"{who} {t.label()}", hop))
+    if router and router.get("events"):
+        clk = router.get("clock") or {}
+        here = ClockPair.read()
+        shift = 0
+        if router.get("host") != socket.gethostname() and "wall_ns" in clk:
+            shift = (clk["wall_ns"] - clk["monotonic_ns"]) - (here.wall_ns - here.monotonic_ns)
+        for hop, ns in router["events"]:
+            rows.append(Row(int(ns) + shift, "router", hop))
+    return [{"t_ms": round(t_ms, 3), "delta_ms": round(d_ms, 3), "source": r.source, "hop": r.hop}
+            for r, t_ms, d_ms in merge(rows)]
+
+
+def render_trace(ok: list[Target]) -> str:
+    timeline = next((t.data.get("timeline") for t in ok if t.data and "timeline" in t.data), None)
+    if timeline is None:  # no ID given: the recent IDs each daemon knows
+        ids = []
+        for t in ok:
+            for tid in (t.data or {}).get("recent") or []:
+                if tid not in ids:
+                    ids.append(tid)
+        return "\n".join(ids) if ids else "no traced transfers"
+    if not timeline:
+        return "no stamps for this transfer on this node"
+    return table(["T(ms)", "DELTA(ms)", "SOURCE", "HOP"],
+                 [[f"{r['t_ms']:.3f}", f"+{r['delta_ms']:.3f}", r["source"], r["hop"]] for r in timeline])
 
 
 # --------------------------------------------------------------------------- CLI
@@ -506,6 +569,10 @@ def build_parser() -> argparse.ArgumentParser:
         _add_common(p)
         if name == "cancel":
             p.add_argument("transfer_id")
+        if name == "trace":
+            p.add_argument("transfer_id", nargs="?", default="")
+            p.add_argument("--router", metavar="URL", default=None,
+                           help="also merge this router's stamps (e.g. http://127.0.0.1:8000)")
     return parser
 
 
@@ -533,6 +600,18 @@ def run_once(ns: argparse.Namespace, node: Node, out: TextIO, err: TextIO) -> in
     health = fetch_health(node.health_url) if cmd == "status" else None
     augment(cmd, targets, health)
     code = exit_code(cmd, targets)
+    if cmd == "trace" and ns.transfer_id:
+        router_url = getattr(ns, "router", None)
+        router = fetch_router_trace(router_url, ns.transfer_id) if router_url else None
+        if router_url and router is None:
+            print(f"kvpushctl: router {router_url} did not answer /router/trace", file=err)
+        timeline = merge_trace(targets, router)
+        for t in targets:
+            if t.outcome == "ok" and t.data is not None:
+                t.data["timeline"] = timeline
+                break
+        if not timeline and code == EXIT_OK:
+            code = EXIT_REFUSED
     if getattr(ns, "json", False):
         out.write(json.dumps({"command": cmd, "daemons": [t.as_json() for t in targets]},
                              indent=2) + "\n")

@@ -13,6 +13,7 @@ from dataclasses import asdict, is_dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvpush import proto
+from kvpush.proto.trace import ClockPair
 
 if TYPE_CHECKING:
     from kvpush.daemon.worker import Worker
@@ -106,6 +107,20 @@ def transfers(w: Worker) -> dict[str, Any]:
     return {"device": w.cfg.name, "in_flight": live, "recent": recent}
 
 
+def trace(w: Worker, tid: str) -> dict[str, Any]:
+    """One transfer's stamps on this daemon (its own and its engine plugin's), with the clock
+    pair that converts them to wall time; without an ID, the most recent transfer IDs."""
+    clock = ClockPair.read()
+    out: dict[str, Any] = {"device": w.cfg.name, "clock": {"monotonic_ns": clock.monotonic_ns,
+                                                           "wall_ns": clock.wall_ns}}
+    if not tid:
+        out["recent"] = w.trace.recent(50)
+    else:
+        out["transfer_id"] = tid
+        out["events"] = [[hop, t] for hop, t in w.trace.get(tid)]
+    return out
+
+
 def handle_ops(w: Worker, req: proto.OpsRequest) -> proto.OpsReply:
     now = time.monotonic()
     if req.cmd == "status":
@@ -116,6 +131,8 @@ def handle_ops(w: Worker, req: proto.OpsRequest) -> proto.OpsReply:
         return proto.OpsReply(True, peers(w))
     if req.cmd == "transfers":
         return proto.OpsReply(True, transfers(w))
+    if req.cmd == "trace":
+        return proto.OpsReply(True, trace(w, req.arg))
     if req.cmd == "metrics":
         return proto.OpsReply(True, {"text": w.metrics.render()})
     if req.cmd == "drain":

@@ -33,6 +33,7 @@ from kvpush.daemon.metrics import WorkerMetrics
 from kvpush.daemon.peers import PeerInfo
 from kvpush.daemon.planner import PlanError, expected_producers, plan
 from kvpush.proto.layout import KVLayout
+from kvpush.proto.trace import HOP_SET, TraceRing
 
 log = logging.getLogger("kvpush.worker")
 
@@ -165,6 +166,7 @@ class Worker:
         self.receiving: dict[str, Receiving] = {}
         self.in_flight: dict[int, InFlight] = {}
         self.history = History()
+        self.trace = TraceRing()  # per-transfer timeline (kvpushctl trace), always on, bounded
         self.started = time.monotonic()
         self.stopping = False
         self.draining = False
@@ -297,7 +299,9 @@ class Worker:
             self._bad("not_attached", f"{type(msg).__name__} before Attach")
             self._reply(self.ep.engine, ident, proto.Error("not_attached", "send Attach first"))
             return
-        if isinstance(msg, proto.Register):
+        if isinstance(msg, proto.TraceReport):
+            self.on_trace_report(msg)
+        elif isinstance(msg, proto.Register):
             self.on_register(msg, now)
         elif isinstance(msg, proto.PrefillDone):
             self.on_prefill_done(msg, now)
@@ -355,10 +359,18 @@ class Worker:
         old.region.close()
         self.attached = None
 
+    def on_trace_report(self, msg: proto.TraceReport) -> None:
+        """The engine plugin's stamps of one transfer: kept beside ours for `kvpushctl trace`."""
+        if len(msg.hops) != len(msg.times_ns) or not HOP_SET.issuperset(msg.hops):
+            self._bad("trace", f"malformed TraceReport for {msg.transfer_id!r}")
+            return
+        self.trace.extend(msg.transfer_id, list(zip(msg.hops, msg.times_ns, strict=True)))
+
     def on_register(self, msg: proto.Register, now: float) -> None:
         """Decode side: remember what we expect, forward the registration to the producers."""
         a = self.attached
         assert a is not None
+        self.trace.stamp(msg.transfer_id, "d.daemon.register_in")
 
         def refuse(why: str) -> None:
             self._bad("register", why)
@@ -407,6 +419,7 @@ class Worker:
             self._bad("prefill", why)
             self.to_engine(proto.SendFailed(msg.transfer_id, 0, why))
             return
+        self.trace.stamp(msg.transfer_id, "p.daemon.prefill_done_in")
         self.apply_rdv(rv.PrefillDone(msg.transfer_id, msg.block_ids, msg.num_tokens, now, now + msg.lease_ms / 1000.0))
 
     def on_abort(self, msg: proto.Abort, now: float) -> None:
@@ -511,6 +524,7 @@ class Worker:
             self._reply(self.ep.peer, peer.routing_id, proto.WriteFailedNotice(msg.transfer_id, msg.attempt, self._rank(), why))
             return
         peer.transfers += 1
+        self.trace.stamp(msg.transfer_id, "p.daemon.register_in")
         # The decode side gives up at its deadline even with a WRITE in flight, so the last
         # WRITE must start early enough to finish (or time out) before then.
         margin = self.cfg.write_timeout_s + 1.0
@@ -678,6 +692,7 @@ class Worker:
             self.metrics.failure("nixl")
             self.apply_rdv(rv.WriteFailed(f.transfer_id, f.attempt, f.dest_rank, error, now))
         else:
+            self.trace.stamp(f.transfer_id, "p.daemon.write_done")
             self.metrics.write_done(f.nbytes, lat)
             self.apply_rdv(rv.WriteDone(f.transfer_id, f.attempt, f.dest_rank, now))
 
@@ -696,6 +711,7 @@ class Worker:
             self._bad("notification", f"notification for {tid} from unexpected agent {agent}")
             return
         self.metrics.notification()
+        self.trace.stamp(tid, "d.daemon.notif_seen")
         self.apply_counter(ctr.Notified(tid, attempt, idx, now))
 
     def start_write(self, a: rv.StartWrite, now: float) -> None:
@@ -713,9 +729,11 @@ class Worker:
                          dst_first_token=a.dst_first_token)
                 local = np.stack((p.src_off + me.region.base, p.length), axis=1)
                 remote = np.stack((p.dst_off + peer.region_base, p.length), axis=1)
+                self.trace.stamp(a.transfer_id, "p.daemon.planned")
                 h = self.transport.write(
                     peer.agent_name, local, remote, encode_notif(a.transfer_id, a.attempt, me.rank)
                 )
+                self.trace.stamp(a.transfer_id, "p.daemon.write_posted")
             except PlanError as exc:
                 err = f"plan: {exc}"
                 self.metrics.failure("plan")
@@ -749,6 +767,7 @@ class Worker:
                     )
                     self.metrics.transfer_finished("prefill", "ok" if act.ok else "failed")
                     self.to_engine(msg)
+                    self.trace.stamp(act.transfer_id, "p.daemon.sent" if act.ok else "p.daemon.send_failed")
                 elif isinstance(act, rv.NotifyFailure):
                     peer = self._consumer_by_key(act.peer)
                     if peer is not None:
@@ -768,15 +787,18 @@ class Worker:
                 if rec is not None and rec.attempt == act.attempt:
                     for ep, fwd in zip(rec.endpoints, rec.forwards, strict=True):
                         self.send_producer(ep, fwd)
+                    self.trace.stamp(tid, "d.daemon.register_forwarded")
             elif isinstance(act, ctr.Complete):
                 self.metrics.transfer_finished("decode", "ok")
                 self.to_engine(proto.Received(tid, act.attempt))
+                self.trace.stamp(tid, "d.daemon.received_sent")
                 self._hist_recv(tid, act.attempt, "ok", "")
             elif isinstance(act, ctr.Fail):
                 self.metrics.transfer_finished("decode", "failed")
                 if "timed out" in act.reason:
                     self.metrics.timeout("deadline")
                 self.to_engine(proto.ReceiveFailed(tid, act.attempt, act.reason))
+                self.trace.stamp(tid, "d.daemon.receive_failed")
                 self._hist_recv(tid, act.attempt, "failed", act.reason)
             elif isinstance(act, ctr.Release):
                 self.to_engine(proto.Released(tid, act.attempt))

@@ -279,7 +279,13 @@ class DaemonClient:
         """
         if self._closed:
             return False
-        return bool(self._sock.poll(max(0, int(timeout_s * 1000)), zmq.POLLIN))
+        ready = bool(self._sock.poll(max(0, int(timeout_s * 1000)), zmq.POLLIN))
+        # zmq_poll read EVENTS and so consumed the FD's edge: without this, the next poll()
+        # would see a quiet FD, skip the drain, and leave the frame unread until some later
+        # send happened to mark the socket dirty (the next heartbeat, up to heartbeat_s
+        # away), while every wait() in between returned at once (a busy spin).
+        self._sock_dirty = True
+        return ready
 
     def poll(self) -> list[Message]:
         """Zero-timeout step: flush, heartbeat, drain replies; returns daemon->engine messages.

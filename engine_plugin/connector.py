@@ -111,6 +111,8 @@ class KVPushConnector(KVConnectorBase_V1):
             self.worker.idle_step = meta.idle
             if meta:
                 self.worker.publish(meta)
+            if meta.stamps:
+                self.worker.take_stamps(meta.stamps)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return

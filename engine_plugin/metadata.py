@@ -52,6 +52,8 @@ class KVPushMetadata(KVConnectorMetadata):
     sends: list[SendReq] = field(default_factory=list)
     aborts: list[AbortReq] = field(default_factory=list)
     idle: bool = False  # the step runs no forward: the worker may wait briefly for the daemon
+    # Timeline stamps taken by the scheduler half: (transfer_id, hop, monotonic ns).
+    stamps: list[tuple[str, str, int]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.registers or self.sends or self.aborts)

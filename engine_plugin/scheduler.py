@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvpush.engine_plugin.config import PluginConfig
 from kvpush.engine_plugin.metadata import AbortReq, KVPushMetadata, RegisterReq, SendReq
+from kvpush.proto.trace import now_ns
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -45,6 +46,7 @@ class KVPushScheduler:
         self._held: set[str] = set()  # prefill: blocks held until finished_sending
         self._releasing: set[str] = set()  # decode: aborted, waiting for Released
         self._attempts: dict[str, int] = {}  # transfer_id -> last attempt used here
+        self._first_step: dict[str, str] = {}  # decode: req_id -> transfer_id, load done, not yet stepped
 
     # ------------------------------------------------------------------ decode side
 
@@ -56,6 +58,7 @@ class KVPushScheduler:
         count = request.num_prompt_tokens - num_computed_tokens
         if count <= 0 or not params.get("transfer_id") or not params.get("prefill_endpoints"):
             return 0, False
+        self._meta.stamps.append((str(params["transfer_id"]), "d.plugin.claim", now_ns()))
         return count, True
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -88,6 +91,7 @@ class KVPushScheduler:
         rid = request.request_id
         recv = self._recv.pop(rid, None)
         self._done_recv.discard(rid)
+        self._first_step.pop(rid, None)
         if recv is not None:
             # Decode request gone while its registration is live (client abort): the
             # blocks must not be reused until no WRITE can land in them any more.
@@ -99,6 +103,7 @@ class KVPushScheduler:
             if not ok or not block_ids:
                 return False, None
             self._held.add(rid)
+            self._meta.stamps.append((str(params["transfer_id"]), "p.plugin.prefill_finished", now_ns()))
             self._meta.sends.append(SendReq(rid, str(params["transfer_id"]), list(block_ids), request.num_prompt_tokens))
             return True, None
         return False, None
@@ -106,6 +111,12 @@ class KVPushScheduler:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVPushMetadata:
         meta, self._meta = self._meta, KVPushMetadata()
         meta.idle = scheduler_output.total_num_scheduled_tokens == 0
+        if self._first_step and not meta.idle:
+            # The first forward after a finished load: the end of the transfer's timeline.
+            scheduled = scheduler_output.num_scheduled_tokens
+            t = now_ns()
+            for rid in [r for r in self._first_step if r in scheduled]:
+                meta.stamps.append((self._first_step.pop(rid), "d.plugin.first_decode_step", t))
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
@@ -113,8 +124,10 @@ class KVPushScheduler:
             self._held.discard(rid)
             self._releasing.discard(rid)
         for rid in output.finished_recving or ():
-            if self._recv.pop(rid, None) is not None:
+            recv = self._recv.pop(rid, None)
+            if recv is not None:
                 self._done_recv.add(rid)
+                self._first_step[rid] = recv.transfer_id
 
     def has_pending_push_work(self) -> bool:
-        return bool(self._held or self._releasing or self._meta)
+        return bool(self._held or self._releasing or self._meta or self._meta.stamps)

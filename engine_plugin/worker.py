@@ -21,6 +21,7 @@ from kvpush.engine_plugin.client import DaemonClient
 from kvpush.engine_plugin.config import PluginConfig
 from kvpush.engine_plugin.metadata import KVPushMetadata
 from kvpush.proto.layout import KVLayout, vllm_cpu_layout
+from kvpush.proto.trace import TraceRing, now_ns
 
 log = logging.getLogger("kvpush.plugin")
 
@@ -113,10 +114,14 @@ class KVPushWorker:
         self._load_errors: set[int] = set()
         self._finished_sending: set[str] = set()
         self._finished_recving: set[str] = set()
+        self._reported: list[str] = []  # received this step: stamp when handed to vLLM
         self._daemon_id: str | None = None
         self._down_logged = False
         self.idle_step = False
         self._created = time.monotonic()
+        # This rank's timeline stamps, reported to the daemon once a transfer is behind us.
+        self.trace = TraceRing(max_transfers=1024)
+        self.trace_dropped = 0
 
     # ------------------------------------------------------------------ set-up
 
@@ -151,12 +156,16 @@ class KVPushWorker:
                 r.transfer_id, r.attempt, tuple(r.block_ids), r.num_tokens, tuple(r.prefill_endpoints),
                 r.prefill_tp_size, self.cfg.timeout_ms, r.first_token,
             ))
-            if not sent:
+            if sent:
+                self.trace.stamp(r.transfer_id, "d.plugin.register_published")
+            else:
                 self._fail_recv(r.transfer_id, "kvpush daemon unavailable")
         for s in meta.sends:
             self._send[s.transfer_id] = s.req_id
             if down or not self.client.publish_prefill_done(s.transfer_id, s.block_ids, s.num_tokens, self.cfg.lease_ms):
                 self._finish_send(s.transfer_id)
+            else:
+                self.trace.stamp(s.transfer_id, "p.plugin.prefill_done_published")
         for a in meta.aborts:
             pending = self._recv.pop(a.transfer_id, None)
             if pending is None and a.transfer_id not in self._recv:
@@ -184,6 +193,7 @@ class KVPushWorker:
             return
         self._load_errors.update(p.block_ids)
         self._finished_recving.add(p.req_id)
+        self.trace.stamp(tid, "d.plugin.load_failed")
         log.debug("kvpush: load of %s failed: %s", tid, why)
 
     def _finish_send(self, tid: str) -> None:
@@ -214,7 +224,27 @@ class KVPushWorker:
         self._expire(time.monotonic())
         fs, fr = self._finished_sending, self._finished_recving
         self._finished_sending, self._finished_recving = set(), set()
+        if self._reported:
+            t = now_ns()
+            for tid in self._reported:
+                self.trace.stamp(tid, "d.plugin.finished_recving", t)
+            self._reported.clear()
         return fs, fr
+
+    def take_stamps(self, stamps: list[tuple[str, str, int]]) -> None:
+        """The scheduler half's stamps (via metadata); the first decode step ends a timeline."""
+        for tid, hop, t in stamps:
+            self.trace.stamp(tid, hop, t)
+            if hop == "d.plugin.first_decode_step":
+                self._report_trace(tid)
+
+    def _report_trace(self, tid: str) -> None:
+        """Hand this rank's stamps of ``tid`` to the daemon (non-blocking; dropped if full)."""
+        events = self.trace.pop(tid)
+        if not events or not self.client.available:
+            return
+        if not self.client.send(proto.TraceReport(tid, tuple(h for h, _ in events), tuple(t for _, t in events))):
+            self.trace_dropped += 1
 
     def _handle(self, msgs: list[Any]) -> None:
         for m in msgs:
@@ -224,6 +254,8 @@ class KVPushWorker:
                 if p is not None and p.attempt == m.attempt:
                     del self._recv[tid]
                     self._finished_recving.add(p.req_id)
+                    self.trace.stamp(tid, "d.plugin.received_seen")
+                    self._reported.append(tid)
             elif isinstance(m, proto.ReceiveFailed):
                 p = self._recv.get(tid)
                 if p is not None and p.attempt == m.attempt:
@@ -232,7 +264,11 @@ class KVPushWorker:
             elif isinstance(m, (proto.Sent, proto.SendFailed)):
                 if isinstance(m, proto.SendFailed):
                     log.warning("kvpush: KV of %s not sent: %s", tid, m.reason)
+                    self.trace.stamp(tid, "p.plugin.send_failed_seen")
+                else:
+                    self.trace.stamp(tid, "p.plugin.sent_seen")
                 self._finish_send(tid)
+                self._report_trace(tid)
             elif isinstance(m, proto.Released):
                 rid = self._releasing.pop(tid, None)
                 if rid is not None:

@@ -29,6 +29,7 @@ from kvpush.proto.messages import (
     Released,
     SendFailed,
     Sent,
+    TraceReport,
     WriteFailedNotice,
 )
 
@@ -58,6 +59,7 @@ __all__ = [
     "Released",
     "SendFailed",
     "Sent",
+    "TraceReport",
     "WriteFailedNotice",
     "decode",
     "encode",

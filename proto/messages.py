@@ -19,7 +19,7 @@ PROTOCOL_VERSION = 1
 
 MEMORY_KINDS = frozenset({"cpu_shm", "cuda_ipc"})
 ROLES = frozenset({"prefill", "decode", "both"})
-OPS_COMMANDS = frozenset({"status", "pending", "peers", "transfers", "cancel", "drain", "metrics"})
+OPS_COMMANDS = frozenset({"status", "pending", "peers", "transfers", "cancel", "drain", "metrics", "trace"})
 
 MESSAGE_TYPES: dict[str, type] = {}
 """Wire type name ("t") -> message class."""
@@ -112,6 +112,17 @@ class Heartbeat:
     """Engine liveness probe; the daemon echoes ``seq``."""
 
     seq: int
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class TraceReport:
+    """Engine plugin's stamps of one transfer (see :mod:`kvpush.proto.trace`), sent once the
+    request is past its transfer so `kvpushctl trace` can show the whole node's timeline."""
+
+    transfer_id: str
+    hops: tuple[str, ...]
+    times_ns: tuple[int, ...]
 
 
 # ---- daemon -> engine -------------------------------------------------------------------
@@ -288,6 +299,7 @@ Message = (
     | PrefillDone
     | Abort
     | Heartbeat
+    | TraceReport
     | AttachAck
     | Sent
     | SendFailed

@@ -32,6 +32,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from kvpush.proto.trace import ClockPair, TraceRing
+
 log = logging.getLogger("kvpush.router")
 
 
@@ -71,6 +73,9 @@ class Router:
         self._rr = {"p": itertools.cycle(range(len(cfg.prefill))), "d": itertools.cycle(range(len(cfg.decode)))}
         self.session: aiohttp.ClientSession | None = None
         self.stats = {"requests": 0, "errors": 0}
+        # Per-request timeline (kvpushctl trace --router URL) and x-request-id -> transfer_id.
+        self.trace = TraceRing()
+        self.request_ids: dict[str, str] = {}
 
     def pick(self, pool: list[Backend], key: str) -> Backend:
         if self.cfg.policy == "round-robin":
@@ -112,6 +117,21 @@ class Router:
 
         return web.json_response({**self.stats, "prefill": rows(self.cfg.prefill), "decode": rows(self.cfg.decode)})
 
+    async def trace_view(self, req: web.Request) -> web.Response:
+        """``?transfer_id=`` or ``?request_id=``: this router's stamps of one request."""
+        import socket
+
+        tid = req.query.get("transfer_id") or self.request_ids.get(req.query.get("request_id", ""), "")
+        clock = ClockPair.read()
+        body: dict[str, Any] = {"host": socket.gethostname(),
+                                "clock": {"monotonic_ns": clock.monotonic_ns, "wall_ns": clock.wall_ns}}
+        if not tid:
+            body["recent"] = self.trace.recent(50)
+        else:
+            body["transfer_id"] = tid
+            body["events"] = [[h, t] for h, t in self.trace.get(tid)]
+        return web.json_response(body)
+
     async def completions(self, req: web.Request) -> web.StreamResponse:
         return await self.forward(req, req.path)
 
@@ -125,7 +145,12 @@ class Router:
             return _error(400, "request body must be a JSON object")
         self.stats["requests"] += 1
         transfer_id = f"kvp-{uuid.uuid4().hex}"
+        self.trace.stamp(transfer_id, "router.request_in")
         rid = req.headers.get("x-request-id", transfer_id)
+        if len(self.request_ids) >= self.trace.max_transfers:
+            self.request_ids.pop(next(iter(self.request_ids)))
+        self.request_ids[rid] = transfer_id
+        log.debug("request %s -> transfer %s", rid, transfer_id)
         p, d = self.pick(self.cfg.prefill, "p"), self.pick(self.cfg.decode, "d")
         p_body = dict(body)
         p_body.update(stream=False, max_tokens=1, kv_transfer_params={"do_remote_decode": True, "transfer_id": transfer_id})
@@ -144,11 +169,12 @@ class Router:
             headers["authorization"] = req.headers["authorization"]
         p.in_flight += 1
         d.in_flight += 1
-        prefill = asyncio.create_task(self._prefill(p, path, p_body, headers))
+        prefill = asyncio.create_task(self._prefill(p, path, p_body, headers, transfer_id))
         decode = asyncio.ensure_future(self.session.post(
             f"{d.url}{path}", json=d_body, headers=headers,
             timeout=aiohttp.ClientTimeout(total=self.cfg.request_timeout_s),
         ))
+        self.trace.stamp(transfer_id, "router.legs_sent")
         resp: web.StreamResponse | None = None
         try:
             # A non-streaming decode leg answers only when generation is done: race its
@@ -163,9 +189,15 @@ class Router:
                     prefill.cancel()
                     d.failed += 1
                     return _error(upstream.status, f"decode engine {d.url}: {text[:500]}")
-                resp = web.StreamResponse(status=200, headers={"content-type": upstream.headers.get("content-type", "application/json"), "x-request-id": rid})
+                resp = web.StreamResponse(status=200, headers={
+                    "content-type": upstream.headers.get("content-type", "application/json"),
+                    "x-request-id": rid, "x-kvpush-transfer-id": transfer_id})
                 await resp.prepare(req)
+                first = True
                 async for chunk in decode_chunks(upstream, prefill):
+                    if first:
+                        self.trace.stamp(transfer_id, "router.decode_first_byte")
+                        first = False
                     await resp.write(chunk)
                 # The decode leg finished; the prefill leg must have succeeded too.
                 await prefill
@@ -192,7 +224,8 @@ class Router:
             p.in_flight -= 1
             d.in_flight -= 1
 
-    async def _prefill(self, p: Backend, path: str, body: dict[str, Any], headers: dict[str, str]) -> None:
+    async def _prefill(self, p: Backend, path: str, body: dict[str, Any], headers: dict[str, str],
+                       transfer_id: str) -> None:
         assert self.session is not None
         t0 = time.monotonic()
         try:
@@ -208,6 +241,7 @@ class Router:
             p.failed += 1
             raise LegFailed(f"prefill engine {p.url}: {type(exc).__name__}: {exc}") from exc
         p.served += 1
+        self.trace.stamp(transfer_id, "router.prefill_answered")
         log.debug("prefill leg done in %.1f ms", (time.monotonic() - t0) * 1e3)
 
 
@@ -270,6 +304,7 @@ def front_app(front: Any, status_path: str) -> web.Application:
 def build_app(cfg: RouterConfig) -> web.Application:
     r = Router(cfg)
     app = front_app(r, "/router/status")
+    app.router.add_get("/router/trace", r.trace_view)
     app["router"] = r
     return app
 

@@ -77,6 +77,15 @@ def engine_cmd(
     return cmd
 
 
+def parse_cpus(spec: str) -> set[int]:
+    """"0", "1", "0-1", "0,2-3" -> a set of CPU numbers (VLLM_CPU_OMP_THREADS_BIND syntax)."""
+    out: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.strip().partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
 def engine_env(cpu_bind: str, base: Mapping[str, str] | None = None) -> dict[str, str]:
     """Environment for one engine; `cpu_bind` is VLLM_CPU_OMP_THREADS_BIND (e.g. "0", "1", "0-1")."""
     env = dict(os.environ if base is None else base)
@@ -102,17 +111,26 @@ def start_engine(
     extra_args: Sequence[str] = (),
     kv_transfer_config: Mapping[str, Any] | None = None,
     env_extra: Mapping[str, str] | None = None,
+    pin: bool = True,
 ) -> subprocess.Popen[bytes]:
-    """Start an engine in its own process group (so stop_group reaches EngineCore too)."""
+    """Start an engine in its own process group (so stop_group reaches EngineCore too).
+
+    ``pin`` confines every process of the engine (API server, EngineCore, worker) to the
+    cores of ``cpu_bind``, not only its OMP threads: on CPU, vLLM's EngineCore and worker
+    spin (``sched_yield``) for a second after each step on the shared-memory queue between
+    them, and unpinned spinners land on the other engine's core and halve its compute.
+    """
     env = engine_env(cpu_bind)
     if env_extra:
         env.update(env_extra)
     log = open(log_path, "ab")  # noqa: SIM115 - handed to the child, closed by the OS
     try:
+        cpus = parse_cpus(cpu_bind) if pin else None
         return subprocess.Popen(
             engine_cmd(
                 model_dir, port, extra_args=extra_args, kv_transfer_config=kv_transfer_config
             ),
+            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

@@ -488,3 +488,20 @@ def test_idle_engine_gap_is_not_silence(ctx, endpoint, clock) -> None:
     assert c.reattaches == 0
     c.close()
     d.close()
+
+
+def test_wait_then_poll_returns_the_frame_that_ended_the_wait(ctx, endpoint, clock) -> None:
+    """wait() must not swallow the FD edge: the frame that woke it comes out of the very next
+    poll(), not one heartbeat later (it did: D's first token waited up to heartbeat_s)."""
+    d = FakeDaemon(ctx, endpoint, "d1")
+    c = make_client(ctx, endpoint, clock, heartbeat_s=3600.0)  # no heartbeat can rescue it
+    c.attach(make_attach())
+    pump(c, [d], lambda: c.available and c.attached)
+    for i in range(20):
+        assert c.poll() == []  # quiet: the socket is read and its edge consumed
+        d.send(Received(f"t{i}", 0))
+        assert c.wait(5.0)
+        assert c.poll() == [Received(f"t{i}", 0)]
+        assert not c.wait(0.0)  # nothing else pending: wait() must not return at once again
+    c.close()
+    d.close()

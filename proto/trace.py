@@ -1,0 +1,158 @@
+"""The per-request timeline: hop names (the contract) and a bounded ring of stamps.
+
+Why it exists: a request crosses nine hops in four processes (router, two engines, two
+daemons); when TTFT is slow, an operator must see which hop took the time. Every hop
+stamps ``time.monotonic_ns()`` under the request's ``transfer_id``. CLOCK_MONOTONIC is one
+clock for every process of a host, so stamps of one node compare directly; across hosts
+``kvpushctl trace`` converts them with each process's (monotonic, wall) pair, so their
+uncertainty is the hosts' wall-clock (NTP/PTP) offset.
+
+Recording is always on: a stamp is one dict lookup and one list append, and the ring holds
+at most ``max_transfers`` timelines of ``max_events`` stamps (oldest evicted first), so
+memory is bounded whatever the traffic.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+# Hops in the order a healthy push request crosses them. The prefix says who stamps it.
+HOPS: tuple[str, ...] = (
+    # router
+    "router.request_in",
+    "router.legs_sent",
+    # decode engine plugin (scheduler half, then worker half)
+    "d.plugin.claim",
+    "d.plugin.register_published",
+    # decode daemon
+    "d.daemon.register_in",
+    "d.daemon.register_forwarded",
+    # prefill daemon / prefill engine plugin
+    "p.daemon.register_in",
+    "p.plugin.prefill_finished",
+    "p.plugin.prefill_done_published",
+    "p.daemon.prefill_done_in",
+    "p.daemon.planned",
+    "p.daemon.write_posted",
+    "p.daemon.write_done",
+    "p.daemon.sent",
+    "p.plugin.sent_seen",
+    "router.prefill_answered",
+    # decode daemon / plugin again
+    "d.daemon.notif_seen",
+    "d.daemon.received_sent",
+    "d.plugin.received_seen",
+    "d.plugin.finished_recving",
+    "d.plugin.first_decode_step",
+    "router.decode_first_byte",
+    # failure paths (no order implied)
+    "p.daemon.send_failed",
+    "d.daemon.receive_failed",
+    "d.plugin.load_failed",
+    "p.plugin.send_failed_seen",
+)
+HOP_SET = frozenset(HOPS)
+
+MAX_TRANSFERS = 4096
+MAX_EVENTS = 64
+
+
+def now_ns() -> int:
+    return time.monotonic_ns()
+
+
+@dataclass(frozen=True, slots=True)
+class ClockPair:
+    """One process's monotonic and wall clocks read together: converts its stamps to wall time."""
+
+    monotonic_ns: int
+    wall_ns: int
+
+    @classmethod
+    def read(cls) -> ClockPair:
+        return cls(time.monotonic_ns(), time.time_ns())
+
+
+class TraceRing:
+    """Bounded timelines keyed by transfer ID. Not thread-safe (one owner thread)."""
+
+    __slots__ = ("max_transfers", "max_events", "_t")
+
+    def __init__(self, max_transfers: int = MAX_TRANSFERS, max_events: int = MAX_EVENTS) -> None:
+        if max_transfers <= 0 or max_events <= 0:
+            raise ValueError("max_transfers and max_events must be positive")
+        self.max_transfers = max_transfers
+        self.max_events = max_events
+        self._t: OrderedDict[str, list[tuple[str, int]]] = OrderedDict()
+
+    def stamp(self, transfer_id: str, hop: str, t_ns: int | None = None) -> None:
+        events = self._t.get(transfer_id)
+        if events is None:
+            if len(self._t) >= self.max_transfers:
+                self._t.popitem(last=False)
+            events = self._t[transfer_id] = []
+        if len(events) < self.max_events:
+            events.append((hop, time.monotonic_ns() if t_ns is None else t_ns))
+
+    def extend(self, transfer_id: str, events: list[tuple[str, int]]) -> None:
+        for hop, t in events:
+            self.stamp(transfer_id, hop, t)
+
+    def get(self, transfer_id: str) -> list[tuple[str, int]]:
+        return list(self._t.get(transfer_id, ()))
+
+    def pop(self, transfer_id: str) -> list[tuple[str, int]]:
+        return self._t.pop(transfer_id, [])
+
+    def recent(self, n: int = 20) -> list[str]:
+        """The ``n`` most recently started transfer IDs, newest first."""
+        out = []
+        for tid in reversed(self._t):
+            out.append(tid)
+            if len(out) >= n:
+                break
+        return out
+
+    def __len__(self) -> int:
+        return len(self._t)
+
+    def __contains__(self, transfer_id: object) -> bool:
+        return transfer_id in self._t
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One stamp of a merged timeline."""
+
+    t_ns: int
+    source: str  # which process: "router", "daemon cpu0", ...
+    hop: str
+
+
+def merge(rows: list[Row]) -> list[tuple[Row, float, float]]:
+    """Sort by time; each row with ms since the first stamp and since the previous one."""
+    rows = sorted(rows, key=lambda r: (r.t_ns, HOPS.index(r.hop) if r.hop in HOP_SET else len(HOPS)))
+    if not rows:
+        return []
+    t0 = rows[0].t_ns
+    out = []
+    prev = t0
+    for r in rows:
+        out.append((r, (r.t_ns - t0) / 1e6, (r.t_ns - prev) / 1e6))
+        prev = r.t_ns
+    return out
+
+
+def breakdown(events: dict[str, int]) -> dict[str, float]:
+    """Per-segment ms of one request from its first stamp of each hop (missing hops skipped).
+
+    Segments follow the push path: what each process added between two consecutive hops.
+    """
+    seq = [(h, events[h]) for h in HOPS if h in events]
+    seq.sort(key=lambda x: x[1])
+    out: dict[str, float] = {}
+    for (a, ta), (b, tb) in zip(seq, seq[1:], strict=False):
+        out[f"{a} -> {b}"] = round((tb - ta) / 1e6, 3)
+    return out

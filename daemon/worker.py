@@ -38,7 +38,9 @@ from kvpush.proto.trace import HOP_SET, TraceRing
 log = logging.getLogger("kvpush.worker")
 
 NOTIF_PREFIX = b"kvp1"
-RECV_POLL_MAX_S = 0.0005
+RECV_POLL_MAX_S = 0.0005  # poll cap while a producer said Written but its notification is missing
+RECV_FALLBACK_S = 0.01  # poll cap while receiving otherwise (a Written lost with its link)
+HINT_WINDOW_S = 0.02  # how long a Written keeps the tight poll if its notification never shows
 
 
 def encode_notif(transfer_id: str, attempt: int, rank: int) -> bytes:
@@ -171,6 +173,7 @@ class Worker:
         self.stopping = False
         self.draining = False
         self.poll_s = cfg.poll_min_s
+        self.hinted: dict[str, float] = {}  # decode side: transfer -> when a producer said Written
         self.last_tick = 0.0
         self.errors = 0
         self.poller = zmq.Poller()
@@ -217,9 +220,18 @@ class Worker:
         if now - self.last_tick >= 0.05:
             self.last_tick = now
             self.tick(now)
-        # While notifications are expected, stay responsive: a notification waits in NIXL
-        # until we poll, and every millisecond here is added to the request's TTFT.
-        cap = min(self.cfg.poll_max_s, RECV_POLL_MAX_S) if self.receiving else self.cfg.poll_max_s
+        # A notification waits in NIXL until we poll. Producers say Written over ZeroMQ when
+        # their WRITE completed, which wakes this loop at once; right after such a hint poll
+        # tightly (the notification may trail it), otherwise only as a slow fallback.
+        if self.hinted:
+            for tid in [t for t, at in self.hinted.items() if now - at > HINT_WINDOW_S or t not in self.receiving]:
+                del self.hinted[tid]
+        if not self.receiving:
+            cap = self.cfg.poll_max_s
+        elif self.hinted:
+            cap = min(self.cfg.poll_max_s, RECV_POLL_MAX_S)
+        else:
+            cap = min(self.cfg.poll_max_s, RECV_FALLBACK_S)
         self.poll_s = self.cfg.poll_min_s if activity else min(self.poll_s * 2, cap)
 
     def _drain(self, sock: zmq.Socket, handler: Any) -> bool:
@@ -612,6 +624,13 @@ class Worker:
                 log.warning("prefill daemon %s: %s: %s", peer.endpoint, msg.code, msg.message)
         elif isinstance(msg, proto.HeartbeatAck):
             pass
+        elif isinstance(msg, proto.Written):
+            if msg.transfer_id in self.receiving:
+                for agent, payload in self.transport.notifications():
+                    self.on_notification(agent, payload, now)
+                if msg.transfer_id in self.receiving:  # the notification trails the hint
+                    self.hinted[msg.transfer_id] = now
+                    self.poll_s = self.cfg.poll_min_s
         elif isinstance(msg, proto.WriteFailedNotice):
             self._producer_event(msg.transfer_id, msg.attempt, peer, msg.producer_rank, msg.reason, now, failed=True)
         elif isinstance(msg, proto.CancelConfirmed):
@@ -693,6 +712,9 @@ class Worker:
             self.apply_rdv(rv.WriteFailed(f.transfer_id, f.attempt, f.dest_rank, error, now))
         else:
             self.trace.stamp(f.transfer_id, "p.daemon.write_done")
+            peer = self._consumer_by_key(f.peer)
+            if peer is not None:  # wake the decode daemon: its notification has landed
+                self._reply(self.ep.peer, peer.routing_id, proto.Written(f.transfer_id, f.attempt, self._rank()))
             self.metrics.write_done(f.nbytes, lat)
             self.apply_rdv(rv.WriteDone(f.transfer_id, f.attempt, f.dest_rank, now))
 

@@ -204,14 +204,17 @@ class KVPushWorker:
     def collect(self) -> tuple[set[str], set[str]]:
         """Poll the daemon and return (finished_sending, finished_recving).
 
-        Zero timeout, except on an idle step (no forward scheduled) while transfers are
-        pending: vLLM then steps in a tight loop just to ask us, burning the cores the
-        other engine needs, so we wait up to ``idle_wait_ms`` for the daemon's answer.
-        Nothing else is waiting on such a step, and an answer ends the wait at once.
+        Zero timeout, except on an idle step (no forward scheduled) while a load is pending:
+        then we wait up to ``idle_wait_ms`` for the daemon, so that its Received is handed
+        to vLLM the moment it arrives (an answer ends the wait at once) rather than after
+        vLLM's own 1 ms idle sleep and the next step's round trip. Only loads: a prefill
+        engine that merely holds blocks until Sent must not wait, because a new request
+        arriving during the wait would wait with it (and vLLM's EngineCore spins on the
+        worker's reply meanwhile, so the wait saves no CPU there).
         """
         msgs = self.client.poll()
         if (not msgs and self.idle_step and self.cfg.idle_wait_ms
-                and (self._recv or self._send or self._releasing) and self.client.available):
+                and self._recv and self.client.available):
             if self.client.wait(self.cfg.idle_wait_ms / 1000.0):
                 msgs = self.client.poll()
         self._handle(msgs)

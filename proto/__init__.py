@@ -31,6 +31,7 @@ from kvpush.proto.messages import (
     Sent,
     TraceReport,
     WriteFailedNotice,
+    Written,
 )
 
 __all__ = [
@@ -61,6 +62,7 @@ __all__ = [
     "Sent",
     "TraceReport",
     "WriteFailedNotice",
+    "Written",
     "decode",
     "encode",
 ]

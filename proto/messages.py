@@ -271,6 +271,18 @@ class WriteFailedNotice:
     reason: str
 
 
+@message
+@dataclass(frozen=True, slots=True)
+class Written:
+    """Producer's WRITE of this attempt completed: a wake-up, not a proof. The consumer looks
+    for the NIXL notification at once instead of polling for it; only the notification
+    (which NIXL delivers after the data) completes the transfer."""
+
+    transfer_id: str
+    attempt: int
+    producer_rank: int
+
+
 # ---- ops --------------------------------------------------------------------------------
 
 
@@ -313,6 +325,7 @@ Message = (
     | Cancel
     | CancelConfirmed
     | WriteFailedNotice
+    | Written
     | OpsRequest
     | OpsReply
 )

@@ -16,7 +16,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +86,17 @@ def parse_cpus(spec: str) -> set[int]:
     return out
 
 
+def pin_to(cpus: set[int] | None) -> Callable[[], None] | None:
+    """A Popen ``preexec_fn`` confining the child (and all it forks) to ``cpus``, limited to
+    the CPUs this process may use (a smaller machine degrades to no pinning, not an error)."""
+    if not cpus:
+        return None
+    usable = cpus & os.sched_getaffinity(0)
+    if not usable:
+        return None
+    return lambda: os.sched_setaffinity(0, usable)
+
+
 def engine_env(cpu_bind: str, base: Mapping[str, str] | None = None) -> dict[str, str]:
     """Environment for one engine; `cpu_bind` is VLLM_CPU_OMP_THREADS_BIND (e.g. "0", "1", "0-1")."""
     env = dict(os.environ if base is None else base)
@@ -130,7 +141,7 @@ def start_engine(
             engine_cmd(
                 model_dir, port, extra_args=extra_args, kv_transfer_config=kv_transfer_config
             ),
-            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
+            preexec_fn=pin_to(cpus),
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

@@ -43,6 +43,7 @@ from kvpush.proto import (
     Sent,
     TraceReport,
     WriteFailedNotice,
+    Written,
     decode,
     encode,
 )
@@ -159,6 +160,7 @@ STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
     Abort: st.builds(Abort, text, u63, text),
     Heartbeat: st.builds(Heartbeat, u63),
     TraceReport: st.builds(TraceReport, text, endpoints, ids),
+    Written: st.builds(Written, text, u63, u63),
     AttachAck: st.builds(AttachAck, text, text),
     Sent: st.builds(Sent, text, u63),
     SendFailed: st.builds(SendFailed, text, u63, text),

@@ -114,6 +114,9 @@ class DeviceConfig:
     authorized_keys_dir: str | None = None
     poll_min_s: float = 0.0005
     poll_max_s: float = 0.05
+    # Prepared NIXL descriptor lists per (region, peer): layers x blocks (x pattern entries)
+    # descriptors a side; above this a peer's WRITEs build their descriptors per transfer.
+    max_prepped_descriptors: int = 1 << 22
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -175,6 +178,8 @@ class DeviceConfig:
         for key in ("lease_s", "register_timeout_s", "write_timeout_s", "peer_timeout_s",
                     "poll_min_s", "poll_max_s"):
             _check_positive(f"{where}: {key}", getattr(self, key))
+        if not isinstance(self.max_prepped_descriptors, int) or self.max_prepped_descriptors < 0:
+            raise ConfigError(f"{where}: max_prepped_descriptors must be a non-negative integer")
         if self.poll_min_s > self.poll_max_s:
             raise ConfigError(f"{where}: poll_min_s {self.poll_min_s} > poll_max_s {self.poll_max_s}")
         self._validate_curve(where)
@@ -356,6 +361,7 @@ _DEVICE_KEYS: dict[str, Parser] = {
     "peer_timeout_s": _p_float, "curve_secret_key_file": _p_str,
     "curve_public_key_file": _p_str, "authorized_keys_dir": _p_str,
     "poll_min_s": _p_float, "poll_max_s": _p_float, "log_level": _p_upper,
+    "max_prepped_descriptors": _p_int,
 }
 _NODE_KEYS: dict[str, Parser] = {
     "config": _p_str, "devices": _p_devices, "count": _p_int, "device_kind": _p_str,

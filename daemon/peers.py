@@ -41,6 +41,7 @@ class PeerInfo:
     transfers: int = 0
     error: str = ""
     queued: list[Any] = field(default_factory=list)  # messages waiting for the handshake
+    prepped: Any = None  # consumers: (BlockPattern, local dlist, remote dlist) for index WRITEs
 
     def describe(self, now: float, role: str) -> dict[str, Any]:
         return {
@@ -54,5 +55,6 @@ class PeerInfo:
             "last_seen_s": round(now - self.last_seen, 3) if self.last_seen else None,
             "transfers": self.transfers,
             "queued": len(self.queued),
+            "prepped_descriptors": self.prepped[0].entries * self.prepped[0].dst_blocks if self.prepped else 0,
             "error": self.error,
         }

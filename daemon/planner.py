@@ -314,3 +314,83 @@ def expected_producers(dst: KVLayout, src_tp_size: int, src_heads_per_rank: int)
         if max(lo, dst.head_start) < min(hi, dst.head_start + dst.num_heads):
             ranks.append(r)
     return ranks
+
+
+@dataclass(frozen=True)
+class BlockPattern:
+    """What one source block sends to one destination block, the same for every block pair.
+
+    With equal block sizes every plan is the pattern repeated per (source block, destination
+    block) pair, shifted by the two block strides. That lets the daemon prepare NIXL
+    descriptor lists once per (region, peer), with one descriptor per (pattern entry, block)
+    on each side, and post each transfer as two index lists instead of building fresh
+    descriptors (NIXL merges the contiguous ones itself).
+    """
+
+    src_off: np.ndarray  # per entry, offset in block 0 of the source region
+    dst_off: np.ndarray
+    length: np.ndarray
+    src_stride: int
+    dst_stride: int
+    src_blocks: int  # blocks per side: the prepared lists hold entries x blocks descriptors
+    dst_blocks: int
+
+    @property
+    def entries(self) -> int:
+        return int(self.length.shape[0])
+
+    def src_list(self) -> np.ndarray:
+        """(entries * src_blocks, 2) offsets and lengths, entry-major: index j*src_blocks + b."""
+        return _expand(self.src_off, self.length, self.src_stride, self.src_blocks)
+
+    def dst_list(self) -> np.ndarray:
+        return _expand(self.dst_off, self.length, self.dst_stride, self.dst_blocks)
+
+    def indices(self, src_blocks: np.ndarray, dst_blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Index lists into src_list()/dst_list() copying src_blocks[i] onto dst_blocks[i]."""
+        j = np.arange(self.entries, dtype=np.int64)[:, None]
+        return ((j * self.src_blocks + src_blocks[None, :]).reshape(-1),
+                (j * self.dst_blocks + dst_blocks[None, :]).reshape(-1))
+
+    def block_pairs(self, src: KVLayout, src_blocks: object, dst_blocks: object, num_tokens: int,
+                    dst_first_token: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """The (source, destination) block pairs a transfer copies, checked as plan() checks."""
+        if num_tokens <= 0 or dst_first_token < 0 or dst_first_token % src.block_size or dst_first_token >= num_tokens:
+            raise PlanError(f"bad token range [{dst_first_token}, {num_tokens}) for block size {src.block_size}")
+        n = -(-(num_tokens - dst_first_token) // src.block_size)
+        first = dst_first_token // src.block_size
+        sb = _as_ids(src_blocks)
+        db = _as_ids(dst_blocks)
+        if sb.shape[0] < first + n or db.shape[0] < n:
+            raise PlanError(f"{sb.shape[0]} source / {db.shape[0]} destination blocks cannot hold {num_tokens} tokens")
+        sb, db = sb[first:first + n], db[:n]
+        if sb.min() < 0 or sb.max() >= self.src_blocks or db.min() < 0 or db.max() >= self.dst_blocks:
+            raise PlanError("block ID out of range")
+        return sb, db
+
+
+def _expand(off: np.ndarray, length: np.ndarray, stride: int, blocks: int) -> np.ndarray:
+    b = np.arange(blocks, dtype=np.int64)[None, :] * stride
+    return np.stack(((off[:, None] + b).reshape(-1), np.repeat(length, blocks)), axis=1)
+
+
+def block_pattern(src: KVLayout, dst: KVLayout, max_descriptors: int = 1 << 20) -> BlockPattern | None:
+    """The per-block-pair pattern of src -> dst, or None when plans are not block-periodic
+    (different block sizes) or the prepared lists would exceed ``max_descriptors`` a side."""
+    if src.block_size != dst.block_size or src.num_blocks < 2 or dst.num_blocks < 2:
+        return None
+    try:
+        p00 = plan(src, [0], dst, [0], src.block_size)
+        p10 = plan(src, [1], dst, [0], src.block_size)
+        p01 = plan(src, [0], dst, [1], src.block_size)
+    except PlanError:
+        return None
+    # Periodic in each side's block ID independently, or not a pattern at all.
+    for p, ds, dd in ((p10, src.block_stride, 0), (p01, 0, dst.block_stride)):
+        if (len(p) != len(p00) or not np.array_equal(p.length, p00.length)
+                or not np.array_equal(p.src_off, p00.src_off + ds) or not np.array_equal(p.dst_off, p00.dst_off + dd)):
+            return None
+    if len(p00) * max(src.num_blocks, dst.num_blocks) > max_descriptors:
+        return None
+    return BlockPattern(p00.src_off, p00.dst_off, p00.length, src.block_stride, dst.block_stride,
+                        src.num_blocks, dst.num_blocks)

@@ -233,6 +233,67 @@ class NixlTransport:
         self._live[id(h)] = h
         return h
 
+    def prep_local(self, descs: np.ndarray) -> Any:
+        """Prepare (addr, len) rows of our registered memory once, for index-based WRITEs."""
+        self._check_open()
+        if not self._regs:
+            raise TransportError("prep_local before any region was registered")
+        r = self._regs[0][0]
+        try:
+            return self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", _descs(descs, r.device, "local"),
+                                               r.mem_type, backends=[self.backend])
+        except Exception as e:
+            raise TransportError(f"prep_xfer_dlist (local, {len(descs)} descriptors): {e}") from e
+
+    def prep_remote(self, peer: str, descs: np.ndarray, *, mem_type: str | None = None, device: int = 0) -> Any:
+        """Prepare (addr, len) rows of a peer's registered memory once (after add_peer)."""
+        self._check_open()
+        if peer not in self._peers:
+            raise TransportError(f"prep_remote for unknown peer {peer!r}")
+        mem = mem_type or (self._regs[0][0].mem_type if self._regs else "DRAM")
+        try:
+            return self._agent.prep_xfer_dlist(peer, _descs(descs, device, "remote"), mem,
+                                               backends=[self.backend])
+        except Exception as e:
+            raise TransportError(f"prep_xfer_dlist ({peer}, {len(descs)} descriptors): {e}") from e
+
+    def release_prepped(self, handle: Any) -> None:
+        try:
+            self._agent.release_dlist_handle(handle)
+        except Exception as e:
+            raise TransportError(f"release_dlist_handle: {e}") from e
+
+    def write_prepped(self, peer: str, local: Any, local_idx: np.ndarray, remote: Any,
+                      remote_idx: np.ndarray, notif: bytes, *, nbytes: int) -> XferHandle:
+        """Post one WRITE of prepared descriptors ``local[local_idx[i]]`` -> ``remote[remote_idx[i]]``.
+
+        No descriptor is built here: the fixed cost of a transfer is two index arrays.
+        """
+        self._check_open()
+        if peer not in self._peers:
+            raise TransportError(f"write to unknown peer {peer!r}")
+        li = np.ascontiguousarray(local_idx, dtype=np.int32)
+        ri = np.ascontiguousarray(remote_idx, dtype=np.int32)
+        if li.shape != ri.shape or li.ndim != 1 or li.shape[0] == 0:
+            raise TransportError(f"index lists differ or are empty: {li.shape} vs {ri.shape}")
+        try:
+            raw = self._agent.make_prepped_xfer("WRITE", local, li, remote, ri, notif,
+                                                backends=[self.backend])
+        except Exception as e:
+            raise TransportError(f"WRITE to {peer} ({li.shape[0]} prepared descriptors) rejected: "
+                                 f"{type(e).__name__}: {e}") from e
+        h = XferHandle(peer, bytes(notif), nbytes, int(li.shape[0]), raw)
+        try:
+            st = self._agent.transfer(raw)
+        except Exception as e:
+            self._agent.release_xfer_handle(raw)
+            raise TransportError(f"WRITE to {peer} failed to post: {e}") from e
+        if st == "ERR":
+            self._agent.release_xfer_handle(raw)
+            raise TransportError(f"WRITE to {peer} failed to post")
+        self._live[id(h)] = h
+        return h
+
     def state(self, h: XferHandle) -> XferState:
         """Poll one WRITE (drives progress): "pending", "done" or "error"."""
         if h.released:

@@ -31,16 +31,16 @@ from kvpush.daemon.config import DeviceConfig
 from kvpush.daemon.endpoints import Endpoints, load_curve
 from kvpush.daemon.metrics import WorkerMetrics
 from kvpush.daemon.peers import PeerInfo
-from kvpush.daemon.planner import PlanError, expected_producers, plan
+from kvpush.daemon.planner import PlanError, block_pattern, expected_producers, plan
 from kvpush.proto.layout import KVLayout
 from kvpush.proto.trace import HOP_SET, TraceRing
 
 log = logging.getLogger("kvpush.worker")
 
 NOTIF_PREFIX = b"kvp1"
-RECV_POLL_MAX_S = 0.0005  # poll cap while a producer said Written but its notification is missing
-RECV_FALLBACK_S = 0.01  # poll cap while receiving otherwise (a Written lost with its link)
-HINT_WINDOW_S = 0.02  # how long a Written keeps the tight poll if its notification never shows
+RECV_POLL_MAX_S = 0.0005  # poll cap while a producer said Writing and its notification is missing
+RECV_FALLBACK_S = 0.01  # poll cap while receiving otherwise (no WRITE announced yet)
+HINT_WINDOW_S = 0.02  # how long a completed WRITE keeps the tight poll if its notification never shows
 
 
 def encode_notif(transfer_id: str, attempt: int, rank: int) -> bytes:
@@ -100,6 +100,7 @@ class InFlight:
     nbytes: int
     descriptors: int
     started: float
+    prepped: bool = False  # posted from prepared descriptor lists (by index)
 
 
 @dataclass
@@ -169,11 +170,12 @@ class Worker:
         self.in_flight: dict[int, InFlight] = {}
         self.history = History()
         self.trace = TraceRing()  # per-transfer timeline (kvpushctl trace), always on, bounded
+        self._local_prep: dict[tuple[bytes, bytes], Any] = {}  # pattern -> prepared local dlist
         self.started = time.monotonic()
         self.stopping = False
         self.draining = False
         self.poll_s = cfg.poll_min_s
-        self.hinted: dict[str, float] = {}  # decode side: transfer -> when a producer said Written
+        self.hinted: dict[str, float] = {}  # decode side: transfer -> poll tightly until (monotonic)
         self.last_tick = 0.0
         self.errors = 0
         self.poller = zmq.Poller()
@@ -220,11 +222,11 @@ class Worker:
         if now - self.last_tick >= 0.05:
             self.last_tick = now
             self.tick(now)
-        # A notification waits in NIXL until we poll. Producers say Written over ZeroMQ when
-        # their WRITE completed, which wakes this loop at once; right after such a hint poll
-        # tightly (the notification may trail it), otherwise only as a slow fallback.
+        # A notification waits in NIXL until we poll. Producers say Writing over ZeroMQ when
+        # they post a WRITE (poll tightly until its notification shows) and when it completed
+        # (wakes this loop at once); with no WRITE announced, poll only as a slow fallback.
         if self.hinted:
-            for tid in [t for t, at in self.hinted.items() if now - at > HINT_WINDOW_S or t not in self.receiving]:
+            for tid in [t for t, until in self.hinted.items() if now > until or t not in self.receiving]:
                 del self.hinted[tid]
         if not self.receiving:
             cap = self.cfg.poll_max_s
@@ -351,6 +353,8 @@ class Worker:
         self.attached = Attached(
             ident, msg.engine_id, msg.rank, msg.tp_size, msg.role, msg.layout, region, now, msg.memory
         )
+        for c in self.consumers.values():
+            self._prep_consumer(c)
         log.info(
             "engine %s rank %d/%d (%s) attached: %d bytes, %d blocks x %d tokens",
             msg.engine_id, msg.rank, msg.tp_size, msg.role, region.size, msg.layout.num_blocks, msg.layout.block_size,
@@ -367,6 +371,7 @@ class Worker:
         # Producers must learn our new memory: drop them so the next Register re-handshakes.
         for p in list(self.producers.values()):
             self._drop_producer(p, why)
+        self._release_preps()
         self.transport.deregister(old.region)
         old.region.close()
         self.attached = None
@@ -519,6 +524,48 @@ class Worker:
         )
         log.info("decode peer %s (%s rank %d) handshaken", msg.endpoint, msg.engine_id, msg.rank)
         self._reply(self.ep.peer, ident, self.hello(reply=True))
+        self._prep_consumer(self.consumers[ident])  # after the reply: off the peer's critical path
+
+    def _prep_consumer(self, peer: PeerInfo) -> None:
+        """Prepare NIXL descriptor lists for WRITEs to this consumer, once per (region, peer):
+        a WRITE is then two index arrays (no descriptors built per transfer). Layouts whose
+        plans are not block-periodic (different block sizes) keep the per-transfer path."""
+        me = self.attached
+        if me is None or peer.layout is None or peer.prepped is not None:
+            return
+        pattern = block_pattern(me.layout, peer.layout, self.cfg.max_prepped_descriptors)
+        if pattern is None:
+            return
+        key = (pattern.src_off.tobytes(), pattern.length.tobytes())
+        try:
+            local = self._local_prep.get(key)
+            if local is None:
+                descs = pattern.src_list()
+                descs[:, 0] += me.region.base
+                local = self._local_prep[key] = self.transport.prep_local(descs)
+            descs = pattern.dst_list()
+            descs[:, 0] += peer.region_base
+            peer.prepped = (pattern, local, self.transport.prep_remote(peer.agent_name, descs))
+        except Exception as exc:  # the per-transfer path still works
+            log.warning("cannot prepare descriptor lists for %s (%s); WRITEs build their own", peer.endpoint, exc)
+
+    def _release_preps(self) -> None:
+        for c in self.consumers.values():
+            self._unprep(c)
+        for h in self._local_prep.values():
+            try:
+                self.transport.release_prepped(h)
+            except Exception as exc:
+                log.warning("release of a prepared local list: %s", exc)
+        self._local_prep.clear()
+
+    def _unprep(self, peer: PeerInfo) -> None:
+        if peer.prepped is not None:
+            try:
+                self.transport.release_prepped(peer.prepped[2])
+            except Exception as exc:
+                log.warning("release of %s's prepared list: %s", peer.endpoint, exc)
+            peer.prepped = None
 
     def on_peer_register(self, peer: PeerInfo, msg: proto.PeerRegister, now: float) -> None:
         assert peer.layout is not None
@@ -556,6 +603,7 @@ class Worker:
 
     def _evict_consumer(self, peer: PeerInfo, why: str, now: float) -> None:
         self.consumers.pop(peer.routing_id, None)
+        self._unprep(peer)
         log.warning("decode peer %s evicted: %s", peer.endpoint, why)
         self.metrics.failure("peer_lost")
         self.apply_rdv(rv.PeerLost(peer.key, now))
@@ -624,12 +672,14 @@ class Worker:
                 log.warning("prefill daemon %s: %s: %s", peer.endpoint, msg.code, msg.message)
         elif isinstance(msg, proto.HeartbeatAck):
             pass
-        elif isinstance(msg, proto.Written):
+        elif isinstance(msg, proto.Writing):
             if msg.transfer_id in self.receiving:
-                for agent, payload in self.transport.notifications():
-                    self.on_notification(agent, payload, now)
-                if msg.transfer_id in self.receiving:  # the notification trails the hint
-                    self.hinted[msg.transfer_id] = now
+                if msg.done:
+                    for agent, payload in self.transport.notifications():
+                        self.on_notification(agent, payload, now)
+                if msg.transfer_id in self.receiving:  # in flight, or the notification trails
+                    window = HINT_WINDOW_S if msg.done else self.cfg.write_timeout_s
+                    self.hinted[msg.transfer_id] = max(self.hinted.get(msg.transfer_id, 0.0), now + window)
                     self.poll_s = self.cfg.poll_min_s
         elif isinstance(msg, proto.WriteFailedNotice):
             self._producer_event(msg.transfer_id, msg.attempt, peer, msg.producer_rank, msg.reason, now, failed=True)
@@ -704,7 +754,7 @@ class Worker:
         lat = now - f.started
         self.history.add({
             "transfer_id": f.transfer_id, "attempt": f.attempt, "dest_rank": f.dest_rank, "side": "prefill",
-            "bytes": f.nbytes, "descriptors": f.descriptors, "latency_ms": round(lat * 1e3, 3),
+            "bytes": f.nbytes, "descriptors": f.descriptors, "prepped": f.prepped, "latency_ms": round(lat * 1e3, 3),
             "result": "ok" if not error else "failed", "error": error, "age_s": 0.0, "at": now,
         })
         if error:
@@ -714,7 +764,7 @@ class Worker:
             self.trace.stamp(f.transfer_id, "p.daemon.write_done")
             peer = self._consumer_by_key(f.peer)
             if peer is not None:  # wake the decode daemon: its notification has landed
-                self._reply(self.ep.peer, peer.routing_id, proto.Written(f.transfer_id, f.attempt, self._rank()))
+                self._reply(self.ep.peer, peer.routing_id, proto.Writing(f.transfer_id, f.attempt, self._rank(), True))
             self.metrics.write_done(f.nbytes, lat)
             self.apply_rdv(rv.WriteDone(f.transfer_id, f.attempt, f.dest_rank, now))
 
@@ -746,15 +796,25 @@ class Worker:
             err = "decode peer is gone"
         if not err:
             assert me is not None and peer is not None and peer.layout is not None
+            notif = encode_notif(a.transfer_id, a.attempt, me.rank)
             try:
-                p = plan(me.layout, a.src_block_ids, peer.layout, a.dst_block_ids, a.num_tokens,
-                         dst_first_token=a.dst_first_token)
-                local = np.stack((p.src_off + me.region.base, p.length), axis=1)
-                remote = np.stack((p.dst_off + peer.region_base, p.length), axis=1)
-                self.trace.stamp(a.transfer_id, "p.daemon.planned")
-                h = self.transport.write(
-                    peer.agent_name, local, remote, encode_notif(a.transfer_id, a.attempt, me.rank)
-                )
+                if peer.prepped is not None:
+                    pattern, local_h, remote_h = peer.prepped
+                    sb, db = pattern.block_pairs(me.layout, a.src_block_ids, a.dst_block_ids, a.num_tokens,
+                                                 a.dst_first_token)
+                    li, ri = pattern.indices(sb, db)
+                    nbytes, ndesc = int(pattern.length.sum()) * int(sb.shape[0]), int(li.shape[0])
+                    self.trace.stamp(a.transfer_id, "p.daemon.planned")
+                    h = self.transport.write_prepped(peer.agent_name, local_h, li, remote_h, ri, notif,
+                                                     nbytes=nbytes)
+                else:
+                    p = plan(me.layout, a.src_block_ids, peer.layout, a.dst_block_ids, a.num_tokens,
+                             dst_first_token=a.dst_first_token)
+                    nbytes, ndesc = p.nbytes, len(p)
+                    local = np.stack((p.src_off + me.region.base, p.length), axis=1)
+                    remote = np.stack((p.dst_off + peer.region_base, p.length), axis=1)
+                    self.trace.stamp(a.transfer_id, "p.daemon.planned")
+                    h = self.transport.write(peer.agent_name, local, remote, notif)
                 self.trace.stamp(a.transfer_id, "p.daemon.write_posted")
             except PlanError as exc:
                 err = f"plan: {exc}"
@@ -763,8 +823,11 @@ class Worker:
                 err = f"NIXL: {exc}"
                 self.metrics.failure("nixl")
             else:
+                # The consumer polls NIXL tightly while this is in flight (with UCX error
+                # handling "peer" the WRITE completes only as the receiver progresses).
+                self._reply(self.ep.peer, peer.routing_id, proto.Writing(a.transfer_id, a.attempt, me.rank, False))
                 self.in_flight[id(h)] = InFlight(
-                    a.transfer_id, a.attempt, a.dest_rank, a.peer, h, p.nbytes, len(p), now
+                    a.transfer_id, a.attempt, a.dest_rank, a.peer, h, nbytes, ndesc, now, peer.prepped is not None
                 )
                 self.metrics.set_in_flight(len(self.in_flight))
                 return
@@ -788,8 +851,9 @@ class Worker:
                         else proto.SendFailed(act.transfer_id, 0, act.reason)
                     )
                     self.metrics.transfer_finished("prefill", "ok" if act.ok else "failed")
-                    self.to_engine(msg)
+                    # Stamped before it leaves: the timeline stays causal across processes.
                     self.trace.stamp(act.transfer_id, "p.daemon.sent" if act.ok else "p.daemon.send_failed")
+                    self.to_engine(msg)
                 elif isinstance(act, rv.NotifyFailure):
                     peer = self._consumer_by_key(act.peer)
                     if peer is not None:
@@ -807,20 +871,20 @@ class Worker:
             rec = self.receiving.get(tid)
             if isinstance(act, ctr.Accepted):
                 if rec is not None and rec.attempt == act.attempt:
+                    self.trace.stamp(tid, "d.daemon.register_forwarded")
                     for ep, fwd in zip(rec.endpoints, rec.forwards, strict=True):
                         self.send_producer(ep, fwd)
-                    self.trace.stamp(tid, "d.daemon.register_forwarded")
             elif isinstance(act, ctr.Complete):
                 self.metrics.transfer_finished("decode", "ok")
-                self.to_engine(proto.Received(tid, act.attempt))
                 self.trace.stamp(tid, "d.daemon.received_sent")
+                self.to_engine(proto.Received(tid, act.attempt))
                 self._hist_recv(tid, act.attempt, "ok", "")
             elif isinstance(act, ctr.Fail):
                 self.metrics.transfer_finished("decode", "failed")
                 if "timed out" in act.reason:
                     self.metrics.timeout("deadline")
-                self.to_engine(proto.ReceiveFailed(tid, act.attempt, act.reason))
                 self.trace.stamp(tid, "d.daemon.receive_failed")
+                self.to_engine(proto.ReceiveFailed(tid, act.attempt, act.reason))
                 self._hist_recv(tid, act.attempt, "failed", act.reason)
             elif isinstance(act, ctr.Release):
                 self.to_engine(proto.Released(tid, act.attempt))
@@ -921,6 +985,7 @@ class Worker:
         self._wait_in_flight(min(self.cfg.write_timeout_s, 5.0))
         for p in list(self.producers.values()):
             self._drop_producer(p, "shutdown")
+        self._release_preps()
         try:
             self.transport.close()
         except Exception as exc:

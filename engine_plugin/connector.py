@@ -127,7 +127,9 @@ class KVPushConnector(KVConnectorBase_V1):
         return
 
     def wait_for_save(self) -> None:
-        return
+        # Called right after the forward: early PrefillDones go out here.
+        if self.worker is not None:
+            self.worker.after_forward()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self.worker is not None

@@ -29,12 +29,19 @@ class RegisterReq:
 
 @dataclass
 class SendReq:
-    """Prefill side: the request's KV is in memory in these blocks (held until Sent)."""
+    """Prefill side: the request's KV is in memory in these blocks (held until Sent).
+
+    ``early``: sent with the step that computes the request's last prompt token (its only
+    output token is sampled there too): the worker publishes it right after that forward,
+    and the same transfer's later, plain SendReq (from ``request_finished``) only confirms
+    that vLLM finished the request, after which its blocks may be reported free.
+    """
 
     req_id: str
     transfer_id: str
     block_ids: list[int]
     num_tokens: int
+    early: bool = False
 
 
 @dataclass
@@ -51,9 +58,12 @@ class KVPushMetadata(KVConnectorMetadata):
     registers: list[RegisterReq] = field(default_factory=list)
     sends: list[SendReq] = field(default_factory=list)
     aborts: list[AbortReq] = field(default_factory=list)
+    # Prefill side: an early-published request vLLM then finished abnormally (aborted): the
+    # daemon must stop using its blocks before they are reported free.
+    send_aborts: list[AbortReq] = field(default_factory=list)
     idle: bool = False  # the step runs no forward: the worker may wait briefly for the daemon
     # Timeline stamps taken by the scheduler half: (transfer_id, hop, monotonic ns).
     stamps: list[tuple[str, str, int]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.registers or self.sends or self.aborts)
+        return bool(self.registers or self.sends or self.aborts or self.send_aborts)

@@ -47,12 +47,19 @@ class KVPushScheduler:
         self._releasing: set[str] = set()  # decode: aborted, waiting for Released
         self._attempts: dict[str, int] = {}  # transfer_id -> last attempt used here
         self._first_step: dict[str, str] = {}  # decode: req_id -> transfer_id, load done, not yet stepped
+        self._candidates: dict[str, str] = {}  # prefill: req_id -> transfer_id, may publish early
+        self._early: dict[str, str] = {}  # prefill: req_id -> transfer_id published early
 
     # ------------------------------------------------------------------ decode side
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params or {}
         rid = request.request_id
+        if (params.get("do_remote_decode") and params.get("transfer_id") and request.max_tokens == 1
+                and rid not in self._early):
+            # Its one output token is sampled by the step that ends its prompt: PrefillDone
+            # can go out right after that forward instead of a step later.
+            self._candidates[rid] = str(params["transfer_id"])
         if not params.get("do_remote_prefill") or rid in self._done_recv or rid in self._recv:
             return 0, False
         count = request.num_prompt_tokens - num_computed_tokens
@@ -98,8 +105,20 @@ class KVPushScheduler:
             self._meta.aborts.append(AbortReq(rid, recv.transfer_id, recv.attempt))
             self._releasing.add(rid)
             return True, None
+        self._candidates.pop(rid, None)
+        early = self._early.pop(rid, None)
+        ok = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+        if early is not None:
+            # PrefillDone is out: the daemon may be reading these blocks. Hold them until it
+            # answers; tell the worker how the request ended (it reports them free only then).
+            self._held.add(rid)
+            if ok:
+                self._meta.stamps.append((early, "p.plugin.prefill_finished", now_ns()))
+                self._meta.sends.append(SendReq(rid, early, list(block_ids), request.num_prompt_tokens))
+            else:
+                self._meta.send_aborts.append(AbortReq(rid, early, 0))
+            return True, None
         if params.get("do_remote_decode") and params.get("transfer_id"):
-            ok = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
             if not ok or not block_ids:
                 return False, None
             self._held.add(rid)
@@ -111,6 +130,17 @@ class KVPushScheduler:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVPushMetadata:
         meta, self._meta = self._meta, KVPushMetadata()
         meta.idle = scheduler_output.total_num_scheduled_tokens == 0
+        if self._candidates and not meta.idle:
+            scheduled = scheduler_output.num_scheduled_tokens
+            for nr in scheduler_output.scheduled_new_reqs:
+                tid = self._candidates.pop(nr.req_id, None)
+                if tid is None:
+                    continue
+                n_prompt = len(nr.prompt_token_ids or ())
+                if n_prompt and nr.num_computed_tokens + scheduled.get(nr.req_id, 0) >= n_prompt:
+                    # The whole prompt is computed by this step (no chunking): early path.
+                    self._early[nr.req_id] = tid
+                    meta.sends.append(SendReq(nr.req_id, tid, list(nr.block_ids[0]), n_prompt, early=True))
         if self._first_step and not meta.idle:
             # The first forward after a finished load: the end of the transfer's timeline.
             scheduled = scheduler_output.num_scheduled_tokens

@@ -19,7 +19,7 @@ import torch
 from kvpush import proto
 from kvpush.engine_plugin.client import DaemonClient
 from kvpush.engine_plugin.config import PluginConfig
-from kvpush.engine_plugin.metadata import KVPushMetadata
+from kvpush.engine_plugin.metadata import KVPushMetadata, SendReq
 from kvpush.proto.layout import KVLayout, vllm_cpu_layout
 from kvpush.proto.trace import TraceRing, now_ns
 
@@ -115,6 +115,10 @@ class KVPushWorker:
         self._finished_sending: set[str] = set()
         self._finished_recving: set[str] = set()
         self._reported: list[str] = []  # received this step: stamp when handed to vLLM
+        self._after_forward: list[SendReq] = []  # early PrefillDones of the current step
+        self._unconfirmed: set[str] = set()  # early-published, vLLM not yet finished them
+        self._done_early: dict[str, str] = {}  # daemon done before vLLM finished: tid -> req_id
+        self._whole: torch.Tensor | None = None
         self._daemon_id: str | None = None
         self._down_logged = False
         self.idle_step = False
@@ -152,20 +156,27 @@ class KVPushWorker:
         down = self._daemon_down()
         for r in meta.registers:
             self._recv[r.transfer_id] = _Pending(r.req_id, r.attempt, r.block_ids, now)
+            self.trace.stamp(r.transfer_id, "d.plugin.register_published")  # before it can arrive
             sent = not down and self.client.send(proto.Register(
                 r.transfer_id, r.attempt, tuple(r.block_ids), r.num_tokens, tuple(r.prefill_endpoints),
                 r.prefill_tp_size, self.cfg.timeout_ms, r.first_token,
             ))
-            if sent:
-                self.trace.stamp(r.transfer_id, "d.plugin.register_published")
-            else:
+            if not sent:
                 self._fail_recv(r.transfer_id, "kvpush daemon unavailable")
         for s in meta.sends:
-            self._send[s.transfer_id] = s.req_id
-            if down or not self.client.publish_prefill_done(s.transfer_id, s.block_ids, s.num_tokens, self.cfg.lease_ms):
-                self._finish_send(s.transfer_id)
+            if s.early:
+                self._after_forward.append(s)  # its KV is computed by this step's forward
+            elif s.transfer_id in self._unconfirmed:
+                self._confirm(s.transfer_id)  # vLLM finished it normally: may be freed now
             else:
-                self.trace.stamp(s.transfer_id, "p.plugin.prefill_done_published")
+                self._send[s.transfer_id] = s.req_id
+                self._prefill_done(s, down)
+        for a in meta.send_aborts:
+            # Aborted after its early PrefillDone: the daemon must let go of the blocks first.
+            if a.transfer_id in self._send and (down or not self.client.publish_abort(
+                    a.transfer_id, a.attempt, "prefill request aborted")):
+                self._finish_send(a.transfer_id)
+            self._confirm(a.transfer_id)
         for a in meta.aborts:
             pending = self._recv.pop(a.transfer_id, None)
             if pending is None and a.transfer_id not in self._recv:
@@ -176,6 +187,33 @@ class KVPushWorker:
             if down or not self.client.publish_abort(a.transfer_id, a.attempt, "request aborted"):
                 self._finished_sending.add(a.req_id)
                 self._releasing.pop(a.transfer_id, None)
+
+    def _prefill_done(self, s: SendReq, down: bool) -> None:
+        self.trace.stamp(s.transfer_id, "p.plugin.prefill_done_published")  # before it can arrive
+        if down or not self.client.publish_prefill_done(s.transfer_id, s.block_ids, s.num_tokens, self.cfg.lease_ms):
+            self._finish_send(s.transfer_id)
+
+    def after_forward(self) -> None:
+        """Right after the step's forward (vLLM's wait_for_save): publish the PrefillDone of
+        requests whose last prompt token this forward computed, a whole step earlier than
+        request_finished could. Their blocks are reported free only once the scheduler
+        confirmed that vLLM finished them (the plain SendReq or a send_abort)."""
+        if not self._after_forward:
+            return
+        if self._whole is not None and self._whole.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()  # the daemon reads what the kernels wrote
+        down = self._daemon_down()
+        batch, self._after_forward = self._after_forward, []
+        for s in batch:
+            self._send[s.transfer_id] = s.req_id
+            self._unconfirmed.add(s.transfer_id)
+            self._prefill_done(s, down)
+
+    def _confirm(self, tid: str) -> None:
+        self._unconfirmed.discard(tid)
+        rid = self._done_early.pop(tid, None)
+        if rid is not None:
+            self._finished_sending.add(rid)
 
     def _daemon_down(self) -> bool:
         """Is the daemon known to be unreachable? Not merely "no answer yet": right after
@@ -198,7 +236,11 @@ class KVPushWorker:
 
     def _finish_send(self, tid: str) -> None:
         rid = self._send.pop(tid, None)
-        if rid is not None:
+        if rid is None:
+            return
+        if tid in self._unconfirmed:
+            self._done_early[tid] = rid  # vLLM has not finished the request yet: not free
+        else:
             self._finished_sending.add(rid)
 
     def collect(self) -> tuple[set[str], set[str]]:
@@ -276,6 +318,8 @@ class KVPushWorker:
                 rid = self._releasing.pop(tid, None)
                 if rid is not None:
                     self._finished_sending.add(rid)
+                elif tid in self._send:  # an aborted prefill the daemon no longer held
+                    self._finish_send(tid)
             elif isinstance(m, proto.Error):
                 log.warning("kvpush daemon error %s: %s (%s)", m.code, m.message, m.ref)
             elif isinstance(m, proto.AttachAck):

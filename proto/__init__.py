@@ -31,7 +31,7 @@ from kvpush.proto.messages import (
     Sent,
     TraceReport,
     WriteFailedNotice,
-    Written,
+    Writing,
 )
 
 __all__ = [
@@ -62,7 +62,7 @@ __all__ = [
     "Sent",
     "TraceReport",
     "WriteFailedNotice",
-    "Written",
+    "Writing",
     "decode",
     "encode",
 ]

@@ -273,14 +273,19 @@ class WriteFailedNotice:
 
 @message
 @dataclass(frozen=True, slots=True)
-class Written:
-    """Producer's WRITE of this attempt completed: a wake-up, not a proof. The consumer looks
-    for the NIXL notification at once instead of polling for it; only the notification
-    (which NIXL delivers after the data) completes the transfer."""
+class Writing:
+    """Producer posted (``done`` false) or completed (``done`` true) its WRITE of this attempt.
+
+    Wake-ups, not proofs: only the NIXL notification, which NIXL delivers after the data,
+    completes a transfer. A posted WRITE makes the consumer poll NIXL tightly until the
+    notification shows (some UCX modes need the receiver's progress to complete at all); a
+    completed one makes it look at once instead of at its next poll.
+    """
 
     transfer_id: str
     attempt: int
     producer_rank: int
+    done: bool
 
 
 # ---- ops --------------------------------------------------------------------------------
@@ -325,7 +330,7 @@ Message = (
     | Cancel
     | CancelConfirmed
     | WriteFailedNotice
-    | Written
+    | Writing
     | OpsRequest
     | OpsReply
 )

@@ -132,6 +132,16 @@ def timelines(stack: PDStack, router_url: str, tids: list[str]) -> dict[str, dic
     return out
 
 
+def idle_cores(groups: dict[str, Any], settle_s: float, seconds: float) -> dict[str, float]:
+    """Cores each process group uses while nothing is sent (after vLLM's 1 s queue spin)."""
+    from bench_sweep import group_cpu_seconds
+
+    time.sleep(settle_s)
+    c0 = {k: group_cpu_seconds(p) for k, p in groups.items()}
+    time.sleep(seconds)
+    return {k: round((group_cpu_seconds(p) - c0[k]) / seconds, 4) for k, p in groups.items()}
+
+
 def summarize(mode_res: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"sequential": {}, "errors": 0}
     for L, rows in mode_res["sequential"].items():
@@ -156,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--idle-seconds", type=float, default=5.0, help="idle CPU sample per mode (0: skip)")
     args = ap.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
     modes = [m for m in args.modes.split(",") if m]
@@ -167,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     model = ve.ensure_tiny_model(args.model_dir)
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
     raw: dict[str, Any] = {}
+    idle: dict[str, dict[str, float]] = {}
     hops: dict[str, Any] = {}
     texts: dict[str, dict[str, str]] = {}
 
@@ -182,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             ve.wait_healthy(f"http://127.0.0.1:{port}/health", 600, proc)
             measure("colocated", f"http://127.0.0.1:{port}")
+            if args.idle_seconds:
+                idle["colocated"] = idle_cores({"engine": proc}, 3.0, args.idle_seconds)
         finally:
             ve.stop_group(proc, grace=10)
     if "kvpush" in modes or "prefill" in modes:
@@ -206,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
                 from pd_stack import prompt_tokens_by_source
 
                 raw["kvpush"]["decode_prompt_tokens_by_source"] = prompt_tokens_by_source(stack.d_url)
+            if args.idle_seconds:
+                idle["kvpush"] = idle_cores(dict(stack.procs), 3.0, args.idle_seconds)
         finally:
             stack.stop()
     if "pull" in modes:
@@ -242,13 +258,17 @@ def main(argv: list[str] | None = None) -> int:
         if c["concurrent"] and k["concurrent"]:
             r = k["concurrent"]["p50"] / c["concurrent"]["p50"]
             verdict["concurrent"] = {"p50_ratio": round(r, 3), "ok": r <= 1.5}
+    if "colocated" in idle and "kvpush" in idle:
+        base = idle["colocated"]["engine"]
+        verdict["idle"] = {role: {"cores": idle["kvpush"][role], "over_colocated": round(idle["kvpush"][role] - base, 4),
+                                  "ok": idle["kvpush"][role] <= base + 0.02} for role in ("prefill", "decode")}
     if "pull" in summary and "kvpush" in summary:
         verdict["vs_pull_p50"] = {L: round(summary["kvpush"]["sequential"][L]["p50"] / v["p50"], 3)
                                   for L, v in summary["pull"]["sequential"].items()
                                   if v and summary["kvpush"]["sequential"].get(L)}
     result = {"config": {"lengths": lengths, "requests": args.requests, "output_len": args.output_len,
                          "concurrency": args.concurrency, "modes": modes},
-              "summary": summary, "verdict": verdict, "kvpush_median_breakdown": hops,
+              "summary": summary, "verdict": verdict, "kvpush_median_breakdown": hops, "idle_cores": idle,
               "decode_prompt_tokens_by_source": raw.get("kvpush", {}).get("decode_prompt_tokens_by_source")}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import urllib.request
 import uuid
 from typing import Any
 
@@ -140,6 +141,60 @@ def test_forced_orders(pd: PDStack, order: str) -> None:
     ext1, _ = external(pd)
     assert text(got) == want
     assert loaded_all(ext1 - ext0, [len(prompt)])
+
+
+def test_trace_shows_every_hop_of_a_request_in_order(pd: PDStack) -> None:
+    """`kvpushctl trace TID --router URL` merges router, both plugins and both daemons."""
+    import subprocess
+    import sys
+
+    async def go() -> tuple[str, str]:
+        b = body(ids(300, 77), 4, stream=True)
+        async with aiohttp.ClientSession() as s, s.post(f"{pd.router_url}/v1/completions", json=b,
+                                                        headers={"x-request-id": "trace-me"}) as r:
+            assert r.status == 200
+            tid = r.headers["x-kvpush-transfer-id"]
+            async for _ in r.content:
+                pass
+        return tid, "trace-me"
+
+    tid, rid = run(go())
+    with urllib.request.urlopen(f"{pd.router_url}/router/trace?request_id={rid}", timeout=10) as r:
+        assert json.loads(r.read())["transfer_id"] == tid  # x-request-id -> transfer_id
+    want = ["router.request_in", "router.legs_sent", "d.plugin.claim", "d.plugin.register_published",
+            "d.daemon.register_in", "d.daemon.register_forwarded", "p.daemon.register_in",
+            "p.plugin.prefill_done_published", "p.daemon.prefill_done_in", "p.daemon.planned",
+            "p.daemon.write_posted", "p.daemon.write_done", "p.daemon.sent", "p.plugin.sent_seen",
+            "p.plugin.prefill_finished", "router.prefill_answered", "d.daemon.notif_seen",
+            "d.daemon.received_sent", "d.plugin.received_seen", "d.plugin.finished_recving",
+            "d.plugin.first_decode_step", "router.decode_first_byte"]
+    deadline = time.monotonic() + 10
+    while True:  # the engines report their stamps once the request is past its transfer
+        out = subprocess.run([sys.executable, "-m", "kvpush.daemon.ctl", "--runtime-dir", str(pd.rt), "--json",
+                              "trace", tid, "--router", pd.router_url], capture_output=True, text=True, timeout=30)
+        data = json.loads(out.stdout)
+        timeline = next(d["data"]["timeline"] for d in data["daemons"] if d["data"] and "timeline" in d["data"])
+        hops = {r["hop"]: r["t_ms"] for r in timeline}
+        if set(want) <= set(hops) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert out.returncode == 0, out.stderr
+    assert set(want) <= set(hops), sorted(set(want) - set(hops))
+    causal = [("router.request_in", "router.legs_sent"), ("router.legs_sent", "d.plugin.claim"),
+              ("d.plugin.claim", "d.daemon.register_in"), ("d.daemon.register_in", "p.daemon.register_in"),
+              ("p.daemon.prefill_done_in", "p.daemon.write_posted"), ("p.daemon.write_posted", "p.daemon.write_done"),
+              ("p.daemon.write_done", "d.daemon.received_sent"), ("d.daemon.notif_seen", "d.daemon.received_sent"),
+              ("d.daemon.received_sent", "d.plugin.received_seen"),
+              ("d.plugin.received_seen", "d.plugin.first_decode_step"),
+              ("d.plugin.first_decode_step", "router.decode_first_byte")]
+    for a, b in causal:
+        assert hops[a] <= hops[b], (a, hops[a], b, hops[b])
+    human = subprocess.run([sys.executable, "-m", "kvpush.daemon.ctl", "--runtime-dir", str(pd.rt),
+                            "trace", tid, "--router", pd.router_url], capture_output=True, text=True, timeout=30)
+    assert human.returncode == 0 and "router.decode_first_byte" in human.stdout and "DELTA(ms)" in human.stdout
+    missing = subprocess.run([sys.executable, "-m", "kvpush.daemon.ctl", "--runtime-dir", str(pd.rt),
+                              "trace", "kvp-no-such-transfer"], capture_output=True, text=True, timeout=30)
+    assert missing.returncode == 4
 
 
 def test_chat_completions_stream_through_router(pd: PDStack) -> None:

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvref import apply_plan, make, reference_copy
 
-from kvpush.daemon.planner import PlanError, expected_producers, plan
+from kvpush.daemon.planner import Plan, PlanError, block_pattern, expected_producers, plan
 from kvpush.proto.layout import flash_layout, vllm_cpu_layout
 
 # ---- strategies ------------------------------------------------------------------
@@ -106,6 +106,41 @@ def test_plan_matches_reference_copy(sc, seed):
     # Descriptors never overlap on the destination (one WRITE, no byte written twice).
     order = np.argsort(p.dst_off)
     assert np.all(p.dst_off[order][1:] >= (p.dst_off + p.length)[order][:-1])
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios(), st.integers(0, 2**32 - 1))
+def test_block_pattern_copies_what_the_reference_copies(sc, seed):
+    """The prepared-list path (pattern x blocks, posted by index) writes the same bytes."""
+    (src_lay, src_p), src_blocks, (dst_lay, dst_p), dst_blocks, num_tokens, first = sc
+    bp = block_pattern(src_lay, dst_lay)
+    if src_lay.block_size != dst_lay.block_size or min(src_lay.num_blocks, dst_lay.num_blocks) < 2:
+        assert bp is None
+        return
+    assert bp is not None  # equal block sizes are always block-periodic
+    rng = np.random.default_rng(seed)
+    src_buf = rng.integers(0, 256, src_lay.region_size, dtype=np.uint8)
+    dst_buf = rng.integers(0, 256, dst_lay.region_size, dtype=np.uint8)
+    sb, db = bp.block_pairs(src_lay, src_blocks, dst_blocks, num_tokens, first)
+    li, ri = bp.indices(sb, db)
+    loc, rem = bp.src_list(), bp.dst_list()
+    assert np.array_equal(loc[li, 1], rem[ri, 1])
+    got = apply_plan(Plan(loc[li, 0], rem[ri, 0], loc[li, 1]), src_buf, dst_buf)
+    want, dont_care = reference_copy(
+        src_p, src_lay, src_buf, src_blocks, dst_p, dst_lay, dst_buf, dst_blocks, num_tokens, first
+    )
+    assert np.array_equal(got[~dont_care], want[~dont_care])
+
+
+def test_block_pattern_of_vllm_cpu_layout_is_one_slab_per_layer():
+    lay = vllm_cpu_layout(num_layers=3, num_blocks=16, block_size=16, num_heads=2, head_size=8,
+                          dtype="bfloat16", packing="row")
+    bp = block_pattern(lay, lay)
+    assert bp is not None and bp.entries == 3 and (bp.length == lay.block_stride).all()
+    assert bp.src_list().shape == (3 * 16, 2)
+    with pytest.raises(PlanError):
+        bp.block_pairs(lay, [0, 1], [0, 16], 32)  # destination block out of range
+    assert block_pattern(lay, lay, max_descriptors=10) is None
 
 
 def test_reference_executor_can_fail():

@@ -43,7 +43,7 @@ from kvpush.proto import (
     Sent,
     TraceReport,
     WriteFailedNotice,
-    Written,
+    Writing,
     decode,
     encode,
 )
@@ -160,7 +160,7 @@ STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
     Abort: st.builds(Abort, text, u63, text),
     Heartbeat: st.builds(Heartbeat, u63),
     TraceReport: st.builds(TraceReport, text, endpoints, ids),
-    Written: st.builds(Written, text, u63, u63),
+    Writing: st.builds(Writing, text, u63, u63, st.booleans()),
     AttachAck: st.builds(AttachAck, text, text),
     Sent: st.builds(Sent, text, u63),
     SendFailed: st.builds(SendFailed, text, u63, text),

@@ -1,0 +1,162 @@
+"""The plugin's worker half against a ZeroMQ ROUTER the test plays the daemon with.
+
+Early PrefillDone: published right after the forward that computes a prompt's last token,
+a step before vLLM finishes the request; the blocks must not be reported free (finished
+sending) until the scheduler half confirmed that vLLM finished the request, whatever order
+the daemon's answer and that confirmation come in. Also: the idle-step wait happens only
+while a load is pending.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+
+import pytest
+import zmq
+
+pytest.importorskip("vllm")
+
+from kvpush import proto  # noqa: E402
+from kvpush.engine_plugin.config import PluginConfig  # noqa: E402
+from kvpush.engine_plugin.metadata import AbortReq, KVPushMetadata, RegisterReq, SendReq  # noqa: E402
+from kvpush.engine_plugin.worker import KVPushWorker  # noqa: E402
+
+
+class Daemon:
+    def __init__(self, ctx: zmq.Context, endpoint: str) -> None:
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(endpoint)
+        self.peer: bytes | None = None
+        self.got: list[proto.Message] = []
+
+    def serve(self) -> None:
+        while self.sock.poll(0):
+            ident, frame = self.sock.recv_multipart()
+            self.peer = ident
+            msg = proto.decode(frame)
+            if isinstance(msg, proto.Heartbeat):
+                self.send(proto.HeartbeatAck(msg.seq, "d1"))
+            else:
+                self.got.append(msg)
+
+    def send(self, msg: proto.Message) -> None:
+        assert self.peer is not None
+        self.sock.send_multipart([self.peer, proto.encode(msg)])
+
+
+@pytest.fixture
+def stack() -> Iterator[tuple[KVPushWorker, Daemon]]:
+    d = tempfile.mkdtemp(prefix="kvw-", dir="/tmp")
+    ep = f"ipc://{d}/engine.sock"
+    ctx = zmq.Context()
+    daemon = Daemon(ctx, ep)
+    w = KVPushWorker(PluginConfig(daemon=ep), engine_id="e", role="prefill", rank=0, tp_size=1,
+                     model="m", total_kv_heads=1)
+    end = time.monotonic() + 10
+    while not w.client.available:  # link up, heartbeat answered
+        w.client.poll()
+        daemon.serve()
+        assert time.monotonic() < end, "client never saw the daemon"
+        time.sleep(0.002)
+    try:
+        yield w, daemon
+    finally:
+        w.shutdown()
+        ctx.destroy(linger=0)
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def settle(w: KVPushWorker, daemon: Daemon, cond, timeout: float = 5.0) -> tuple[set[str], set[str]]:
+    """Step the worker (collect) until cond(daemon) holds; returns everything it reported."""
+    sending: set[str] = set()
+    recving: set[str] = set()
+    end = time.monotonic() + timeout
+    while True:
+        fs, fr = w.collect()
+        sending |= fs
+        recving |= fr
+        daemon.serve()
+        if cond(daemon):
+            return sending, recving
+        assert time.monotonic() < end, f"condition not reached; daemon got {daemon.got}"
+        time.sleep(0.002)
+
+
+def step(w: KVPushWorker, meta: KVPushMetadata, forward: bool = True) -> None:
+    w.idle_step = meta.idle
+    w.publish(meta)
+    if forward:
+        w.after_forward()
+
+
+def prefill_dones(d: Daemon) -> list[proto.PrefillDone]:
+    return [m for m in d.got if isinstance(m, proto.PrefillDone)]
+
+
+@pytest.mark.parametrize("order", ["daemon_first", "confirm_first"])
+def test_early_prefill_done_is_freed_only_after_vllm_finished_it(stack, order) -> None:
+    w, daemon = stack
+    step(w, KVPushMetadata(sends=[SendReq("r1", "t1", [4, 5], 200, early=True)]))
+    settle(w, daemon, lambda d: len(prefill_dones(d)) == 1)
+    assert prefill_dones(daemon)[0] == proto.PrefillDone("t1", (4, 5), 200, w.cfg.lease_ms)
+    if order == "daemon_first":
+        daemon.send(proto.Sent("t1", 0))
+        fs, _ = settle(w, daemon, lambda d: not w._send)  # the Sent was handled ...
+        assert fs == set()  # ... but vLLM has not finished the request: not free yet
+        step(w, KVPushMetadata(sends=[SendReq("r1", "t1", [4, 5], 200)]), forward=False)
+        fs, _ = w.collect()
+        assert fs == {"r1"}
+    else:
+        step(w, KVPushMetadata(sends=[SendReq("r1", "t1", [4, 5], 200)]), forward=False)
+        assert w.collect()[0] == set()
+        daemon.send(proto.Sent("t1", 0))
+        fs, _ = settle(w, daemon, lambda d: not w._send)
+        assert fs == {"r1"}
+    assert len(prefill_dones(daemon)) == 1  # the confirmation is not a second PrefillDone
+
+
+def test_early_prefill_done_of_an_aborted_request_is_withdrawn(stack) -> None:
+    w, daemon = stack
+    step(w, KVPushMetadata(sends=[SendReq("r2", "t2", [1], 10, early=True)]))
+    settle(w, daemon, lambda d: len(prefill_dones(d)) == 1)
+    step(w, KVPushMetadata(send_aborts=[AbortReq("r2", "t2", 0)]), forward=False)
+    fs, _ = settle(w, daemon, lambda d: any(isinstance(m, proto.Abort) for m in d.got))
+    assert fs == set()  # the daemon may still be reading the blocks
+    daemon.send(proto.SendFailed("t2", 0, "aborted"))
+    fs, _ = settle(w, daemon, lambda d: not w._send)
+    assert fs == {"r2"}
+
+
+def test_early_send_waits_for_the_forward(stack) -> None:
+    """Nothing goes out at bind time: the forward computing the KV has not run yet."""
+    w, daemon = stack
+    step(w, KVPushMetadata(sends=[SendReq("r3", "t3", [2], 10, early=True)]), forward=False)
+    time.sleep(0.05)
+    daemon.serve()
+    assert prefill_dones(daemon) == []
+    w.after_forward()
+    settle(w, daemon, lambda d: len(prefill_dones(d)) == 1)
+
+
+def test_idle_wait_only_while_a_load_is_pending(stack) -> None:
+    w, daemon = stack
+    w.cfg = PluginConfig(daemon=w.cfg.daemon, idle_wait_ms=1000)
+    step(w, KVPushMetadata(sends=[SendReq("r4", "t4", [3], 10)], idle=True), forward=False)
+    settle(w, daemon, lambda d: len(prefill_dones(d)) == 1)
+    t0 = time.monotonic()
+    w.collect()  # a held prefill block only: no wait
+    assert time.monotonic() - t0 < 0.5
+    step(w, KVPushMetadata(registers=[RegisterReq("r5", "t5", 0, [7], 10, 0, ["tcp://p:1"], 1)], idle=True),
+         forward=False)
+    t0 = time.monotonic()
+    w.collect()  # a pending load: waits (up to 1 s) for the daemon
+    assert time.monotonic() - t0 >= 0.9
+    daemon.serve()
+    daemon.send(proto.Received("t5", 0))
+    t0 = time.monotonic()
+    _, fr = settle(w, daemon, lambda d: "r5" not in {p.req_id for p in w._recv.values()})
+    assert "r5" in fr and time.monotonic() - t0 < 0.9  # the answer ends the wait at once

@@ -112,10 +112,10 @@ class KVPushConnector(KVConnectorBase_V1):
         super().bind_connector_metadata(connector_metadata)
         if self.worker is not None and isinstance(connector_metadata, KVPushMetadata):
             self.worker.idle_step = connector_metadata.idle
+            if connector_metadata.stamps:  # first: a confirmation below may end a timeline
+                self.worker.take_stamps(connector_metadata.stamps)
             if connector_metadata:
                 self.worker.publish(connector_metadata)
-            if connector_metadata.stamps:
-                self.worker.take_stamps(connector_metadata.stamps)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         return  # the daemon writes into our blocks; nothing to start here

@@ -210,10 +210,13 @@ class KVPushWorker:
             self._prefill_done(s, down)
 
     def _confirm(self, tid: str) -> None:
+        if tid not in self._unconfirmed:
+            return
         self._unconfirmed.discard(tid)
         rid = self._done_early.pop(tid, None)
         if rid is not None:
             self._finished_sending.add(rid)
+            self._report_trace(tid)  # the daemon answered before vLLM finished the request
 
     def _daemon_down(self) -> bool:
         """Is the daemon known to be unreachable? Not merely "no answer yet": right after
@@ -313,7 +316,8 @@ class KVPushWorker:
                 else:
                     self.trace.stamp(tid, "p.plugin.sent_seen")
                 self._finish_send(tid)
-                self._report_trace(tid)
+                if tid not in self._unconfirmed:  # else once vLLM finished it (_confirm)
+                    self._report_trace(tid)
             elif isinstance(m, proto.Released):
                 rid = self._releasing.pop(tid, None)
                 if rid is not None:

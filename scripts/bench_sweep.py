@@ -7,7 +7,9 @@ engine flags: float32, eager, 64 MiB KV, decode-side prefix caching off, the sam
 - ``kvpush``: kvpushd + KVPushConnector + the kvpush router (scripts/pd_stack.py, unchanged);
 - ``pull``: vLLM's NixlConnector (``kv_buffer_device: cpu``, ``kv_both``) behind a
   sequential proxy (scripts/baseline_proxy.py --mode pull): P first, then D with P's params;
-- ``vllm-push``: vLLM's NixlPushConnector behind a concurrent proxy (--mode push).
+- ``vllm-push``: vLLM's NixlPushConnector behind a concurrent proxy (--mode push);
+- ``colocated``: one engine, no connector, given both cores (what disaggregation has to beat
+  on the same machine; not in the default modes).
 
 For each mode: start, wait healthy, warm up, measure idle CPU, run every load point, stop
 everything (also on errors and Ctrl-C). A load point is vLLM's own benchmark client
@@ -59,7 +61,7 @@ import vllm_env as ve  # noqa: E402
 from pd_stack import PDStack, free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-MODES = ("kvpush", "pull", "vllm-push")
+MODES = ("kvpush", "pull", "vllm-push", "colocated")
 MODEL_NAME = "tiny"
 # Prometheus families worth keeping per point (deltas over the load).
 ENGINE_HISTOGRAMS = ("vllm:inter_token_latency_seconds", "vllm:request_time_per_output_token_seconds",
@@ -271,6 +273,23 @@ def start_kvpush(model: Path, work: Path, logs: Path, startup_timeout: float) ->
     return ModeStack("kvpush", stack.router_url, stack.p_url, stack.d_url, dict(stack.procs),
                      {"prefill": f"{stack.p_url}/metrics", "decode": f"{stack.d_url}/metrics",
                       "daemon": f"http://127.0.0.1:{stack.metrics_port}/metrics"}, stop)
+
+
+def start_colocated(model: Path, logs: Path, startup_timeout: float) -> ModeStack:
+    """One engine on both cores, no connector: the non-disaggregated alternative."""
+    port = quiet_port()
+    proc = ve.start_engine(model, port, logs / "colocated.log", cpu_bind="0-1")
+
+    def stop() -> None:
+        ve.stop_group(proc, grace=10)
+
+    url = f"http://127.0.0.1:{port}"
+    try:
+        ve.wait_healthy(f"{url}/health", startup_timeout, proc)
+    except BaseException:
+        stop()
+        raise
+    return ModeStack("colocated", url, url, url, {"engine": proc}, {"decode": f"{url}/metrics"}, stop)
 
 
 def start_nixl(mode: str, model: Path, logs: Path, startup_timeout: float, request_timeout: float) -> ModeStack:
@@ -565,6 +584,8 @@ def run_mode(cfg: SweepConfig, mode: str, client: ClientRunner) -> dict[str, Any
     try:
         if mode == "kvpush":
             stack = start_kvpush(cfg.model, work, logs, cfg.startup_timeout)
+        elif mode == "colocated":
+            stack = start_colocated(cfg.model, logs, cfg.startup_timeout)
         else:
             stack = start_nixl(mode, cfg.model, logs, cfg.startup_timeout, cfg.request_timeout)
         info["startup_s"] = round(time.monotonic() - t0, 1)
@@ -631,7 +652,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results-dir", required=True)
     ap.add_argument("--model-dir", default=str(ROOT / ".models" / "tiny"), help="built if missing (scripts/build_tiny_model.py)")
-    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--modes", default="kvpush,pull,vllm-push", help=f"comma separated, from {MODES}")
     ap.add_argument("--qps", type=_floats, default=[1, 2, 4, 8])
     ap.add_argument("--input-lens", type=_ints, default=[256, 512, 1024, 1536])
     ap.add_argument("--points", type=_pairs, default=None, help="QPSxIN,... instead of the --qps x --input-lens grid")

@@ -114,7 +114,9 @@ async def run_mode(url: str, lengths: list[int], n: int, out_len: int, conc: int
                 L = lengths[i % len(lengths)]
                 return {"len": L, **await one(s, url, prompt_ids(L, 1000 + i, seed), out_len)}
 
+        t0 = time.perf_counter()
         res["concurrent"] = await asyncio.gather(*(limited(i) for i in range(conc * 8)))
+        res["concurrent_wall_s"] = time.perf_counter() - t0
     return res
 
 
@@ -151,6 +153,11 @@ def summarize(mode_res: dict[str, Any]) -> dict[str, Any]:
     conc = [r["ttft_ms"] for r in mode_res["concurrent"] if r.get("ttft_ms") is not None]
     out["errors"] += len(mode_res["concurrent"]) - len(conc)
     out["concurrent"] = stats(conc)
+    n = len(mode_res["concurrent"])
+    out["concurrent"]["requests_per_s"] = round(n / mode_res["concurrent_wall_s"], 2)
+    out["concurrent"]["p50_by_length"] = {
+        str(L): round(pct([r["ttft_ms"] for r in mode_res["concurrent"] if r["len"] == L and r.get("ttft_ms")], 50), 2)
+        for L in sorted({r["len"] for r in mode_res["concurrent"]})}
     return out
 
 

@@ -183,7 +183,7 @@ def test_trace_shows_every_hop_of_a_request_in_order(pd: PDStack) -> None:
     causal = [("router.request_in", "router.legs_sent"), ("router.legs_sent", "d.plugin.claim"),
               ("d.plugin.claim", "d.daemon.register_in"), ("d.daemon.register_in", "p.daemon.register_in"),
               ("p.daemon.prefill_done_in", "p.daemon.write_posted"), ("p.daemon.write_posted", "p.daemon.write_done"),
-              ("p.daemon.write_done", "d.daemon.received_sent"), ("d.daemon.notif_seen", "d.daemon.received_sent"),
+              ("p.daemon.planned", "d.daemon.notif_seen"), ("d.daemon.notif_seen", "d.daemon.received_sent"),
               ("d.daemon.received_sent", "d.plugin.received_seen"),
               ("d.plugin.received_seen", "d.plugin.first_decode_step"),
               ("d.plugin.first_decode_step", "router.decode_first_byte")]

@@ -100,6 +100,11 @@ class HookProfiler:
         self.hooks: dict[str, HookStats] = {}
         self.step_ns: deque[int] = deque(maxlen=max_steps)
         self.step_wait_ns: deque[int] = deque(maxlen=max_steps)
+        # The same steps in this thread's CPU time: what the hooks cost, without the time
+        # the thread spent preempted (on a shared core, e.g. by libzmq's I/O thread that a
+        # send wakes, or by other processes) or blocked in the idle-step wait.
+        self.step_cpu_ns: deque[int] = deque(maxlen=max_steps)
+        self._cur_cpu_ns = 0
         self.step_start_ns: deque[int] = deque(maxlen=max_steps)  # clock at each step's boundary
         self.steps = 0
         self.wait_calls = 0
@@ -127,10 +132,13 @@ class HookProfiler:
                 self._next_step()
             self._depth += 1
             t0 = clock()
+            c0 = time.thread_time_ns()
             try:
                 return fn(*args, **kwargs)
             finally:
                 dt = clock() - t0
+                if self._depth == 1:
+                    self._cur_cpu_ns += time.thread_time_ns() - c0
                 self._depth -= 1
                 stats.calls += 1
                 stats.total_ns += dt
@@ -170,11 +178,13 @@ class HookProfiler:
         if self._in_step:
             self.step_ns.append(self._cur_ns)
             self.step_wait_ns.append(self._cur_wait_ns)
+            self.step_cpu_ns.append(self._cur_cpu_ns)
             self.step_start_ns.append(self._cur_start)
             self.steps += 1
         self._in_step = True
         self._cur_ns = 0
         self._cur_wait_ns = 0
+        self._cur_cpu_ns = 0
         self._cur_start = now
         if self.flush_every_ns and now - self._last_flush >= self.flush_every_ns:
             self.flush()
@@ -200,6 +210,7 @@ class HookProfiler:
             "per_hook": {k: v.to_json() for k, v in self.hooks.items()},
             "per_step_us": [round(t / 1e3, 3) for t in per_step],
             "per_step_wait_us": [round(w / 1e3, 3) for w in waits],
+            "per_step_cpu_us": [round(c / 1e3, 3) for c in self.step_cpu_ns],
             # The default clock (perf_counter = CLOCK_MONOTONIC on Linux) is shared by all
             # processes of the host, so a harness can cut the steps to its load window.
             "per_step_start_s": [round(t / 1e9, 6) for t in self.step_start_ns],

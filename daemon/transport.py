@@ -221,17 +221,7 @@ class NixlTransport:
             raise TransportError(
                 f"WRITE to {peer} ({loc.shape[0]} descriptors) rejected: {type(e).__name__}: {e}"
             ) from e
-        h = XferHandle(peer, bytes(notif), int(loc[:, 1].sum()), int(loc.shape[0]), raw)
-        try:
-            st = self._agent.transfer(raw)
-        except Exception as e:
-            self._agent.release_xfer_handle(raw)
-            raise TransportError(f"WRITE to {peer} failed to post: {e}") from e
-        if st == "ERR":
-            self._agent.release_xfer_handle(raw)
-            raise TransportError(f"WRITE to {peer} failed to post")
-        self._live[id(h)] = h
-        return h
+        return self._post(XferHandle(peer, bytes(notif), int(loc[:, 1].sum()), int(loc.shape[0]), raw))
 
     def prep_local(self, descs: np.ndarray) -> Any:
         """Prepare (addr, len) rows of our registered memory once, for index-based WRITEs."""
@@ -282,15 +272,18 @@ class NixlTransport:
         except Exception as e:
             raise TransportError(f"WRITE to {peer} ({li.shape[0]} prepared descriptors) rejected: "
                                  f"{type(e).__name__}: {e}") from e
-        h = XferHandle(peer, bytes(notif), nbytes, int(li.shape[0]), raw)
+        return self._post(XferHandle(peer, bytes(notif), nbytes, int(li.shape[0]), raw))
+
+    def _post(self, h: XferHandle) -> XferHandle:
+        """Start a created transfer; on failure its handle is released, never leaked."""
         try:
-            st = self._agent.transfer(raw)
+            st = self._agent.transfer(h.raw)
         except Exception as e:
-            self._agent.release_xfer_handle(raw)
-            raise TransportError(f"WRITE to {peer} failed to post: {e}") from e
+            self._agent.release_xfer_handle(h.raw)
+            raise TransportError(f"WRITE to {h.peer} failed to post: {e}") from e
         if st == "ERR":
-            self._agent.release_xfer_handle(raw)
-            raise TransportError(f"WRITE to {peer} failed to post")
+            self._agent.release_xfer_handle(h.raw)
+            raise TransportError(f"WRITE to {h.peer} failed to post")
         self._live[id(h)] = h
         return h
 

@@ -39,6 +39,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vllm_env as ve  # noqa: E402
+from demo import sse_data  # noqa: E402
 from pd_stack import PDStack, free_port  # noqa: E402
 
 from kvpush import proto  # noqa: E402
@@ -79,15 +80,9 @@ async def one(session: Any, url: str, ids: list[int], out_len: int) -> dict[str,
         if r.status != 200:
             return {"error": f"HTTP {r.status}: {(await r.text())[:200]}"}
         tid = r.headers.get("x-kvpush-transfer-id")
-        async for raw in r.content:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            data = json.loads(line[5:])
+        async for data in sse_data(r):
             if "error" in data:
                 return {"error": str(data["error"])[:200]}
-            if not data.get("choices"):
-                continue  # the usage-only chunk
             if first is None:  # the first token's chunk (its text may be empty: a partial UTF-8 char)
                 first = time.perf_counter()
             text.append(data["choices"][0].get("text", ""))
@@ -132,6 +127,18 @@ def timelines(stack: PDStack, router_url: str, tids: list[str]) -> dict[str, dic
             first.setdefault(r["hop"], int(r["t_ms"] * 1e6))
         out[tid] = first
     return out
+
+
+def write_latencies(stack: PDStack) -> dict[str, Any]:
+    """The prefill daemon's recent WRITEs (post to completion), by size: p50/p99 ms."""
+    t = Target(stack.ops_socket(0), "cpu0")
+    ask([t], proto.OpsRequest("transfers"), 5.0)
+    by: dict[int, list[float]] = {}
+    for r in (t.data or {}).get("recent") or []:
+        if r.get("side") == "prefill" and r.get("result") == "ok":
+            by.setdefault(int(r["bytes"]), []).append(float(r["latency_ms"]))
+    return {f"{b / 2**20:.2f}MiB": {"n": len(v), "p50_ms": round(pct(v, 50), 3), "p99_ms": round(pct(v, 99), 3)}
+            for b, v in sorted(by.items())}
 
 
 def idle_cores(groups: dict[str, Any], settle_s: float, seconds: float) -> dict[str, float]:
@@ -186,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
     raw: dict[str, Any] = {}
     idle: dict[str, dict[str, float]] = {}
+    writes: dict[str, Any] = {}
     hops: dict[str, Any] = {}
     texts: dict[str, dict[str, str]] = {}
 
@@ -227,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                 from pd_stack import prompt_tokens_by_source
 
                 raw["kvpush"]["decode_prompt_tokens_by_source"] = prompt_tokens_by_source(stack.d_url)
+                writes = write_latencies(stack)
             if args.idle_seconds:
                 idle["kvpush"] = idle_cores(dict(stack.procs), 3.0, args.idle_seconds)
         finally:
@@ -276,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"config": {"lengths": lengths, "requests": args.requests, "output_len": args.output_len,
                          "concurrency": args.concurrency, "modes": modes},
               "summary": summary, "verdict": verdict, "kvpush_median_breakdown": hops, "idle_cores": idle,
+              "kvpush_write_latency": writes,
               "decode_prompt_tokens_by_source": raw.get("kvpush", {}).get("decode_prompt_tokens_by_source")}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -41,6 +41,18 @@ def prompts(n_extra: int) -> list[str]:
     return out
 
 
+async def sse_data(r: Any) -> Any:
+    """The JSON objects of an OpenAI streaming response (``data: {...}`` lines), in order;
+    the usage-only chunk (no choices) is skipped."""
+    async for raw in r.content:
+        line = raw.decode().strip()
+        if not line.startswith("data:") or line == "data: [DONE]":
+            continue
+        data = json.loads(line[5:])
+        if "error" in data or data.get("choices"):
+            yield data
+
+
 async def stream_one(session: Any, url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
     """One streaming completion: text, TTFT and TPOT as the client sees them."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
@@ -51,11 +63,7 @@ async def stream_one(session: Any, url: str, prompt: str, max_tokens: int) -> di
     async with session.post(url, json=body) as r:
         if r.status != 200:
             return {"error": f"HTTP {r.status}: {(await r.text())[:300]}"}
-        async for raw in r.content:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            data = json.loads(line[5:])
+        async for data in sse_data(r):
             if "error" in data:
                 return {"error": str(data["error"])[:300]}
             text = data["choices"][0].get("text", "")

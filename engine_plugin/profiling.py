@@ -74,12 +74,14 @@ def summarize_us(ns: list[int] | deque[int]) -> dict[str, float]:
 class HookStats:
     calls: int = 0
     total_ns: int = 0
+    cpu_ns: int = 0  # this thread's CPU time inside the hook (no preemption, no waits)
     max_ns: int = 0
     samples: deque[int] = field(default_factory=lambda: deque(maxlen=MAX_SAMPLES))
 
     def to_json(self) -> dict[str, float]:
         s = summarize_us(self.samples)
-        return {"calls": self.calls, "total_us": self.total_ns / 1e3, "median_us": s["median_us"],
+        return {"calls": self.calls, "total_us": self.total_ns / 1e3, "cpu_total_us": self.cpu_ns / 1e3,
+                "median_us": s["median_us"],
                 "p99_us": s["p99_us"], "max_us": self.max_ns / 1e3,
                 "mean_us": self.total_ns / self.calls / 1e3 if self.calls else 0.0}
 
@@ -137,8 +139,10 @@ class HookProfiler:
                 return fn(*args, **kwargs)
             finally:
                 dt = clock() - t0
+                dc = time.thread_time_ns() - c0
+                stats.cpu_ns += dc
                 if self._depth == 1:
-                    self._cur_cpu_ns += time.thread_time_ns() - c0
+                    self._cur_cpu_ns += dc
                 self._depth -= 1
                 stats.calls += 1
                 stats.total_ns += dt

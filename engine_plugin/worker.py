@@ -157,7 +157,8 @@ class KVPushWorker:
 
     def publish(self, meta: KVPushMetadata) -> None:
         now = time.monotonic()
-        self._handle(self.client.poll())  # an AttachAck or a liveness change may be waiting
+        if not (self.client.available and self.client.attached):
+            self._handle(self.client.poll())  # an AttachAck or a liveness change may be waiting
         down = self._daemon_down()
         for r in meta.registers:
             self._recv[r.transfer_id] = _Pending(r.req_id, r.attempt, r.block_ids, now)

@@ -200,6 +200,8 @@ def analyse(files: list[Path], win: tuple[float, float]) -> dict[str, Any]:
                                    if v["calls"]},
             "per_hook_p99_us": {k: round(v["p99_us"], 2) for k, v in d["per_hook"].items() if v["calls"]},
             "per_hook_calls": {k: v["calls"] for k, v in d["per_hook"].items() if v["calls"]},
+            "per_hook_cpu_mean_us": {k: round(v.get("cpu_total_us", 0.0) / v["calls"], 2)
+                                     for k, v in d["per_hook"].items() if v["calls"]},
         }
     return out
 

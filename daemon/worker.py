@@ -511,6 +511,8 @@ class Worker:
         old = self.consumers.get(ident)
         if old is not None and old.agent_name != msg.agent_name:
             self._evict_consumer(old, "peer re-handshook", now)
+        elif old is not None:
+            self._unprep(old)  # its memory may have moved: prepared again below
         try:
             name = self.transport.add_peer(msg.agent_metadata)
         except Exception as exc:

@@ -126,6 +126,10 @@ def test_many_concurrent_transfers_scattered_blocks(pd):
         assert np.array_equal(de.bytes[care], want[care])
         stats = d.ops("transfers")
         assert sum(r["result"] == "ok" for r in stats["recent"]) >= 40
+        # Equal layouts: every WRITE was posted from the lists prepared at handshake.
+        mine = [r for r in p.ops("transfers")["recent"] if r["transfer_id"] in {j[0] for j in jobs}]
+        assert len(mine) == 40 and all(r["prepped"] for r in mine)
+        assert any(peer["prepped_descriptors"] for peer in p.ops("peers")["peers"])
     finally:
         pe.close()
         de.close()
@@ -148,6 +152,9 @@ def test_different_block_sizes(pd, sbs, dbs):
         assert isinstance(de.result(t), proto.Received)
         assert isinstance(pe.result(t), proto.Sent)
         check_transfer(pe, sm, src, de, dm, dst, n, before)
+        # Block sizes differ: not block-periodic, so descriptors are built per transfer.
+        row = next(r for r in p.ops("transfers")["recent"] if r["transfer_id"] == t)
+        assert row["prepped"] is False
     finally:
         pe.close()
         de.close()

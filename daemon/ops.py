@@ -13,7 +13,6 @@ from dataclasses import asdict, is_dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvpush import proto
-from kvpush.proto.trace import ClockPair
 
 if TYPE_CHECKING:
     from kvpush.daemon.worker import Worker
@@ -108,17 +107,8 @@ def transfers(w: Worker) -> dict[str, Any]:
 
 
 def trace(w: Worker, tid: str) -> dict[str, Any]:
-    """One transfer's stamps on this daemon (its own and its engine plugin's), with the clock
-    pair that converts them to wall time; without an ID, the most recent transfer IDs."""
-    clock = ClockPair.read()
-    out: dict[str, Any] = {"device": w.cfg.name, "clock": {"monotonic_ns": clock.monotonic_ns,
-                                                           "wall_ns": clock.wall_ns}}
-    if not tid:
-        out["recent"] = w.trace.recent(50)
-    else:
-        out["transfer_id"] = tid
-        out["events"] = [[hop, t] for hop, t in w.trace.get(tid)]
-    return out
+    """One transfer's stamps on this daemon (its own and its engine plugin's)."""
+    return {"device": w.cfg.name, **w.trace.view(tid)}
 
 
 def handle_ops(w: Worker, req: proto.OpsRequest) -> proto.OpsReply:

@@ -677,8 +677,7 @@ class Worker:
         elif isinstance(msg, proto.Writing):
             if msg.transfer_id in self.receiving:
                 if msg.done:
-                    for agent, payload in self.transport.notifications():
-                        self.on_notification(agent, payload, now)
+                    self._take_notifications(now)
                 if msg.transfer_id in self.receiving:  # in flight, or the notification trails
                     window = HINT_WINDOW_S if msg.done else self.cfg.write_timeout_s
                     self.hinted[msg.transfer_id] = max(self.hinted.get(msg.transfer_id, 0.0), now + window)
@@ -737,10 +736,16 @@ class Worker:
             activity = True
             self._finish_write(key, f, now, "" if state == "done" else "NIXL reported a transfer error")
         if self.receiving:
-            for agent, payload in self.transport.notifications():
-                activity = True
-                self.on_notification(agent, payload, now)
+            activity |= self._take_notifications(now)
         return activity
+
+    def _take_notifications(self, now: float) -> bool:
+        """Count every notification NIXL holds (drives its progress); True if there was one."""
+        got = False
+        for agent, payload in self.transport.notifications():
+            got = True
+            self.on_notification(agent, payload, now)
+        return got
 
     def _finish_write(self, key: int, f: InFlight, now: float, error: str) -> None:
         try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import re
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,7 +130,7 @@ class KVPushWorker:
         # This rank's timeline stamps, reported to the daemon once a transfer is behind us.
         self.trace = TraceRing(max_transfers=1024)
         self.trace_dropped = 0
-        self._trace_out: list[proto.TraceReport] = []
+        self._trace_out: deque[proto.TraceReport] = deque(maxlen=TRACE_BATCH_MAX)
         self._trace_flushed = 0.0
 
     # ------------------------------------------------------------------ set-up
@@ -301,9 +302,8 @@ class KVPushWorker:
         events = self.trace.pop(tid)
         if not events:
             return
-        if len(self._trace_out) >= TRACE_BATCH_MAX:
-            self._trace_out.pop(0)
-            self.trace_dropped += 1
+        if len(self._trace_out) == TRACE_BATCH_MAX:
+            self.trace_dropped += 1  # the deque drops its oldest
         self._trace_out.append(proto.TraceReport(tid, tuple(h for h, _ in events), tuple(t for _, t in events)))
 
     def _flush_traces(self, now: float) -> None:
@@ -312,7 +312,8 @@ class KVPushWorker:
                                    and not quiet):
             return
         self._trace_flushed = now
-        batch, self._trace_out = self._trace_out, []
+        batch = list(self._trace_out)
+        self._trace_out.clear()
         if not self.client.available:
             self.trace_dropped += len(batch)
             return

@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 # Hops in the order a healthy push request crosses them. The prefix says who stamps it.
 HOPS: tuple[str, ...] = (
@@ -113,6 +114,18 @@ class TraceRing:
             out.append(tid)
             if len(out) >= n:
                 break
+        return out
+
+    def view(self, transfer_id: str, recent: int = 50) -> dict[str, Any]:
+        """The JSON answer every stamping process gives to "trace": one transfer's stamps
+        (or, without an ID, the most recent IDs) with the clock pair that converts them."""
+        clock = ClockPair.read()
+        out: dict[str, Any] = {"clock": {"monotonic_ns": clock.monotonic_ns, "wall_ns": clock.wall_ns}}
+        if not transfer_id:
+            out["recent"] = self.recent(recent)
+        else:
+            out["transfer_id"] = transfer_id
+            out["events"] = [[hop, t] for hop, t in self.get(transfer_id)]
         return out
 
     def __len__(self) -> int:

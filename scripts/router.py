@@ -32,7 +32,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kvpush.proto.trace import ClockPair, TraceRing
+from kvpush.proto.trace import TraceRing
 
 log = logging.getLogger("kvpush.router")
 
@@ -122,15 +122,7 @@ class Router:
         import socket
 
         tid = req.query.get("transfer_id") or self.request_ids.get(req.query.get("request_id", ""), "")
-        clock = ClockPair.read()
-        body: dict[str, Any] = {"host": socket.gethostname(),
-                                "clock": {"monotonic_ns": clock.monotonic_ns, "wall_ns": clock.wall_ns}}
-        if not tid:
-            body["recent"] = self.trace.recent(50)
-        else:
-            body["transfer_id"] = tid
-            body["events"] = [[h, t] for h, t in self.trace.get(tid)]
-        return web.json_response(body)
+        return web.json_response({"host": socket.gethostname(), **self.trace.view(tid)})
 
     async def completions(self, req: web.Request) -> web.StreamResponse:
         return await self.forward(req, req.path)

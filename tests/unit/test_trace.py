@@ -48,3 +48,12 @@ def test_breakdown_segments_follow_time() -> None:
     ev = {"router.request_in": 0, "p.daemon.write_posted": 4_000_000, "p.daemon.write_done": 5_000_000}
     assert breakdown(ev) == {"router.request_in -> p.daemon.write_posted": 4.0,
                              "p.daemon.write_posted -> p.daemon.write_done": 1.0}
+
+
+def test_view_is_the_trace_answer_of_every_process() -> None:
+    r = TraceRing()
+    r.stamp("t1", "router.request_in", 5)
+    v = r.view("t1")
+    assert v["transfer_id"] == "t1" and v["events"] == [["router.request_in", 5]]
+    assert set(v["clock"]) == {"monotonic_ns", "wall_ns"}
+    assert r.view("")["recent"] == ["t1"] and "events" not in r.view("")

@@ -33,33 +33,14 @@ from kvpush.daemon.metrics import WorkerMetrics
 from kvpush.daemon.peers import PeerInfo
 from kvpush.daemon.planner import PlanError, block_pattern, expected_producers, plan
 from kvpush.proto.layout import KVLayout
+from kvpush.proto.notif import Notification
 from kvpush.proto.trace import HOP_SET, TraceRing
 
 log = logging.getLogger("kvpush.worker")
 
-NOTIF_PREFIX = b"kvp1"
 RECV_POLL_MAX_S = 0.0005  # poll cap while a producer said Writing and its notification is missing
 RECV_FALLBACK_S = 0.01  # poll cap while receiving otherwise (no WRITE announced yet)
 HINT_WINDOW_S = 0.02  # how long a completed WRITE keeps the tight poll if its notification never shows
-
-
-def encode_notif(transfer_id: str, attempt: int, rank: int) -> bytes:
-    return b"|".join((NOTIF_PREFIX, transfer_id.encode(), str(attempt).encode(), str(rank).encode()))
-
-
-def decode_notif(data: bytes) -> tuple[str, int, int] | None:
-    """(transfer_id, attempt, producer rank), or None for anything malformed."""
-    parts = data.split(b"|")
-    if len(parts) < 4 or parts[0] != NOTIF_PREFIX:
-        return None
-    try:
-        tid = b"|".join(parts[1:-2]).decode()
-        attempt, rank = int(parts[-2]), int(parts[-1])
-    except (UnicodeDecodeError, ValueError):
-        return None
-    if attempt < 0 or rank < 0:
-        return None
-    return tid, attempt, rank
 
 
 @dataclass
@@ -776,11 +757,11 @@ class Worker:
             self.apply_rdv(rv.WriteDone(f.transfer_id, f.attempt, f.dest_rank, now))
 
     def on_notification(self, agent: str, payload: bytes, now: float) -> None:
-        parsed = decode_notif(payload)
+        parsed = Notification.decode(payload)
         if parsed is None:
             self._bad("notification", f"malformed notification from {agent}")
             return
-        tid, attempt, rank = parsed
+        tid, attempt, rank = parsed.transfer_id, parsed.attempt, parsed.producer_rank
         rec = self.receiving.get(tid)
         if rec is None or rec.attempt != attempt or rank not in rec.producer_ranks:
             return  # stale attempt or unknown transfer: ignored by design
@@ -803,7 +784,7 @@ class Worker:
             err = "decode peer is gone"
         if not err:
             assert me is not None and peer is not None and peer.layout is not None
-            notif = encode_notif(a.transfer_id, a.attempt, me.rank)
+            notif = Notification(a.transfer_id, a.attempt, me.rank).encode()
             try:
                 if peer.prepped is not None:
                     pattern, local_h, remote_h = peer.prepped

@@ -14,11 +14,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
+from kvpush.testing import vllm_env
 
-import vllm_env  # noqa: E402
-
+ROOT = vllm_env.ROOT
 MODEL_DIR = Path(os.environ.get("KVPUSH_TINY_MODEL", ROOT / ".models" / "tiny"))
 
 
@@ -37,7 +35,7 @@ def tiny_model() -> Path:
 
 @pytest.fixture(scope="session")
 def pd(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
-    from pd_stack import PDStack
+    from kvpush.testing.pd_stack import PDStack
 
     stack = PDStack(tiny_model, tmp_path_factory.mktemp("pd"))
     stack.start()

@@ -17,7 +17,8 @@ from typing import Any
 
 import aiohttp
 import pytest
-from pd_stack import PDStack, prompt_tokens_by_source
+
+from kvpush.testing.pd_stack import PDStack, prompt_tokens_by_source
 
 pytestmark = pytest.mark.e2e
 
@@ -217,8 +218,8 @@ def test_router_failed_prefill_leg_cancels_decode_leg(pd: PDStack, tmp_path) -> 
     """The prefill engine is unreachable: the client gets a clear error at once, and the
     decode leg (already registered, waiting for KV) is cancelled instead of waiting out
     its deadline."""
-    import vllm_env as ve
-    from pd_stack import ROOT, free_port, popen
+    from kvpush.testing import vllm_env as ve
+    from kvpush.testing.pd_stack import ROOT, free_port, popen
 
     port, dead = free_port(), free_port()
     router = popen([ve.vllm_python(), str(ROOT / "scripts" / "router.py"), "--port", str(port),

@@ -25,11 +25,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-from daemon_harness import Daemon, Engine, device_config
-from kvref import make, reference_copy
 
 from kvpush import proto
 from kvpush.daemon.ctl import main as ctl_main
+from kvpush.testing.daemon_harness import Daemon, Engine, device_config
+from kvpush.testing.kvref import make, reference_copy
 
 pytestmark = pytest.mark.integration
 

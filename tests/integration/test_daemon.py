@@ -14,11 +14,11 @@ import time
 import numpy as np
 import pytest
 import zmq
-from daemon_harness import Daemon, Engine, device_config
-from kvref import make, reference_copy
 
 from kvpush import proto
 from kvpush.proto.layout import KVLayout
+from kvpush.testing.daemon_harness import Daemon, Engine, device_config
+from kvpush.testing.kvref import make, reference_copy
 
 pytestmark = pytest.mark.integration
 

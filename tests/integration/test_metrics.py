@@ -25,14 +25,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon_harness import Engine, ops_request
-from kvref import make
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpush import proto
 from kvpush.daemon import metrics as metrics_mod
 from kvpush.daemon.config import DeviceConfig
 from kvpush.daemon.ctl import main as ctl_main
+from kvpush.testing.daemon_harness import Engine, ops_request
+from kvpush.testing.kvref import make
 
 pytestmark = pytest.mark.integration
 

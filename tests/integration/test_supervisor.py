@@ -1,7 +1,8 @@
 """kvpushd supervisor with real processes: readiness, sd_notify, /health, /metrics, restart
 of one crashed child, crash-loop hold-down, SIGTERM shutdown (with a SIGKILL fallback).
 
-The children run :func:`target` below (a stand-in for run_worker with the same contract);
+The children run :func:`kvpush.testing.fake_worker.target` (a stand-in for run_worker with the
+same contract; in the package because spawned children import it by name);
 what each one does is read from ``modes.json`` / ``<name>.hold`` files in the runtime dir.
 
 Load-proof by construction (CI is a small, often loaded machine): every condition is waited
@@ -20,7 +21,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -34,73 +34,24 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpush.daemon import sdnotify
-from kvpush.daemon.config import DeviceConfig
 from kvpush.daemon.metrics import WorkerMetrics
 from kvpush.daemon.supervisor import merge_metrics
 
 pytestmark = pytest.mark.integration
-HERE = os.path.dirname(os.path.abspath(__file__))
 SLOW = 60.0  # bound on waiting for a condition that needs children to start (spawn + imports)
 QUICK = 20.0  # bound on waiting for what needs no new process (a signal, a notification)
-
-
-# ----------------------------------------------------------------------------- child target
-
-def target(cfg: DeviceConfig, ready: Any) -> int:
-    """Test worker: 'sleep' (default) | 'crash' | 'stubborn' (ignores SIGTERM) | 'hang'
-    (never ready) | 'ops' (serves metrics on its ops socket like the real worker)."""
-    modes = json.loads(Path(cfg.runtime_dir, "modes.json").read_text())
-    mode = modes.get(cfg.name, "sleep")
-    if mode == "crash":
-        time.sleep(0.1)
-        return 3
-    hold = Path(cfg.runtime_dir, f"{cfg.name}.hold")
-    while hold.exists():
-        time.sleep(0.05)
-    stop = threading.Event()
-    if mode == "stubborn":
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    else:
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    if mode == "ops":
-        threading.Thread(target=_serve_ops, args=(cfg, stop), daemon=True).start()
-        time.sleep(0.2)
-    if mode != "hang":
-        ready.set()
-    while not stop.wait(1.0):
-        pass
-    return 0
-
-
-def _serve_ops(cfg: DeviceConfig, stop: threading.Event) -> None:
-    import zmq
-
-    from kvpush.proto.codec import decode, encode
-    from kvpush.proto.messages import OpsReply
-
-    metrics = WorkerMetrics(cfg.name)
-    metrics.write_done(4096 * (cfg.index + 1), 0.003)
-    sock = zmq.Context.instance().socket(zmq.ROUTER)  # like the worker's ops endpoint
-    sock.bind(cfg.ops_socket)
-    while not stop.is_set():
-        if sock.poll(200):
-            ident, payload = sock.recv_multipart()
-            req = decode(payload)
-            assert req.cmd == "metrics"
-            sock.send_multipart([ident, encode(OpsReply(ok=True, data={"text": metrics.render()}))])
 
 
 # ----------------------------------------------------------------------------- harness
 
 SUPERVISOR_MAIN = """
 import json, sys
-sys.path.insert(0, sys.argv[2])
-import test_supervisor
 from kvpush.daemon.config import load_config
 from kvpush.daemon.supervisor import Supervisor, configure_logging
+from kvpush.testing.fake_worker import target
 configure_logging("INFO")
 node = load_config(None, json.loads(sys.argv[1]), {})
-sys.exit(Supervisor(node, target=test_supervisor.target).run())
+sys.exit(Supervisor(node, target=target).run())
 """
 
 
@@ -139,7 +90,7 @@ class Node:
                "stop_timeout_s": 5.0, **overrides}
         self.log = open(runtime / "supervisor.log", "w+")  # noqa: SIM115
         env = {**os.environ, "NOTIFY_SOCKET": notify_addr}
-        self.proc = subprocess.Popen([sys.executable, "-c", SUPERVISOR_MAIN, json.dumps(cfg), HERE],
+        self.proc = subprocess.Popen([sys.executable, "-c", SUPERVISOR_MAIN, json.dumps(cfg)],
                                      env=env, stdout=self.log, stderr=subprocess.STDOUT)
 
     def get(self, path: str) -> tuple[int, str]:

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kvref import apply_plan, make, reference_copy
 
 from kvpush.daemon.planner import Plan, PlanError, block_pattern, expected_producers, plan
 from kvpush.proto.layout import flash_layout, vllm_cpu_layout
+from kvpush.testing.kvref import apply_plan, make, reference_copy
 
 # ---- strategies ------------------------------------------------------------------
 

@@ -1,16 +1,14 @@
-"""scripts/plot_sweep.py on a tiny synthetic results directory (no vLLM, no engines)."""
+"""kvpush.testing.sweep.plot (scripts/plot_sweep.py) on a tiny synthetic results directory (no vLLM, no engines)."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-import plot_sweep as ps  # noqa: E402
+from kvpush.testing.sweep import plot as ps
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -20,8 +20,10 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+# The checkout (this package is installed editable from it): .venv, .models, logs.
+ROOT = Path(__file__).resolve().parent.parent
 # The project's own venv (scripts/setup_env.sh --vllm); KVPUSH_VENV overrides.
-DEFAULT_VENV = Path(os.environ.get("KVPUSH_VENV", Path(__file__).resolve().parent.parent / ".venv"))
+DEFAULT_VENV = Path(os.environ.get("KVPUSH_VENV", ROOT / ".venv"))
 KV_CACHE_BYTES = 64 << 20
 
 
@@ -252,9 +254,8 @@ def ensure_tiny_model(out: str | Path, timeout: float = 600.0) -> Path:
 
     Why: transformers/tokenizers live only in the vllm venv, not in the shared one.
     """
-    script = Path(__file__).with_name("build_tiny_model.py")
     subprocess.run(
-        [vllm_python(), str(script), "--out", str(out)],
+        [vllm_python(), "-m", "kvpush.testing.tiny_model", "--out", str(out)],
         check=True,
         timeout=timeout,
         stdout=subprocess.DEVNULL,

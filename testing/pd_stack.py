@@ -7,48 +7,18 @@ run exactly the same processes. Every process gets its own process group;
 
 from __future__ import annotations
 
-import os
-import random
-import socket
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import vllm_env as ve
+from kvpush.proto import naming
+from kvpush.testing import vllm_env as ve
+from kvpush.testing.procs import free_port, popen
+from kvpush.testing.prom import by_label, fetch_text, parse
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-_given: set[int] = set()
-
-
-def free_port(lo: int = 20000, hi: int = 32000) -> int:
-    """A free port below the kernel's ephemeral range (32768+), never handed out twice.
-
-    Engines bind their ports tens of seconds after we pick them; a port from the ephemeral
-    range is by then often the source port of some other connection.
-    """
-    rng = random.Random()
-    for _ in range(2000):
-        port = rng.randrange(lo, hi)
-        if port in _given:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _given.add(port)
-        return port
-    raise RuntimeError(f"no free port in [{lo}, {hi})")
-
-
-def popen(cmd: list[str], log: Path, env: dict[str, str] | None = None,
-          cpus: set[int] | None = None) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
-                            env=env or dict(os.environ),
-                            preexec_fn=ve.pin_to(cpus))
+ROOT = ve.ROOT
+__all__ = ["ROOT", "PDStack", "free_port", "kvpush_transfer_config", "popen", "prompt_tokens_by_source"]
 
 
 def kvpush_transfer_config(role: str, engine_id: str, socket_path: str, **extra: Any) -> dict[str, Any]:
@@ -107,10 +77,10 @@ class PDStack:
         return f"tcp://127.0.0.1:{self.base_port}"
 
     def engine_socket(self, idx: int) -> str:
-        return f"ipc://{self.rt}/engine-{idx}.sock"
+        return naming.engine_socket(str(self.rt), idx)
 
     def ops_socket(self, idx: int) -> str:
-        return f"ipc://{self.rt}/ops-{idx}.sock"
+        return naming.ops_socket(str(self.rt), idx)
 
     # ------------------------------------------------------------------ lifecycle
     def start_daemons(self) -> None:
@@ -140,7 +110,7 @@ class PDStack:
                                                       **self.plugin_extra))
         if self.with_router:
             self.procs["router"] = popen(
-                [ve.vllm_python(), str(ROOT / "scripts" / "router.py"), "--port", str(self.r_port),
+                [ve.vllm_python(), "-m", "kvpush.router.cli", "--port", str(self.r_port),
                  "--prefill", f"{self.p_url}={self.prefill_endpoint}", "--decode", self.d_url],
                 self.work / "router.log", cpus=self._aux())
         try:
@@ -171,12 +141,4 @@ class PDStack:
 
 def prompt_tokens_by_source(url: str) -> dict[str, float]:
     """vLLM's own counter of where the decode engine's prompt tokens came from."""
-    import urllib.request
-
-    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("vllm:prompt_tokens_by_source_total{"):
-            src = line.split('source="', 1)[1].split('"', 1)[0]
-            out[src] = float(line.rsplit(" ", 1)[1])
-    return out
+    return by_label(parse(fetch_text(f"{url}/metrics")), "vllm:prompt_tokens_by_source_total", "source")

@@ -22,6 +22,7 @@ from kvpush import proto
 from kvpush.daemon.config import DeviceConfig
 from kvpush.daemon.memory import export_cpu_tensor
 from kvpush.engine_plugin.client import DaemonClient
+from kvpush.proto import naming
 from kvpush.proto.layout import KVLayout
 
 
@@ -31,8 +32,8 @@ def device_config(tmp: Path, index: int, **kw: Any) -> DeviceConfig:
         index=index,
         name=name,
         runtime_dir=str(tmp),
-        engine_socket=f"ipc://{tmp}/engine-{index}.sock",
-        ops_socket=f"ipc://{tmp}/ops-{index}.sock",
+        engine_socket=naming.engine_socket(str(tmp), index),
+        ops_socket=naming.ops_socket(str(tmp), index),
         peer_host="127.0.0.1",
         peer_port=0,
         lease_s=10.0,

@@ -1,0 +1,237 @@
+"""The kvpush router's policy: for every request, both legs at once.
+
+Push is only faster when the decode engine registers its blocks while the
+prefill engine computes, so for every request the router makes a
+``transfer_id`` and sends the prefill leg (``max_tokens=1``) and the decode leg
+**concurrently**; it streams the decode leg back. If either leg fails, the other
+is cancelled and the client gets a clear error. Both legs' ``kv_transfer_params``
+are built with :mod:`kvpush.proto.params`, the contract the engine plugin parses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import logging
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from kvpush.proto.params import DecodeLeg, PrefillLeg
+from kvpush.proto.trace import TraceRing
+from kvpush.router.front import LegFailed, decode_chunks, error_response, front_app
+
+log = logging.getLogger("kvpush.router")
+
+
+@dataclass
+class Backend:
+    url: str
+    kv_endpoints: list[str] = field(default_factory=list)
+    in_flight: int = 0
+    served: int = 0
+    failed: int = 0
+
+
+@dataclass
+class RouterConfig:
+    prefill: list[Backend]
+    decode: list[Backend]
+    policy: str = "least-loaded"
+    connect_timeout_s: float = 10.0
+    prefill_timeout_s: float = 300.0
+    request_timeout_s: float = 600.0
+    mode: str = "push"  # push: both legs at once; pull-style sequential P then D is not offered
+
+
+def parse_prefill(spec: str) -> Backend:
+    url, _, eps = spec.partition("=")
+    if not url.startswith("http"):
+        raise argparse.ArgumentTypeError(f"--prefill wants URL=tcp://host:port[,...], got {spec!r}")
+    endpoints = [e for e in eps.split(",") if e]
+    if not endpoints:
+        raise argparse.ArgumentTypeError(f"--prefill {url}: name its daemon peer endpoint(s) after '='")
+    return Backend(url.rstrip("/"), endpoints)
+
+
+class Router:
+    def __init__(self, cfg: RouterConfig) -> None:
+        self.cfg = cfg
+        self._rr = {"p": itertools.cycle(range(len(cfg.prefill))), "d": itertools.cycle(range(len(cfg.decode)))}
+        self.session: aiohttp.ClientSession | None = None
+        self.stats = {"requests": 0, "errors": 0}
+        # Per-request timeline (kvpushctl trace --router URL) and x-request-id -> transfer_id.
+        self.trace = TraceRing()
+        self.request_ids: dict[str, str] = {}
+
+    def pick(self, pool: list[Backend], key: str) -> Backend:
+        if self.cfg.policy == "round-robin":
+            return pool[next(self._rr[key])]
+        return min(pool, key=lambda b: b.in_flight)
+
+    async def start(self, _app: web.Application) -> None:
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s)
+        self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+
+    async def stop(self, _app: web.Application) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    # ------------------------------------------------------------------ handlers
+
+    async def health(self, _req: web.Request) -> web.Response:
+        assert self.session is not None
+        bad = []
+        for b in [*self.cfg.prefill, *self.cfg.decode]:
+            try:
+                async with self.session.get(f"{b.url}/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    if r.status != 200:
+                        bad.append(b.url)
+            except (TimeoutError, aiohttp.ClientError):
+                bad.append(b.url)
+        if bad:
+            return web.json_response({"status": "unhealthy", "down": bad}, status=503)
+        return web.json_response({"status": "ok"})
+
+    async def models(self, _req: web.Request) -> web.Response:
+        assert self.session is not None
+        async with self.session.get(f"{self.cfg.decode[0].url}/v1/models") as r:
+            return web.Response(body=await r.read(), status=r.status, content_type="application/json")
+
+    async def status(self, _req: web.Request) -> web.Response:
+        def rows(pool: list[Backend]) -> list[dict[str, Any]]:
+            return [{"url": b.url, "in_flight": b.in_flight, "served": b.served, "failed": b.failed} for b in pool]
+
+        return web.json_response({**self.stats, "prefill": rows(self.cfg.prefill), "decode": rows(self.cfg.decode)})
+
+    async def trace_view(self, req: web.Request) -> web.Response:
+        """``?transfer_id=`` or ``?request_id=``: this router's stamps of one request."""
+        tid = req.query.get("transfer_id") or self.request_ids.get(req.query.get("request_id", ""), "")
+        return web.json_response({"host": socket.gethostname(), **self.trace.view(tid)})
+
+    async def completions(self, req: web.Request) -> web.StreamResponse:
+        return await self.forward(req, req.path)
+
+    async def forward(self, req: web.Request, path: str) -> web.StreamResponse:
+        assert self.session is not None
+        try:
+            body = await req.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return _error(400, "request body is not JSON")
+        if not isinstance(body, dict):
+            return _error(400, "request body must be a JSON object")
+        self.stats["requests"] += 1
+        transfer_id = f"kvp-{uuid.uuid4().hex}"
+        self.trace.stamp(transfer_id, "router.request_in")
+        rid = req.headers.get("x-request-id", transfer_id)
+        if len(self.request_ids) >= self.trace.max_transfers:
+            self.request_ids.pop(next(iter(self.request_ids)))
+        self.request_ids[rid] = transfer_id
+        log.debug("request %s -> transfer %s", rid, transfer_id)
+        p, d = self.pick(self.cfg.prefill, "p"), self.pick(self.cfg.decode, "d")
+        p_body = dict(body)
+        p_body.update(stream=False, max_tokens=1, kv_transfer_params=PrefillLeg(transfer_id).to_params())
+        p_body.pop("stream_options", None)
+        if "max_completion_tokens" in p_body:
+            p_body["max_completion_tokens"] = 1
+        d_body = dict(body)
+        d_body["kv_transfer_params"] = DecodeLeg(
+            transfer_id, tuple(p.kv_endpoints), len(p.kv_endpoints)).to_params()
+        headers = {"x-request-id": rid, "content-type": "application/json"}
+        if "authorization" in req.headers:
+            headers["authorization"] = req.headers["authorization"]
+        p.in_flight += 1
+        d.in_flight += 1
+        prefill = asyncio.create_task(self._prefill(p, path, p_body, headers, transfer_id))
+        decode = asyncio.ensure_future(self.session.post(
+            f"{d.url}{path}", json=d_body, headers=headers,
+            timeout=aiohttp.ClientTimeout(total=self.cfg.request_timeout_s),
+        ))
+        self.trace.stamp(transfer_id, "router.legs_sent")
+        resp: web.StreamResponse | None = None
+        try:
+            # A non-streaming decode leg answers only when generation is done: race its
+            # headers against the prefill leg so a failed prefill cancels it at once.
+            await asyncio.wait({decode, prefill}, return_when=asyncio.FIRST_COMPLETED)
+            if not decode.done() and prefill.exception() is not None:
+                decode.cancel()  # closes the connection: vLLM aborts the request
+                raise LegFailed(str(prefill.exception()))
+            async with await decode as upstream:
+                if upstream.status != 200:
+                    text = await upstream.text()
+                    prefill.cancel()
+                    d.failed += 1
+                    return _error(upstream.status, f"decode engine {d.url}: {text[:500]}")
+                resp = web.StreamResponse(status=200, headers={
+                    "content-type": upstream.headers.get("content-type", "application/json"),
+                    "x-request-id": rid, "x-kvpush-transfer-id": transfer_id})
+                await resp.prepare(req)
+                first = True
+                async for chunk in decode_chunks(upstream, prefill):
+                    if first:
+                        self.trace.stamp(transfer_id, "router.decode_first_byte")
+                        first = False
+                    await resp.write(chunk)
+                # The decode leg finished; the prefill leg must have succeeded too.
+                await prefill
+                await resp.write_eof()
+                d.served += 1
+                return resp
+        except LegFailed as exc:
+            d.failed += 1
+            self.stats["errors"] += 1
+            if resp is None:
+                return _error(502, str(exc))
+            return resp  # headers already sent: the stream just ends
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            prefill.cancel()
+            d.failed += 1
+            self.stats["errors"] += 1
+            if resp is None:
+                return _error(502, f"decode engine {d.url}: {type(exc).__name__}: {exc}")
+            return resp
+        finally:
+            for task in (prefill, decode):
+                if not task.done():
+                    task.cancel()
+            p.in_flight -= 1
+            d.in_flight -= 1
+
+    async def _prefill(self, p: Backend, path: str, body: dict[str, Any], headers: dict[str, str],
+                       transfer_id: str) -> None:
+        assert self.session is not None
+        t0 = time.monotonic()
+        try:
+            async with self.session.post(
+                f"{p.url}{path}", json=body, headers=headers,
+                timeout=aiohttp.ClientTimeout(total=self.cfg.prefill_timeout_s),
+            ) as r:
+                text = await r.text()
+                if r.status != 200:
+                    p.failed += 1
+                    raise LegFailed(f"prefill engine {p.url} answered {r.status}: {text[:500]}")
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            p.failed += 1
+            raise LegFailed(f"prefill engine {p.url}: {type(exc).__name__}: {exc}") from exc
+        p.served += 1
+        self.trace.stamp(transfer_id, "router.prefill_answered")
+        log.debug("prefill leg done in %.1f ms", (time.monotonic() - t0) * 1e3)
+
+
+def _error(status: int, message: str) -> web.Response:
+    return error_response(status, message)
+
+
+def build_app(cfg: RouterConfig) -> web.Application:
+    r = Router(cfg)
+    app = front_app(r, "/router/status")
+    app.router.add_get("/router/trace", r.trace_view)
+    app["router"] = r
+    return app

@@ -1,0 +1,67 @@
+"""The OpenAI-API surface a P/D front end serves, and streaming the decode leg back.
+
+Shared by the kvpush router and the baselines' proxy so that both are measured behind the
+same HTTP handling: one error shape, one way to stream the decode leg while a concurrent
+prefill leg may still fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+
+class LegFailed(RuntimeError):
+    """One leg of a P/D request failed; the other is cancelled."""
+
+
+async def decode_chunks(up: aiohttp.ClientResponse, prefill: asyncio.Task[Any] | None) -> AsyncIterator[bytes]:
+    """Decode-leg bytes as they arrive; raise LegFailed once a concurrent prefill leg failed."""
+    it = up.content.iter_any().__aiter__()
+    nxt: asyncio.Future[bytes] | None = None
+    try:
+        while True:
+            if prefill is not None and prefill.done() and not prefill.cancelled():
+                exc = prefill.exception()
+                if exc is not None:
+                    up.close()  # closing the decode leg aborts it in the engine
+                    raise LegFailed(str(exc))
+            if nxt is None:
+                nxt = asyncio.ensure_future(it.__anext__())
+            waits: set[asyncio.Future[Any]] = {nxt}
+            if prefill is not None and not prefill.done():
+                waits.add(prefill)
+            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            if nxt in done:
+                try:
+                    chunk = nxt.result()
+                except StopAsyncIteration:
+                    return
+                nxt = None
+                yield chunk
+    finally:
+        if nxt is not None and not nxt.done():
+            nxt.cancel()
+
+
+def error_response(status: int, message: str, kind: str = "kvpush_router_error") -> web.Response:
+    """An OpenAI-style error body, so clients show the message."""
+    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+
+
+def front_app(front: Any, status_path: str) -> web.Application:
+    """The OpenAI-API surface shared by the router and the baselines' proxy: ``front``
+    provides start/stop/health/models/status/completions."""
+    app = web.Application(client_max_size=64 << 20)
+    app.on_startup.append(front.start)
+    app.on_cleanup.append(front.stop)
+    app.router.add_get("/health", front.health)
+    app.router.add_get("/v1/models", front.models)
+    app.router.add_get(status_path, front.status)
+    app.router.add_post("/v1/completions", front.completions)
+    app.router.add_post("/v1/chat/completions", front.completions)
+    return app

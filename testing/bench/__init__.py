@@ -1,0 +1,1 @@
+"""The benchmarks behind scripts/bench_*.py: planner, raw NIXL, transfer, plugin hooks, TTFT."""

@@ -1,0 +1,143 @@
+"""kvpushd end to end vs a raw NIXL two-process WRITE vs memcpy, on the same bytes, in one run.
+
+Daemon end to end = from the prefill engine publishing PrefillDone (the decode side
+registered first) to the decode engine hearing Received: the plan, a fresh NIXL transfer,
+the WRITE, its notification, the counter and two ZeroMQ hops. Raw NIXL = back-to-back
+WRITEs of one prepared transfer between two processes that do nothing else
+(scripts/bench_raw_nixl.py), on /dev/shm memory like the engines' KV (``raw_nixl_gbps``,
+the baseline of ``daemon_vs_raw``) and on anonymous memory (``raw_nixl_anon_gbps``).
+memcpy = one numpy copy.
+
+    python scripts/bench_transfer.py --json [--sizes 1,16,256] [--modes none,peer]
+
+Targets (benchmark, not test): daemon >= 0.8x raw NIXL at 16 MiB and 256 MiB; an idle
+daemon <= 2 % of a core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+
+from kvpush import proto
+from kvpush.proto.layout import vllm_cpu_layout
+from kvpush.testing.bench.raw_nixl import SHM_ENV, memcpy_gbps, raw_nixl_write_gbps
+from kvpush.testing.daemon_harness import Daemon, Engine, device_config
+
+MiB = 1 << 20
+BLOCK_BYTES = 64 << 10  # one block slab: 16 tokens x 8 heads x K/V x 128 x bf16
+
+
+def layout(num_blocks: int):  # type: ignore[no-untyped-def]
+    return vllm_cpu_layout(num_layers=1, num_blocks=num_blocks, block_size=16, num_heads=8,
+                           head_size=128, dtype="bfloat16", packing="row")
+
+
+def daemon_e2e_gbps(p: Daemon, d: Daemon, pe: Engine, de: Engine, size: int, scattered: bool,
+                    iters: int, seed: int) -> dict[str, float]:
+    nb = size // BLOCK_BYTES
+    rng = np.random.default_rng(seed)
+    if scattered:
+        src = rng.permutation(pe.layout.num_blocks)[:nb].tolist()
+        dst = rng.permutation(de.layout.num_blocks)[:nb].tolist()
+    else:
+        src, dst = list(range(nb)), list(range(nb))
+    n_tok = nb * 16
+    times = []
+    for i in range(iters + 1):
+        tid = f"bench-{size}-{int(scattered)}-{seed}-{i}"
+        de.send(proto.Register(tid, 0, tuple(dst), n_tok, (p.peer_endpoint,), 1, 60_000))
+        time.sleep(0.05)  # the registration reached the producer: measure the push alone
+        t0 = time.perf_counter()
+        pe.send(proto.PrefillDone(tid, tuple(src), n_tok, 60_000))
+        res = de.result(tid, timeout=120)
+        dt = time.perf_counter() - t0
+        assert isinstance(res, proto.Received), res
+        assert isinstance(pe.result(tid, timeout=60), proto.Sent)
+        if i:  # the first one pays connection set-up
+            times.append(dt)
+    med = statistics.median(times)
+    return {"gbps": size / med / 1e9, "median_ms": med * 1e3}
+
+
+def idle_cpu(pid: int, seconds: float) -> float:
+    proc = psutil.Process(pid)
+    c0 = sum(proc.cpu_times()[:2])
+    time.sleep(seconds)
+    return (sum(proc.cpu_times()[:2]) - c0) / seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--sizes", default="1,16,256", help="MiB, comma separated")
+    ap.add_argument("--modes", default="none,peer", help="UCX error handling modes to measure")
+    ap.add_argument("--idle-seconds", type=float, default=5.0)
+    args = ap.parse_args(argv)
+    sizes = [int(s) * MiB for s in args.sizes.split(",")]
+    # NIXL logs to stdout (in this process and in the daemons it spawns): keep stdout for
+    # the result alone by pointing fd 1 at stderr until the end.
+    sys.stdout.flush()
+    real_stdout = os.dup(1)
+    os.dup2(2, 1)
+    blocks = 2 * max(sizes) // BLOCK_BYTES
+    out: dict[str, Any] = {"block_bytes": BLOCK_BYTES, "modes": {}}
+    for mode in args.modes.split(","):
+        tmp = Path(tempfile.mkdtemp(prefix="kvpush-bench-"))
+        p = Daemon(device_config(tmp, 0, ucx_error_handling_mode=mode))
+        d = Daemon(device_config(tmp, 1, ucx_error_handling_mode=mode))
+        lay = layout(blocks)
+        pe = Engine(p, lay, "prefill", seed=1)
+        de = Engine(d, lay, "decode", fill="zeros")
+        rows: dict[str, Any] = {}
+        try:
+            for size in sizes:
+                iters = 20 if size <= 16 * MiB else 5
+                for scattered in (False, True):
+                    key = f"{size // MiB}MiB_{'scattered' if scattered else 'contiguous'}"
+                    e2e = daemon_e2e_gbps(p, d, pe, de, size, scattered, iters, seed=size)
+                    params = {"ucx_error_handling_mode": mode}
+                    raw_anon = raw_nixl_write_gbps(size, scattered, iters, backend_params=params)
+                    os.environ[SHM_ENV] = "1"  # same kind of memory as the engines' KV
+                    try:
+                        raw = raw_nixl_write_gbps(size, scattered, iters, backend_params=params)
+                    finally:
+                        os.environ.pop(SHM_ENV, None)
+                    mem = memcpy_gbps(size, iters)
+                    rows[key] = {
+                        "daemon_gbps": round(e2e["gbps"], 3), "daemon_median_ms": round(e2e["median_ms"], 3),
+                        "raw_nixl_gbps": round(raw, 3), "raw_nixl_anon_gbps": round(raw_anon, 3),
+                        "memcpy_gbps": round(mem, 3),
+                        "daemon_vs_raw": round(e2e["gbps"] / raw, 3) if raw else None,
+                    }
+                    if not args.json:
+                        print(mode, key, rows[key], flush=True)
+            idle = {
+                "prefill_daemon_cores": round(idle_cpu(p.proc.pid, args.idle_seconds), 4),
+                "decode_daemon_cores": round(idle_cpu(d.proc.pid, args.idle_seconds), 4),
+                "prefill_daemon_rss_mib": round(psutil.Process(p.proc.pid).memory_info().rss / MiB, 1),
+            }
+        finally:
+            pe.close()
+            de.close()
+            p.stop()
+            d.stop()
+        out["modes"][mode] = {"sizes": rows, "idle": idle}
+    sys.stdout.flush()
+    os.dup2(real_stdout, 1)
+    print(json.dumps(out) if args.json else json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,305 @@
+"""TTFT at low load, side by side in one run: where does a request's first token go?
+
+Modes, one after the other on the same machine, engines with the same flags, each engine's
+whole process group pinned to one core (``vllm_env.start_engine``):
+
+- ``colocated``: one engine, no connector (core 0): the floor;
+- ``prefill``: the kvpush stack's prefill engine asked directly (no KV parameters);
+- ``kvpush``: kvpushd + KVPushConnector + the kvpush router (``kvpush.testing.pd_stack.PDStack``);
+- ``pull``: vLLM's NixlConnector behind the sequential proxy (``kvpush.testing.sweep.launchers.start_nixl``).
+
+Per mode: sequential streaming requests (one at a time, greedy, ``--output-len`` tokens) at
+each prompt length (exact token counts: prompts are token-ID lists, distinct per request and
+identical across modes, so no prefix cache hides a transfer), then a concurrency pass
+(``--concurrency`` clients, lengths cycling). It prints TTFT p50/p90/p99 per mode and length,
+what kvpush adds over colocated, and for kvpush the median request's breakdown by hop from
+the timeline (router + both daemons + both engine plugins, ``kvpushctl trace``).
+
+    .venv/bin/python scripts/bench_ttft.py [--json] [--lengths 16,256,1024,2000] [--requests 20]
+        [--modes colocated,prefill,kvpush,pull] [--out FILE]
+
+Targets (GOALS.md): kvpush p50 <= colocated p50 + 10 ms and p90 <= colocated p90 + 25 ms at
+every length; no request slower than 3x its length's p50; concurrency: p50 <= 1.5x colocated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from kvpush import proto
+from kvpush.daemon.ctl import Target, ask, fetch_router_trace, merge_trace
+from kvpush.proto.trace import breakdown
+from kvpush.testing import vllm_env as ve
+from kvpush.testing.pd_stack import PDStack, prompt_tokens_by_source
+from kvpush.testing.procs import free_port, group_cpu_seconds
+from kvpush.testing.sse import sse_data
+from kvpush.testing.sweep.launchers import start_nixl
+
+ROOT = ve.ROOT
+MODES = ("colocated", "prefill", "kvpush", "pull")
+VOCAB = 1000  # token IDs drawn below the tiny model's vocabulary size
+
+
+def prompt_ids(length: int, index: int, seed: int) -> list[int]:
+    rng = random.Random(f"{seed}:{length}:{index}")
+    return [rng.randrange(10, VOCAB) for _ in range(length)]
+
+
+def pct(vals: list[float], q: float) -> float:
+    s = sorted(vals)
+    k = max(0, min(len(s) - 1, math.ceil(q / 100 * len(s)) - 1))
+    return s[k]
+
+
+def stats(vals: list[float]) -> dict[str, float]:
+    if not vals:
+        return {}
+    return {"n": len(vals), "p50": round(pct(vals, 50), 2), "p90": round(pct(vals, 90), 2),
+            "p99": round(pct(vals, 99), 2), "max": round(max(vals), 2),
+            "mean": round(statistics.fmean(vals), 2)}
+
+
+async def one(session: Any, url: str, ids: list[int], out_len: int) -> dict[str, Any]:
+    body = {"model": "tiny", "prompt": ids, "max_tokens": out_len, "temperature": 0.0,
+            "stream": True, "ignore_eos": True}
+    t0 = time.perf_counter()
+    first = None
+    text: list[str] = []
+    async with session.post(url + "/v1/completions", json=body) as r:
+        if r.status != 200:
+            return {"error": f"HTTP {r.status}: {(await r.text())[:200]}"}
+        tid = r.headers.get("x-kvpush-transfer-id")
+        async for data in sse_data(r):
+            if "error" in data:
+                return {"error": str(data["error"])[:200]}
+            if first is None:  # the first token's chunk (its text may be empty: a partial UTF-8 char)
+                first = time.perf_counter()
+            text.append(data["choices"][0].get("text", ""))
+    return {"ttft_ms": (first - t0) * 1e3 if first else None, "text": "".join(text), "transfer_id": tid}
+
+
+async def run_mode(url: str, lengths: list[int], n: int, out_len: int, conc: int, seed: int) -> dict[str, Any]:
+    import aiohttp
+
+    res: dict[str, Any] = {"sequential": {}, "concurrent": []}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as s:
+        for L in lengths:  # warm-up (not measured): one request per length
+            await one(s, url, prompt_ids(L, -1, seed + 1), out_len)
+        for L in lengths:
+            rows = []
+            for i in range(n):
+                rows.append(await one(s, url, prompt_ids(L, i, seed), out_len))
+                await asyncio.sleep(0.05)
+            res["sequential"][L] = rows
+        sem = asyncio.Semaphore(conc)
+
+        async def limited(i: int) -> dict[str, Any]:
+            async with sem:
+                L = lengths[i % len(lengths)]
+                return {"len": L, **await one(s, url, prompt_ids(L, 1000 + i, seed), out_len)}
+
+        t0 = time.perf_counter()
+        res["concurrent"] = await asyncio.gather(*(limited(i) for i in range(conc * 8)))
+        res["concurrent_wall_s"] = time.perf_counter() - t0
+    return res
+
+
+def timelines(stack: PDStack, router_url: str, tids: list[str]) -> dict[str, dict[str, int]]:
+    """Transfer ID -> {hop: first stamp ns} from both daemons and the router."""
+    out = {}
+    for tid in tids:
+        targets = [Target(stack.ops_socket(i), f"cpu{i}") for i in (0, 1)]
+        ask(targets, proto.OpsRequest("trace", tid), 5.0)
+        rows = merge_trace(targets, fetch_router_trace(router_url, tid))
+        first: dict[str, int] = {}
+        for r in rows:
+            first.setdefault(r["hop"], int(r["t_ms"] * 1e6))
+        out[tid] = first
+    return out
+
+
+def write_latencies(stack: PDStack) -> dict[str, Any]:
+    """The prefill daemon's recent WRITEs (post to completion), by size: p50/p99 ms."""
+    t = Target(stack.ops_socket(0), "cpu0")
+    ask([t], proto.OpsRequest("transfers"), 5.0)
+    by: dict[int, list[float]] = {}
+    for r in (t.data or {}).get("recent") or []:
+        if r.get("side") == "prefill" and r.get("result") == "ok":
+            by.setdefault(int(r["bytes"]), []).append(float(r["latency_ms"]))
+    return {f"{b / 2**20:.2f}MiB": {"n": len(v), "p50_ms": round(pct(v, 50), 3), "p99_ms": round(pct(v, 99), 3)}
+            for b, v in sorted(by.items())}
+
+
+def idle_cores(groups: dict[str, Any], settle_s: float, seconds: float) -> dict[str, float]:
+    """Cores each process group uses while nothing is sent (after vLLM's 1 s queue spin)."""
+    time.sleep(settle_s)
+    c0 = {k: group_cpu_seconds(p) for k, p in groups.items()}
+    time.sleep(seconds)
+    return {k: round((group_cpu_seconds(p) - c0[k]) / seconds, 4) for k, p in groups.items()}
+
+
+def summarize(mode_res: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"sequential": {}, "errors": 0}
+    for L, rows in mode_res["sequential"].items():
+        ok = [r["ttft_ms"] for r in rows if r.get("ttft_ms") is not None]
+        out["errors"] += len(rows) - len(ok)
+        out["sequential"][str(L)] = stats(ok)
+    conc = [r["ttft_ms"] for r in mode_res["concurrent"] if r.get("ttft_ms") is not None]
+    out["errors"] += len(mode_res["concurrent"]) - len(conc)
+    out["concurrent"] = stats(conc)
+    n = len(mode_res["concurrent"])
+    out["concurrent"]["requests_per_s"] = round(n / mode_res["concurrent_wall_s"], 2)
+    out["concurrent"]["p50_by_length"] = {
+        str(L): round(pct([r["ttft_ms"] for r in mode_res["concurrent"] if r["len"] == L and r.get("ttft_ms")], 50), 2)
+        for L in sorted({r["len"] for r in mode_res["concurrent"]})}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-dir", default=str(ROOT / ".models" / "tiny"))
+    ap.add_argument("--lengths", default="16,256,1024,2000")
+    ap.add_argument("--requests", type=int, default=20, help="sequential requests per length")
+    ap.add_argument("--output-len", type=int, default=8)
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    ap.add_argument("--out", default=None, help="also write the JSON here")
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--idle-seconds", type=float, default=5.0, help="idle CPU sample per mode (0: skip)")
+    args = ap.parse_args(argv)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    modes = [m for m in args.modes.split(",") if m]
+    bad = set(modes) - set(MODES)
+    if bad:
+        ap.error(f"unknown modes {sorted(bad)}; choose from {MODES}")
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="kvpush-ttft-"))
+    work.mkdir(parents=True, exist_ok=True)
+    model = ve.ensure_tiny_model(args.model_dir)
+    log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
+    raw: dict[str, Any] = {}
+    idle: dict[str, dict[str, float]] = {}
+    writes: dict[str, Any] = {}
+    hops: dict[str, Any] = {}
+    texts: dict[str, dict[str, str]] = {}
+
+    def measure(mode: str, url: str) -> None:
+        log(f"[{mode}] measuring at {url}")
+        raw[mode] = asyncio.run(run_mode(url, lengths, args.requests, args.output_len, args.concurrency, args.seed))
+        texts[mode] = {f"{L}:{i}": r.get("text", "") for L, rows in raw[mode]["sequential"].items()
+                       for i, r in enumerate(rows)}
+
+    if "colocated" in modes:
+        port = free_port()
+        proc = ve.start_engine(model, port, work / "colocated.log", cpu_bind="0")
+        try:
+            ve.wait_healthy(f"http://127.0.0.1:{port}/health", 600, proc)
+            measure("colocated", f"http://127.0.0.1:{port}")
+            if args.idle_seconds:
+                idle["colocated"] = idle_cores({"engine": proc}, 3.0, args.idle_seconds)
+        finally:
+            ve.stop_group(proc, grace=10)
+    if "kvpush" in modes or "prefill" in modes:
+        stack = PDStack(model, work / "kvpush")
+        stack.start()
+        try:
+            if "prefill" in modes:
+                measure("prefill", stack.p_url)
+            if "kvpush" in modes:
+                measure("kvpush", stack.router_url)
+                time.sleep(0.5)  # the last TraceReports reach the daemons
+                per_len = {}
+                for L, rows in raw["kvpush"]["sequential"].items():
+                    done = [r for r in rows if r.get("ttft_ms") is not None and r.get("transfer_id")]
+                    if not done:
+                        continue
+                    med = sorted(done, key=lambda r: r["ttft_ms"])[len(done) // 2]
+                    tl = timelines(stack, stack.router_url, [med["transfer_id"]])[med["transfer_id"]]
+                    per_len[str(L)] = {"ttft_ms": round(med["ttft_ms"], 2), "transfer_id": med["transfer_id"],
+                                       "hops_ms": breakdown(tl)}
+                hops = per_len
+                raw["kvpush"]["decode_prompt_tokens_by_source"] = prompt_tokens_by_source(stack.d_url)
+                writes = write_latencies(stack)
+            if args.idle_seconds:
+                idle["kvpush"] = idle_cores(dict(stack.procs), 3.0, args.idle_seconds)
+        finally:
+            stack.stop()
+    if "pull" in modes:
+        logs = work / "pull"
+        logs.mkdir(exist_ok=True)
+        ms = start_nixl("pull", model, logs, 600, 120)
+        try:
+            measure("pull", ms.front_url)
+        finally:
+            ms.stop()
+
+    summary = {m: summarize(r) for m, r in raw.items()}
+    ref = texts.get("colocated") or texts.get("prefill") or {}
+    for m, t in texts.items():
+        summary[m]["tokens_equal_reference"] = sum(t[k] == ref.get(k) for k in t) if ref else None
+        summary[m]["requests"] = len(t)
+    verdict: dict[str, Any] = {}
+    if "colocated" in summary and "kvpush" in summary:
+        c, k = summary["colocated"], summary["kvpush"]
+        for L in map(str, lengths):
+            cs, ks = c["sequential"].get(L), k["sequential"].get(L)
+            if not cs or not ks:
+                continue
+            rows = raw["kvpush"]["sequential"][int(L)]
+            worst = max(r["ttft_ms"] for r in rows if r.get("ttft_ms") is not None)
+            verdict[L] = {
+                "added_p50_ms": round(ks["p50"] - cs["p50"], 2),
+                "added_p90_ms": round(ks["p90"] - cs["p90"], 2),
+                "p50_ok": ks["p50"] <= cs["p50"] + 10, "p90_ok": ks["p90"] <= cs["p90"] + 25,
+                "worst_over_p50": round(worst / ks["p50"], 2), "no_outlier_ok": worst <= 3 * ks["p50"],
+            }
+        if c["concurrent"] and k["concurrent"]:
+            r = k["concurrent"]["p50"] / c["concurrent"]["p50"]
+            verdict["concurrent"] = {"p50_ratio": round(r, 3), "ok": r <= 1.5}
+    if "colocated" in idle and "kvpush" in idle:
+        base = idle["colocated"]["engine"]
+        verdict["idle"] = {role: {"cores": idle["kvpush"][role], "over_colocated": round(idle["kvpush"][role] - base, 4),
+                                  "ok": idle["kvpush"][role] <= base + 0.02} for role in ("prefill", "decode")}
+    if "pull" in summary and "kvpush" in summary:
+        verdict["vs_pull_p50"] = {L: round(summary["kvpush"]["sequential"][L]["p50"] / v["p50"], 3)
+                                  for L, v in summary["pull"]["sequential"].items()
+                                  if v and summary["kvpush"]["sequential"].get(L)}
+    result = {"config": {"lengths": lengths, "requests": args.requests, "output_len": args.output_len,
+                         "concurrency": args.concurrency, "modes": modes},
+              "summary": summary, "verdict": verdict, "kvpush_median_breakdown": hops, "idle_cores": idle,
+              "kvpush_write_latency": writes,
+              "decode_prompt_tokens_by_source": raw.get("kvpush", {}).get("decode_prompt_tokens_by_source")}
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"\nTTFT ms (sequential, {args.requests} per length; concurrency {args.concurrency} last column)")
+    print(f"{'mode':<10}" + "".join(f"{L:>22}" for L in lengths) + f"{'conc p50/p90':>18}")
+    for m, s in summary.items():
+        cells = "".join(f"{s['sequential'][str(L)]['p50']:>8.1f}/{s['sequential'][str(L)]['p90']:.1f}/"
+                        f"{s['sequential'][str(L)]['p99']:.1f}".rjust(22) if s["sequential"].get(str(L)) else " " * 22
+                        for L in lengths)
+        cc = s["concurrent"]
+        print(f"{m:<10}{cells}{(str(cc.get('p50')) + '/' + str(cc.get('p90'))):>18}  errors={s['errors']}")
+    print("\nverdict:", json.dumps(verdict, indent=1))
+    for L, h in hops.items():
+        print(f"\nkvpush median request at {L} tokens ({h['ttft_ms']} ms, {h['transfer_id']}):")
+        for seg, ms_ in h["hops_ms"].items():
+            print(f"  {ms_:>9.3f} ms  {seg}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Push vs pull side by side (scripts/bench_sweep.py): grid, launchers, client, metrics, runner, cli, plot."""

@@ -19,16 +19,25 @@ variables, e.g. ``KVPUSH_METRICS_PORT=0``, ``KVPUSH_DEVICES=cpu0,cpu1``)::
     metrics_host = "127.0.0.1"
     metrics_port = 9470            # 0 disables /metrics and /health
     log_level = "INFO"
+    lease_s = 30.0                 # longest lease a PrefillDone may ask for
+    register_timeout_s = 30.0      # longest timeout a Register may ask for
     # engine_socket / ops_socket are templates: {runtime_dir} {index} {name}
-    # CURVE (all three or none): the peer endpoint becomes a CURVE server with this keypair
-    # (zmq.auth certificate files) and a ZAP allowlist of the public keys found in
-    # authorized_keys_dir; outgoing peer connections use the same keypair as client.
+    # CURVE (both or none): the peer endpoint becomes a CURVE server with this node's
+    # zmq.auth secret certificate (it holds the public key too) and a ZAP allowlist of the
+    # public keys found in authorized_keys_dir; outgoing peer connections use the same
+    # keypair as client.
     curve_secret_key_file = "/etc/kvpush/node.key_secret"
-    curve_public_key_file = "/etc/kvpush/node.key"
     authorized_keys_dir = "/etc/kvpush/authorized_keys"
 
     [device.cuda1]                 # per-device overrides of the device keys (+ peer_port)
     peer_port = 17601
+
+The dataclass fields are the schema: a field made with :func:`key` is a config key, and
+its metadata (:class:`Key`: doc, scope, parser, choices, check) drives parsing, validation
+and ``print-config``; ``KEY_DOCS`` has every key's doc. Load-time keys that shape the node
+(devices, count, device_kind, base_port) are :class:`DeviceSelection`; values derived from
+them (socket templates, peer_port, advertise_host) are filled in by ``DeviceConfig``
+itself, whichever way it was built.
 
 Unknown keys are errors that name the key (and the nearest known one). Environment names
 other than the listed keys are ignored: the engine plugin shares the ``KVPUSH_`` prefix.
@@ -42,14 +51,13 @@ import json
 import math
 import os
 import re
+import tomllib
+import typing
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10: the tomli backport has the same API
-    import tomli as tomllib  # type: ignore[no-redef]
+from kvpush.proto import naming
 
 DEFAULT_BASE_PORT = 17500
 DEFAULT_METRICS_PORT = 9470
@@ -59,6 +67,10 @@ DEVICE_KINDS = ("cpu", "cuda")
 ENV_PREFIX = "KVPUSH_"
 UNIX_PATH_MAX = 107  # sun_path is 108 bytes including the NUL
 _DEVICE_NAME = re.compile(r"^(cpu|cuda)(0|[1-9][0-9]*)$")
+
+# Where a key may be set. NODE: top level of the file, KVPUSH_<KEY>, flags. DEVICE: the
+# same places (as every device's default) and in [device.<name>]. TABLE: [device.<name>] only.
+NODE, DEVICE, TABLE = "node", "device", "table"
 
 
 class ConfigError(ValueError):
@@ -86,212 +98,22 @@ def parse_device_name(name: str) -> tuple[str, int]:
     return m.group(1), int(m.group(2))
 
 
-@dataclass
-class DeviceConfig:
-    """One accelerator's daemon. Empty socket strings / None ports are filled from index."""
-
-    index: int
-    name: str
-    device_kind: str = "cpu"
-    runtime_dir: str = field(default_factory=default_runtime_dir)
-    engine_socket: str = ""
-    ops_socket: str = ""
-    peer_host: str = "127.0.0.1"
-    peer_port: int | None = None  # None: DEFAULT_BASE_PORT + index; 0: ephemeral
-    advertise_host: str | None = None  # None: peer_host
-    backend: str = "UCX"
-    # UCX only: "peer" (default) reports a dead peer as an error on the WRITE; "none" makes
-    # same-host WRITEs one-sided shared-memory copies (3-20x faster here, no receiver
-    # polling) at the cost of UCX treating a peer failure as fatal to the agent.
-    ucx_error_handling_mode: str = "peer"
-    socket_mode: int = 0o600
-    lease_s: float = 30.0
-    register_timeout_s: float = 30.0
-    write_timeout_s: float = 5.0
-    peer_timeout_s: float = 10.0
-    curve_secret_key_file: str | None = None
-    curve_public_key_file: str | None = None
-    authorized_keys_dir: str | None = None
-    poll_min_s: float = 0.0005
-    poll_max_s: float = 0.05
-    # Prepared NIXL descriptor lists per (region, peer): layers x blocks (x pattern entries)
-    # descriptors a side; above this a peer's WRITEs build their descriptors per transfer.
-    max_prepped_descriptors: int = 1 << 22
-    log_level: str = "INFO"
-
-    def __post_init__(self) -> None:
-        fmt = {"runtime_dir": self.runtime_dir, "index": self.index, "name": self.name}
-        if not self.engine_socket:
-            self.engine_socket = "ipc://{runtime_dir}/engine-{index}.sock"
-        if not self.ops_socket:
-            self.ops_socket = "ipc://{runtime_dir}/ops-{index}.sock"
-        try:
-            self.engine_socket = self.engine_socket.format(**fmt)
-            self.ops_socket = self.ops_socket.format(**fmt)
-        except (KeyError, IndexError, ValueError) as e:
-            raise ConfigError(
-                f"device {self.name}: bad socket template ({e!r}); placeholders are "
-                "{runtime_dir} {index} {name}") from None
-        if self.peer_port is None:
-            self.peer_port = DEFAULT_BASE_PORT + self.index
-        if self.advertise_host is None:
-            self.advertise_host = self.peer_host
-
-    @property
-    def curve_enabled(self) -> bool:
-        return self.curve_secret_key_file is not None
-
-    @property
-    def peer_bind(self) -> str:
-        """ZeroMQ bind address of the peer endpoint ('*' port when ephemeral)."""
-        return f"tcp://{self.peer_host}:{self.peer_port or '*'}"
-
-    @property
-    def peer_endpoint(self) -> str:
-        """Address peers connect to (advertised in Hello / to the router)."""
-        return f"tcp://{self.advertise_host}:{self.peer_port}"
-
-    def validate(self) -> None:
-        """Raise ConfigError on the first inconsistent field, naming it."""
-        where = f"device {self.name}"
-        kind, index = parse_device_name(self.name)
-        if (kind, index) != (self.device_kind, self.index):
-            raise ConfigError(f"{where}: name does not match device_kind/index")
-        if not os.path.isabs(self.runtime_dir):
-            raise ConfigError(f"{where}: runtime_dir must be an absolute path: {self.runtime_dir!r}")
-        for key in ("engine_socket", "ops_socket"):
-            _check_ipc(f"{where}: {key}", getattr(self, key))
-        if self.engine_socket == self.ops_socket:
-            raise ConfigError(f"{where}: engine_socket and ops_socket are the same")
-        _check_port(f"{where}: peer_port", self.peer_port, allow_zero=True)
-        for key in ("peer_host", "advertise_host"):
-            if not getattr(self, key):
-                raise ConfigError(f"{where}: {key} is empty")
-        if self.advertise_host in ("0.0.0.0", "::", "*"):
-            raise ConfigError(
-                f"{where}: advertise_host {self.advertise_host!r} is a wildcard; set it to an "
-                "address peers can reach (peer_host may stay a wildcard)")
-        _check_choice(f"{where}: backend", self.backend, BACKENDS)
-        _check_choice(f"{where}: ucx_error_handling_mode", self.ucx_error_handling_mode, ("peer", "none"))
-        _check_choice(f"{where}: log_level", self.log_level, LOG_LEVELS)
-        _check_mode(f"{where}: socket_mode", self.socket_mode)
-        for key in ("lease_s", "register_timeout_s", "write_timeout_s", "peer_timeout_s",
-                    "poll_min_s", "poll_max_s"):
-            _check_positive(f"{where}: {key}", getattr(self, key))
-        if not isinstance(self.max_prepped_descriptors, int) or self.max_prepped_descriptors < 0:
-            raise ConfigError(f"{where}: max_prepped_descriptors must be a non-negative integer")
-        if self.poll_min_s > self.poll_max_s:
-            raise ConfigError(f"{where}: poll_min_s {self.poll_min_s} > poll_max_s {self.poll_max_s}")
-        self._validate_curve(where)
-
-    def _validate_curve(self, where: str) -> None:
-        keys = ("curve_secret_key_file", "curve_public_key_file", "authorized_keys_dir")
-        given = [k for k in keys if getattr(self, k) is not None]
-        if given and len(given) != len(keys):
-            missing = [k for k in keys if k not in given]
-            raise ConfigError(f"{where}: CURVE needs all of {', '.join(keys)}; missing {', '.join(missing)}")
-        for key in keys[:2]:
-            path = getattr(self, key)
-            if path is not None and not os.path.isfile(path):
-                raise ConfigError(f"{where}: {key} {path!r} is not a readable file")
-        if self.authorized_keys_dir is not None and not os.path.isdir(self.authorized_keys_dir):
-            raise ConfigError(f"{where}: authorized_keys_dir {self.authorized_keys_dir!r} is not a directory")
+def peer_port_for(base_port: int, index: int) -> int:
+    """Device ``index``'s peer port: base_port + index (base_port 0: ephemeral, 0)."""
+    if not base_port:
+        return 0
+    if base_port + index > 65535:
+        raise ConfigError(f"base_port {base_port} + device index {index} exceeds 65535")
+    return base_port + index
 
 
-@dataclass
-class NodeConfig:
-    """The supervisor: which device daemons to run, how to restart them, where to serve HTTP."""
+# --------------------------------------------------------------------------- schema
 
-    devices: list[DeviceConfig]
-    runtime_dir: str = field(default_factory=default_runtime_dir)
-    metrics_host: str = "127.0.0.1"
-    metrics_port: int = DEFAULT_METRICS_PORT  # 0 = no HTTP server
-    restart_backoff_s: float = 1.0  # first restart delay; doubles per consecutive crash
-    restart_backoff_max_s: float = 30.0
-    max_restarts_per_minute: int = 5  # per device; 0 = never restart
-    stop_timeout_s: float = 10.0  # SIGTERM -> SIGKILL grace
-    ready_timeout_s: float = 120.0  # a child not ready by then is killed; 0 = wait forever
-    log_level: str = "INFO"
-
-    def validate(self) -> None:
-        if not self.devices:
-            raise ConfigError("no devices configured")
-        if not os.path.isabs(self.runtime_dir):
-            raise ConfigError(f"runtime_dir must be an absolute path: {self.runtime_dir!r}")
-        _check_port("metrics_port", self.metrics_port, allow_zero=True)
-        _check_choice("log_level", self.log_level, LOG_LEVELS)
-        for key in ("restart_backoff_s", "restart_backoff_max_s", "stop_timeout_s"):
-            _check_positive(key, getattr(self, key))
-        if self.restart_backoff_max_s < self.restart_backoff_s:
-            raise ConfigError(f"restart_backoff_max_s {self.restart_backoff_max_s} < "
-                              f"restart_backoff_s {self.restart_backoff_s}")
-        if self.ready_timeout_s < 0 or not math.isfinite(self.ready_timeout_s):
-            raise ConfigError(f"ready_timeout_s must be >= 0, got {self.ready_timeout_s}")
-        if self.max_restarts_per_minute < 0:
-            raise ConfigError(f"max_restarts_per_minute must be >= 0, got {self.max_restarts_per_minute}")
-        seen: dict[Any, str] = {}
-        for dev in self.devices:
-            dev.validate()
-            if dev.runtime_dir != self.runtime_dir:
-                raise ConfigError(f"device {dev.name}: runtime_dir differs from the node's")
-            for what, key in (("name", dev.name), ("index", dev.index),
-                              ("engine_socket", dev.engine_socket), ("ops_socket", dev.ops_socket)):
-                _claim(seen, (what, key), dev.name, f"{what} {key!r}")
-            if dev.peer_port:
-                _claim(seen, ("port", dev.peer_port), dev.name, f"peer_port {dev.peer_port}")
-        if self.metrics_port and ("port", self.metrics_port) in seen:
-            raise ConfigError(f"metrics_port {self.metrics_port} is also a peer_port")
-
-
-def _claim(seen: dict[Any, str], key: Any, owner: str, what: str) -> None:
-    if key in seen:
-        raise ConfigError(f"devices {seen[key]} and {owner} both use {what}")
-    seen[key] = owner
-
-
-def _check_port(key: str, port: Any, allow_zero: bool) -> None:
-    lo = 0 if allow_zero else 1
-    if not isinstance(port, int) or isinstance(port, bool) or not lo <= port <= 65535:
-        raise ConfigError(f"{key} must be an integer in {lo}..65535, got {port!r}")
-
-
-def _check_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ConfigError(f"{key} must be one of {', '.join(choices)}, got {value!r}")
-
-
-def _check_positive(key: str, value: Any) -> None:
-    if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"{key} must be a finite number > 0, got {value!r}")
-
-
-def _check_mode(key: str, mode: Any) -> None:
-    if not isinstance(mode, int) or isinstance(mode, bool) or not 0 <= mode <= 0o777:
-        raise ConfigError(f"{key} must be a permission mode in 0o000..0o777, got {mode!r}")
-    if mode & 0o600 != 0o600:
-        raise ConfigError(f"{key} {mode:#o} must give the owner read+write (the daemon)")
-    if mode & 0o007:
-        raise ConfigError(
-            f"{key} {mode:#o} lets any local user drive the daemon; use 0o600, or 0o660 "
-            "with a group shared with the engines")
-
-
-def _check_ipc(key: str, endpoint: str) -> None:
-    if not endpoint.startswith("ipc://"):
-        raise ConfigError(f"{key} must be an ipc:// endpoint, got {endpoint!r}")
-    path = endpoint[len("ipc://"):]
-    if not os.path.isabs(path):
-        raise ConfigError(f"{key} must name an absolute path, got {endpoint!r}")
-    if len(os.fsencode(path)) > UNIX_PATH_MAX:
-        raise ConfigError(
-            f"{key} path is {len(os.fsencode(path))} bytes, over the {UNIX_PATH_MAX}-byte "
-            f"unix socket limit: {path!r} (use a shorter runtime_dir)")
-
-
-# --------------------------------------------------------------------------- loading
-
-# Parsers turn a raw value (typed from TOML/flags, or a string from env) into a typed value.
+# A parser turns a raw value (typed from TOML/flags, or a string from env) into a typed
+# value (TypeError/ValueError: the caller names key and source); a check raises ConfigError
+# on a typed value that is out of bounds, given the key's name as the message prefix.
 Parser = Callable[[Any], Any]
+Check = Callable[[str, Any], None]
 
 
 def _p_str(v: Any) -> str:
@@ -353,24 +175,314 @@ def _p_devices(v: Any) -> str | list[str]:
     raise TypeError('expected "all" or a list of device names')
 
 
-_DEVICE_KEYS: dict[str, Parser] = {
-    "engine_socket": _p_str, "ops_socket": _p_str, "peer_host": _p_str,
-    "advertise_host": _p_str, "backend": _p_upper, "socket_mode": _p_mode,
-    "ucx_error_handling_mode": _p_str,
-    "lease_s": _p_float, "register_timeout_s": _p_float, "write_timeout_s": _p_float,
-    "peer_timeout_s": _p_float, "curve_secret_key_file": _p_str,
-    "curve_public_key_file": _p_str, "authorized_keys_dir": _p_str,
-    "poll_min_s": _p_float, "poll_max_s": _p_float, "log_level": _p_upper,
-    "max_prepped_descriptors": _p_int,
+@dataclass(frozen=True)
+class Key:
+    """A config key's schema, kept in its dataclass field's metadata (``key(...)``)."""
+
+    doc: str
+    scope: str
+    parse: Parser | None = None  # None: from the field's type hint
+    choices: tuple[str, ...] | None = None
+    check: Check | None = None
+
+
+def key(default: Any = dataclasses.MISSING, doc: str = "", *, scope: str = DEVICE,
+        parse: Parser | None = None, choices: tuple[str, ...] | None = None,
+        check: Check | None = None, factory: Callable[[], Any] | None = None) -> Any:
+    """A dataclass field that is also a config key."""
+    meta = {"key": Key(doc, scope, parse, choices, check)}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _check_port(key: str, port: Any, allow_zero: bool = True) -> None:
+    lo = 0 if allow_zero else 1
+    if not isinstance(port, int) or isinstance(port, bool) or not lo <= port <= 65535:
+        raise ConfigError(f"{key} must be an integer in {lo}..65535, got {port!r}")
+
+
+def _check_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key} must be one of {', '.join(choices)}, got {value!r}")
+
+
+def _check_positive(key: str, value: Any) -> None:
+    if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{key} must be a finite number > 0, got {value!r}")
+
+
+def _check_non_negative(key: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value < 0:
+        raise ConfigError(f"{key} must be >= 0, got {value}")
+
+
+def _check_count(key: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{key} must be a non-negative integer, got {value!r}")
+
+
+def _check_nonempty(key: str, value: Any) -> None:
+    if not value:
+        raise ConfigError(f"{key} is empty")
+
+
+def _check_advertise(key: str, value: Any) -> None:
+    _check_nonempty(key, value)
+    if value in ("0.0.0.0", "::", "*"):
+        raise ConfigError(
+            f"{key} {value!r} is a wildcard; set it to an address peers can reach "
+            "(peer_host may stay a wildcard)")
+
+
+def _check_mode(key: str, mode: Any) -> None:
+    if not isinstance(mode, int) or isinstance(mode, bool) or not 0 <= mode <= 0o777:
+        raise ConfigError(f"{key} must be a permission mode in 0o000..0o777, got {mode!r}")
+    if mode & 0o600 != 0o600:
+        raise ConfigError(f"{key} {mode:#o} must give the owner read+write (the daemon)")
+    if mode & 0o007:
+        raise ConfigError(
+            f"{key} {mode:#o} lets any local user drive the daemon; use 0o600, or 0o660 "
+            "with a group shared with the engines")
+
+
+def _check_ipc(key: str, endpoint: str) -> None:
+    if not endpoint.startswith("ipc://"):
+        raise ConfigError(f"{key} must be an ipc:// endpoint, got {endpoint!r}")
+    path = endpoint[len("ipc://"):]
+    if not os.path.isabs(path):
+        raise ConfigError(f"{key} must name an absolute path, got {endpoint!r}")
+    if len(os.fsencode(path)) > UNIX_PATH_MAX:
+        raise ConfigError(
+            f"{key} path is {len(os.fsencode(path))} bytes, over the {UNIX_PATH_MAX}-byte "
+            f"unix socket limit: {path!r} (use a shorter runtime_dir)")
+
+
+def _check_abs(key: str, path: str) -> None:
+    if not os.path.isabs(path):
+        raise ConfigError(f"{key} must be an absolute path: {path!r}")
+
+
+def _check_fields(obj: Any, where: str) -> None:
+    """Every key field's choices and check, in field order."""
+    for f in dataclasses.fields(obj):
+        k = f.metadata.get("key")
+        if k is None:
+            continue
+        name = f"{where}: {f.name}" if where else f.name
+        value = getattr(obj, f.name)
+        if k.choices is not None:
+            _check_choice(name, value, k.choices)
+        if k.check is not None and value is not None:
+            k.check(name, value)
+
+
+_TEMPLATES = " ".join("{" + f + "}" for f in naming.TEMPLATE_FIELDS)
+
+
+@dataclass
+class DeviceConfig:
+    """One accelerator's daemon. Empty socket strings / None ports are filled from index."""
+
+    index: int
+    name: str
+    device_kind: str = "cpu"
+    runtime_dir: str = field(default_factory=default_runtime_dir)
+    engine_socket: str = key("", f"engine socket template ({_TEMPLATES}); default "
+                             f"{naming.ENGINE_SOCKET_TEMPLATE}", check=_check_ipc)
+    ops_socket: str = key("", f"ops socket template (kvpushctl); default "
+                          f"{naming.OPS_SOCKET_TEMPLATE}", check=_check_ipc)
+    peer_host: str = key("127.0.0.1", "peer endpoint bind address", check=_check_nonempty)
+    peer_port: int | None = key(None, "peer port; default base_port + index (0: ephemeral)",
+                                scope=TABLE, parse=_p_port, check=_check_port)
+    advertise_host: str | None = key(None, "address peers are told to use (default: peer_host)",
+                                     check=_check_advertise)
+    backend: str = key("UCX", "NIXL backend", parse=_p_upper, choices=BACKENDS)
+    ucx_error_handling_mode: str = key(
+        "peer", 'UCX only: "peer" reports a dead peer as an error on the WRITE; "none" makes '
+        "same-host WRITEs one-sided shared-memory copies (3-20x faster here, no receiver "
+        "polling) at the cost of UCX treating a peer failure as fatal to the agent",
+        choices=("peer", "none"))
+    socket_mode: int = key(0o600, "permission bits of the engine and ops sockets",
+                           parse=_p_mode, check=_check_mode)
+    lease_s: float = key(30.0, "longest lease a PrefillDone may ask for (its lease_ms is "
+                         "capped at this): how long the daemon holds an engine's source blocks",
+                         check=_check_positive)
+    register_timeout_s: float = key(30.0, "longest registration timeout a Register (and the "
+                                    "PeerRegister it becomes) may ask for: its timeout_ms / "
+                                    "deadline_ms is capped at this", check=_check_positive)
+    write_timeout_s: float = key(5.0, "a posted WRITE not complete by then fails",
+                                 check=_check_positive)
+    peer_timeout_s: float = key(10.0, "a peer daemon silent this long (or not answering the "
+                                "handshake) is dropped", check=_check_positive)
+    curve_secret_key_file: str | None = key(
+        None, "CURVE (with authorized_keys_dir): this node's zmq.auth secret certificate; "
+        "the peer endpoint becomes a CURVE server with it and dials peers as a client")
+    authorized_keys_dir: str | None = key(
+        None, "CURVE: directory of the public certificates of the peers allowed in (ZAP)")
+    poll_min_s: float = key(0.0005, "shortest sleep of the idle loop", check=_check_positive)
+    poll_max_s: float = key(0.05, "longest sleep of the idle loop", check=_check_positive)
+    max_prepped_descriptors: int = key(
+        1 << 22, "prepared NIXL descriptor lists per (region, peer) up to this many "
+        "descriptors a side (layers x blocks x pattern entries); above it a peer's WRITEs "
+        "build their descriptors per transfer", check=_check_count)
+    log_level: str = key("INFO", "log level", parse=_p_upper, choices=LOG_LEVELS)
+    # Not a field: the node's base_port, from which a peer_port left None is derived.
+    base_port: InitVar[int] = DEFAULT_BASE_PORT
+
+    def __post_init__(self, base_port: int) -> None:
+        """The load step for derived values, run for every config however it was built
+        (load_config, tests, the harness): socket templates, peer_port, advertise_host."""
+        fmt = {"runtime_dir": self.runtime_dir, "index": self.index, "name": self.name}
+        try:
+            self.engine_socket = (self.engine_socket or naming.ENGINE_SOCKET_TEMPLATE).format(**fmt)
+            self.ops_socket = (self.ops_socket or naming.OPS_SOCKET_TEMPLATE).format(**fmt)
+        except (KeyError, IndexError, ValueError) as e:
+            raise ConfigError(
+                f"device {self.name}: bad socket template ({e!r}); placeholders are "
+                f"{_TEMPLATES}") from None
+        if self.peer_port is None:
+            self.peer_port = peer_port_for(base_port, self.index)
+        if self.advertise_host is None:
+            self.advertise_host = self.peer_host
+
+    @property
+    def peer_endpoint(self) -> str:
+        """Address peers connect to (advertised in Hello / to the router)."""
+        return f"tcp://{self.advertise_host}:{self.peer_port}"
+
+    def validate(self) -> None:
+        """Raise ConfigError on the first inconsistent field, naming it."""
+        where = f"device {self.name}"
+        kind, index = parse_device_name(self.name)
+        if (kind, index) != (self.device_kind, self.index):
+            raise ConfigError(f"{where}: name does not match device_kind/index")
+        _check_abs(f"{where}: runtime_dir", self.runtime_dir)
+        self._validate_curve(where)
+        _check_fields(self, where)
+        if self.engine_socket == self.ops_socket:
+            raise ConfigError(f"{where}: engine_socket and ops_socket are the same")
+        if self.poll_min_s > self.poll_max_s:
+            raise ConfigError(f"{where}: poll_min_s {self.poll_min_s} > poll_max_s {self.poll_max_s}")
+
+    def _validate_curve(self, where: str) -> None:
+        keys = ("curve_secret_key_file", "authorized_keys_dir")
+        given = [k for k in keys if getattr(self, k) is not None]
+        if given and len(given) != len(keys):
+            missing = [k for k in keys if k not in given]
+            raise ConfigError(f"{where}: CURVE needs all of {', '.join(keys)}; missing {', '.join(missing)}")
+        path = self.curve_secret_key_file
+        if path is not None and not os.path.isfile(path):
+            raise ConfigError(f"{where}: curve_secret_key_file {path!r} is not a readable file")
+        if self.authorized_keys_dir is not None and not os.path.isdir(self.authorized_keys_dir):
+            raise ConfigError(f"{where}: authorized_keys_dir {self.authorized_keys_dir!r} is not a directory")
+
+
+@dataclass
+class NodeConfig:
+    """The supervisor: which device daemons to run, how to restart them, where to serve HTTP."""
+
+    devices: list[DeviceConfig]
+    runtime_dir: str = key(doc="socket directory of every device (systemd: RuntimeDirectory)",
+                           scope=NODE, factory=default_runtime_dir, check=_check_abs)
+    metrics_host: str = key("127.0.0.1", "address of /metrics and /health", scope=NODE)
+    metrics_port: int = key(DEFAULT_METRICS_PORT, "port of /metrics and /health; 0: no HTTP "
+                            "server", scope=NODE, parse=_p_port, check=_check_port)
+    restart_backoff_s: float = key(1.0, "first restart delay; doubles per consecutive crash",
+                                   scope=NODE, check=_check_positive)
+    restart_backoff_max_s: float = key(30.0, "longest restart delay", scope=NODE,
+                                       check=_check_positive)
+    max_restarts_per_minute: int = key(5, "per device, beyond that it is held down; 0: never "
+                                       "restart", scope=NODE, check=_check_non_negative)
+    stop_timeout_s: float = key(10.0, "SIGTERM -> SIGKILL grace", scope=NODE,
+                                check=_check_positive)
+    ready_timeout_s: float = key(120.0, "a child not ready by then is killed; 0: wait forever",
+                                 scope=NODE, check=_check_non_negative)
+    log_level: str = key("INFO", "log level of the supervisor (and default of every device)",
+                         scope=NODE, parse=_p_upper, choices=LOG_LEVELS)
+
+    def validate(self) -> None:
+        if not self.devices:
+            raise ConfigError("no devices configured")
+        _check_fields(self, "")
+        if self.restart_backoff_max_s < self.restart_backoff_s:
+            raise ConfigError(f"restart_backoff_max_s {self.restart_backoff_max_s} < "
+                              f"restart_backoff_s {self.restart_backoff_s}")
+        seen: dict[Any, str] = {}
+        for dev in self.devices:
+            dev.validate()
+            if dev.runtime_dir != self.runtime_dir:
+                raise ConfigError(f"device {dev.name}: runtime_dir differs from the node's")
+            for what, k in (("name", dev.name), ("index", dev.index),
+                            ("engine_socket", dev.engine_socket), ("ops_socket", dev.ops_socket)):
+                _claim(seen, (what, k), dev.name, f"{what} {k!r}")
+            if dev.peer_port:
+                _claim(seen, ("port", dev.peer_port), dev.name, f"peer_port {dev.peer_port}")
+        if self.metrics_port and ("port", self.metrics_port) in seen:
+            raise ConfigError(f"metrics_port {self.metrics_port} is also a peer_port")
+
+
+@dataclass
+class DeviceSelection:
+    """Load-time keys: which devices run and how their ports are numbered. They shape the
+    NodeConfig (its device list, each peer_port) and are not kept in it."""
+
+    config: str | None = key(None, "the TOML file (read from the flag or KVPUSH_CONFIG)",
+                             scope=NODE)
+    devices: str | list[str] = key("all", '"all" (every visible GPU, else cpu0) or names '
+                                   "such as cuda0, cuda1", scope=NODE,
+                                   parse=_p_devices)
+    count: int | None = key(None, "run devices 0..count-1 of device_kind instead", scope=NODE)
+    device_kind: str = key("auto", 'kind for count / "all"; auto: cuda if visible',
+                           scope=NODE, choices=("auto", *DEVICE_KINDS))
+    base_port: int = key(DEFAULT_BASE_PORT, "peer port of device i = base_port + i (0: "
+                         "ephemeral)", scope=NODE, parse=_p_port)
+
+
+def _claim(seen: dict[Any, str], key: Any, owner: str, what: str) -> None:
+    if key in seen:
+        raise ConfigError(f"devices {seen[key]} and {owner} both use {what}")
+    seen[key] = owner
+
+
+# --------------------------------------------------------------------------- loading
+
+_PARSERS: dict[Any, Parser] = {str: _p_str, int: _p_int, float: _p_float}
+
+
+def _keys(cls: type, *scopes: str) -> dict[str, Parser]:
+    """Key name -> parser of ``cls``'s key fields in ``scopes``, read from the schema."""
+    hints = typing.get_type_hints(cls)
+    out: dict[str, Parser] = {}
+    for f in dataclasses.fields(cls):
+        k = f.metadata.get("key")
+        if k is None or k.scope not in scopes:
+            continue
+        hint = hints[f.name]
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        out[f.name] = k.parse or _PARSERS[args[0] if len(args) == 1 else hint]
+    return out
+
+
+def _union(*tables: dict[str, Parser]) -> dict[str, Parser]:
+    out: dict[str, Parser] = {}
+    for t in tables:
+        for name, parser in t.items():
+            if out.setdefault(name, parser) is not parser:  # e.g. log_level: node and device
+                raise TypeError(f"config key {name!r} is parsed two ways")
+    return out
+
+
+NODE_KEYS = _union(_keys(DeviceSelection, NODE), _keys(NodeConfig, NODE))
+DEVICE_KEYS = _keys(DeviceConfig, DEVICE)
+TOP_KEYS = _union(NODE_KEYS, DEVICE_KEYS)  # the file's top level, KVPUSH_<KEY>, flags
+TABLE_KEYS = _union(DEVICE_KEYS, _keys(DeviceConfig, TABLE))  # [device.<name>]
+KEY_DOCS: dict[str, str] = {
+    f.name: f.metadata["key"].doc
+    for cls in (DeviceSelection, NodeConfig, DeviceConfig) for f in dataclasses.fields(cls)
+    if "key" in f.metadata
 }
-_NODE_KEYS: dict[str, Parser] = {
-    "config": _p_str, "devices": _p_devices, "count": _p_int, "device_kind": _p_str,
-    "base_port": _p_port, "runtime_dir": _p_str, "metrics_host": _p_str,
-    "metrics_port": _p_port, "restart_backoff_s": _p_float, "restart_backoff_max_s": _p_float,
-    "max_restarts_per_minute": _p_int, "stop_timeout_s": _p_float, "ready_timeout_s": _p_float,
-}
-TOP_KEYS: dict[str, Parser] = {**_NODE_KEYS, **_DEVICE_KEYS}
-TABLE_KEYS: dict[str, Parser] = {**_DEVICE_KEYS, "peer_port": _p_port}
 _EXCLUSIVE = ("devices", "count")  # one logical setting: a higher layer's choice replaces
 
 
@@ -379,6 +491,12 @@ def env_var(key: str) -> str:
 
 
 def _unknown(where: str, key: str, known: Mapping[str, Any]) -> ConfigError:
+    if known is TABLE_KEYS and key in TOP_KEYS:
+        return ConfigError(f"{where}: unknown key {key!r} in a device table (a node-wide key: "
+                           "set it at the top level)")
+    if known is not TABLE_KEYS and key in TABLE_KEYS:
+        return ConfigError(f"{where}: unknown key {key!r} at the top level (per device only: "
+                           f"set it in [device.<name>]; base_port numbers all devices)")
     near = difflib.get_close_matches(key, list(known), n=1)
     hint = f" (did you mean {near[0]!r}?)" if near else ""
     return ConfigError(f"{where}: unknown key {key!r}{hint}")
@@ -430,6 +548,10 @@ def _merge(*layers: Mapping[str, Any]) -> dict[str, Any]:
     return merged
 
 
+def _pick(merged: Mapping[str, Any], keys: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in merged.items() if k in keys}
+
+
 def _torch_cuda_count() -> int:
     """Visible CUDA devices; torch is imported only when "all"/"auto" needs it."""
     try:
@@ -439,23 +561,20 @@ def _torch_cuda_count() -> int:
     return int(torch.cuda.device_count())
 
 
-def resolve_devices(merged: Mapping[str, Any], cuda_count: Callable[[], int]) -> list[tuple[str, int]]:
+def resolve_devices(sel: DeviceSelection, cuda_count: Callable[[], int]) -> list[tuple[str, int]]:
     """(kind, index) per device from devices / count / device_kind."""
-    kind = merged.get("device_kind", "auto")
-    if kind not in ("auto", *DEVICE_KINDS):
-        raise ConfigError(f"device_kind must be auto, cpu or cuda, got {kind!r}")
-    devices = merged.get("devices", "all")
-    if "count" not in merged and devices != "all":  # explicit names carry their kind
-        if not devices:
+    _check_fields(sel, "")
+    kind = sel.device_kind
+    if sel.count is None and sel.devices != "all":  # explicit names carry their kind
+        if not sel.devices:
             raise ConfigError("devices is empty")
-        return [parse_device_name(name) for name in devices]
+        return [parse_device_name(name) for name in sel.devices]
     if kind == "auto":
         kind = "cuda" if cuda_count() > 0 else "cpu"
-    if "count" in merged:
-        n = merged["count"]
-        if n < 1:
-            raise ConfigError(f"count must be >= 1, got {n}")
-        return [(kind, i) for i in range(n)]
+    if sel.count is not None:
+        if sel.count < 1:
+            raise ConfigError(f"count must be >= 1, got {sel.count}")
+        return [(kind, i) for i in range(sel.count)]
     n = cuda_count() if kind == "cuda" else 1
     if n < 1:
         raise ConfigError("devices = 'all' with device_kind = 'cuda' but no CUDA device is visible")
@@ -466,7 +585,10 @@ def load_config(path: str | None = None, overrides: Mapping[str, Any] | None = N
                 env: Mapping[str, str] | None = None, *,
                 cuda_count: Callable[[], int] = _torch_cuda_count) -> NodeConfig:
     """Effective, validated NodeConfig. ``overrides`` are CLI flags by top-level key (None =
-    not given); ``env`` defaults to os.environ; KVPUSH_CONFIG names the file if path is None."""
+    not given); ``env`` defaults to os.environ; KVPUSH_CONFIG names the file if path is None.
+
+    Node keys go to the NodeConfig, device keys at the top level are every device's
+    defaults under its own [device.<name>] table, and DeviceConfig derives the rest."""
     env = os.environ if env is None else env
     flags = _parse_layer("command line", {k: v for k, v in (overrides or {}).items()
                                           if v is not None}, TOP_KEYS, lambda k: f"--{k.replace('_', '-')}")
@@ -475,25 +597,17 @@ def load_config(path: str | None = None, overrides: Mapping[str, Any] | None = N
     path = path or flags.get("config") or from_env.get("config")
     file_top, per_dev = _read_file(path) if path else ({}, {})
     merged = _merge(file_top, from_env, flags)
-    merged.pop("config", None)
-    runtime_dir = merged.get("runtime_dir") or default_runtime_dir(env)
-    base_port = merged.get("base_port", DEFAULT_BASE_PORT)
-    _check_port("base_port", base_port, allow_zero=True)
-    dev_defaults = {k: v for k, v in merged.items() if k in _DEVICE_KEYS}
-    devices = []
-    for kind, index in resolve_devices(merged, cuda_count):
-        name = f"{kind}{index}"
-        port = base_port + index if base_port else 0
-        if port > 65535:
-            raise ConfigError(f"base_port {base_port} + device index {index} exceeds 65535")
-        kw = {"peer_port": port, **dev_defaults, **per_dev.get(name, {})}
-        devices.append(DeviceConfig(index=index, name=name, device_kind=kind,
-                                    runtime_dir=runtime_dir, **kw))
-    node_kw = {k: merged[k] for k in ("metrics_host", "metrics_port", "restart_backoff_s",
-                                      "restart_backoff_max_s", "max_restarts_per_minute",
-                                      "stop_timeout_s", "ready_timeout_s", "log_level")
-               if k in merged}
-    node = NodeConfig(devices=devices, runtime_dir=runtime_dir, **node_kw)
+    sel = DeviceSelection(**_pick(merged, _keys(DeviceSelection, NODE)))
+    node_kw = _pick(merged, _keys(NodeConfig, NODE))
+    node_kw["runtime_dir"] = node_kw.get("runtime_dir") or default_runtime_dir(env)
+    defaults = _pick(merged, DEVICE_KEYS)
+    devices = [
+        DeviceConfig(index=index, name=f"{kind}{index}", device_kind=kind,
+                     runtime_dir=node_kw["runtime_dir"], base_port=sel.base_port,
+                     **{**defaults, **per_dev.get(f"{kind}{index}", {})})
+        for kind, index in resolve_devices(sel, cuda_count)
+    ]
+    node = NodeConfig(devices=devices, **node_kw)
     node.validate()
     return node
 
@@ -515,18 +629,15 @@ def _toml_value(v: Any) -> str:
 def dump_toml(node: NodeConfig) -> str:
     """Effective config as TOML that load_config reads back to an equal NodeConfig."""
     lines = ["# effective kvpushd configuration"]
-    for f in dataclasses.fields(NodeConfig):
-        if f.name != "devices":
-            lines.append(f"{f.name} = {_toml_value(getattr(node, f.name))}")
+    for name in _keys(NodeConfig, NODE):
+        lines.append(f"{name} = {_toml_value(getattr(node, name))}")
     lines.append(f"devices = {_toml_value([d.name for d in node.devices])}")
     for dev in node.devices:
         lines += ["", f"[device.{dev.name}]"]
-        for f in dataclasses.fields(DeviceConfig):
-            value = getattr(dev, f.name)
-            if f.name in ("index", "name", "device_kind", "runtime_dir") or value is None:
-                continue
-            text = f"0o{value:03o}" if f.name == "socket_mode" else _toml_value(value)
-            lines.append(f"{f.name} = {text}")
+        for name, parser in TABLE_KEYS.items():
+            value = getattr(dev, name)
+            if value is not None:
+                lines.append(f"{name} = {f'0o{value:03o}' if parser is _p_mode else _toml_value(value)}")
     return "\n".join(lines) + "\n"
 
 

@@ -8,17 +8,18 @@
 Which daemons: by default every daemon of the node, i.e. the ops sockets of the devices in
 the config (``--config``, else /etc/kvpush/kvpushd.toml if it exists, else ``KVPUSH_*`` env
 and defaults, exactly as kvpushd reads them) plus any ``{runtime_dir}/ops-*.sock`` not named
-there (daemons started by hand with ``kvpushd worker``). ``--socket`` or ``--device`` picks
+there (daemons started by hand with ``kvpushd worker``; names from :mod:`kvpush.proto.naming`). ``--socket`` or ``--device`` picks
 one. All daemons are asked at once; each one that does not answer within ``--timeout`` is
 reported down.
 
-Wire: one ``OpsRequest`` frame on a fresh DEALER (LINGER 0) per daemon, one ``OpsReply``
-frame back; the ops endpoint is a ROUTER, so REQ's empty delimiter frame must not be sent.
+Wire: :mod:`kvpush.daemon.opsclient` (one ``OpsRequest`` frame per daemon, one
+``OpsReply`` back); each reply is checked against its command's schema in
+:mod:`kvpush.proto.ops`, and one that does not match counts as undecodable.
 
 Exit codes (worst daemon wins, in this order): 3 permission denied on a socket or the
-config file, 1 a daemon is down (no socket file, stale socket, no reply, undecodable reply),
-4 a daemon refused the command (e.g. cancel of a transfer it does not hold), 2 usage or
-configuration error, 0 otherwise. ``cancel`` succeeds (0) if any daemon cancelled the
+config file, 1 a daemon is down (no socket file, stale socket, no reply, undecodable or
+malformed reply), 4 a daemon refused the command (e.g. cancel of a transfer it does not
+hold), 2 usage or configuration error, 0 otherwise. ``cancel`` succeeds (0) if any daemon cancelled the
 transfer: a transfer lives on one daemon, the others answer "not pending here".
 Every error is one line on stderr, never a traceback.
 
@@ -32,7 +33,7 @@ Every error is one line on stderr, never a traceback.
           "socket": "ipc:///run/kvpush/ops-0.sock",
           "ok": true,                    # the daemon answered and accepted the command
           "error": null | "one line",    # why not ok (down, permission, refusal text)
-          "data": {...} | null           # the daemon's OpsReply.data (see daemon/ops.py);
+          "data": {...} | null           # the daemon's OpsReply.data (see proto/ops.py);
         }                                #   null when it did not answer
       ]
     }
@@ -59,7 +60,6 @@ import glob
 import json
 import os
 import socket
-import stat
 import sys
 import time
 import urllib.error
@@ -67,12 +67,26 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
 
 import zmq
 
 from kvpush import proto
+from kvpush.daemon import opsclient
 from kvpush.daemon.config import ConfigError, NodeConfig, load_config, parse_device_name
+from kvpush.proto import naming
+from kvpush.proto.ops import (
+    CancelReply,
+    DecodePending,
+    MetricsReply,
+    OpsData,
+    PeersReply,
+    PendingReply,
+    PrefillPending,
+    StatusReply,
+    TraceReply,
+    TransfersReply,
+)
 from kvpush.proto.trace import ClockPair, Row, merge
 
 DEFAULT_CONFIG = "/etc/kvpush/kvpushd.toml"
@@ -114,17 +128,38 @@ class Target:
 
     socket: str
     device: str | None = None
-    outcome: str = "ok"  # ok | down | denied | refused
+    outcome: str = "ok"  # ok | down | denied | refused (see opsclient.Answer)
     error: str | None = None
-    data: dict[str, Any] | None = None
+    reply: OpsData | None = None  # the typed data of an accepted reply
+    answered_at: float = 0.0  # CLOCK_MONOTONIC when the reply came (pending: deadline-in)
     supervisor: dict[str, Any] | None = None  # its entry in the supervisor's /health
+    timeline: list[dict[str, Any]] | None = None  # trace: the merged node timeline
 
     def label(self) -> str:
         return self.device or _ipc_path(self.socket) or self.socket
 
+    @property
+    def data(self) -> dict[str, Any] | None:
+        """The daemon's reply data plus this tool's additions (module docstring)."""
+        if self.reply is None:
+            return {} if self.outcome == "refused" else None
+        d = self.reply.to_data()
+        if isinstance(self.reply, StatusReply):
+            d["supervisor"] = self.supervisor
+        elif isinstance(self.reply, PendingReply):
+            for row, r in zip(d["pending"], self.reply.pending, strict=True):
+                row["deadline_in_s"] = _deadline_in(r, self.answered_at)
+        if self.timeline is not None:
+            d["timeline"] = self.timeline
+        return d
+
     def as_json(self) -> dict[str, Any]:
         return {"device": self.device, "socket": self.socket, "ok": self.outcome == "ok",
                 "error": self.error, "data": self.data}
+
+
+def _deadline_in(row: PrefillPending | DecodePending, now: float) -> float | None:
+    return None if row.deadline is None else round(row.deadline - now, 3)
 
 
 @dataclass
@@ -186,10 +221,10 @@ def discover(node: Node, sock: str | None, device: str | None) -> list[Target]:
             _, index = parse_device_name(device)
         except ConfigError as e:
             raise UsageError(str(e)) from None
-        return [Target(f"ipc://{node.runtime_dir}/ops-{index}.sock", device)]
+        return [Target(naming.ops_socket(node.runtime_dir, index), device)]
     targets = [Target(ep, name) for name, ep in node.devices.items()]
     seen = {_norm(t.socket) for t in targets}
-    for path in sorted(glob.glob(os.path.join(glob.escape(node.runtime_dir), "ops-*.sock"))):
+    for path in sorted(glob.glob(os.path.join(glob.escape(node.runtime_dir), naming.OPS_SOCKET_GLOB))):
         ep = "ipc://" + path
         if _norm(ep) not in seen:
             seen.add(_norm(ep))
@@ -199,99 +234,18 @@ def discover(node: Node, sock: str | None, device: str | None) -> list[Target]:
 
 # --------------------------------------------------------------------------- asking
 
-def _probe(t: Target) -> bool:
-    """Cheap local checks before ZeroMQ (which would only time out): missing or stale
-    socket file -> down, no access -> denied. True if the daemon is worth asking."""
-    path = _ipc_path(t.socket)
-    if path is None:
-        return True
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        t.outcome, t.error = "down", f"daemon not running (no socket {path})"
-        return False
-    except PermissionError:
-        t.outcome, t.error = "denied", f"permission denied: cannot reach {path}"
-        return False
-    if not stat.S_ISSOCK(st.st_mode):
-        t.outcome, t.error = "down", f"{path} is not a socket"
-        return False
-    if not os.access(path, os.R_OK | os.W_OK):
-        t.outcome, t.error = "denied", f"permission denied on {path} (run as its owner or group)"
-        return False
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(1.0)
-        try:
-            s.connect(path)
-        except PermissionError:
-            t.outcome, t.error = "denied", f"permission denied connecting to {path}"
-            return False
-        except ConnectionRefusedError:
-            t.outcome, t.error = "down", f"daemon not running (stale socket {path})"
-            return False
-        except OSError:
-            pass  # let ZeroMQ have its go (and time out) rather than guess
-    return True
-
-
 def ask(targets: list[Target], req: proto.OpsRequest, timeout_s: float,
         ctx: zmq.Context | None = None) -> None:
-    """Send ``req`` to every target at once and fill in each outcome; waits at most
-    ``timeout_s`` in total. A fresh DEALER per daemon: no late reply is ever misread."""
-    ctx = ctx or zmq.Context.instance()
-    socks: dict[zmq.Socket, Target] = {}
-    payload = proto.encode(req)
-    try:
-        for t in targets:
-            if t.outcome != "ok" or not _probe(t):  # already known to be unreachable
-                continue
-            s = ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            try:
-                s.connect(t.socket)
-                s.send(payload, zmq.NOBLOCK)
-            except zmq.ZMQError as e:
-                s.close(0)
-                t.outcome, t.error = "down", f"cannot send to {t.socket}: {e}"
-                continue
-            socks[s] = t
-        poller = zmq.Poller()
-        for s in socks:
-            poller.register(s, zmq.POLLIN)
-        waiting = set(socks)
-        deadline = time.monotonic() + timeout_s
-        while waiting:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            for s, _ in poller.poll(int(left * 1000) + 1):
-                if s not in waiting:
-                    continue
-                waiting.discard(s)
-                poller.unregister(s)
-                _take_reply(socks[s], s.recv())
-        for s in waiting:
-            socks[s].outcome = "down"
-            socks[s].error = f"no reply within {timeout_s:g}s from {socks[s].socket}"
-    finally:
-        for s in socks:
-            s.close(0)
-
-
-def _take_reply(t: Target, frame: bytes) -> None:
-    try:
-        reply = proto.decode(frame)
-    except proto.ProtocolError as e:
-        t.outcome, t.error = "down", f"unreadable reply from {t.socket}: {e}"
-        return
-    if not isinstance(reply, proto.OpsReply):
-        t.outcome, t.error = "down", f"unexpected {type(reply).__name__} from {t.socket}"
-        return
-    t.data = dict(reply.data)
-    if t.device is None and isinstance(t.data.get("device"), str):
-        t.device = t.data["device"]
-    if not reply.ok:
-        t.outcome, t.error = "refused", reply.error or "refused"
+    """Send ``req`` to every target not already known to be unreachable, at once (see
+    :mod:`kvpush.daemon.opsclient`), and fill in each outcome."""
+    live = [t for t in targets if t.outcome == "ok"]
+    answers = opsclient.ask([t.socket for t in live], req, timeout_s, ctx)
+    now = time.monotonic()
+    for t, a in zip(live, answers, strict=True):
+        t.outcome, t.error, t.reply, t.answered_at = a.outcome, a.error, a.reply, now
+        device = getattr(a.reply, "device", None)
+        if t.device is None and isinstance(device, str):
+            t.device = device
 
 
 def name_unknown(cmd: str, targets: list[Target], timeout_s: float) -> None:
@@ -327,21 +281,12 @@ def fetch_health(url: str | None) -> dict[str, Any] | None:
 
 
 def augment(cmd: str, targets: list[Target], health: dict[str, Any] | None) -> None:
-    """The two additions documented in the module docstring."""
+    """Each target's entry in the supervisor's /health (``status`` shows it)."""
     devices = (health or {}).get("devices") or {}
-    now = time.monotonic()
     for t in targets:
         d = devices.get(t.device or "")
         if isinstance(d, dict):
             t.supervisor = {k: d.get(k) for k in ("state", "up", "restarts", "last_exit")}
-        if t.data is None or t.outcome != "ok":
-            continue
-        if cmd == "status":
-            t.data["supervisor"] = t.supervisor
-        elif cmd == "pending":
-            for row in t.data.get("pending") or []:
-                dl = row.get("deadline")
-                row["deadline_in_s"] = round(dl - now, 3) if isinstance(dl, (int, float)) else None
 
 
 def exit_code(cmd: str, targets: list[Target]) -> int:
@@ -394,10 +339,18 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
                      for r in cells)
 
 
+_R = TypeVar("_R", bound=OpsData)
+
+
+def _replies(targets: list[Target], cls: type[_R]) -> list[tuple[Target, _R]]:
+    """The targets that answered with ``cls``, each with its reply."""
+    return [(t, t.reply) for t in targets if t.outcome == "ok" and isinstance(t.reply, cls)]
+
+
 def _status_rows(targets: list[Target]) -> list[list[Any]]:
     rows = []
     for t in targets:
-        d = t.data if t.outcome == "ok" and t.data is not None else None
+        d = t.reply if t.outcome == "ok" and isinstance(t.reply, StatusReply) else None
         sup = t.supervisor or {}
         if d is None:  # the supervisor may still know why (backoff, crash-loop, ...)
             up = "denied" if t.outcome == "denied" else "no"
@@ -406,84 +359,80 @@ def _status_rows(targets: list[Target]) -> list[list[Any]]:
             rows.append([t.label(), up, None, None, None, None, None, None, None, None,
                          sup.get("restarts"), None])
             continue
-        eng = d.get("engine") or {}
-        peers = d.get("peers") or {}
+        eng = d.engine
         rows.append([
-            t.label(), "draining" if d.get("draining") else "yes", d.get("pid"),
-            eng.get("role"),
-            f"{eng['rank']}/{eng['tp_size']}" if "rank" in eng else None,
-            d.get("backend"),
-            eng.get("engine_id") or "(none)",
-            _size(eng["memory_bytes"]) if "memory_bytes" in eng else None,
-            f"{peers.get('producers', 0)}/{peers.get('consumers', 0)}",
-            _dur(d.get("uptime_s")),
+            t.label(), "draining" if d.draining else "yes", d.pid,
+            eng.role if eng else None,
+            f"{eng.rank}/{eng.tp_size}" if eng else None,
+            d.backend,
+            (eng.engine_id if eng else "") or "(none)",
+            _size(eng.memory_bytes) if eng else None,
+            f"{d.peers.producers}/{d.peers.consumers}",
+            _dur(d.uptime_s),
             sup.get("restarts"),
-            d.get("version"),
+            d.version,
         ])
+    return rows
+
+
+def _pending_rows(targets: list[Target]) -> list[list[Any]]:
+    rows = []
+    for t, rep in _replies(targets, PendingReply):
+        for r in rep.pending:
+            if isinstance(r, PrefillPending):
+                blocks: int | None = r.blocks
+                detail = f"registered {r.registered}/{r.expected}"
+            else:
+                blocks = None
+                detail = f"notified {r.notified}/{r.producers}"
+            rows.append([t.label(), r.transfer_id, None if r.attempt < 0 else r.attempt, r.side,
+                         r.state, blocks, _dur(r.age), _dur(_deadline_in(r, t.answered_at)),
+                         detail])
     return rows
 
 
 def render(cmd: str, targets: list[Target]) -> str:
     """The human view of one command's answers."""
-    ok = [t for t in targets if t.outcome == "ok" and t.data is not None]
     if cmd == "status":
         return table(["DEVICE", "UP", "PID", "ROLE", "RANK", "BACKEND", "ENGINE", "MEMORY",
                       "PEERS P/C", "UPTIME", "RESTARTS", "PROTO"], _status_rows(targets))
     if cmd == "pending":
-        rows = []
-        for t in ok:
-            for r in t.data.get("pending") or []:  # type: ignore[union-attr]
-                if r.get("side") == "prefill":
-                    blocks = r.get("blocks")
-                    detail = f"registered {r.get('registered', 0)}/{r.get('expected', 0)}"
-                else:
-                    blocks = None
-                    detail = f"notified {r.get('notified', 0)}/{r.get('producers', 0)}"
-                attempt = r.get("attempt")
-                rows.append([t.label(), r.get("transfer_id"),
-                             None if attempt is None or attempt < 0 else attempt, r.get("side"),
-                             r.get("state"), blocks, _dur(r.get("age")),
-                             _dur(r.get("deadline_in_s")), detail])
+        rows = _pending_rows(targets)
         if not rows:
             return "no pending transfers"
         return table(["DEVICE", "TRANSFER", "ATTEMPT", "SIDE", "STATE", "BLOCKS", "AGE",
                       "DEADLINE-IN", "PROGRESS"], rows)
     if cmd == "peers":
-        rows = [[t.label(), p.get("role"), p.get("endpoint"), p.get("state"), p.get("engine_id"),
-                 f"{p.get('rank')}/{p.get('tp_size')}", _dur(p.get("last_seen_s")),
-                 p.get("transfers"), p.get("queued"), p.get("error")]
-                for t in ok for p in t.data.get("peers") or []]  # type: ignore[union-attr]
+        rows = [[t.label(), p.role, p.endpoint, p.state, p.engine_id, f"{p.rank}/{p.tp_size}",
+                 _dur(p.last_seen_s), p.transfers, p.queued, p.error]
+                for t, rep in _replies(targets, PeersReply) for p in rep.peers]
         if not rows:
             return "no peers"
         return table(["DEVICE", "ROLE", "ENDPOINT", "STATE", "ENGINE", "RANK", "LAST-SEEN",
                       "TRANSFERS", "QUEUED", "ERROR"], rows)
     if cmd == "transfers":
         rows = []
-        for t in ok:
-            d = t.data or {}
-            for r in [*(d.get("in_flight") or []), *(d.get("recent") or [])]:
-                lat = r.get("latency_ms")
-                rows.append([t.label(), r.get("transfer_id"), r.get("attempt"), r.get("side"),
-                             r.get("result"), r.get("bytes"),
-                             f"{lat:.3f} ms" if isinstance(lat, (int, float)) else None,
-                             _dur(r.get("age_s")), r.get("error")])
+        for t, rep in _replies(targets, TransfersReply):
+            for r in [*rep.in_flight, *rep.recent]:
+                lat = getattr(r, "latency_ms", None)  # absent while in flight
+                rows.append([t.label(), r.transfer_id, r.attempt, r.side, r.result,
+                             getattr(r, "bytes", None),  # the decode side counts no bytes
+                             f"{lat:.3f} ms" if lat is not None else None,
+                             _dur(r.age_s), getattr(r, "error", None)])
         if not rows:
             return "no transfers"
         return table(["DEVICE", "TRANSFER", "ATTEMPT", "SIDE", "RESULT", "BYTES", "LATENCY",
                       "AGE", "ERROR"], rows)
     if cmd == "cancel":
-        return "\n".join(f"{t.label()}: cancelled {t.data.get('cancelled')}" for t in ok)  # type: ignore[union-attr]
+        return "\n".join(f"{t.label()}: cancelled {r.cancelled}" for t, r in _replies(targets, CancelReply))
     if cmd == "drain":
-        return "\n".join(f"{t.label()}: draining" for t in ok)
+        return "\n".join(f"{t.label()}: draining" for t in targets if t.outcome == "ok" and t.reply)
     if cmd == "trace":
-        return render_trace(ok)
+        return render_trace(targets)
     if cmd == "metrics":
-        parts = []
-        for t in ok:
-            text = (t.data or {}).get("text")
-            if isinstance(text, str):
-                parts.append(text if len(ok) == 1 else f"# kvpushctl: {t.label()}\n{text}")
-        return "".join(parts).rstrip("\n")
+        texts = _replies(targets, MetricsReply)
+        return "".join(r.text if len(texts) == 1 else f"# kvpushctl: {t.label()}\n{r.text}"
+                       for t, r in texts).rstrip("\n")
     raise ValueError(cmd)
 
 
@@ -505,12 +454,10 @@ def merge_trace(targets: list[Target], router: dict[str, Any] | None) -> list[di
     stamps go through its wall clock and ours (its monotonic->wall offset, then ours back).
     """
     rows: list[Row] = []
-    for t in targets:
-        if t.outcome != "ok" or not t.data:
-            continue
-        for hop, ns in t.data.get("events") or []:
+    for t, rep in _replies(targets, TraceReply):
+        for hop, ns in rep.events or ():
             who = "engine" if ".plugin." in hop else "daemon"
-            rows.append(Row(int(ns), f"{who} {t.label()}", hop))
+            rows.append(Row(ns, f"{who} {t.label()}", hop))
     if router and router.get("events"):
         clk = router.get("clock") or {}
         here = ClockPair.read()
@@ -523,12 +470,13 @@ def merge_trace(targets: list[Target], router: dict[str, Any] | None) -> list[di
             for r, t_ms, d_ms in merge(rows)]
 
 
-def render_trace(ok: list[Target]) -> str:
-    timeline = next((t.data.get("timeline") for t in ok if t.data and "timeline" in t.data), None)
+def render_trace(targets: list[Target]) -> str:
+    answered = _replies(targets, TraceReply)
+    timeline = next((t.timeline for t, _ in answered if t.timeline is not None), None)
     if timeline is None:  # no ID given: the recent IDs each daemon knows
-        ids = []
-        for t in ok:
-            for tid in (t.data or {}).get("recent") or []:
+        ids: list[str] = []
+        for _, rep in answered:
+            for tid in rep.recent or ():
                 if tid not in ids:
                     ids.append(tid)
         return "\n".join(ids) if ids else "no traced transfers"
@@ -607,8 +555,8 @@ def run_once(ns: argparse.Namespace, node: Node, out: TextIO, err: TextIO) -> in
             print(f"kvpushctl: router {router_url} did not answer /router/trace", file=err)
         timeline = merge_trace(targets, router)
         for t in targets:
-            if t.outcome == "ok" and t.data is not None:
-                t.data["timeline"] = timeline
+            if t.outcome == "ok" and t.reply is not None:
+                t.timeline = timeline
                 break
         if not timeline and code == EXIT_OK:
             code = EXIT_REFUSED

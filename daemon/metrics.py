@@ -8,25 +8,35 @@ merged result on ``/metrics``. Every metric carries ``device`` (e.g. "cuda0").
 =================================== ========= ======================== ===========================
 name                                type      labels (besides device)  meaning
 =================================== ========= ======================== ===========================
-kvpush_pending_rendezvous           gauge     side, state              transfers waiting, by state
-                                                                       (prefill: waiting_register,
-                                                                       waiting_prefill; decode:
-                                                                       waiting_notifs)
+kvpush_pending_rendezvous           gauge     side, state              transfers per core state,
+                                                                       tombstones included
+                                                                       (prefill: wait_prefill,
+                                                                       wait_register, writing,
+                                                                       draining, done, failed,
+                                                                       expired; decode: waiting,
+                                                                       failing, aborting,
+                                                                       superseded, completed,
+                                                                       failed, released)
 kvpush_transfers_in_flight          gauge     -                        WRITEs posted, not finished
 kvpush_bytes_written_total          counter   -                        bytes of completed WRITEs
 kvpush_write_latency_seconds        histogram -                        post -> completion of a
                                                                        WRITE (100 us .. 10 s)
 kvpush_notifications_total          counter   -                        NIXL notifications counted
                                                                        (decode side)
-kvpush_timeouts_total               counter   kind                     register, write, lease,
-                                                                       peer, deadline
+kvpush_timeouts_total               counter   kind                     write (a WRITE not done in
+                                                                       write_timeout_s), deadline
+                                                                       (a registration expired),
+                                                                       peer (handshake or silence
+                                                                       past peer_timeout_s)
 kvpush_failures_total               counter   cause                    plan, nixl, peer_lost,
-                                                                       cancel, protocol, ...
-kvpush_peers                        gauge     state                    peer daemons by state
-                                                                       (connected, handshaking,
-                                                                       lost)
+                                                                       internal; and one cause per
+                                                                       kind of rejected input
+                                                                       (protocol, register, attach,
+                                                                       handshake, ...)
+kvpush_peers                        gauge     state                    peer daemons by link state
+                                                                       (ready, handshaking)
 kvpush_transfers_total              counter   side, result             finished transfers (ok,
-                                                                       failed, timeout, aborted)
+                                                                       failed)
 =================================== ========= ======================== ===========================
 """
 

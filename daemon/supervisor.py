@@ -42,13 +42,14 @@ from multiprocessing.connection import wait as mp_wait
 from typing import Any
 
 import psutil
-import zmq
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpush.daemon import sdnotify
+from kvpush.daemon import opsclient, sdnotify
 from kvpush.daemon.config import DeviceConfig, NodeConfig
+from kvpush.proto.messages import OpsRequest
+from kvpush.proto.ops import MetricsReply
 
 log = logging.getLogger("kvpush.supervisor")
 
@@ -374,13 +375,12 @@ class Supervisor:
     def render_metrics(self) -> str:
         """Supervisor metrics plus every up child's metrics, merged into one exposition."""
         snap = self.status()
-        texts, scraped = [], {}
-        for name, dev in snap["devices"].items():
-            text = fetch_child_metrics(dev["ops_socket"]) if dev["up"] else None
+        up = [name for name, dev in snap["devices"].items() if dev["up"]]
+        texts = fetch_child_metrics([snap["devices"][name]["ops_socket"] for name in up])
+        scraped = {name: False for name in snap["devices"]}
+        for name, text in zip(up, texts, strict=True):
             scraped[name] = text is not None
-            if text:
-                texts.append(text)
-        return merge_metrics([_supervisor_families(snap, scraped)], texts)
+        return merge_metrics([_supervisor_families(snap, scraped)], [t for t in texts if t])
 
     # ---------------------------------------------------------------- HTTP
 
@@ -437,34 +437,11 @@ class _Handler(BaseHTTPRequestHandler):
 
 # -------------------------------------------------------------------- metrics helpers
 
-def fetch_child_metrics(endpoint: str, timeout_s: float = SCRAPE_TIMEOUT_S) -> str | None:
-    """A child's Prometheus text over its ops socket, or None if it does not answer.
-
-    DEALER, one frame each way: the ops endpoint is a ROUTER that takes [identity, payload]
-    (a REQ client's empty delimiter frame would be rejected). A fresh socket per scrape
-    means a late reply to a timed-out scrape can never be read as the next one's answer."""
-    try:
-        from kvpush.proto.codec import decode, encode
-        from kvpush.proto.messages import OpsReply, OpsRequest
-    except ImportError:
-        return None
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    try:
-        ms = int(timeout_s * 1000)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDTIMEO, ms)
-        sock.setsockopt(zmq.RCVTIMEO, ms)
-        sock.connect(endpoint)
-        sock.send(encode(OpsRequest(cmd="metrics")))
-        reply = decode(sock.recv())
-    except (zmq.ZMQError, ValueError):
-        return None
-    finally:
-        sock.close()
-    if not isinstance(reply, OpsReply) or not reply.ok:
-        return None
-    text = reply.data.get("text")
-    return text if isinstance(text, str) else None
+def fetch_child_metrics(endpoints: list[str], timeout_s: float = SCRAPE_TIMEOUT_S) -> list[str | None]:
+    """Each child's Prometheus text over its ops socket (all asked at once), None for one
+    that does not answer within ``timeout_s``. The children are up: no socket probe."""
+    answers = opsclient.ask(endpoints, OpsRequest(cmd="metrics"), timeout_s, check=False)
+    return [a.reply.text if isinstance(a.reply, MetricsReply) else None for a in answers]
 
 
 def _supervisor_families(snap: dict[str, Any], scraped: dict[str, bool]) -> list[Metric]:

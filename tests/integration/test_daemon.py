@@ -316,7 +316,7 @@ def test_curve_peer_endpoint_refuses_unauthorised_peers(tmp_path):
     auth.mkdir()
     pub, sec = zmq.auth.create_certificates(str(keys), "cluster")
     (auth / "cluster.key").write_bytes(open(pub, "rb").read())
-    curve = dict(curve_secret_key_file=sec, curve_public_key_file=pub, authorized_keys_dir=str(auth))
+    curve = dict(curve_secret_key_file=sec, authorized_keys_dir=str(auth))
     p = Daemon(device_config(tmp_path, 0, **curve))
     d = Daemon(device_config(tmp_path, 1, **curve))
     lay, meta = cpu()

@@ -140,6 +140,30 @@ def test_unit_settings_and_example_config_agree() -> None:
         == ["cuda0", "cuda1"]
 
 
+def test_example_config_names_only_schema_keys(tmp_path: Path) -> None:
+    """Every key the example shows, commented out or not, is one kvpushd reads: uncommented
+    (CURVE paths pointed at real files), the example still loads."""
+    from kvpush.daemon.config import TABLE_KEYS, TOP_KEYS
+
+    (tmp_path / "keys").mkdir()
+    (tmp_path / "node.key_secret").write_text("secret")
+    lines = []
+    for line in EXAMPLE.read_text().splitlines():
+        m = re.match(r"^#\s?((\[device\.\w+\])|([a-z_]+) = .*)$", line)
+        if m:
+            line = m.group(1)
+            name = m.group(3)
+            assert name is None or name in TOP_KEYS or name in TABLE_KEYS, name
+        lines.append(line.replace("/etc/kvpush/authorized_keys", str(tmp_path / "keys"))
+                     .replace("/etc/kvpush/node.key_secret", str(tmp_path / "node.key_secret")))
+    text = "\n".join(lines) + "\n"
+    assert "advertise_host" in text and "lease_s = 30.0" in text and "[device.cuda1]" in text
+    conf = tmp_path / "all.toml"
+    conf.write_text(text)
+    node = load_config(str(conf), {}, {}, cuda_count=lambda: 2)
+    assert node.devices[1].peer_port == 17601 and node.devices[0].authorized_keys_dir
+
+
 def _analyze() -> str:
     exe = shutil.which("systemd-analyze")
     if exe is None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -13,13 +15,19 @@ from hypothesis import strategies as st
 from kvpush.daemon import cli
 from kvpush.daemon.config import (
     DEFAULT_BASE_PORT,
+    KEY_DOCS,
+    TABLE_KEYS,
+    TOP_KEYS,
     ConfigError,
     DeviceConfig,
     NodeConfig,
+    _toml_value,
     default_runtime_dir,
     dump_json,
     dump_toml,
+    env_var,
     load_config,
+    peer_port_for,
 )
 
 ENV = {"RUNTIME_DIRECTORY": "/run/kvpush-test"}
@@ -57,7 +65,7 @@ def test_defaults_on_a_cpu_node() -> None:
     assert (dev.lease_s, dev.register_timeout_s, dev.write_timeout_s, dev.peer_timeout_s) == (
         30.0, 30.0, 5.0, 10.0)
     assert (dev.poll_min_s, dev.poll_max_s) == (0.0005, 0.05)
-    assert not dev.curve_enabled
+    assert dev.curve_secret_key_file is None and dev.authorized_keys_dir is None
     assert (node.metrics_host, node.metrics_port) == ("127.0.0.1", 9470)
 
 
@@ -250,20 +258,162 @@ def test_validation_errors(overrides: dict, env: dict, message: str) -> None:
         load(overrides=overrides, env=env)
 
 
-def test_curve_needs_all_three_and_existing_paths(tmp_path: Path) -> None:
-    sec, pub, keys = tmp_path / "node.key_secret", tmp_path / "node.key", tmp_path / "keys"
-    with pytest.raises(ConfigError, match="missing curve_public_key_file, authorized_keys_dir"):
+def test_curve_needs_both_and_existing_paths(tmp_path: Path) -> None:
+    sec, keys = tmp_path / "node.key_secret", tmp_path / "keys"
+    with pytest.raises(ConfigError, match="missing authorized_keys_dir"):
         load(env={"KVPUSH_CURVE_SECRET_KEY_FILE": str(sec)})
-    env = {"KVPUSH_CURVE_SECRET_KEY_FILE": str(sec), "KVPUSH_CURVE_PUBLIC_KEY_FILE": str(pub),
-           "KVPUSH_AUTHORIZED_KEYS_DIR": str(keys)}
+    with pytest.raises(ConfigError, match="missing curve_secret_key_file"):
+        load(env={"KVPUSH_AUTHORIZED_KEYS_DIR": str(keys)})
+    env = {"KVPUSH_CURVE_SECRET_KEY_FILE": str(sec), "KVPUSH_AUTHORIZED_KEYS_DIR": str(keys)}
     with pytest.raises(ConfigError, match="curve_secret_key_file .* is not a readable file"):
         load(env=env)
     sec.write_text("secret")
-    pub.write_text("public")
     with pytest.raises(ConfigError, match="authorized_keys_dir .* is not a directory"):
         load(env=env)
     keys.mkdir()
-    assert load(env=env).devices[0].curve_enabled
+    dev = load(env=env).devices[0]
+    assert (dev.curve_secret_key_file, dev.authorized_keys_dir) == (str(sec), str(keys))
+
+
+@pytest.mark.parametrize("removed", ["curve_public_key_file", "peer_bind", "curve_enabled"])
+def test_removed_keys_are_unknown(tmp_path: Path, removed: str) -> None:
+    """Keys nothing read are gone: a file still naming one fails, naming it."""
+    with pytest.raises(ConfigError, match=f"unknown key '{removed}'"):
+        load(toml(tmp_path, f'{removed} = "x"\n'))
+
+
+# ----------------------------------------------------------------------------- schema
+
+# One valid, non-default value per key (TOML text) and what it must produce. A key added
+# to the schema without an entry here fails test_examples_cover_every_key.
+EXAMPLES: dict[str, tuple[str, Any]] = {
+    "config": ('"{path}"', lambda n: n.metrics_port == 0),  # read (the file itself), not kept
+    "devices": ('["cpu1", "cpu4"]', lambda n: [d.name for d in n.devices] == ["cpu1", "cpu4"]),
+    "count": ("3", lambda n: [d.name for d in n.devices] == ["cpu0", "cpu1", "cpu2"]),
+    "device_kind": ('"cuda"', lambda n: [d.name for d in n.devices] == ["cuda0", "cuda1"]),
+    "base_port": ("20000", lambda n: n.devices[0].peer_port == 20000),
+    "runtime_dir": ('"/run/other"', lambda n: n.runtime_dir == n.devices[0].runtime_dir == "/run/other"),
+    "metrics_host": ('"127.0.0.2"', lambda n: n.metrics_host == "127.0.0.2"),
+    "metrics_port": ("9999", lambda n: n.metrics_port == 9999),
+    "restart_backoff_s": ("2.5", lambda n: n.restart_backoff_s == 2.5),
+    "restart_backoff_max_s": ("40.0", lambda n: n.restart_backoff_max_s == 40.0),
+    "max_restarts_per_minute": ("0", lambda n: n.max_restarts_per_minute == 0),
+    "stop_timeout_s": ("3.0", lambda n: n.stop_timeout_s == 3.0),
+    "ready_timeout_s": ("0", lambda n: n.ready_timeout_s == 0),
+    "log_level": ('"debug"', lambda n: n.devices[0].log_level == "DEBUG"),  # node: see precedence
+    "engine_socket": ('"ipc://{{runtime_dir}}/e-{{name}}.sock"',
+                      lambda n: n.devices[0].engine_socket == "ipc:///run/kvpush-test/e-cpu0.sock"),
+    "ops_socket": ('"ipc:///tmp/o{{index}}.sock"', lambda n: n.devices[0].ops_socket == "ipc:///tmp/o0.sock"),
+    "peer_host": ('"127.0.0.3"', lambda n: n.devices[0].peer_endpoint == "tcp://127.0.0.3:17500"),
+    "peer_port": ("17777", lambda n: n.devices[0].peer_port == 17777),
+    "advertise_host": ('"10.0.0.5"', lambda n: n.devices[0].peer_endpoint == "tcp://10.0.0.5:17500"),
+    "backend": ('"libfabric"', lambda n: n.devices[0].backend == "LIBFABRIC"),
+    "ucx_error_handling_mode": ('"none"', lambda n: n.devices[0].ucx_error_handling_mode == "none"),
+    "socket_mode": ("0o660", lambda n: n.devices[0].socket_mode == 0o660),
+    "lease_s": ("4.0", lambda n: n.devices[0].lease_s == 4.0),
+    "register_timeout_s": ("6.0", lambda n: n.devices[0].register_timeout_s == 6.0),
+    "write_timeout_s": ("7.0", lambda n: n.devices[0].write_timeout_s == 7.0),
+    "peer_timeout_s": ("8.0", lambda n: n.devices[0].peer_timeout_s == 8.0),
+    "curve_secret_key_file": ('"{secret}"', lambda n: n.devices[0].curve_secret_key_file.endswith("sec")),
+    "authorized_keys_dir": ('"{keys}"', lambda n: n.devices[0].authorized_keys_dir.endswith("keys")),
+    "poll_min_s": ("0.001", lambda n: n.devices[0].poll_min_s == 0.001),
+    "poll_max_s": ("0.5", lambda n: n.devices[0].poll_max_s == 0.5),
+    "max_prepped_descriptors": ("0", lambda n: n.devices[0].max_prepped_descriptors == 0),
+}
+# CURVE keys only come in pairs; "config" names the file it is in.
+PARTNER = {"curve_secret_key_file": "authorized_keys_dir", "authorized_keys_dir": "curve_secret_key_file"}
+
+
+def test_examples_cover_every_key() -> None:
+    assert set(EXAMPLES) == set(TOP_KEYS) | set(TABLE_KEYS)
+    assert set(KEY_DOCS) == set(EXAMPLES) and all(KEY_DOCS.values())  # every key documented
+
+
+def _example(tmp_path: Path, name: str) -> str:
+    (tmp_path / "sec").write_text("secret")
+    (tmp_path / "keys").mkdir(exist_ok=True)
+    text, _ = EXAMPLES[name]
+    return text.format(path=tmp_path / "kvpush.toml", secret=tmp_path / "sec", keys=tmp_path / "keys")
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_every_key_round_trips_from_toml(tmp_path: Path, name: str) -> None:
+    """Each key read from the file's top level (per-device keys: also from a device table,
+    where it beats the top level) lands where the schema says, and print-config keeps it."""
+    lines = [f"{name} = {_example(tmp_path, name)}"]
+    if name in PARTNER:
+        lines.append(f"{PARTNER[name]} = {_example(tmp_path, PARTNER[name])}")
+    lines.append("metrics_port = 0" if name != "metrics_port" else "")
+    cuda = (lambda: 2) if name == "device_kind" else no_gpu
+    check = EXAMPLES[name][1]
+    if name in TOP_KEYS:
+        node = load(toml(tmp_path, "\n".join(lines) + "\n"), cuda=cuda)
+        assert check(node), node
+        assert load(toml(tmp_path, dump_toml(node)), cuda=cuda) == node
+    if name in TABLE_KEYS:
+        table = "\n".join(["metrics_port = 0", "[device.cpu0]", *lines[:-1]]) + "\n"
+        node = load(toml(tmp_path, table))
+        assert check(node), node
+        assert load(toml(tmp_path, dump_toml(node))) == node
+        if name in TOP_KEYS and name not in PARTNER:  # the table beats the top level
+            default = getattr(DeviceConfig(index=0, name="cpu0", runtime_dir="/r"), name)
+            top = f"{name} = {_toml_value(default)}\n" if default is not None else ""
+            assert load(toml(tmp_path, top + table)) == node
+
+
+def test_node_key_in_a_device_table_and_table_key_at_top_are_explained(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="unknown key 'metrics_port' in a device table.*top level"):
+        load(toml(tmp_path, "[device.cpu0]\nmetrics_port = 1\n"))
+    with pytest.raises(ConfigError, match=r"unknown key 'peer_port' at the top level.*\[device.<name>\]"):
+        load(toml(tmp_path, "peer_port = 1\n"))
+    with pytest.raises(ConfigError, match="command line: unknown key 'peer_port'"):
+        load(overrides={"peer_port": 1})
+    assert load(env={"KVPUSH_PEER_PORT": "1"}).devices[0].peer_port == 17500  # not a top key
+
+
+def test_every_key_is_an_env_variable_and_a_table_key_is_not() -> None:
+    for name in TOP_KEYS:
+        assert env_var(name) == "KVPUSH_" + name.upper()
+    assert "peer_port" not in TOP_KEYS and set(TABLE_KEYS) - set(TOP_KEYS) == {"peer_port"}
+    assert {"devices", "count", "base_port", "metrics_port"}.isdisjoint(TABLE_KEYS)
+
+
+# ----------------------------------------------------------------------------- derived values
+
+def test_derived_values(tmp_path: Path) -> None:
+    node = load(toml(tmp_path, """
+        devices = ["cpu0", "cpu2", "cpu5"]
+        base_port = 18000
+        peer_host = "0.0.0.0"
+        advertise_host = "10.1.1.1"
+        ops_socket = "ipc://{runtime_dir}/{name}-ops.sock"
+        [device.cpu2]
+        peer_port = 19999
+        advertise_host = "10.2.2.2"
+    """))
+    assert [d.peer_port for d in node.devices] == [18000, 19999, 18005]
+    assert [d.advertise_host for d in node.devices] == ["10.1.1.1", "10.2.2.2", "10.1.1.1"]
+    assert [d.ops_socket for d in node.devices] == [
+        f"ipc:///run/kvpush-test/{n}-ops.sock" for n in ("cpu0", "cpu2", "cpu5")]
+    assert [d.engine_socket for d in node.devices] == [
+        f"ipc:///run/kvpush-test/engine-{i}.sock" for i in (0, 2, 5)]
+    assert node.devices[1].peer_endpoint == "tcp://10.2.2.2:19999"
+    ephemeral = load(overrides={"base_port": 0, "count": 3, "peer_host": "127.0.0.9"})
+    assert [d.peer_port for d in ephemeral.devices] == [0, 0, 0]
+    assert {d.advertise_host for d in ephemeral.devices} == {"127.0.0.9"}
+
+
+@given(base=st.integers(0, 65535), index=st.integers(0, 64))
+def test_peer_port_is_base_plus_index(base: int, index: int) -> None:
+    if base and base + index > 65535:
+        with pytest.raises(ConfigError, match="exceeds 65535"):
+            peer_port_for(base, index)
+        return
+    port = peer_port_for(base, index)
+    assert port == (base + index if base else 0)
+    dev = DeviceConfig(index=index, name=f"cpu{index}", runtime_dir="/r", base_port=base)
+    assert dev.peer_port == port  # built in code: the same derivation as load_config's
+    assert dataclasses.replace(dev, peer_host="10.0.0.1").peer_port == port
 
 
 # ----------------------------------------------------------------------------- dumping

@@ -5,27 +5,16 @@ every send is ``zmq.NOBLOCK`` with a bounded local queue behind it, every receiv
 zero-timeout drain inside :meth:`DaemonClient.poll`, and there are no threads (libzmq's own
 I/O thread does the socket work).
 
-Links and re-attach. The socket monitor (read without blocking) is the one source of truth
-for the link: nothing at all (Attach, Heartbeat, queued messages) is sent before its
-``HANDSHAKE_SUCCEEDED`` was read, so every link starts with ``Attach`` and the daemon never
-sees an engine message from an engine it does not know. ``Attach`` goes out exactly once per
-link, and again on the same link only when
-
-* a ``HeartbeatAck`` carries a ``daemon_id`` other than the one seen on this link (a restart
-  the monitor could not see), or
-* the daemon answers again after it was declared unavailable for silence (it may have lost
-  what it knew of us; a repeated identical Attach is a no-op for the daemon).
+This is the I/O shell of :mod:`kvpush.engine_plugin.link`, which decides everything about the
+link (when the Attach goes out, what waits in the queue, liveness, re-attach): the shell turns
+the socket monitor's events (the one source of truth for whether a link exists), decoded
+frames and polls into the machine's events and carries out its actions.
 
 Why the socket is told to process its commands right after the handshake event: libzmq
 attaches the new pipe to the socket by a command queued just before it emits the event, and a
 ``NOBLOCK`` send only looks at pending commands about once a millisecond (command
 throttling), so a send right after the event could fail with EAGAIN and the link's first
 Attach and Heartbeat would never go out. An unsent Attach is also retried on every poll.
-
-While an ``Attach`` is remembered but not acknowledged, other messages wait in the local
-queue; they flush when ``AttachAck`` arrives. A dropped connection makes the daemon
-unavailable at once (its in-flight work died with it); a connected but silent daemon becomes
-unavailable after ``dead_after_s``. Each transition to unavailable is logged once.
 """
 
 from __future__ import annotations
@@ -33,11 +22,26 @@ from __future__ import annotations
 import logging
 import select
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 
 import zmq
 
+from kvpush.engine_plugin.link import (
+    Act,
+    AttachAcked,
+    AttachRequested,
+    AttachSent,
+    Close,
+    Connected,
+    Disconnected,
+    Heard,
+    HeartbeatAcked,
+    HeartbeatSent,
+    Link,
+    LinkCounters,
+    Route,
+    State,
+)
 from kvpush.proto import (
     Abort,
     Attach,
@@ -47,7 +51,6 @@ from kvpush.proto import (
     Message,
     PrefillDone,
     ProtocolError,
-    Register,
     decode,
     encode,
 )
@@ -83,38 +86,9 @@ class DaemonClient:
         self.heartbeat_s = heartbeat_s
         self.dead_after_s = dead_after_s
         self._clock = clock
-
-        # Public state, updated by poll() (and by send() for monitor events).
-        self.available = False
-        self.attached = False
-        self.daemon_id: str | None = None
-        self.agent_name: str | None = None
-        self.unavailable_since: float | None = clock()
-        self.rtt_s: float | None = None  # last heartbeat round trip
-        # Counters.
-        self.sent = 0  # frames handed to zmq (engine messages; heartbeats excluded)
-        self.dropped = 0  # send() refusals: local queue full or client closed
-        self.decode_errors = 0
-        self.received = 0
-        self.heartbeats = 0
-        self.reattaches = 0
-
-        self._queue: deque[bytes] = deque()
-        self._attach: Attach | None = None
+        self._link = Link(clock(), max_queue=max_queue, heartbeat_s=heartbeat_s,
+                          dead_after_s=dead_after_s)
         self._attach_frame = b""
-        self._attach_sent = False  # the remembered Attach went out on the current link
-        self._attach_sends = 0  # of the current Attach; beyond the first are re-attaches
-        self._reattach_on_ack = False  # went silent on a live link: re-attach when it answers
-        self._link_up = False  # the monitor's HANDSHAKE_SUCCEEDED read, no DISCONNECTED since
-        self._link_daemon_id: str | None = None  # daemon_id heard on the current link
-        self._last_heard: float | None = None
-        self._started = self.unavailable_since
-        self._ever_available = False
-        self._warned_never = False
-        self._hb_seq = 0
-        self._hb_sent_at: dict[int, float] = {}
-        self._next_hb = self._started
-        self._closed = False
 
         ctx = context if context is not None else zmq.Context.instance()
         sock = ctx.socket(zmq.DEALER)
@@ -140,12 +114,73 @@ class DaemonClient:
         self._sock_dirty = True
         self._mon_dirty = True
 
+    # ---- state (the link machine's) ------------------------------------------------------
+
+    @property
+    def available(self) -> bool:
+        """Link up and the daemon heard recently (see link.py's liveness rule)."""
+        return self._link.available
+
+    @property
+    def attached(self) -> bool:
+        """The daemon acknowledged our Attach on the current link."""
+        return self._link.attached
+
+    @property
+    def state(self) -> State:
+        return self._link.state
+
+    @property
+    def daemon_id(self) -> str | None:
+        return self._link.daemon_id
+
+    @property
+    def agent_name(self) -> str | None:
+        return self._link.agent_name
+
+    @property
+    def unavailable_since(self) -> float | None:
+        return self._link.unavailable_since
+
+    @property
+    def rtt_s(self) -> float | None:
+        """Last heartbeat round trip."""
+        return self._link.rtt_s
+
+    @property
+    def counters(self) -> LinkCounters:
+        return self._link.counters
+
+    @property
+    def sent(self) -> int:
+        return self._link.counters.sent
+
+    @property
+    def dropped(self) -> int:
+        return self._link.counters.dropped
+
+    @property
+    def received(self) -> int:
+        return self._link.counters.received
+
+    @property
+    def decode_errors(self) -> int:
+        return self._link.counters.decode_errors
+
+    @property
+    def heartbeats(self) -> int:
+        return self._link.counters.heartbeats
+
+    @property
+    def reattaches(self) -> int:
+        return self._link.counters.reattaches
+
     # ---- sending -------------------------------------------------------------------------
 
     @property
     def queued(self) -> int:
         """Messages waiting in the local queue (not yet handed to zmq)."""
-        return len(self._queue)
+        return len(self._link.queue)
 
     def send(self, msg: Message) -> bool:
         """Send or queue ``msg``; False (and ``dropped`` += 1) when the queue is full.
@@ -153,50 +188,19 @@ class DaemonClient:
         Never blocks and never raises for transport reasons; an unencodable message is the
         caller's bug and raises ProtocolError.
         """
-        if self._closed:
-            self.dropped += 1
+        link = self._link
+        if link.state is not State.CLOSED:
+            self._maybe_check_monitor()  # a pending "daemon gone / back" event applies first
+            if link.queue:
+                self._flush()  # keep order: nothing overtakes what is queued
+        route = link.route()
+        if route is Route.REFUSE:
             return False
-        self._maybe_check_monitor()  # a pending "daemon gone / back" event applies first
-        if self._queue:
-            self._try_flush()  # keep order: nothing overtakes what is queued
-        if self._queue or not self._link_up or not self._ready():
-            if len(self._queue) >= self.max_queue:
-                self.dropped += 1  # refused before encoding: the full-queue path stays cheap
-                return False
-            self._queue.append(encode(msg))
-            return True
         data = encode(msg)
-        if self._raw_send(data):
-            self.sent += 1
+        if route is Route.DIRECT and self._raw_send(data):
+            link.counters.sent += 1
             return True
-        if len(self._queue) >= self.max_queue:
-            self.dropped += 1
-            return False
-        self._queue.append(data)
-        return True
-
-    def publish_register(
-        self,
-        transfer_id: str,
-        attempt: int,
-        block_ids: Iterable[int],
-        num_tokens: int,
-        prefill_endpoints: Iterable[str],
-        prefill_tp_size: int,
-        timeout_ms: int,
-    ) -> bool:
-        """Decode side: these blocks wait for the transfer's KV (see proto Register)."""
-        return self.send(
-            Register(
-                transfer_id,
-                attempt,
-                tuple(block_ids),
-                num_tokens,
-                tuple(prefill_endpoints),
-                prefill_tp_size,
-                timeout_ms,
-            )
-        )
+        return link.enqueue(data)
 
     def publish_prefill_done(
         self, transfer_id: str, block_ids: Iterable[int], num_tokens: int, lease_ms: int
@@ -210,25 +214,11 @@ class DaemonClient:
 
     def attach(self, msg: Attach) -> None:
         """Remember ``msg``; send it now if a link is up, else as a new link's first frame."""
-        self._attach = msg
         self._attach_frame = encode(msg)
-        self.attached = False
-        self._attach_sent = False
-        self._attach_sends = 0  # a new Attach, not a re-attach
-        if not self._closed:
-            self._maybe_check_monitor()  # a fresh link's handler sends it already
-            if self._link_up and not self._attach_sent:
-                self._send_attach()
-
-    def discard_queued(self) -> int:
-        """Drop everything in the local queue (e.g. loads already failed); returns how many."""
-        n = len(self._queue)
-        self._queue.clear()
-        return n
-
-    def _ready(self) -> bool:
-        """May ordinary messages go out now? Not before the daemon acknowledged our Attach."""
-        return self._attach is None or self.attached
+        if self._link.state is State.CLOSED:
+            return
+        self._run(self._link.handle(AttachRequested()))
+        self._maybe_check_monitor()  # a fresh link's handshake sends it first
 
     def _raw_send(self, data: bytes) -> bool:
         self._sock_dirty = True
@@ -238,36 +228,50 @@ class DaemonClient:
             return False
         return True
 
-    def _try_flush(self) -> bool:
-        """Hand queued frames to zmq while it takes them; True if room was made."""
-        if not self._queue or not self._link_up or not self._ready():
-            return False
-        n = len(self._queue)
-        q = self._queue
+    def _flush(self) -> None:
+        """Hand queued frames to zmq while it takes them, if the link lets messages flow."""
+        link = self._link
+        if not link.flows:
+            return
+        q = link.queue
         while q and self._raw_send(q[0]):
             q.popleft()
-            self.sent += 1
-        return len(q) < n
+            link.counters.sent += 1
 
-    def _send_attach(self) -> None:
-        """Only call with a link up: the frame must land on the link it is meant for."""
-        if self._attach is not None and self._raw_send(self._attach_frame):
-            self._attach_sent = True
-            self._attach_sends += 1
-            if self._attach_sends > 1:
-                self.reattaches += 1
+    def _run(self, acts: tuple[Act, ...]) -> None:
+        """Carry out the link machine's actions, in order, reporting send outcomes back."""
+        link = self._link
+        for a in acts:
+            if a is Act.FLUSH:
+                if link.queue:
+                    self._flush()
+            elif a is Act.SEND_ATTACH:
+                if self._raw_send(self._attach_frame):
+                    self._run(link.handle(AttachSent()))
+            elif a is Act.SEND_HEARTBEAT:
+                if self._raw_send(encode(Heartbeat(link.hb_seq))):
+                    self._run(link.handle(HeartbeatSent(self._clock())))
+            elif a is Act.RECHECK_LINK:
+                self._mon_dirty = True  # safety net: re-read the monitor's EVENTS once per period
+            elif a is Act.DROP_QUEUE:
+                link.queue.clear()
+            else:
+                self._log(a)
 
-    def _send_heartbeat(self, now: float) -> None:
-        self._next_hb = now + self.heartbeat_s
-        self._mon_dirty = True  # safety net: re-read the monitor's EVENTS once per period
-        if not self._link_up:
-            return  # nothing may precede a link's Attach; its handshake sends one at once
-        self._hb_seq += 1
-        if self._raw_send(encode(Heartbeat(self._hb_seq))):
-            self.heartbeats += 1
-            if len(self._hb_sent_at) > 64:  # acks lost with a dead daemon: keep it bounded
-                self._hb_sent_at.clear()
-            self._hb_sent_at[self._hb_seq] = now
+    def _log(self, a: Act) -> None:
+        link = self._link
+        if a is Act.LOG_RESTART:
+            log.warning("kvpush: daemon %s restarted (id %s); re-attaching", self.endpoint, link.daemon_id)
+        elif a is Act.LOG_AVAILABLE:
+            log.info("kvpush: daemon at %s available (id %s)", self.endpoint, link.daemon_id)
+        elif a is Act.LOG_LOST:
+            log.warning("kvpush: daemon at %s unavailable (connection lost)", self.endpoint)
+        elif a is Act.LOG_SILENT:
+            log.warning("kvpush: daemon at %s unavailable (silent for more than %.1f s)",
+                        self.endpoint, self.dead_after_s)
+        elif a is Act.LOG_NEVER_ANSWERED:
+            log.warning("kvpush: daemon at %s has not answered for %.1f s",
+                        self.endpoint, link.never_answered_s(self._clock()))
 
     # ---- receiving -----------------------------------------------------------------------
 
@@ -277,7 +281,7 @@ class DaemonClient:
         Only for the plugin's idle steps (no forward scheduled): it replaces vLLM's busy
         spin with a bounded sleep that any daemon message ends at once.
         """
-        if self._closed:
+        if self._link.state is State.CLOSED:
             return False
         ready = bool(self._sock.poll(max(0, int(timeout_s * 1000)), zmq.POLLIN))
         # zmq_poll read EVENTS and so consumed the FD's edge: without this, the next poll()
@@ -293,31 +297,30 @@ class DaemonClient:
         HeartbeatAck is consumed here; everything else (AttachAck, Sent, SendFailed, Received,
         ReceiveFailed, Released, Error) comes back in arrival order.
         """
-        if self._closed:
+        link = self._link
+        if link.state is State.CLOSED:
             return []
         now = self._clock()
         if self._fds.poll(0):
             self._sock_dirty = self._mon_dirty = True
         if self._mon_dirty:
             self._check_monitor()
-        if self._link_up and not self._attach_sent and self._attach is not None:
-            self._send_attach()  # the handshake's send failed (HWM): Attach still goes first
-        if self._queue:
-            self._try_flush()
-        if now >= self._next_hb:
-            self._send_heartbeat(now)
+        acts = link.tick(now)  # handle(Tick(now)), the hot path without the event object
+        if acts:
+            self._run(acts)
         out: list[Message] = []
         if self._sock_dirty:
             self._sock_dirty = False
             if self._sock.get(zmq.EVENTS) & zmq.POLLIN:
                 self._drain(now, out)
-                if self._queue:
-                    self._try_flush()  # an AttachAck may just have opened the gate
-        self._update_liveness(now)
+        acts = link.drained(now)  # handle(Drained(now))
+        if acts:
+            self._run(acts)
         return out
 
     def _drain(self, now: float, out: list[Message]) -> None:
         sock = self._sock
+        link = self._link
         self._sock_dirty = True  # recv may consume the FD edge; also set if MAX_DRAIN stops us
         for _ in range(MAX_DRAIN):
             try:
@@ -327,40 +330,19 @@ class DaemonClient:
             try:
                 msg = decode(frame)
             except ProtocolError as e:
-                self.decode_errors += 1
-                if self.decode_errors == 1:
+                link.counters.decode_errors += 1
+                if link.counters.decode_errors == 1:
                     log.warning("kvpush: undecodable frame from daemon %s: %s", self.endpoint, e)
                 continue
-            self.received += 1
-            self._last_heard = now
-            if type(msg) is HeartbeatAck:
-                self._on_heartbeat_ack(msg, now)
+            t = type(msg)
+            if t is HeartbeatAck:
+                self._run(link.handle(HeartbeatAcked(msg.seq, msg.daemon_id, now)))
                 continue
-            if type(msg) is AttachAck:
-                self.attached = True
-                self._reattach_on_ack = False  # it knows us: a slow Attach is not a silence
-                self.daemon_id = self._link_daemon_id = msg.daemon_id
-                self.agent_name = msg.agent_name
+            if t is AttachAck:
+                self._run(link.handle(AttachAcked(msg.daemon_id, msg.agent_name, now)))
+            else:
+                link.handle(Heard(now))  # no state changes with it: never an action
             out.append(msg)
-
-    def _on_heartbeat_ack(self, ack: HeartbeatAck, now: float) -> None:
-        sent_at = self._hb_sent_at.pop(ack.seq, None)
-        if sent_at is not None:
-            self.rtt_s = now - sent_at
-        # Compared with this link's id only: a new link to a restarted daemon was attached by
-        # its handshake already, and its first ack must not re-attach a second time.
-        restarted = self._link_daemon_id is not None and ack.daemon_id != self._link_daemon_id
-        self.daemon_id = self._link_daemon_id = ack.daemon_id
-        if self._attach is None or not self._link_up:
-            return
-        if restarted or self._reattach_on_ack:
-            if restarted:
-                log.warning("kvpush: daemon %s restarted (id %s); re-attaching",
-                            self.endpoint, ack.daemon_id)
-            self._reattach_on_ack = False
-            self.attached = False
-            self._attach_sent = False
-            self._send_attach()
 
     def _maybe_check_monitor(self) -> None:
         if self._mon_dirty or self._mon_fds.poll(0):
@@ -379,85 +361,27 @@ class DaemonClient:
                 return
             event = int.from_bytes(frames[0][:2], "little")
             if event == zmq.EVENT_DISCONNECTED:
-                self._link_up = False
-                self.attached = False
-                self._attach_sent = False
-                self._reattach_on_ack = False
-                self._link_daemon_id = None
-                self._last_heard = None  # the daemon's state died with the link
-                self._hb_sent_at.clear()
+                self._run(self._link.handle(Disconnected(self._clock())))
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self._link_up = True
-                self.attached = False
-                self._attach_sent = False
-                self._reattach_on_ack = False
-                self._link_daemon_id = None
                 # Unthrottled command processing attaches the new pipe (queued before the
-                # event), so the sends below cannot fail for want of it; see module doc.
+                # event), so the sends it triggers cannot fail for want of it; see module doc.
                 self._sock.get(zmq.EVENTS)
                 self._sock_dirty = True
-                if self._attach is not None:
-                    self._send_attach()  # first on the new link, before anything queued
-                self._send_heartbeat(self._clock())  # learn the daemon_id now
-
-    # ---- liveness ------------------------------------------------------------------------
-
-    def _heard_recently(self, now: float) -> bool:
-        """Silence is only proven by a heartbeat left unanswered for ``dead_after_s``.
-
-        An idle engine does not step, so it neither polls nor sends heartbeats; a long
-        gap since the last message then says nothing about the daemon.
-        """
-        if self._last_heard is None:
-            return False
-        if now - self._last_heard <= self.dead_after_s:
-            return True
-        oldest = min(self._hb_sent_at.values(), default=None)
-        return oldest is None or now - oldest <= self.dead_after_s
-
-    def _update_liveness(self, now: float) -> None:
-        alive = self._link_up and self._heard_recently(now)
-        if alive == self.available:
-            if not alive and not self._ever_available and not self._warned_never:
-                if now - self._started > self.dead_after_s:
-                    self._warned_never = True
-                    log.warning("kvpush: daemon at %s has not answered for %.1f s",
-                                self.endpoint, now - self._started)
-            return
-        self.available = alive
-        if alive:
-            self._ever_available = True
-            self.unavailable_since = None
-            log.info("kvpush: daemon at %s available (id %s)", self.endpoint, self.daemon_id)
-        else:
-            self.unavailable_since = now
-            # Whatever the daemon knew of us may be gone: re-attach on its next ack (a dropped
-            # link re-attaches on its next handshake instead).
-            self.attached = False
-            self._reattach_on_ack = self._link_up
-            log.warning(
-                "kvpush: daemon at %s unavailable (%s)",
-                self.endpoint,
-                "connection lost" if not self._link_up else
-                f"silent for more than {self.dead_after_s:.1f} s",
-            )
+                self._run(self._link.handle(Connected(self._clock())))
 
     # ---- teardown ------------------------------------------------------------------------
 
     def close(self) -> None:
         """Close both sockets at once (LINGER 0); later sends are refused, polls return []."""
-        if self._closed:
+        if self._link.state is State.CLOSED:
             return
-        self._closed = True
-        self.available = False
-        self.attached = False
+        self._run(self._link.handle(Close()))
         try:
             self._sock.disable_monitor()
         except zmq.ZMQError:
             pass
         self._mon.close(linger=0)
         self._sock.close(linger=0)
-        self._queue.clear()
 
     def __enter__(self) -> DaemonClient:
         return self

@@ -26,10 +26,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvpush.engine_plugin.config import PluginConfig
 from kvpush.engine_plugin.metadata import KVPushMetadata
 from kvpush.engine_plugin.scheduler import KVPushScheduler
+from kvpush.engine_plugin.stats import KVPushStats, StatsDelta
 from kvpush.engine_plugin.worker import KVPushWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -49,6 +51,7 @@ class KVPushConnector(KVConnectorBase_V1):
         self.engine_id = str(ktc.engine_id)
         self.scheduler: KVPushScheduler | None = None
         self.worker: KVPushWorker | None = None
+        self._stats = StatsDelta()
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = KVPushScheduler(self.cfg, self.block_size)
         else:
@@ -138,6 +141,17 @@ class KVPushConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors() if self.worker is not None else set()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """This rank's counts since the last call (None if nothing happened); vLLM sums the
+        ranks' (KVPushStats.aggregate) and logs them once per interval."""
+        if self.worker is None:
+            return None
+        return self._stats.take(self.worker.stats_totals())
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVPushStats(data=dict(data) if data else {})
 
     def shutdown(self) -> None:
         if self.worker is not None:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvpush.engine_plugin.config import PluginConfig
 from kvpush.engine_plugin.metadata import AbortReq, KVPushMetadata, RegisterReq, SendReq
+from kvpush.proto.params import decode_leg, prefill_leg
 from kvpush.proto.trace import now_ns
 
 if TYPE_CHECKING:
@@ -53,25 +54,25 @@ class KVPushScheduler:
     # ------------------------------------------------------------------ decode side
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        params = request.kv_transfer_params or {}
         rid = request.request_id
-        if (params.get("do_remote_decode") and params.get("transfer_id") and request.max_tokens == 1
-                and rid not in self._early):
+        pleg = prefill_leg(request.kv_transfer_params)
+        if pleg is not None and request.max_tokens == 1 and rid not in self._early:
             # Its one output token is sampled by the step that ends its prompt: PrefillDone
             # can go out right after that forward instead of a step later.
-            self._candidates[rid] = str(params["transfer_id"])
-        if not params.get("do_remote_prefill") or rid in self._done_recv or rid in self._recv:
+            self._candidates[rid] = pleg.transfer_id
+        dleg = decode_leg(request.kv_transfer_params)
+        if dleg is None or rid in self._done_recv or rid in self._recv:
             return 0, False
         count = request.num_prompt_tokens - num_computed_tokens
-        if count <= 0 or not params.get("transfer_id") or not params.get("prefill_endpoints"):
+        if count <= 0:
             return 0, False
-        self._meta.stamps.append((str(params["transfer_id"]), "d.plugin.claim", now_ns()))
+        self._meta.stamps.append((dleg.transfer_id, "d.plugin.claim", now_ns()))
         return count, True
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        params = request.kv_transfer_params or {}
         rid = request.request_id
-        if num_external_tokens <= 0 or not params.get("do_remote_prefill") or rid in self._recv:
+        leg = decode_leg(request.kv_transfer_params)
+        if num_external_tokens <= 0 or leg is None or rid in self._recv:
             return
         block_ids = list(blocks.get_block_ids()[0])
         first_token = request.num_prompt_tokens - num_external_tokens
@@ -79,14 +80,13 @@ class KVPushScheduler:
             # A local hit that ends inside a block cannot be a block boundary: load it all.
             first_token -= first_token % self.block_size
         first_block = first_token // self.block_size
-        tid = str(params["transfer_id"])
+        tid = leg.transfer_id
         attempt = self._attempts.get(tid, -1) + 1
         self._attempts[tid] = attempt
         self._recv[rid] = _Recv(tid, attempt, True)
-        endpoints = [str(e) for e in params.get("prefill_endpoints", [])]
         self._meta.registers.append(RegisterReq(
             rid, tid, attempt, block_ids[first_block:], request.num_prompt_tokens, first_token,
-            endpoints, int(params.get("prefill_tp_size", len(endpoints))),
+            list(leg.prefill_endpoints), leg.prefill_tp_size,
         ))
 
     # ------------------------------------------------------------------ both sides
@@ -94,7 +94,6 @@ class KVPushScheduler:
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
-        params = request.kv_transfer_params or {}
         rid = request.request_id
         recv = self._recv.pop(rid, None)
         self._done_recv.discard(rid)
@@ -118,12 +117,13 @@ class KVPushScheduler:
             else:
                 self._meta.send_aborts.append(AbortReq(rid, early, 0))
             return True, None
-        if params.get("do_remote_decode") and params.get("transfer_id"):
+        leg = prefill_leg(request.kv_transfer_params)
+        if leg is not None:
             if not ok or not block_ids:
                 return False, None
             self._held.add(rid)
-            self._meta.stamps.append((str(params["transfer_id"]), "p.plugin.prefill_finished", now_ns()))
-            self._meta.sends.append(SendReq(rid, str(params["transfer_id"]), list(block_ids), request.num_prompt_tokens))
+            self._meta.stamps.append((leg.transfer_id, "p.plugin.prefill_finished", now_ns()))
+            self._meta.sends.append(SendReq(rid, leg.transfer_id, list(block_ids), request.num_prompt_tokens))
             return True, None
         return False, None
 

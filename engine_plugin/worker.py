@@ -20,6 +20,7 @@ import torch
 from kvpush import proto
 from kvpush.engine_plugin.client import DaemonClient
 from kvpush.engine_plugin.config import PluginConfig
+from kvpush.engine_plugin.memory import export_cpu_tensor
 from kvpush.engine_plugin.metadata import KVPushMetadata, SendReq
 from kvpush.proto.layout import KVLayout, vllm_cpu_layout
 from kvpush.proto.trace import TraceRing, now_ns
@@ -38,6 +39,18 @@ class _Pending:
     attempt: int
     block_ids: list[int]
     since: float
+
+
+@dataclass
+class TransferCounters:
+    """Cumulative, this rank; exported with the link's through vLLM's stats hook."""
+
+    registered: int = 0  # Register handed to the daemon link (decode)
+    received: int = 0  # loads the daemon completed (decode)
+    load_failed: int = 0  # loads failed here: daemon's ReceiveFailed, unavailable, expired
+    prefill_done: int = 0  # PrefillDone handed to the daemon link (prefill)
+    sent: int = 0  # the daemon's Sent (prefill)
+    send_failed: int = 0  # the daemon's SendFailed (prefill)
 
 
 def _layer_key(name: str) -> tuple[int, str]:
@@ -111,6 +124,7 @@ class KVPushWorker:
         self.total_kv_heads = total_kv_heads
         self.endpoint = cfg.socket_for(rank)
         self.client = DaemonClient(self.endpoint)
+        self.counters = TransferCounters()
         self.layout: KVLayout | None = None
         self._recv: dict[str, _Pending] = {}  # transfer_id -> decode registration
         self._send: dict[str, str] = {}  # transfer_id -> req_id (prefill, blocks held)
@@ -136,11 +150,9 @@ class KVPushWorker:
     # ------------------------------------------------------------------ set-up
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from kvpush.daemon.memory import export_cpu_tensor
-
         first = next(iter(kv_caches.values()))
         if first.device.type != "cpu":
-            raise RuntimeError("kvpush: this build's plugin attaches CPU KV caches (CUDA IPC: see daemon/memory.py)")
+            raise RuntimeError("kvpush: this build's plugin attaches CPU KV caches (CUDA IPC: see engine_plugin/memory.py)")
         heads = first.shape[1]
         whole, _ = describe_cpu_kv(kv_caches, model=self.model, head_start=self.rank * heads,
                                    total_heads=self.total_kv_heads)
@@ -168,7 +180,9 @@ class KVPushWorker:
                 r.transfer_id, r.attempt, tuple(r.block_ids), r.num_tokens, tuple(r.prefill_endpoints),
                 r.prefill_tp_size, self.cfg.timeout_ms, r.first_token,
             ))
-            if not sent:
+            if sent:
+                self.counters.registered += 1
+            else:
                 self._fail_recv(r.transfer_id, "kvpush daemon unavailable")
         for s in meta.sends:
             if s.early:
@@ -199,6 +213,8 @@ class KVPushWorker:
         self.trace.stamp(s.transfer_id, "p.plugin.prefill_done_published")  # before it can arrive
         if down or not self.client.publish_prefill_done(s.transfer_id, s.block_ids, s.num_tokens, self.cfg.lease_ms):
             self._finish_send(s.transfer_id)
+        else:
+            self.counters.prefill_done += 1
 
     def after_forward(self) -> None:
         """Right after the step's forward (vLLM's wait_for_save): publish the PrefillDone of
@@ -239,6 +255,7 @@ class KVPushWorker:
         p = self._recv.pop(tid, None)
         if p is None:
             return
+        self.counters.load_failed += 1
         self._load_errors.update(p.block_ids)
         self._finished_recving.add(p.req_id)
         self.trace.stamp(tid, "d.plugin.load_failed")
@@ -328,6 +345,7 @@ class KVPushWorker:
                 p = self._recv.get(tid)
                 if p is not None and p.attempt == m.attempt:
                     del self._recv[tid]
+                    self.counters.received += 1
                     self._finished_recving.add(p.req_id)
                     self.trace.stamp(tid, "d.plugin.received_seen")
                     self._reported.append(tid)
@@ -338,9 +356,11 @@ class KVPushWorker:
                     self._fail_recv(tid, m.reason)
             elif isinstance(m, (proto.Sent, proto.SendFailed)):
                 if isinstance(m, proto.SendFailed):
+                    self.counters.send_failed += 1
                     log.warning("kvpush: KV of %s not sent: %s", tid, m.reason)
                     self.trace.stamp(tid, "p.plugin.send_failed_seen")
                 else:
+                    self.counters.sent += 1
                     self.trace.stamp(tid, "p.plugin.sent_seen")
                 self._finish_send(tid)
                 if tid not in self._unconfirmed:  # else once vLLM finished it (_confirm)
@@ -374,6 +394,11 @@ class KVPushWorker:
         limit = 2 * self.cfg.timeout_ms / 1000.0 + 5.0
         for tid in [t for t, p in self._recv.items() if now - p.since > limit]:
             self._fail_recv(tid, "no answer from the daemon")
+
+    def stats_totals(self) -> dict[str, int]:
+        """Every counter of this rank, cumulative: the transfers' and the daemon link's."""
+        link = {f"link_{k}": v for k, v in self.client.counters.as_dict().items()}
+        return {**vars(self.counters), "trace_dropped": self.trace_dropped, **link}
 
     def take_load_errors(self) -> set[int]:
         errs, self._load_errors = self._load_errors, set()

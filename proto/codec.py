@@ -2,7 +2,9 @@
 
 Wire format: one msgpack map per message, ``{"v": PROTOCOL_VERSION, "t": <class name>,
 <field>: <value>, ...}``; nested dataclasses (MemoryHandle, KVLayout, Packing) are nested maps,
-tuples are arrays, bytes are msgpack bin.
+tuples are arrays, bytes are msgpack bin. A payload that travels opaquely inside a bytes field
+(a MemoryHandle's ``handle``: :mod:`kvpush.proto.memory`) is a bare map of one dataclass, with
+the same validation: :func:`encode_struct` / :func:`decode_struct`.
 
 ``decode`` is the trust boundary: it checks the version, the type, the exact field set (fields
 with a Python default may be omitted), every field's type (bool is not int), ranges, lengths and
@@ -18,14 +20,14 @@ import functools
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 
 from kvpush.proto.errors import ProtocolError
 from kvpush.proto.messages import MESSAGE_TYPES, PROTOCOL_VERSION, Message
 
-__all__ = ["Limits", "decode", "encode"]
+__all__ = ["Limits", "decode", "decode_struct", "encode", "encode_struct"]
 
 JSON_MAX_DEPTH = 8  # OpsReply.data: nesting of maps/lists, the top map counting as 1
 
@@ -46,6 +48,7 @@ DEFAULT_LIMITS = Limits()
 _ENVELOPE = frozenset({"v", "t"})
 _NO_KEYS: frozenset[str] = frozenset()
 _Converter = Callable[[Any, Limits, str], Any]
+_S = TypeVar("_S")
 
 
 def _tname(v: object) -> str:
@@ -297,18 +300,17 @@ def _unpack_failure(e: Exception, lim: Limits) -> str:
     return f"malformed msgpack ({type(e).__name__}{': ' + text if text else ''})"
 
 
-def decode(data: bytes, limits: Limits | None = None) -> Message:
-    """Parse and fully validate one message; raise ProtocolError for anything else."""
-    lim = DEFAULT_LIMITS if limits is None else limits
+def _unpack(data: bytes, lim: Limits, what: str) -> Any:
+    """msgpack-decode one untrusted frame with lengths bounded by ``lim`` and its own size."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ProtocolError(f"expected bytes, got {_tname(data)}")
     n = memoryview(data).nbytes
     if n == 0:
-        raise ProtocolError("empty message")
+        raise ProtocolError(f"empty {what}")
     if n > lim.max_message:
-        raise ProtocolError(f"message of {n} bytes exceeds max_message {lim.max_message}")
+        raise ProtocolError(f"{what} of {n} bytes exceeds max_message {lim.max_message}")
     try:
-        obj = msgpack.unpackb(
+        return msgpack.unpackb(
             data,
             raw=False,
             use_list=True,
@@ -321,6 +323,12 @@ def decode(data: bytes, limits: Limits | None = None) -> Message:
         )
     except Exception as e:  # the unpacker is a black box: any failure means bad input
         raise ProtocolError(_unpack_failure(e, lim)) from e
+
+
+def decode(data: bytes, limits: Limits | None = None) -> Message:
+    """Parse and fully validate one message; raise ProtocolError for anything else."""
+    lim = DEFAULT_LIMITS if limits is None else limits
+    obj = _unpack(data, lim, "message")
     if type(obj) is not dict:
         raise ProtocolError(f"message must be a msgpack map, got {_tname(obj)}")
     if "v" not in obj:
@@ -341,4 +349,31 @@ def decode(data: bytes, limits: Limits | None = None) -> Message:
     if cls is None:
         raise ProtocolError(f"unknown message type {_short(t)}")
     result: Message = _decode_fields(cls, obj, lim, t, _ENVELOPE)
+    return result
+
+
+# ---- payloads inside a bytes field: one dataclass as a bare map -------------------------
+
+
+def encode_struct(obj: Any) -> bytes:
+    """Serialise a dataclass instance (not a message: no envelope) with the codec's schema.
+
+    For payloads that another field carries as opaque bytes, so one message type can carry
+    several kinds of them; :func:`decode_struct` validates them like a nested dataclass.
+    """
+    if not dataclasses.is_dataclass(obj) or isinstance(obj, type):
+        raise ProtocolError(f"cannot encode {_tname(obj)}: not a dataclass instance")
+    try:
+        out: bytes = msgpack.packb(_to_map(obj), use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise ProtocolError(f"cannot encode {type(obj).__name__}: {e}") from e
+    return out
+
+
+def decode_struct(cls: type[_S], data: bytes, limits: Limits | None = None) -> _S:
+    """Parse ``data`` as one ``cls`` map: exact field set, field types and ranges, choices,
+    and ``cls.validate()`` when it has one; anything else is a ProtocolError."""
+    lim = DEFAULT_LIMITS if limits is None else limits
+    obj = _unpack(data, lim, cls.__name__)
+    result: _S = _nested(cls)(obj, lim, cls.__name__)
     return result

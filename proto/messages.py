@@ -48,7 +48,7 @@ class MemoryHandle:
     """Engine memory another process can map (a shm file or a CUDA IPC handle)."""
 
     kind: str = choice(MEMORY_KINDS)
-    handle: bytes  # opaque to the codec; memory.py interprets it per kind
+    handle: bytes  # a payload per kind (ShmInfo, CudaIpcInfo): see kvpush.proto.memory
     size: int
     offset: int = 0
     device: int = 0

@@ -24,17 +24,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpush.daemon.memory import (
-    SHM_DIR,
-    CudaIpcInfo,
-    RegionError,
-    ShmInfo,
-    export_cpu_tensor,
-    open_region,
-    reap_orphaned,
-    unlink_export,
-)
+from kvpush.daemon.memory import open_region, reap_orphaned
 from kvpush.daemon.transport import NixlTransport
+from kvpush.engine_plugin.memory import export_cpu_tensor, unlink_export
+from kvpush.proto.codec import decode_struct, encode_struct
+from kvpush.proto.memory import CudaIpcInfo, RegionError, ShmInfo, cuda_info, shm_info
 from kvpush.proto.messages import MemoryHandle
 
 pytestmark = pytest.mark.integration
@@ -208,7 +202,7 @@ def cluster(tmp_path_factory: Any) -> Iterator[Cluster]:
     finally:
         stop_all(ps)
     for h in (h_src, h_dst):  # engines unlink their exports at shutdown
-        assert not os.path.exists(SHM_DIR + ShmInfo.unpack(h.handle).name)
+        assert not os.path.exists(shm_info(h).path)
 
 
 def _setup(c: Cluster, params: dict[str, str], tag: str) -> dict[str, Any]:
@@ -320,8 +314,8 @@ def test_open_region_rejects_bad_or_missing_file(
     exported: tuple[torch.Tensor, MemoryHandle], name: str
 ) -> None:
     _, h = exported
-    info = ShmInfo.unpack(h.handle)
-    bad = replace(h, handle=replace(info, name=name).pack())
+    info = shm_info(h)
+    bad = replace(h, handle=encode_struct(replace(info, name=name)))
     with pytest.raises(RegionError):
         open_region(bad)
 
@@ -341,7 +335,7 @@ def test_orphaned_shm_is_reaped_and_mapping_survives(tmp_path: Any) -> None:
             os.kill(m, signal.SIGKILL)
         os.kill(pid, signal.SIGKILL)
         eng.p.join(10)
-        path = SHM_DIR + ShmInfo.unpack(h.handle).name
+        path = shm_info(h).path
         assert os.path.exists(path)
         assert reap_orphaned(h) is True
         assert not os.path.exists(path)
@@ -421,8 +415,11 @@ _u63 = st.integers(0, 2**63 - 1)
 def test_cuda_ipc_payload_round_trip(dev: int, ipc: bytes, size: int, soff: int, rc: bytes,
                                      rcoff: int, ev: bytes, sync: bool) -> None:
     info = CudaIpcInfo(dev, ipc, size, soff, rc, rcoff, ev, sync)
-    assert CudaIpcInfo.unpack(info.pack()) == info
+    assert decode_struct(CudaIpcInfo, encode_struct(info)) == info
     assert info.torch_args() == (dev, ipc, size, soff, rc, rcoff, ev, sync)
+    if size > 0:
+        h = MemoryHandle("cuda_ipc", encode_struct(info), size, 0, dev)
+        assert cuda_info(h) == info
 
 
 @settings(max_examples=200, deadline=None)
@@ -430,7 +427,10 @@ def test_cuda_ipc_payload_round_trip(dev: int, ipc: bytes, size: int, soff: int,
        start=_u63)
 def test_shm_payload_round_trip(name: str, off: int, pid: int, start: int) -> None:
     info = ShmInfo(name, off, pid, start)
-    assert ShmInfo.unpack(info.pack()) == info
+    assert decode_struct(ShmInfo, encode_struct(info)) == info
+    # The bytes are those of the hand-written packer this replaced: old handles still open.
+    assert encode_struct(info) == msgpack.packb(
+        {"name": name, "data_offset": off, "pid": pid, "start_time": start})
 
 
 def _cuda_handle(**over: Any) -> MemoryHandle:

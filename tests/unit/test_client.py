@@ -186,7 +186,7 @@ def test_messages_arrive_decoded_and_in_order(ctx, endpoint, clock) -> None:
         m = (register(i), PrefillDone(f"t{i}", (1, 2, 3), 40, 1000), Abort(f"t{i}", 1, "x"))[i % 3]
         assert c.send(m)
         sent.append(m)
-    assert c.publish_register("r", 2, [7, 8], 20, ["tcp://a:1"], 2, 100)
+    assert c.send(Register("r", 2, (7, 8), 20, ("tcp://a:1",), 2, 100))
     assert c.publish_prefill_done("p", [9], 5, 50)
     assert c.publish_abort("a", 3, "why")
     sent += [

@@ -1,0 +1,274 @@
+"""The engine-daemon link machine, alone: its table, and random event sequences against it.
+
+No sockets, no clock: the simulated shell below does what DaemonClient does with each action
+(a send may fail, as a NOBLOCK send can) and records every frame that "went out" per link, so
+the properties are about what a daemon would see.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpush.engine_plugin.link import (
+    ERRORS,
+    FLOWS,
+    LINK_UP,
+    TABLE,
+    Act,
+    AttachAcked,
+    AttachRequested,
+    AttachSent,
+    Close,
+    Connected,
+    Disconnected,
+    Drained,
+    Ev,
+    Heard,
+    HeartbeatAcked,
+    HeartbeatSent,
+    Link,
+    LinkError,
+    Route,
+    State,
+    Tick,
+)
+
+HB, DEAD, MAXQ = 1.0, 3.0, 5
+
+
+def test_every_state_event_pair_is_a_transition_or_an_explicit_error() -> None:
+    pairs = {(s, e) for s in State for e in Ev}
+    assert TABLE.keys() | ERRORS == pairs and not TABLE.keys() & ERRORS
+    for (s, _), (new, acts) in TABLE.items():
+        assert isinstance(new, State) and all(isinstance(a, Act) for a in acts)
+        if s is State.CLOSED:
+            assert new is State.CLOSED and acts == ()
+    # What cannot happen, by construction of the shell, and nothing else:
+    assert ERRORS == (
+        {(s, Ev.ATTACH_SENT) for s in State if s is not State.ATTACH_DUE}
+        | {(s, Ev.SILENCE) for s in (State.PLAIN_DOWN, State.DOWN)}
+        | {(s, Ev.HEARTBEAT_SENT) for s in (State.PLAIN_DOWN, State.DOWN)}
+        | {(State.CLOSED, e) for e in Ev if e is not Ev.CLOSE}
+    )
+
+
+def test_an_impossible_event_raises() -> None:
+    link = Link(0.0, max_queue=1, heartbeat_s=HB, dead_after_s=DEAD)
+    with pytest.raises(LinkError, match="ATTACH_SENT cannot happen in state PLAIN_DOWN"):
+        link.handle(AttachSent())
+
+
+def test_no_action_sends_anything_without_a_link() -> None:
+    sends = {Act.SEND_ATTACH, Act.SEND_HEARTBEAT, Act.FLUSH}
+    for (_, _), (new, acts) in TABLE.items():
+        if sends & set(acts):
+            assert new in LINK_UP
+        if Act.FLUSH in acts:
+            assert new in FLOWS
+
+
+# ---- a simulated shell ---------------------------------------------------------------------
+
+
+@dataclass
+class Shell:
+    """DaemonClient's action handling, with zmq replaced by a list of frames per link."""
+
+    link: Link = field(default_factory=lambda: Link(0.0, max_queue=MAXQ, heartbeat_s=HB,
+                                                    dead_after_s=DEAD))
+    zmq_takes: bool = True  # a NOBLOCK send succeeds (else EAGAIN)
+    links: list[list[str]] = field(default_factory=list)  # frames out, per link
+    acked: bool = False  # an AttachAck came after the last Attach that went out on this link
+    n: int = 0  # messages offered
+
+    def out(self, what: str) -> bool:
+        assert self.link.state in LINK_UP, f"{what} sent without a link ({self.link.state})"
+        if what.startswith("Msg"):
+            assert self.link.state in FLOWS, f"{what} sent in {self.link.state}"
+        if not self.zmq_takes:
+            return False
+        self.links[-1].append(what)
+        if what == "Attach":
+            self.acked = False
+        elif what.startswith("Msg") and "Attach" in self.links[-1]:
+            assert self.acked, f"{what} went out before the Attach was acknowledged"
+        return True
+
+    def run(self, acts: tuple[Act, ...], now: float) -> None:
+        for a in acts:
+            if a is Act.SEND_ATTACH:
+                if self.out("Attach"):
+                    self.run(self.link.handle(AttachSent()), now)
+            elif a is Act.SEND_HEARTBEAT:
+                if self.out("Heartbeat"):
+                    self.run(self.link.handle(HeartbeatSent(now)), now)
+            elif a is Act.FLUSH:
+                self.flush()
+            elif a is Act.DROP_QUEUE:
+                self.link.queue.clear()
+
+    def flush(self) -> None:
+        q = self.link.queue
+        while self.link.flows and q and self.out(q[0].decode()):
+            q.popleft()
+
+    def feed(self, ev: object, now: float) -> None:
+        if isinstance(ev, Connected):
+            self.links.append([])
+            self.acked = False
+        if isinstance(ev, AttachAcked):
+            self.acked = True
+        self.run(self.link.handle(ev), now)  # type: ignore[arg-type]
+
+    def send(self) -> None:
+        if self.link.state is not State.CLOSED and self.link.queue:
+            self.flush()
+        self.n += 1
+        route = self.link.route()
+        frame = f"Msg{self.n}"
+        if route is Route.REFUSE:
+            return
+        if route is Route.DIRECT and self.out(frame):
+            return
+        self.link.enqueue(frame.encode())
+
+
+# Events a real shell can produce. Monitor events alternate in practice, but a duplicated one
+# must still be handled; acks may come from the same daemon or another one, at any time.
+_step = st.one_of(
+    st.just("connected"), st.just("disconnected"), st.just("attach"), st.just("send"),
+    st.tuples(st.just("attach_ack"), st.sampled_from(["d1", "d2"])),
+    st.tuples(st.just("hb_ack"), st.sampled_from(["d1", "d2"])),
+    st.just("heard"), st.tuples(st.just("poll"), st.floats(0.0, 5.0)),
+    st.tuples(st.just("eagain"), st.booleans()), st.just("close"),
+)
+
+
+def _play(sh: Shell, steps: list[object]) -> None:
+    now = 0.0
+    had_attach = sh.link.state not in (State.PLAIN_DOWN, State.PLAIN_UP)
+    for step in steps:
+        link = sh.link
+        if link.state is State.CLOSED and step != "send":
+            continue  # the shell feeds nothing to a closed link (send() is refused)
+        if step == "connected":
+            sh.feed(Connected(now), now)
+        elif step == "disconnected":
+            sh.feed(Disconnected(now), now)
+        elif step == "attach":
+            sh.feed(AttachRequested(), now)
+            had_attach = True
+        elif step == "send":
+            sh.send()
+        elif step == "heard":
+            sh.feed(Heard(now), now)
+        elif step == "close":
+            sh.feed(Close(), now)
+        elif isinstance(step, tuple) and step[0] == "attach_ack":
+            sh.feed(AttachAcked(step[1], "agent", now), now)
+        elif isinstance(step, tuple) and step[0] == "hb_ack":
+            sh.feed(HeartbeatAcked(link.hb_seq, step[1], now), now)
+        elif isinstance(step, tuple) and step[0] == "poll":
+            now += step[1]
+            sh.feed(Tick(now), now)
+            sh.feed(Drained(now), now)
+        elif isinstance(step, tuple) and step[0] == "eagain":
+            sh.zmq_takes = step[1]
+        # Invariants after every step.
+        assert len(link.queue) <= MAXQ
+        if isinstance(step, tuple) and step[0] == "poll":  # liveness is judged per poll
+            assert not link.available or link.state in LINK_UP
+        assert link.attached == (link.state is State.ATTACHED)
+        if link.state is not State.CLOSED:
+            assert had_attach == (link.state not in (State.PLAIN_DOWN, State.PLAIN_UP))
+    msgs = [int(f[3:]) for frames in sh.links for f in frames if f.startswith("Msg")]
+    assert msgs == sorted(msgs) and len(set(msgs)) == len(msgs), "nothing overtakes, no repeats"
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(_step, max_size=80))
+def test_random_sequences_plain_client_then_maybe_attach(steps: list[object]) -> None:
+    """Nothing without a link, messages only while the link lets them flow (and, once an
+    Attach went out on a link, only after it was acknowledged), in order, queue bounded."""
+    _play(Shell(), steps)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(_step, max_size=80))
+def test_random_sequences_with_an_attach_every_link_starts_with_it(steps: list[object]) -> None:
+    """A client that has its Attach before any link (the plugin's case): every link, the
+    first and every reconnect, starts with the Attach, and no message precedes its ack."""
+    sh = Shell()
+    sh.feed(AttachRequested(), 0.0)
+    _play(sh, steps)
+    for frames in sh.links:
+        if frames:
+            assert frames[0] == "Attach", frames
+
+
+def test_silence_then_answer_reattaches_and_restart_reattaches() -> None:
+    sh = Shell()
+    sh.feed(AttachRequested(), 0.0)
+    sh.feed(Connected(0.0), 0.0)
+    assert sh.links[-1] == ["Attach", "Heartbeat"] and sh.link.state is State.ATTACHING
+    sh.feed(AttachAcked("d1", "a", 0.0), 0.0)
+    sh.feed(HeartbeatAcked(1, "d1", 0.1), 0.1)
+    sh.feed(Drained(0.1), 0.1)
+    assert sh.link.available and sh.link.attached
+    # Heartbeats go unanswered: silent once the oldest is older than dead_after_s.
+    t = 0.1
+    for _ in range(5):
+        t += 1.0
+        sh.feed(Tick(t), t)
+        sh.feed(Drained(t), t)
+    assert sh.link.state is State.SILENT and not sh.link.available
+    assert sh.link.unavailable_since is not None and sh.link.counters.unavailable == 1
+    sh.feed(HeartbeatAcked(sh.link.hb_seq, "d1", t), t)
+    assert sh.links[-1].count("Attach") == 2 and sh.link.state is State.ATTACHING
+    assert sh.link.counters.reattaches == 1
+    sh.feed(AttachAcked("d1", "a", t), t)
+    sh.feed(HeartbeatAcked(sh.link.hb_seq, "d2", t), t)  # same link, another daemon
+    assert sh.links[-1].count("Attach") == 3 and sh.link.counters.restarts_seen == 1
+    assert sh.link.daemon_id == "d2"
+
+
+def test_failed_attach_send_is_retried_each_poll_and_gates_messages() -> None:
+    sh = Shell()
+    sh.feed(AttachRequested(), 0.0)
+    sh.zmq_takes = False
+    sh.feed(Connected(0.0), 0.0)
+    assert sh.link.state is State.ATTACH_DUE and sh.links[-1] == []
+    sh.send()
+    assert sh.link.queue and sh.links[-1] == []
+    sh.zmq_takes = True
+    sh.feed(Tick(0.1), 0.1)
+    assert sh.links[-1] == ["Attach"] and sh.link.state is State.ATTACHING
+    sh.feed(AttachAcked("d1", "a", 0.1), 0.1)
+    assert sh.links[-1] == ["Attach", "Msg1"] and not sh.link.queue
+
+
+def test_idle_gap_is_not_silence() -> None:
+    link = Link(0.0, max_queue=1, heartbeat_s=HB, dead_after_s=DEAD)
+    link.handle(Connected(0.0))
+    link.handle(HeartbeatSent(0.0))
+    link.handle(HeartbeatAcked(link.hb_seq, "d1", 0.0))
+    assert link.handle(Drained(0.0)) == (Act.LOG_AVAILABLE,)
+    # 30 s without a poll: the first poll after it sends a heartbeat and is still alive.
+    assert Act.SEND_HEARTBEAT in link.handle(Tick(30.0))
+    link.handle(HeartbeatSent(30.0))
+    assert link.handle(Drained(30.0)) == () and link.available
+
+
+def test_queue_is_bounded_and_closing_drops_it() -> None:
+    link = Link(0.0, max_queue=2, heartbeat_s=HB, dead_after_s=DEAD)
+    routes = [link.route() for _ in range(2)]
+    assert routes == [Route.QUEUE, Route.QUEUE]
+    assert link.enqueue(b"a") and link.enqueue(b"b")
+    assert link.route() is Route.REFUSE and not link.enqueue(b"c")
+    assert link.counters.dropped == 2 and link.counters.enqueued == 2
+    assert link.handle(Close()) == (Act.DROP_QUEUE,)
+    assert link.route() is Route.REFUSE and link.handle(Close()) == ()

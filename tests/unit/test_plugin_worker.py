@@ -160,3 +160,58 @@ def test_idle_wait_only_while_a_load_is_pending(stack) -> None:
     t0 = time.monotonic()
     _, fr = settle(w, daemon, lambda d: "r5" not in {p.req_id for p in w._recv.values()})
     assert "r5" in fr and time.monotonic() - t0 < 0.9  # the answer ends the wait at once
+
+
+# ---- counters through vLLM's KV-connector stats hook -------------------------------------
+
+
+def test_worker_counts_reach_vllm_stats_aggregated_over_ranks_and_steps(stack) -> None:
+    """Per-step deltas of the worker's counters (what get_kv_connector_stats returns), summed
+    by vLLM's own KVOutputAggregator over ranks and by its KVConnectorLogging over steps."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    from kvpush.engine_plugin.connector import KVPushConnector
+    from kvpush.engine_plugin.stats import KVPushStats, StatsDelta
+
+    w, daemon = stack
+    delta = StatsDelta()
+    delta.take(w.stats_totals())  # what happened while connecting: not this test's
+    assert delta.take(w.stats_totals()) is None  # nothing new: no stats object at all
+    step(w, KVPushMetadata(sends=[SendReq("r1", "t1", [4, 5], 200)]), forward=False)
+    settle(w, daemon, lambda d: len(prefill_dones(d)) == 1)
+    daemon.send(proto.Sent("t1", 0))
+    settle(w, daemon, lambda d: not w._send)
+    first = delta.take(w.stats_totals())
+    assert isinstance(first, KVPushStats)
+    assert first.data["prefill_done"] == 1 and first.data["sent"] == 1
+    assert first.data["link_sent"] >= 1 and "registered" not in first.data  # zeros left out
+    other_rank = KVPushStats(data={"prefill_done": 2, "send_failed": 1})
+
+    def out(stats: KVPushStats | None) -> ModelRunnerOutput:
+        return ModelRunnerOutput(req_ids=[], req_id_to_index={},
+                                 kv_connector_output=KVConnectorOutput(kv_connector_stats=stats))
+
+    agg = KVOutputAggregator(expected_finished_count=2).aggregate([out(first), out(other_rank)])
+    assert agg is not None and agg.kv_connector_output is not None
+    summed = agg.kv_connector_output.kv_connector_stats
+    assert isinstance(summed, KVPushStats)
+    assert summed.data["prefill_done"] == 3 and summed.data["send_failed"] == 1
+    assert summed.data["sent"] == 1
+
+    # The logger process: rebuilt from to_dict() by the connector class vLLM resolves from
+    # the kv-transfer config, accumulated over two steps, reduced once.
+    cfg = KVTransferConfig(kv_connector="KVPushConnector", kv_role="kv_both",
+                           kv_connector_module_path="kvpush.engine_plugin")
+    logging_ = KVConnectorLogging(cfg)
+    assert logging_.connector_cls is KVPushConnector
+    logging_.observe(summed.to_dict())
+    logging_.observe(KVPushStats(data={"sent": 4}).to_dict())
+    lines: list[str] = []
+    logging_.log(lambda fmt, *a: lines.append(fmt % a))
+    assert len(lines) == 1
+    logged = dict(kv.split("=") for kv in lines[0].removeprefix("KV Transfer metrics: ").split(", "))
+    assert logged["prefill_done"] == "3" and logged["sent"] == "5" and logged["send_failed"] == "1"
+    assert KVPushConnector.build_kv_connector_stats().is_empty()  # type: ignore[union-attr]

@@ -570,3 +570,53 @@ def test_field_mutations_name_the_field(cls: type, data: st.DataObject) -> None:
     # add a field
     extra = data.draw(st.text(min_size=1, max_size=10).filter(lambda k: k not in good))
     rejects(pack({**good, extra: 1}), name, "unexpected field", repr(extra)[:20])
+
+
+# ---- payloads inside a bytes field (MemoryHandle.handle): encode_struct / decode_struct ----
+
+
+def test_memory_payloads_round_trip_and_validate_like_wire_fields() -> None:
+    from kvpush.proto.codec import decode_struct, encode_struct
+    from kvpush.proto.memory import CudaIpcInfo, RegionError, ShmInfo, cuda_info, shm_info
+
+    info = ShmInfo("/torch_1_2_3", 4096, 7, 99)
+    raw = encode_struct(info)
+    assert decode_struct(ShmInfo, raw) == info
+    assert shm_info(MemoryHandle("cpu_shm", raw, 1 << 20, 64)) == info
+    good = {"name": "/torch_1", "data_offset": 8, "pid": 1, "start_time": 2}
+    for bad, field in [
+        ({**good, "name": "/../etc/passwd"}, "invalid shm name"),  # validate(): no ".."
+        ({**good, "name": "/a/b"}, "invalid shm name"),  # one file directly in /dev/shm
+        ({**good, "pid": -1}, "ShmInfo.pid"),  # non-negative ints
+        ({**good, "pid": True}, "ShmInfo.pid"),  # bool is not int
+        ({**good, "extra": 1}, "unexpected field"),
+        ({k: v for k, v in good.items() if k != "pid"}, "missing field 'pid'"),
+    ]:
+        with pytest.raises(ProtocolError, match=field):
+            decode_struct(ShmInfo, msgpack.packb(bad))
+        with pytest.raises(RegionError, match=field):  # what the daemon's open_region raises
+            shm_info(MemoryHandle("cpu_shm", msgpack.packb(bad), 1 << 20))
+    for raw_bad in (b"", b"\xc1", msgpack.packb([1, 2]), msgpack.packb(good) + b"\x00"):
+        with pytest.raises(ProtocolError):
+            decode_struct(ShmInfo, raw_bad)
+    with pytest.raises(RegionError, match="kind"):
+        shm_info(MemoryHandle("cuda_ipc", raw, 1 << 20))
+    with pytest.raises(RegionError, match="offset"):
+        shm_info(MemoryHandle("cpu_shm", raw, 10, 10))
+    cuda = CudaIpcInfo(1, b"\x01" * 64, 1 << 20, 0, b"rc", 0, b"", False)
+    h = MemoryHandle("cuda_ipc", encode_struct(cuda), 1 << 20, 0, 1)
+    assert cuda_info(h) == cuda
+    with pytest.raises(RegionError, match="disagree"):
+        cuda_info(dataclasses.replace(h, device=0))
+    with pytest.raises(ProtocolError, match="event_sync_required"):
+        decode_struct(CudaIpcInfo, encode_struct(dataclasses.replace(cuda, event_sync_required=1)))
+
+
+def test_encode_struct_takes_dataclass_instances_only() -> None:
+    from kvpush.proto.codec import encode_struct
+    from kvpush.proto.memory import ShmInfo
+
+    with pytest.raises(ProtocolError):
+        encode_struct({"name": "/x"})
+    with pytest.raises(ProtocolError):
+        encode_struct(ShmInfo)

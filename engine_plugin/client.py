@@ -1,4 +1,4 @@
-"""Non-blocking client from a vLLM engine to its local kvpush daemon (one per accelerator).
+"""Non-blocking client from a vLLM engine to its local daemon (kvpushd, one per accelerator).
 
 It runs on vLLM's engine loop, so nothing here may block or raise for transport reasons:
 every send is ``zmq.NOBLOCK`` with a bounded local queue behind it, every receive is a

@@ -183,7 +183,7 @@ class KVPushWorker:
             if sent:
                 self.counters.registered += 1
             else:
-                self._fail_recv(r.transfer_id, "kvpush daemon unavailable")
+                self._fail_recv(r.transfer_id, "kvpush: daemon unavailable")
         for s in meta.sends:
             if s.early:
                 self._after_forward.append(s)  # its KV is computed by this step's forward
@@ -372,7 +372,7 @@ class KVPushWorker:
                 elif tid in self._send:  # an aborted prefill the daemon no longer held
                     self._finish_send(tid)
             elif isinstance(m, proto.Error):
-                log.warning("kvpush daemon error %s: %s (%s)", m.code, m.message, m.ref)
+                log.warning("kvpush: daemon error %s: %s (%s)", m.code, m.message, m.ref)
             elif isinstance(m, proto.AttachAck):
                 if self._daemon_id is not None and m.daemon_id != self._daemon_id:
                     self._daemon_lost("daemon restarted")

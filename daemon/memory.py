@@ -22,7 +22,6 @@ from __future__ import annotations
 import mmap
 import os
 from abc import ABC, abstractmethod
-from typing import Any
 
 import numpy as np
 import torch
@@ -54,17 +53,6 @@ __all__ = [
 # Moved to kvpush.engine_plugin.memory (the engine side); still importable from here for
 # callers not yet updated (testing/daemon_harness.py). Lazy, so the daemon never loads the
 # plugin's modules itself.
-_MOVED = frozenset({"export_cpu_tensor", "export_cuda_tensor", "unlink_export"})
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        from kvpush.engine_plugin import memory
-
-        return getattr(memory, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def reap_orphaned(h: MemoryHandle) -> bool:
     """Unlink the shm file if its exporting process is gone (never memory a live engine will
     re-attach with, e.g. after a daemon restart). True if removed; call again later if it

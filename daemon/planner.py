@@ -61,18 +61,23 @@ def head_overlap(src: KVLayout, dst: KVLayout) -> tuple[int, int]:
     return lo, max(0, hi - lo)
 
 
-def check_compatible(src: KVLayout, dst: KVLayout) -> None:
-    """Raise PlanError naming both values when byte copies cannot map src onto dst."""
+def check_compatible(
+    src: KVLayout, dst: KVLayout, sides: tuple[str, str] = ("on the source", "on the destination")
+) -> None:
+    """Raise PlanError naming both values when byte copies cannot map src onto dst.
+
+    ``sides`` names the two layouts in the message (the handshake says "there" / "here").
+    """
     for name in ("dtype", "head_size", "num_layers", "model_heads", "model"):
         a, b = getattr(src, name), getattr(dst, name)
         if a != b:
-            raise PlanError(f"incompatible layouts: {name} is {a!r} on the source, {b!r} on the destination")
+            raise PlanError(f"incompatible layouts: {name} is {a!r} {sides[0]}, {b!r} {sides[1]}")
     for kv, half in ((0, "K"), (1, "V")):
         a, b = src.packing(kv).format_key(), dst.packing(kv).format_key()
         if a != b:
             raise PlanError(
                 f"incompatible {half} packing (granule tokens, segments, segment bytes): "
-                f"source {a}, destination {b}; repacking is not supported"
+                f"{a} {sides[0]}, {b} {sides[1]}; repacking is not supported"
             )
 
 
@@ -314,6 +319,25 @@ def expected_producers(dst: KVLayout, src_tp_size: int, src_heads_per_rank: int)
         if max(lo, dst.head_start) < min(hi, dst.head_start + dst.num_heads):
             ranks.append(r)
     return ranks
+
+
+def producer_fanout(dst: KVLayout, dst_tp_size: int, src_tp_size: int) -> list[tuple[int, int]]:
+    """For a destination rank: each source rank that writes into it, with the number of
+    destination ranks that source writes to (its ``expected_dests``: one notification each).
+
+    Raises PlanError when the model's KV heads do not split over ``src_tp_size``.
+    """
+    total = dst.model_heads
+    if src_tp_size <= 0 or (total % src_tp_size and src_tp_size <= total):
+        raise PlanError(f"{total} KV heads do not split over prefill TP {src_tp_size}")
+    src_heads = max(1, total // src_tp_size)
+    dst_heads = dst.num_heads
+    out = []
+    for r in expected_producers(dst, src_tp_size, src_heads):
+        lo, hi = r * src_heads, (r + 1) * src_heads
+        dests = sum(1 for d in range(dst_tp_size) if max(lo, d * dst_heads) < min(hi, (d + 1) * dst_heads))
+        out.append((r, dests))
+    return out
 
 
 @dataclass(frozen=True)

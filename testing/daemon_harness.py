@@ -20,8 +20,8 @@ import zmq
 
 from kvpush import proto
 from kvpush.daemon.config import DeviceConfig
-from kvpush.daemon.memory import export_cpu_tensor
 from kvpush.engine_plugin.client import DaemonClient
+from kvpush.engine_plugin.memory import export_cpu_tensor
 from kvpush.proto import naming
 from kvpush.proto.layout import KVLayout
 

@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from kvpush.testing import prom
 from kvpush.testing.pd_stack import PDStack, prompt_tokens_by_source
 
 pytestmark = pytest.mark.e2e
@@ -251,14 +252,9 @@ def test_router_failed_prefill_leg_cancels_decode_leg(pd: PDStack, tmp_path) -> 
 
 
 def running(url: str) -> float:
-    import urllib.request
-
-    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{")):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    """Requests the engine still runs or queues (its own /metrics)."""
+    snap = prom.parse(prom.fetch_text(f"{url}/metrics", timeout=10))
+    return sum(prom.total(snap, n) or 0.0 for n in ("vllm:num_requests_running", "vllm:num_requests_waiting"))
 
 
 async def via_router_url(url: str, prompts: list[list[int]], max_tokens: int) -> list[dict[str, Any]]:

@@ -1,0 +1,107 @@
+"""What every part of one device's daemon shares: its identity, its ports and its records.
+
+The daemon is a composition (see :mod:`kvpush.daemon.worker`): an engine session, a prefill
+side, a decode side and ops, driven by one loop. They do not reach into each other's state;
+what they all need lives here, each fact with one owner:
+
+* ``attached`` is written only by the engine session (attach / detach), read by both sides;
+* ``draining`` is written only by ops;
+* ``history`` and ``trace`` are append-only records every part stamps.
+
+The ports (:class:`Wire` for ZeroMQ, the transport for NIXL) are protocols, so each side can
+be driven in a unit test by the in-memory ones of :mod:`kvpush.testing.inmemory`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kvpush.daemon.config import DeviceConfig
+from kvpush.daemon.metrics import WorkerMetrics
+from kvpush.proto.layout import KVLayout
+from kvpush.proto.trace import TraceRing
+
+log = logging.getLogger("kvpush.worker")
+
+
+class Wire(Protocol):
+    """The daemon's ZeroMQ side as the parts see it: fire-and-forget sends, never blocking."""
+
+    def to_engine(self, identity: bytes, msg: Any) -> None:
+        """Reply on the engine socket to the engine with this routing identity."""
+
+    def to_consumer(self, routing_id: bytes, msg: Any) -> None:
+        """Reply on the peer socket to the decode daemon with this routing identity."""
+
+    def open_producer(self, endpoint: str) -> None:
+        """Connect to a prefill daemon's peer endpoint (raises ValueError if it cannot)."""
+
+    def to_producer(self, endpoint: str, msg: Any) -> None:
+        """Send to a connected prefill daemon."""
+
+    def close_producer(self, endpoint: str) -> None:
+        """Disconnect from a prefill daemon (drops what is unsent)."""
+
+
+@dataclass
+class Attached:
+    """The engine rank this daemon serves, and its mapped KV memory."""
+
+    identity: bytes
+    engine_id: str
+    rank: int
+    tp_size: int
+    role: str
+    layout: KVLayout
+    region: Any  # MappedRegion
+    since: float
+    memory: Any = None  # the MemoryHandle it came from (a repeated Attach is a no-op)
+
+
+@dataclass
+class History:
+    """Recent finished transfers for `kvpushctl transfers` (bounded)."""
+
+    items: list[dict[str, Any]] = field(default_factory=list)
+    cap: int = 256
+
+    def add(self, item: dict[str, Any]) -> None:
+        self.items.append(item)
+        if len(self.items) > self.cap:
+            del self.items[: len(self.items) - self.cap]
+
+
+@dataclass(eq=False)
+class DaemonContext:
+    """Identity, ports and shared records of one device's daemon."""
+
+    cfg: DeviceConfig
+    daemon_id: str
+    agent_name: str
+    peer_endpoint: str  # what decode daemons dial to reach this one
+    wire: Wire
+    transport: Any  # NixlTransport or an in-memory stand-in with the same methods
+    metrics: WorkerMetrics
+    trace: TraceRing = field(default_factory=TraceRing)
+    history: History = field(default_factory=History)
+    attached: Attached | None = None
+    draining: bool = False
+    errors: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def rank(self) -> int:
+        return self.attached.rank if self.attached else 0
+
+    def bad(self, cause: str, detail: str) -> None:
+        """Count and log one rejected input (the sender gets its own clear error)."""
+        self.errors += 1
+        self.metrics.failure(cause)
+        log.warning("rejected input (%s): %s", cause, detail)
+
+    def to_engine(self, msg: Any) -> None:
+        if self.attached is not None:
+            self.wire.to_engine(self.attached.identity, msg)

@@ -1,0 +1,38 @@
+"""The Hello both directions of a peer link exchange, and the one check of a peer's Hello.
+
+Both sides of the daemon (the prefill side answering, the decode side dialling) build and
+check Hellos here, so "compatible" means the same thing in both directions and the byte-level
+rule is the planner's own (:func:`kvpush.daemon.planner.check_compatible`).
+"""
+
+from __future__ import annotations
+
+from kvpush import proto
+from kvpush.daemon.context import DaemonContext
+from kvpush.daemon.planner import PlanError, check_compatible
+
+
+def make_hello(ctx: DaemonContext, *, reply: bool) -> proto.Hello:
+    """This daemon's Hello (only with an engine attached: it carries the engine's layout)."""
+    a = ctx.attached
+    assert a is not None
+    return proto.Hello(
+        ctx.agent_name, ctx.transport.metadata(), a.layout, a.region.base, proto.PROTOCOL_VERSION,
+        a.layout.compat_key(), a.engine_id, a.rank, a.tp_size, ctx.peer_endpoint, reply,
+    )
+
+
+def compat_error(ctx: DaemonContext, msg: proto.Hello) -> str:
+    """Why a peer's Hello cannot be accepted here, or ``""``."""
+    a = ctx.attached
+    if a is None:
+        return "this daemon has no engine attached yet"
+    if msg.version != proto.PROTOCOL_VERSION:
+        return f"protocol version {msg.version} (this side speaks {proto.PROTOCOL_VERSION})"
+    if msg.compat != msg.layout.compat_key():
+        return "compatibility hash does not match the layout sent"
+    try:
+        check_compatible(msg.layout, a.layout, ("there", "here"))
+    except PlanError as exc:
+        return str(exc)
+    return ""

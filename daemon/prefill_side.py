@@ -1,0 +1,368 @@
+"""The prefill side of one daemon: decode peers that dial us, the rendezvous, our WRITEs.
+
+Hops 4–6 of a request (see the README's sequence diagram): the engine's PrefillDone and the
+decode daemons' PeerRegisters meet in the rendezvous core (:mod:`kvpush.daemon.rendezvous`),
+whose StartWrite actions become NIXL WRITEs with a notification; their completion releases
+the engine's blocks. This module owns the consumer records, the rendezvous core, the WRITEs
+in flight and the prepared descriptor lists; it talks to ZeroMQ and NIXL only through the
+context's ports.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvpush import proto
+from kvpush.daemon import rendezvous as rv
+from kvpush.daemon.checks import bounded_s, check_blocks
+from kvpush.daemon.context import DaemonContext
+from kvpush.daemon.handshake import compat_error, make_hello
+from kvpush.daemon.peers import Consumer
+from kvpush.daemon.planner import PlanError, block_pattern, plan
+from kvpush.proto.notif import Notification
+
+log = logging.getLogger("kvpush.worker")
+
+
+@dataclass
+class InFlight:
+    """One posted WRITE, until NIXL says it is done or failed (or it times out)."""
+
+    transfer_id: str
+    attempt: int
+    dest_rank: int
+    peer: str  # the consumer's key
+    handle: Any
+    nbytes: int
+    descriptors: int
+    started: float
+    prepped: bool = False  # posted from prepared descriptor lists (by index)
+
+
+class PrefillSide:
+    def __init__(self, ctx: DaemonContext) -> None:
+        self.ctx = ctx
+        self.cfg = ctx.cfg
+        self.rdv = rv.Rendezvous()
+        self.consumers: dict[bytes, Consumer] = {}  # routing id -> decode daemon
+        self.in_flight: dict[int, InFlight] = {}
+        self._local_prep: dict[tuple[bytes, bytes], Any] = {}  # pattern -> prepared local dlist
+
+    # ------------------------------------------------------------------ engine
+
+    def on_prefill_done(self, msg: proto.PrefillDone, now: float) -> None:
+        a = self.ctx.attached
+        assert a is not None
+        why = "daemon is draining" if self.ctx.draining else check_blocks(
+            a.layout, msg.block_ids, msg.num_tokens, "prefill")
+        if why:
+            self.ctx.bad("prefill", why)
+            self.ctx.to_engine(proto.SendFailed(msg.transfer_id, 0, why))
+            return
+        self.ctx.trace.stamp(msg.transfer_id, "p.daemon.prefill_done_in")
+        lease = bounded_s(msg.lease_ms, self.cfg.lease_s)
+        self.apply(rv.PrefillDone(msg.transfer_id, msg.block_ids, msg.num_tokens, now, now + lease))
+
+    def abort(self, tid: str, reason: str, now: float) -> bool:
+        """The local engine (or an operator) gives up on a transfer; False if we hold none."""
+        if not self.rdv.live(tid):
+            return False
+        self.apply(rv.Abort(tid, None, reason, "local", now))
+        return True
+
+    def on_attach(self) -> None:
+        """A (new) engine memory is registered: prepare lists for every known consumer."""
+        for c in self.consumers.values():
+            self._prep(c)
+
+    def on_detach(self, why: str) -> None:
+        self.fail_all(why)
+        self.wait_in_flight(self.cfg.write_timeout_s)
+        self.release_preps()
+
+    # ------------------------------------------------------------------ peers
+
+    def on_peer(self, ident: bytes, msg: Any, now: float) -> None:
+        if isinstance(msg, proto.Hello):
+            self.on_hello(ident, msg, now)
+            return
+        peer = self.consumers.get(ident)
+        if peer is None:
+            self.ctx.bad("unauthenticated", f"{type(msg).__name__} from a peer without handshake")
+            self.ctx.wire.to_consumer(ident, proto.Error("handshake", "send Hello first"))
+            return
+        peer.last_seen = now
+        if isinstance(msg, proto.Heartbeat):
+            self.ctx.wire.to_consumer(ident, proto.HeartbeatAck(msg.seq, self.ctx.daemon_id))
+        elif isinstance(msg, proto.PeerRegister):
+            self.on_peer_register(peer, msg, now)
+        elif isinstance(msg, proto.Cancel):
+            self.apply(rv.Abort(msg.transfer_id, msg.attempt, msg.reason, "peer", now, peer.key))
+        else:
+            self.ctx.bad("unexpected", f"{type(msg).__name__} on the peer endpoint")
+            self.ctx.wire.to_consumer(ident, proto.Error("unexpected", f"{type(msg).__name__} not accepted here"))
+
+    def on_hello(self, ident: bytes, msg: proto.Hello, now: float) -> None:
+        """A decode daemon introduces itself (first contact or after a restart)."""
+        why = compat_error(self.ctx, msg)
+        if why:
+            self.ctx.bad("handshake", why)
+            self.ctx.wire.to_consumer(ident, proto.Error("incompatible", why))
+            return
+        # The same endpoint under a new identity is a restarted peer: evict the old one.
+        for old in [p for p in self.consumers.values() if p.endpoint == msg.endpoint and p.routing_id != ident]:
+            self.evict(old, "peer restarted", now)
+        old = self.consumers.get(ident)
+        if old is not None and old.agent_name != msg.agent_name:
+            self.evict(old, "peer re-handshook", now)
+        elif old is not None:
+            self._unprep(old)  # its memory may have moved: prepared again below
+        try:
+            name = self.ctx.transport.add_peer(msg.agent_metadata)
+        except Exception as exc:
+            self.ctx.bad("handshake", str(exc))
+            self.ctx.wire.to_consumer(ident, proto.Error("handshake", str(exc)))
+            return
+        peer = self.consumers[ident] = Consumer(
+            ident, msg.endpoint, name, msg.layout, msg.region_base, msg.rank, msg.tp_size, msg.engine_id,
+            since=now, last_seen=now,
+        )
+        log.info("decode peer %s (%s rank %d) handshaken", msg.endpoint, msg.engine_id, msg.rank)
+        self.ctx.wire.to_consumer(ident, make_hello(self.ctx, reply=True))
+        self._prep(peer)  # after the reply: off the peer's critical path
+
+    def on_peer_register(self, peer: Consumer, msg: proto.PeerRegister, now: float) -> None:
+        if self.ctx.draining:
+            why = "producer is draining"
+        elif msg.dest_rank != peer.rank or msg.dest_tp_size != peer.tp_size:
+            why = f"registration for rank {msg.dest_rank}/{msg.dest_tp_size} from peer rank {peer.rank}/{peer.tp_size}"
+        elif msg.expected_dests == 0:
+            why = "expected_dests must be positive"
+        else:
+            why = check_blocks(peer.layout, msg.block_ids, msg.num_tokens, "peer register", msg.first_token)
+        if why:
+            self.ctx.bad("register", why)
+            self.ctx.wire.to_consumer(
+                peer.routing_id, proto.WriteFailedNotice(msg.transfer_id, msg.attempt, self.ctx.rank, why))
+            return
+        peer.transfers += 1
+        self.ctx.trace.stamp(msg.transfer_id, "p.daemon.register_in")
+        # The decode side gives up at its deadline even with a WRITE in flight, so the last
+        # WRITE must start early enough to finish (or time out) before then.
+        margin = self.cfg.write_timeout_s + 1.0
+        deadline = bounded_s(msg.deadline_ms, self.cfg.register_timeout_s)
+        self.apply(rv.Register(
+            msg.transfer_id, msg.attempt, peer.key, msg.dest_rank, msg.expected_dests, msg.block_ids,
+            msg.num_tokens, now, now + max(0.0, deadline - margin), msg.first_token,
+        ))
+
+    def consumer(self, key: str) -> Consumer | None:
+        try:
+            return self.consumers.get(bytes.fromhex(key))
+        except ValueError:
+            return None
+
+    def evict(self, peer: Consumer, why: str, now: float) -> None:
+        self.consumers.pop(peer.routing_id, None)
+        self._unprep(peer)
+        log.warning("decode peer %s evicted: %s", peer.endpoint, why)
+        self.ctx.metrics.failure("peer_lost")
+        self.apply(rv.PeerLost(peer.key, now))
+        # Keep the NIXL agent until its in-flight WRITEs finished (they fail or complete).
+        if not any(f.peer == peer.key for f in self.in_flight.values()):
+            try:
+                self.ctx.transport.remove_peer(peer.agent_name)
+            except Exception as exc:
+                log.warning("remove_peer %s: %s", peer.agent_name, exc)
+
+    # ------------------------------------------------------------------ prepared lists
+
+    def _prep(self, peer: Consumer) -> None:
+        """Prepare NIXL descriptor lists for WRITEs to this consumer, once per (region, peer):
+        a WRITE is then two index arrays (no descriptors built per transfer). Layouts whose
+        plans are not block-periodic (different block sizes) keep the per-transfer path."""
+        me = self.ctx.attached
+        if me is None or peer.prepped is not None:
+            return
+        pattern = block_pattern(me.layout, peer.layout, self.cfg.max_prepped_descriptors)
+        if pattern is None:
+            return
+        key = (pattern.src_off.tobytes(), pattern.length.tobytes())
+        try:
+            local = self._local_prep.get(key)
+            if local is None:
+                descs = pattern.src_list()
+                descs[:, 0] += me.region.base
+                local = self._local_prep[key] = self.ctx.transport.prep_local(descs)
+            descs = pattern.dst_list()
+            descs[:, 0] += peer.region_base
+            peer.prepped = (pattern, local, self.ctx.transport.prep_remote(peer.agent_name, descs))
+        except Exception as exc:  # the per-transfer path still works
+            log.warning("cannot prepare descriptor lists for %s (%s); WRITEs build their own", peer.endpoint, exc)
+
+    def release_preps(self) -> None:
+        for c in self.consumers.values():
+            self._unprep(c)
+        for h in self._local_prep.values():
+            try:
+                self.ctx.transport.release_prepped(h)
+            except Exception as exc:
+                log.warning("release of a prepared local list: %s", exc)
+        self._local_prep.clear()
+
+    def _unprep(self, peer: Consumer) -> None:
+        if peer.prepped is not None:
+            try:
+                self.ctx.transport.release_prepped(peer.prepped[2])
+            except Exception as exc:
+                log.warning("release of %s's prepared list: %s", peer.endpoint, exc)
+            peer.prepped = None
+
+    # ------------------------------------------------------------------ WRITEs
+
+    def start_write(self, a: rv.StartWrite, now: float) -> None:
+        me = self.ctx.attached
+        peer = self.consumer(a.peer)
+        err = ""
+        if me is None:
+            err = "no engine attached"
+        elif peer is None:
+            err = "decode peer is gone"
+        if not err:
+            assert me is not None and peer is not None
+            notif = Notification(a.transfer_id, a.attempt, me.rank).encode()
+            tr = self.ctx.transport
+            try:
+                if peer.prepped is not None:
+                    pattern, local_h, remote_h = peer.prepped
+                    sb, db = pattern.block_pairs(me.layout, a.src_block_ids, a.dst_block_ids, a.num_tokens,
+                                                 a.dst_first_token)
+                    li, ri = pattern.indices(sb, db)
+                    nbytes, ndesc = int(pattern.length.sum()) * int(sb.shape[0]), int(li.shape[0])
+                    self.ctx.trace.stamp(a.transfer_id, "p.daemon.planned")
+                    h = tr.write_prepped(peer.agent_name, local_h, li, remote_h, ri, notif, nbytes=nbytes)
+                else:
+                    p = plan(me.layout, a.src_block_ids, peer.layout, a.dst_block_ids, a.num_tokens,
+                             dst_first_token=a.dst_first_token)
+                    nbytes, ndesc = p.nbytes, len(p)
+                    local = np.stack((p.src_off + me.region.base, p.length), axis=1)
+                    remote = np.stack((p.dst_off + peer.region_base, p.length), axis=1)
+                    self.ctx.trace.stamp(a.transfer_id, "p.daemon.planned")
+                    h = tr.write(peer.agent_name, local, remote, notif)
+                self.ctx.trace.stamp(a.transfer_id, "p.daemon.write_posted")
+            except PlanError as exc:
+                err = f"plan: {exc}"
+                self.ctx.metrics.failure("plan")
+            except Exception as exc:
+                err = f"NIXL: {exc}"
+                self.ctx.metrics.failure("nixl")
+            else:
+                # The consumer polls NIXL tightly while this is in flight (with UCX error
+                # handling "peer" the WRITE completes only as the receiver progresses).
+                self.ctx.wire.to_consumer(peer.routing_id, proto.Writing(a.transfer_id, a.attempt, me.rank, False))
+                self.in_flight[id(h)] = InFlight(
+                    a.transfer_id, a.attempt, a.dest_rank, a.peer, h, nbytes, ndesc, now, peer.prepped is not None
+                )
+                self.ctx.metrics.set_in_flight(len(self.in_flight))
+                return
+        self.apply(rv.WriteFailed(a.transfer_id, a.attempt, a.dest_rank, err, now))
+
+    def progress(self, now: float) -> bool:
+        """Poll every WRITE in flight (drives NIXL progress); True if one finished."""
+        activity = False
+        for key, f in list(self.in_flight.items()):
+            state = self.ctx.transport.state(f.handle)
+            if state == "pending":
+                if now - f.started > self.cfg.write_timeout_s:
+                    self.ctx.metrics.timeout("write")
+                    self._finish(key, f, now, f"WRITE timed out after {self.cfg.write_timeout_s:.1f}s")
+                    activity = True
+                continue
+            activity = True
+            self._finish(key, f, now, "" if state == "done" else "NIXL reported a transfer error")
+        return activity
+
+    def wait_in_flight(self, limit_s: float) -> None:
+        end = time.monotonic() + limit_s
+        while self.in_flight and time.monotonic() < end:
+            self.progress(time.monotonic())
+            time.sleep(0.001)
+
+    def _finish(self, key: int, f: InFlight, now: float, error: str) -> None:
+        try:
+            self.ctx.transport.release(f.handle)
+        except Exception as exc:
+            if not error:
+                error = str(exc)
+            else:  # cannot cancel: NIXL may still read the source blocks; keep waiting
+                log.error("WRITE %s could not be cancelled (%s); holding its blocks", f.transfer_id, exc)
+                return
+        del self.in_flight[key]
+        self.ctx.metrics.set_in_flight(len(self.in_flight))
+        lat = now - f.started
+        self.ctx.history.add({
+            "transfer_id": f.transfer_id, "attempt": f.attempt, "dest_rank": f.dest_rank, "side": "prefill",
+            "bytes": f.nbytes, "descriptors": f.descriptors, "prepped": f.prepped, "latency_ms": round(lat * 1e3, 3),
+            "result": "ok" if not error else "failed", "error": error, "age_s": 0.0, "at": now,
+        })
+        if error:
+            self.ctx.metrics.failure("nixl")
+            self.apply(rv.WriteFailed(f.transfer_id, f.attempt, f.dest_rank, error, now))
+            return
+        self.ctx.trace.stamp(f.transfer_id, "p.daemon.write_done")
+        peer = self.consumer(f.peer)
+        if peer is not None:  # wake the decode daemon: its notification has landed
+            self.ctx.wire.to_consumer(peer.routing_id, proto.Writing(f.transfer_id, f.attempt, self.ctx.rank, True))
+        self.ctx.metrics.write_done(f.nbytes, lat)
+        self.apply(rv.WriteDone(f.transfer_id, f.attempt, f.dest_rank, now))
+
+    # ------------------------------------------------------------------ the core's actions
+
+    def apply(self, event: Any) -> None:
+        """Feed the rendezvous one event and carry out its actions (which may feed it more)."""
+        pending = [event]
+        while pending:
+            ev = pending.pop(0)
+            for act in self.rdv.handle(ev):
+                if isinstance(act, rv.StartWrite):
+                    self.start_write(act, time.monotonic())
+                elif isinstance(act, rv.ReleaseBlocks):
+                    # The prefill engine keys its held blocks by transfer ID alone.
+                    msg: Any = (proto.Sent(act.transfer_id, 0) if act.ok
+                                else proto.SendFailed(act.transfer_id, 0, act.reason))
+                    self.ctx.metrics.transfer_finished("prefill", "ok" if act.ok else "failed")
+                    # Stamped before it leaves: the timeline stays causal across processes.
+                    self.ctx.trace.stamp(act.transfer_id, "p.daemon.sent" if act.ok else "p.daemon.send_failed")
+                    self.ctx.to_engine(msg)
+                elif isinstance(act, rv.NotifyFailure):
+                    peer = self.consumer(act.peer)
+                    if peer is not None:
+                        self.ctx.wire.to_consumer(peer.routing_id, proto.WriteFailedNotice(
+                            act.transfer_id, act.attempt, self.ctx.rank, act.reason))
+                elif isinstance(act, rv.ConfirmCancel):
+                    peer = self.consumer(act.peer)
+                    if peer is not None:
+                        self.ctx.wire.to_consumer(peer.routing_id, proto.CancelConfirmed(
+                            act.transfer_id, act.attempt, self.ctx.rank))
+
+    # ------------------------------------------------------------------ time, ops, shutdown
+
+    def tick(self, now: float) -> None:
+        self.apply(rv.Tick(now))
+        timeout = self.cfg.peer_timeout_s
+        for c in list(self.consumers.values()):
+            if now - c.last_seen > timeout:
+                self.ctx.metrics.timeout("peer")
+                self.evict(c, f"silent for {timeout:.1f}s", now)
+        for s, n in self.rdv.counts().items():
+            self.ctx.metrics.set_pending("prefill", s, n)
+
+    def fail_all(self, why: str) -> None:
+        now = time.monotonic()
+        for info in self.rdv.pending(now):
+            self.apply(rv.Abort(info.transfer_id, None, why, "local", now))

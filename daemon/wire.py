@@ -1,0 +1,144 @@
+"""The ZeroMQ shell of one daemon: frames in, decoded messages to handlers, messages out.
+
+Implements the :class:`kvpush.daemon.context.Wire` port over :class:`Endpoints` (the bound
+engine, peer and ops sockets) plus one DEALER per prefill daemon we dial. Every frame is
+decoded and validated by :mod:`kvpush.proto` here, before any part of the daemon sees it;
+a malformed one is answered with a clear Error and counted, and one message's handler
+failing never takes the loop down.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from kvpush import proto
+from kvpush.daemon.endpoints import Endpoints
+
+log = logging.getLogger("kvpush.worker")
+
+DRAIN_MAX = 1000  # frames per socket per loop turn: one busy socket cannot starve the others
+
+Bad = Callable[[str, str], None]
+
+
+class ZmqWire:
+    def __init__(self, ep: Endpoints, bad: Bad) -> None:
+        self.ep = ep
+        self.bad = bad
+        self.dealers: dict[str, zmq.Socket] = {}  # prefill daemon endpoint -> our DEALER
+        self._by_sock: dict[zmq.Socket, str] = {}
+        self.poller = zmq.Poller()
+        for s in (ep.engine, ep.peer, ep.ops):
+            self.poller.register(s, zmq.POLLIN)
+
+    # ------------------------------------------------------------------ the Wire port
+
+    def to_engine(self, identity: bytes, msg: Any) -> None:
+        self._reply(self.ep.engine, identity, msg)
+
+    def to_consumer(self, routing_id: bytes, msg: Any) -> None:
+        self._reply(self.ep.peer, routing_id, msg)
+
+    def to_ops(self, identity: bytes, msg: Any) -> None:
+        self._reply(self.ep.ops, identity, msg)
+
+    def open_producer(self, endpoint: str) -> None:
+        try:
+            sock = self.ep.dealer(endpoint)
+        except (zmq.ZMQError, ValueError) as exc:
+            raise ValueError(str(exc)) from exc
+        self.poller.register(sock, zmq.POLLIN)
+        self.dealers[endpoint] = sock
+        self._by_sock[sock] = endpoint
+
+    def to_producer(self, endpoint: str, msg: Any) -> None:
+        sock = self.dealers.get(endpoint)
+        if sock is None:
+            return
+        try:
+            sock.send(proto.encode(msg), zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.warning("send to %s dropped: %s", endpoint, exc)
+
+    def close_producer(self, endpoint: str) -> None:
+        sock = self.dealers.pop(endpoint, None)
+        if sock is None:
+            return
+        self._by_sock.pop(sock, None)
+        try:
+            self.poller.unregister(sock)
+        except KeyError:
+            pass
+        sock.close(0)
+
+    # ------------------------------------------------------------------ receiving
+
+    def poll(self, timeout_ms: int) -> set[Any]:
+        return {s for s, _ in self.poller.poll(max(timeout_ms, 0))}
+
+    def drain_router(self, sock: zmq.Socket, handler: Callable[[bytes, Any], None]) -> bool:
+        """Hand every decoded frame waiting on a bound socket to ``handler(identity, msg)``."""
+        got = False
+        for _ in range(DRAIN_MAX):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            got = True
+            if len(frames) != 2:
+                self.bad("frames", f"{len(frames)} frames")
+                continue
+            ident, payload = frames
+            try:
+                msg = proto.decode(payload)
+            except proto.ProtocolError as exc:
+                self.bad("protocol", str(exc))
+                self._reply(sock, ident, proto.Error("protocol", str(exc)))
+                continue
+            try:
+                handler(ident, msg)
+            except Exception as exc:  # never let one message kill the daemon
+                log.exception("handling %s failed", type(msg).__name__)
+                self.bad("internal", f"{type(exc).__name__}: {exc}")
+                self._reply(sock, ident, proto.Error("internal", f"{type(exc).__name__}: {exc}"))
+        return got
+
+    def drain_dealer(self, sock: zmq.Socket, handler: Callable[[str, Any], None]) -> bool:
+        """Hand every decoded frame from a prefill daemon to ``handler(endpoint, msg)``."""
+        endpoint = self._by_sock.get(sock)
+        got = False
+        for _ in range(DRAIN_MAX):
+            if endpoint is not None and self.dealers.get(endpoint) is not sock:
+                break  # the handler dropped this link (and closed the socket)
+            try:
+                payload = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            got = True
+            if endpoint is None:
+                continue
+            try:
+                msg = proto.decode(payload)
+            except proto.ProtocolError as exc:
+                self.bad("protocol", f"from producer {endpoint}: {exc}")
+                continue
+            handler(endpoint, msg)
+        return got
+
+    def bound(self) -> tuple[Any, Any, Any]:
+        return self.ep.engine, self.ep.peer, self.ep.ops
+
+    def _reply(self, sock: zmq.Socket, ident: bytes, msg: Any) -> None:
+        try:
+            sock.send_multipart([ident, proto.encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.warning("reply dropped: %s", exc)
+
+    def close(self) -> None:
+        for endpoint in list(self.dealers):
+            self.close_producer(endpoint)
+        self.ep.close()

@@ -1,0 +1,259 @@
+"""The daemon's parts (engine session, prefill side, decode side) driven in one process.
+
+Real parts, real codec and real byte copies; the only stand-ins are the ports: ZeroMQ is an
+in-order message queue and NIXL an in-memory fabric (kvpush.testing.inmemory). The bytes a
+decode engine ends up with are compared with the token-by-token reference copy.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvpush import proto
+from kvpush.daemon.peers import LINK_TABLE, Link, LinkAction, LinkEvent, Producer, link_step
+from kvpush.testing.inmemory import Fabric, MemNode, Net
+from kvpush.testing.kvref import make, reference_copy
+
+_ids = itertools.count()
+
+
+def tid() -> str:
+    return f"t-{next(_ids)}"
+
+
+def cpu(heads: int = 2, head_start: int = 0, total_heads: int = 2, block_size: int = 16, num_blocks: int = 16):
+    return make("row", num_layers=2, num_blocks=num_blocks, block_size=block_size, num_heads=heads,
+                head_size=8, dtype="bfloat16", head_start=head_start, total_heads=total_heads)
+
+
+def buf(layout, seed: int | None) -> np.ndarray:
+    if seed is None:
+        return np.zeros(layout.region_size, dtype=np.uint8)
+    return np.random.default_rng(seed).integers(0, 256, layout.region_size, dtype=np.uint8)
+
+
+@pytest.fixture
+def lab():
+    return Net(), Fabric()
+
+
+def register(d: MemNode, t: str, blocks, n: int, producers: list[MemNode], attempt: int = 0, timeout_ms: int = 20000):
+    eps = tuple(p.endpoint for p in producers)
+    return d.engine(proto.Register(t, attempt, tuple(blocks), n, eps, len(eps), timeout_ms))
+
+
+def prefill_done(p: MemNode, t: str, blocks, n: int):
+    return p.engine(proto.PrefillDone(t, tuple(blocks), n, 5000))
+
+
+def kinds(node: MemNode) -> list[str]:
+    return [type(m).__name__ for m in node.answers() if not isinstance(m, proto.AttachAck)]
+
+
+@pytest.mark.parametrize("prefill_first", [False, True])
+def test_one_transfer_lands_byte_exact_in_either_order(lab, prefill_first):
+    net, fab = lab
+    (lay, meta) = cpu()
+    p, d = MemNode(net, fab, "p"), MemNode(net, fab, "d")
+    pbuf, dbuf = buf(lay, 1), buf(lay, None)
+    assert isinstance(p.attach(lay, pbuf, role="prefill"), proto.AttachAck)
+    assert isinstance(d.attach(lay, dbuf, role="decode"), proto.AttachAck)
+    before = dbuf.copy()
+    t, n, src, dst = tid(), 40, [5, 1, 9], [2, 7, 3]
+    steps = [lambda: prefill_done(p, t, src, n), lambda: register(d, t, dst, n, [p])]
+    for step in (steps if prefill_first else steps[::-1]):
+        step()
+        net.run()
+    assert kinds(d) == ["Received"] and kinds(p) == ["Sent"]
+    want, dont_care = reference_copy(meta, lay, pbuf, src, meta, lay, before, dst, n, 0)
+    assert np.array_equal(dbuf[~dont_care], want[~dont_care])
+    assert p.transport.writes == 1  # one WRITE for the whole transfer
+    # Equal layouts: the WRITE went through the lists prepared at handshake.
+    assert p.ctx.history.items[-1]["prepped"] is True
+
+
+def test_tp2_to_tp1_counts_both_producers_before_received(lab):
+    net, fab = lab
+    (l0, m0), (l1, m1), (ld, md) = cpu(1, 0), cpu(1, 1), cpu(2, 0)
+    p0, p1, d = MemNode(net, fab, "p0"), MemNode(net, fab, "p1"), MemNode(net, fab, "d")
+    b0, b1, bd = buf(l0, 4), buf(l1, 5), buf(ld, None)
+    p0.attach(l0, b0, role="prefill", rank=0, tp_size=2, engine_id="P")
+    p1.attach(l1, b1, role="prefill", rank=1, tp_size=2, engine_id="P")
+    d.attach(ld, bd, role="decode", engine_id="D")
+    before = bd.copy()
+    t, n, s0, s1, dst = tid(), 30, [1, 2], [9, 8], [4, 6]
+    register(d, t, dst, n, [p0, p1])
+    net.run()
+    prefill_done(p0, t, s0, n)
+    net.run()
+    assert kinds(d) == [], "Received after one of two producers"
+    prefill_done(p1, t, s1, n)
+    net.run()
+    assert kinds(d) == ["Received"]
+    w, dc0 = reference_copy(m0, l0, b0, s0, md, ld, before, dst, n, 0)
+    w, dc1 = reference_copy(m1, l1, b1, s1, md, ld, w, dst, n, 0)
+    care = ~(dc0 | dc1)
+    assert np.array_equal(bd[care], w[care])
+
+
+def test_failed_write_fails_both_engines_and_never_reports_received(lab):
+    net, fab = lab
+    lay, _ = cpu()
+    p, d = MemNode(net, fab, "p"), MemNode(net, fab, "d")
+    p.attach(lay, buf(lay, 1), role="prefill")
+    d.attach(lay, buf(lay, None), role="decode")
+    t = tid()
+    register(d, t, [1, 2], 20, [p])
+    net.run()
+    fab.fail_writes = True
+    prefill_done(p, t, [3, 4], 20)
+    net.run()
+    assert kinds(d) == ["ReceiveFailed"] and kinds(p) == ["SendFailed"]
+
+
+def test_decode_abort_cancels_at_the_producer_then_releases(lab):
+    net, fab = lab
+    lay, _ = cpu()
+    p, d = MemNode(net, fab, "p"), MemNode(net, fab, "d")
+    p.attach(lay, buf(lay, 1), role="prefill")
+    d.attach(lay, buf(lay, None), role="decode")
+    t = tid()
+    register(d, t, [1, 2], 20, [p])
+    net.run()
+    d.engine(proto.Abort(t, 0, "client went away"))
+    net.run()
+    assert kinds(d) == ["Released"]
+    # The producer forgot the registration: a late PrefillDone writes nothing to the decoder.
+    prefill_done(p, t, [3, 4], 20)
+    net.run()
+    assert p.transport.writes == 0 and kinds(d) == ["Released"]
+
+
+def test_a_newer_attempt_supersedes_and_only_it_is_received(lab):
+    net, fab = lab
+    lay, _ = cpu()
+    p, d = MemNode(net, fab, "p"), MemNode(net, fab, "d")
+    p.attach(lay, buf(lay, 1), role="prefill")
+    d.attach(lay, buf(lay, None), role="decode")
+    t = tid()
+    register(d, t, [1, 2], 20, [p], attempt=0)
+    net.run()
+    register(d, t, [5, 6], 20, [p], attempt=1)
+    net.run()
+    prefill_done(p, t, [3, 4], 20)
+    net.run()
+    got = [m for m in d.answers() if isinstance(m, (proto.Received, proto.ReceiveFailed))]
+    assert [(type(m).__name__, m.attempt) for m in got if isinstance(m, proto.Received)] == [("Received", 1)]
+    assert isinstance(register(d, t, [1, 2], 20, [p], attempt=0), proto.ReceiveFailed)  # older: refused
+
+
+def test_unreachable_producer_fails_the_registration_at_the_handshake_timeout(lab):
+    net, fab = lab
+    lay, _ = cpu()
+    p, d = MemNode(net, fab, "p", peer_timeout_s=2.0), MemNode(net, fab, "d", peer_timeout_s=2.0)
+    p.attach(lay, buf(lay, 1), role="prefill")
+    d.attach(lay, buf(lay, None), role="decode")
+    net.cut.add(p.endpoint)
+    t = tid()
+    register(d, t, [1, 2], 20, [p])
+    net.run()
+    d.tick(time.monotonic() + 1.0)
+    assert kinds(d) == []
+    d.tick(time.monotonic() + 3.0)
+    assert kinds(d) == ["ReceiveFailed"] and "handshake" in d.answers()[-1].reason
+    assert p.endpoint not in d.decode.producers  # the next registration dials again
+
+
+def test_restarted_producer_fails_what_waited_on_it_and_is_dialled_again(lab):
+    net, fab = lab
+    lay, _ = cpu()
+    p, d = MemNode(net, fab, "p"), MemNode(net, fab, "d")
+    p.attach(lay, buf(lay, 1), role="prefill")
+    d.attach(lay, buf(lay, None), role="decode")
+    t = tid()
+    register(d, t, [1, 2], 20, [p])
+    net.run()
+    p.prefill.consumers.clear()  # the prefill daemon restarted: it knows no one
+    d.decode.send(p.endpoint, proto.Heartbeat(1))
+    net.run()
+    assert kinds(d) == ["ReceiveFailed"] and "restarted" in d.answers()[-1].reason
+    t2 = tid()
+    register(d, t2, [3, 4], 20, [p])
+    net.run()
+    prefill_done(p, t2, [5, 6], 20)
+    net.run()
+    assert kinds(d)[-1] == "Received"
+
+
+def test_bounds_come_from_config_not_the_wire(lab):
+    net, fab = lab
+    lay, _ = cpu()
+    cfg = dict(register_timeout_s=8.0, write_timeout_s=1.0)
+    p, d = MemNode(net, fab, "p", **cfg), MemNode(net, fab, "d", **cfg)
+    p.attach(lay, buf(lay, 1), role="prefill")
+    d.attach(lay, buf(lay, None), role="decode")
+    t = tid()
+    register(d, t, [1, 2], 20, [p], timeout_ms=2**40)  # asks for ~35 years
+    net.run()
+    d.tick(time.monotonic() + 5.0)
+    assert kinds(d) == []
+    d.tick(time.monotonic() + 9.0)
+    assert kinds(d) == ["ReceiveFailed"]
+    assert d.decode.counter.registration(t).deadline - d.decode.counter.registration(t).since <= 8.0
+
+
+def test_bad_inputs_are_refused_with_a_reason_and_nothing_is_written(lab):
+    net, fab = lab
+    lay, _ = cpu()
+    p, d = MemNode(net, fab, "p"), MemNode(net, fab, "d")
+    p.attach(lay, buf(lay, 1), role="prefill")
+    d.attach(lay, buf(lay, None), role="decode")
+    assert "out of range" in register(d, tid(), [1, 99], 20, [p]).reason
+    assert "cannot hold" in register(d, tid(), [1], 20, [p]).reason
+    assert isinstance(prefill_done(p, tid(), [1, 99], 20), proto.SendFailed)
+    assert isinstance(d.engine(proto.Heartbeat(3)), proto.HeartbeatAck)
+    net.run()
+    assert p.transport.writes == 0
+
+
+# ---------------------------------------------------------------------------- link table
+
+
+def test_link_table_only_failed_closes_and_flush_only_into_ready():
+    for (state, _event), (new, actions) in LINK_TABLE.items():
+        assert state is not Link.FAILED, "FAILED is terminal"
+        assert (LinkAction.CLOSE in actions) == (new is Link.FAILED)
+        assert (LinkAction.FAIL_WAITING in actions) == (new is Link.FAILED)
+        if LinkAction.FLUSH in actions:
+            assert new is Link.READY
+
+
+@given(st.lists(st.sampled_from(list(LinkEvent)), max_size=30))
+def test_link_walk_never_leaves_failed_and_flushes_only_after_hello(events):
+    state, hello = Link.HANDSHAKING, False
+    for ev in events:
+        new, actions = link_step(state, ev)
+        if state is Link.FAILED:
+            assert (new, actions) == (Link.FAILED, ())
+        if LinkAction.FLUSH in actions:
+            assert ev is LinkEvent.HELLO_OK
+        hello |= ev is LinkEvent.HELLO_OK and state is Link.HANDSHAKING
+        if new is Link.READY:
+            assert hello
+        state = new
+
+
+@given(st.floats(0, 100), st.floats(0.1, 20))
+def test_link_clock_events(dt, timeout):
+    p = Producer("e", since=0.0, last_seen=0.0)
+    ev = p.due(dt, timeout)
+    assert ev is (LinkEvent.HANDSHAKE_TIMEOUT if dt > timeout else None)
+    p.state = Link.READY
+    ev = p.due(dt, timeout)
+    assert ev is (LinkEvent.SILENT if dt > timeout else LinkEvent.PING_DUE if dt > timeout / 4 else None)

@@ -21,6 +21,8 @@ from typing import Any
 from kvpush.daemon import sdnotify
 from kvpush.daemon.config import (
     BACKENDS,
+    DEVICE_KINDS,
+    KEY_DOCS,
     LOG_LEVELS,
     ConfigError,
     dump_json,
@@ -38,21 +40,23 @@ FLAG_KEYS = ("config", "devices", "count", "device_kind", "runtime_dir", "base_p
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     # SUPPRESS: a flag given before the subcommand is not reset by the subparser's default.
+    # Help texts are the config schema's docs (the flags are its top-level keys).
     s = argparse.SUPPRESS
-    p.add_argument("--config", metavar="FILE", default=s, help="TOML config file")
-    p.add_argument("--devices", default=s,
-                   help='"all" (default) or comma-separated names, e.g. cuda0,cuda1')
-    p.add_argument("--count", type=int, default=s, help="run devices 0..N-1")
-    p.add_argument("--device-kind", choices=("auto", "cpu", "cuda"), default=s,
-                   help="kind for --count / all (default auto: cuda if visible)")
-    p.add_argument("--runtime-dir", metavar="DIR", default=s, help="socket directory")
-    p.add_argument("--base-port", type=int, default=s, help="peer port of device i = N + i")
-    p.add_argument("--peer-host", default=s, help="peer endpoint bind address")
-    p.add_argument("--advertise-host", default=s, help="address peers connect to")
-    p.add_argument("--metrics-host", default=s)
-    p.add_argument("--metrics-port", type=int, default=s, help="0 disables /metrics, /health")
-    p.add_argument("--backend", type=str.upper, choices=BACKENDS, default=s)
-    p.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default=s)
+    p.add_argument("--config", metavar="FILE", default=s, help=KEY_DOCS["config"])
+    p.add_argument("--devices", default=s, help=KEY_DOCS["devices"])
+    p.add_argument("--count", type=int, default=s, help=KEY_DOCS["count"])
+    p.add_argument("--device-kind", choices=("auto", *DEVICE_KINDS), default=s,
+                   help=KEY_DOCS["device_kind"])
+    p.add_argument("--runtime-dir", metavar="DIR", default=s, help=KEY_DOCS["runtime_dir"])
+    p.add_argument("--base-port", type=int, default=s, help=KEY_DOCS["base_port"])
+    p.add_argument("--peer-host", default=s, help=KEY_DOCS["peer_host"])
+    p.add_argument("--advertise-host", default=s, help=KEY_DOCS["advertise_host"])
+    p.add_argument("--metrics-host", default=s, help=KEY_DOCS["metrics_host"])
+    p.add_argument("--metrics-port", type=int, default=s, help=KEY_DOCS["metrics_port"])
+    p.add_argument("--backend", type=str.upper, choices=BACKENDS, default=s,
+                   help=KEY_DOCS["backend"])
+    p.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default=s,
+                   help=KEY_DOCS["log_level"])
 
 
 def build_parser() -> argparse.ArgumentParser:

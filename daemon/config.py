@@ -430,9 +430,9 @@ class DeviceSelection:
 
     config: str | None = key(None, "the TOML file (read from the flag or KVPUSH_CONFIG)",
                              scope=NODE)
-    devices: str | list[str] = key("all", '"all" (every visible GPU, else cpu0) or names '
-                                   "such as cuda0, cuda1", scope=NODE,
-                                   parse=_p_devices)
+    devices: str | list[str] = key("all", '"all" (every visible GPU, else cpu0) or device '
+                                   "names: a TOML list, comma-separated in env and flags "
+                                   "(cuda0,cuda1)", scope=NODE, parse=_p_devices)
     count: int | None = key(None, "run devices 0..count-1 of device_kind instead", scope=NODE)
     device_kind: str = key("auto", 'kind for count / "all"; auto: cuda if visible',
                            scope=NODE, choices=("auto", *DEVICE_KINDS))

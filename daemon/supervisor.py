@@ -19,7 +19,8 @@ Child contract (``target(cfg, ready_event) -> int``, the default being
 
 The HTTP thread (stdlib, not the data path) serves ``/health`` (200 when every child is
 up, else 503; JSON per device) and ``/metrics`` (supervisor metrics + each child's own,
-fetched over its ops socket with ``OpsRequest(cmd="metrics")``).
+fetched over the ops sockets with ``OpsRequest(cmd="metrics")`` through
+:mod:`kvpush.daemon.opsclient`, every up child at once).
 """
 
 from __future__ import annotations

@@ -202,6 +202,18 @@ def test_transfer_shows_in_peers_and_transfers(pair: Pair) -> None:
         # the decode side lists it too (no bytes there: it only counts notifications)
         code, out, _ = ctl("transfers", "--socket", pair.d.cfg.ops_socket)
         assert row_with(out, t)[3:5] == ["decode", "ok"]
+
+        # trace: both daemons' stamps of it in one timeline; without an ID, the recent IDs
+        code, out, err = ctl("--config", str(pair.config), "trace", t)
+        assert code == 0, err
+        assert "p.daemon.write_posted" in out and "d.daemon.register_in" in out
+        [first, *_] = ctl_json("--config", str(pair.config), "trace", t)["daemons"]
+        assert {r["source"] for r in first["data"]["timeline"]} >= {"daemon cpu0", "daemon cpu1"}
+        assert t in ctl("trace", "--socket", pair.p.cfg.ops_socket)[1].split()
+        # metrics: each daemon's exposition, labelled when there are several
+        code, out, err = ctl("--config", str(pair.config), "metrics")
+        assert code == 0, err
+        assert "# kvpushctl: cpu0" in out and 'kvpush_bytes_written_total{device="cpu0"}' in out
     finally:
         pe.close()
         de.close()
@@ -307,6 +319,39 @@ def test_down_daemons_exit_1_with_one_line(tmp_path: Path) -> None:
     plain = tmp_path / "plain"
     plain.write_text("")
     assert ctl("status", "--socket", str(plain))[0] == 1
+
+
+def test_malformed_reply_is_one_line_exit_1(tmp_path: Path) -> None:
+    """A daemon whose reply does not match its command's schema (proto/ops.py) is reported
+    like an undecodable one: down, exit 1, the field named, no traceback."""
+    import threading
+
+    import zmq
+
+    ep = f"ipc://{tmp_path}/ops-0.sock"
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.bind(ep)
+    done = threading.Event()
+
+    def serve() -> None:
+        while not done.is_set():
+            if sock.poll(50):
+                ident, _ = sock.recv_multipart()
+                bad = {"device": "cpu0", "pid": "7"}
+                sock.send_multipart([ident, proto.encode(proto.OpsReply(True, bad))])
+
+    th = threading.Thread(target=serve, daemon=True)
+    th.start()
+    try:
+        code, out, err = ctl("status", "--socket", ep, "--json")
+        assert code == 1
+        assert one_line(err).endswith(f"malformed status reply from {ep}: status.pid: expected int, got str")
+        [d] = json.loads(out)["daemons"]
+        assert d["ok"] is False and d["data"] is None
+    finally:
+        done.set()
+        th.join(5)
+        sock.close(0)
 
 
 def test_usage_errors_exit_2(tmp_path: Path) -> None:

@@ -303,7 +303,8 @@ class OpsRequest:
 @message
 @dataclass(frozen=True, slots=True)
 class OpsReply:
-    """Answer to OpsRequest; ``data`` is JSON-like (str keys, depth <= 8)."""
+    """Answer to OpsRequest; ``data`` is JSON-like (str keys, depth <= 8): when ``ok``, the
+    command's :mod:`kvpush.proto.ops` dataclass as ``to_data()``, else ``{}`` and ``error``."""
 
     ok: bool
     data: dict[str, Any]

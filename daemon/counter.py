@@ -13,31 +13,49 @@ passed (a hung producer must not pin blocks forever; the prefill side never star
 write after the registration's deadline). A producer failure therefore cancels the
 other producers and fails once they answer, usually within a round trip.
 
-Every transition lives in one table, ``_TABLE`` at the end of this module, keyed by
-``(state, event type)``; ``None`` = no record for that (transfer, attempt).
+The counter owns the registration: which producers (index ``i``: endpoint, TP rank and
+an opaque per-producer payload the caller forwards on ``Accepted``), since when, until
+when. The daemon loop asks it (``registration``, ``producer_index``, ``waiting_on``,
+``live``) instead of keeping a record of its own.
+
+Every transition is one row of ``TABLE`` at the end of this module,
+``(state, event type, guard) -> (new state, steps)``; ``None`` = no record for that
+(transfer, attempt). See :mod:`kvpush.daemon.core` for how rows are picked.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpush.daemon.deadlines import Deadlines
+from kvpush.daemon.core import Cause, Core, Record, Table, _Deadline, row
+
+__all__ = [
+    "Abort", "Accepted", "Action", "CancelConfirmed", "Cause", "Complete", "CompletionCounter",
+    "Event", "Expect", "Fail", "Notified", "PendingInfo", "ProducerFailed", "Registration",
+    "Release", "SendCancel", "State", "TABLE", "TOMBSTONES", "Tick",
+]
 
 # --------------------------------------------------------------------------- events
 
 
 @dataclass(frozen=True)
 class Expect:
-    """The engine registered blocks; ``producers`` ranks will each notify exactly once."""
+    """The engine registered blocks; ``producers`` producers will each notify exactly once.
+
+    ``endpoints[i]``, ``ranks[i]`` and ``forwards[i]`` describe producer ``i`` (its daemon's
+    endpoint, its TP rank, what to send it); empty, or one entry per producer."""
 
     transfer_id: str
     attempt: int
     producers: int
     now: float
     deadline: float
+    endpoints: tuple[str, ...] = ()
+    ranks: tuple[int, ...] = ()
+    forwards: tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -46,7 +64,7 @@ class Notified:
 
     transfer_id: str
     attempt: int
-    producer_rank: int
+    producer: int  # index into the registration's producers
     now: float
 
 
@@ -56,9 +74,10 @@ class ProducerFailed:
 
     transfer_id: str
     attempt: int
-    producer_rank: int
+    producer: int
     reason: str
     now: float
+    cause: Cause = Cause.PRODUCER_FAILED  # e.g. PEER_LOST when its daemon died
 
 
 @dataclass(frozen=True)
@@ -67,7 +86,7 @@ class CancelConfirmed:
 
     transfer_id: str
     attempt: int
-    producer_rank: int
+    producer: int
     now: float
 
 
@@ -89,13 +108,6 @@ class Tick:
 
 
 @dataclass(frozen=True)
-class _Deadline:
-    """Internal: the record's scheduled deadline passed."""
-
-    now: float
-
-
-@dataclass(frozen=True)
 class _Supersede:
     """Internal: a newer Expect for the same transfer arrived."""
 
@@ -109,10 +121,12 @@ Event = Expect | Notified | ProducerFailed | CancelConfirmed | Abort | Tick
 
 @dataclass(frozen=True)
 class Accepted:
-    """The registration is live: forward it to the producers now (sent once)."""
+    """The registration is live: forward ``forwards[i]`` to ``endpoints[i]`` now (once)."""
 
     transfer_id: str
     attempt: int
+    forwards: tuple[Any, ...] = ()
+    endpoints: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -130,6 +144,7 @@ class Fail:
     transfer_id: str
     attempt: int
     reason: str
+    cause: Cause = Cause.INVALID
 
 
 @dataclass(frozen=True)
@@ -147,6 +162,7 @@ class SendCancel:
     transfer_id: str
     attempt: int
     reason: str
+    cause: Cause = Cause.ABORTED
 
 
 Action = Accepted | Complete | Fail | Release | SendCancel
@@ -154,11 +170,12 @@ Action = Accepted | Complete | Fail | Release | SendCancel
 # --------------------------------------------------------------------------- states
 
 
-class State(enum.Enum):
+class State(enum.StrEnum):
     """Per-(transfer, attempt) states. COMPLETED, FAILED and RELEASED are tombstones,
-    kept ``tombstone_s`` so late duplicates are recognised, then purged."""
+    kept ``tombstone_s`` so late duplicates are recognised, then purged. Every live state
+    has at least one producer unresolved (otherwise its row would have left it)."""
 
-    WAITING = "waiting"  # counting notifications
+    WAITING = "waiting"  # counting notifications; every resolved producer notified
     FAILING = "failing"  # a producer failed; cancelled the rest, Fail once all answered
     ABORTING = "aborting"  # engine aborted; Release once all producers answered
     SUPERSEDED = "superseded"  # a newer attempt exists; forgotten once all answered
@@ -167,16 +184,16 @@ class State(enum.Enum):
     RELEASED = "released"
 
 
-_TOMBSTONES = frozenset({State.COMPLETED, State.FAILED, State.RELEASED})
+TOMBSTONES = frozenset({State.COMPLETED, State.FAILED, State.RELEASED})
 
 
 @dataclass(frozen=True)
 class PendingInfo:
-    """One live (transfer, attempt) as ops sees it."""
+    """One (transfer, attempt) as ops sees it."""
 
     transfer_id: str
     attempt: int
-    state: str
+    state: State
     notified: int
     resolved: int  # notified, failed or cancel-confirmed
     producers: int
@@ -184,80 +201,159 @@ class PendingInfo:
     deadline: float
 
 
+@dataclass(frozen=True)
+class Registration:
+    """One registered (transfer, attempt), everything the daemon loop needs about it."""
+
+    transfer_id: str
+    attempt: int
+    state: State
+    live: bool  # not a tombstone: the engine has not heard the outcome yet
+    producers: int
+    endpoints: tuple[str, ...]  # producer i's daemon endpoint (empty if not given)
+    ranks: tuple[int, ...]  # producer i's TP rank (empty if not given)
+    forwards: tuple[Any, ...]
+    since: float
+    deadline: float
+    notified: int
+
+
 @dataclass(eq=False)
-class _Attempt:
+class _Attempt(Record):
     transfer_id: str
     attempt: int
     producers: int
     deadline: float  # hard deadline of this registration
-    created: float
-    state: State | None = None
+    endpoints: tuple[str, ...] = ()
+    ranks: tuple[int, ...] = ()
+    forwards: tuple[Any, ...] = ()
     notified: set[int] = field(default_factory=set)
     resolved: set[int] = field(default_factory=set)
-    reason: str = ""
+    reason: str = ""  # the first producer failure
+    cause: Cause = Cause.PRODUCER_FAILED
 
 
-Handler = Callable[..., None]
 _Key = tuple[str, int]
 
 
-class CompletionCounter:
+def _hard_deadline(rec: _Attempt) -> float:
+    return rec.deadline
+
+
+#: Every live state waits at most until the registration's hard deadline.
+DEADLINES = {s: _hard_deadline for s in State if s not in TOMBSTONES}
+
+
+class CompletionCounter(Core[_Key, _Attempt]):
     """Counts producer notifications per (transfer, attempt); see the module docstring.
 
     ``handle`` is O(1) amortised per event; expiry is O(expired · log n) and a heap
-    peek when nothing is due.
+    peek when nothing is due. ``max_attempts`` bounds the live records (None: unbounded).
     """
 
-    def __init__(self, *, tombstone_s: float = 60.0) -> None:
-        self.tombstone_s = tombstone_s
-        self._recs: dict[_Key, _Attempt] = {}
+    def __init__(self, *, tombstone_s: float = 60.0, max_attempts: int | None = None) -> None:
+        super().__init__(TABLE, TOMBSTONES, DEADLINES, tombstone_s=tombstone_s, max_live=max_attempts)
         self._current: dict[str, int] = {}  # newest attempt per transfer
-        self._deadlines: Deadlines[_Key] = Deadlines()
-        self._now = float("-inf")
-        self._counts: dict[State, int] = {s: 0 for s in State}
 
     # ------------------------------------------------------------------ public API
 
-    def handle(self, ev: Event) -> list[Action]:
-        """Apply one event; return the actions to carry out, in order.
-
-        Expiry runs before and after the event, so nothing is counted after its
-        deadline and nothing due at ``ev.now`` is left waiting.
-        """
-        self._now = max(self._now, ev.now)
-        out: list[Action] = []
-        self._expire(out)
-        if isinstance(ev, Expect):
-            self._expect(ev, out)
-        elif not isinstance(ev, Tick):
-            rec = self._recs.get((ev.transfer_id, ev.attempt))
-            self._dispatch(rec, ev, out)
-        self._expire(out)
-        return out
-
-    def pending(self, now: float | None = None) -> list[PendingInfo]:
-        """Live (non-tombstone) attempts, oldest first. O(n): for ops only."""
-        t = self._now if now is None else now
-        rows = [self._info(r, t) for r in self._recs.values() if r.state not in _TOMBSTONES]
-        return sorted(rows, key=lambda i: -i.age)
-
     def info(self, transfer_id: str, attempt: int, now: float | None = None) -> PendingInfo | None:
         """One (transfer, attempt), tombstones included."""
-        rec = self._recs.get((transfer_id, attempt))
-        return None if rec is None else self._info(rec, self._now if now is None else now)
+        return self._view((transfer_id, attempt), now)  # type: ignore[no-any-return]
 
-    def counts(self) -> dict[str, int]:
-        """Number of attempts per state (tombstones included)."""
-        return {s.value: n for s, n in self._counts.items()}
+    def current(self, transfer_id: str) -> int | None:
+        """The newest accepted attempt of the transfer still on record."""
+        return self._current.get(transfer_id)
 
-    # ------------------------------------------------------------ bookkeeping
+    def live(self, transfer_id: str) -> bool:
+        """The transfer's newest attempt is registered and its outcome not yet told."""
+        cur = self._current.get(transfer_id)
+        return cur is not None and self._is_live((transfer_id, cur))
+
+    def registration(self, transfer_id: str, attempt: int | None = None) -> Registration | None:
+        """That attempt (None: the newest) while on record, tombstones included."""
+        rec = self._rec(transfer_id, attempt)
+        if rec is None:
+            return None
+        return Registration(
+            transfer_id=rec.transfer_id,
+            attempt=rec.attempt,
+            state=rec.state,
+            live=rec.state not in TOMBSTONES,
+            producers=rec.producers,
+            endpoints=rec.endpoints,
+            ranks=rec.ranks,
+            forwards=rec.forwards,
+            since=rec.created,
+            deadline=rec.deadline,
+            notified=len(rec.notified),
+        )
+
+    def producer_index(self, transfer_id: str, endpoint: str, attempt: int | None = None) -> int | None:
+        """Which producer of that attempt (None: the newest) ``endpoint`` is."""
+        rec = self._rec(transfer_id, attempt)
+        if rec is None or endpoint not in rec.endpoints:
+            return None
+        return rec.endpoints.index(endpoint)
+
+    def rank_index(self, transfer_id: str, rank: int, attempt: int | None = None) -> int | None:
+        """Which producer of that attempt (None: the newest) TP rank ``rank`` is."""
+        rec = self._rec(transfer_id, attempt)
+        if rec is None or rank not in rec.ranks:
+            return None
+        return rec.ranks.index(rank)
+
+    def waiting_on(self, endpoint: str) -> list[tuple[str, int, int]]:
+        """(transfer, attempt, producer index) of every live attempt, current or older,
+        that has not heard from the producer at ``endpoint`` yet: what to fail when that
+        prefill daemon is gone."""
+        out = []
+        for key in self._index_get(endpoint):
+            rec = self._recs[key]
+            if rec.state in TOMBSTONES:
+                continue
+            for i, ep in enumerate(rec.endpoints):
+                if ep == endpoint and i not in rec.resolved:
+                    out.append((rec.transfer_id, rec.attempt, i))
+        return sorted(out)
+
+    # ------------------------------------------------------------ Core hooks
+
+    def _rec(self, transfer_id: str, attempt: int | None) -> _Attempt | None:
+        if attempt is None:
+            attempt = self._current.get(transfer_id)
+            if attempt is None:
+                return None
+        return self._recs.get((transfer_id, attempt))
+
+    def _route(self, ev: object) -> Iterable[_Key]:
+        if isinstance(ev, Tick):
+            return ()
+        return ((ev.transfer_id, ev.attempt),)  # type: ignore[attr-defined]
+
+    def _create(self, key: _Key, ev: Expect) -> _Attempt:
+        rec = _Attempt(
+            transfer_id=ev.transfer_id,
+            attempt=ev.attempt,
+            producers=ev.producers,
+            deadline=ev.deadline,
+            endpoints=tuple(ev.endpoints),
+            ranks=tuple(ev.ranks),
+            forwards=tuple(ev.forwards),
+        )
+        for ep in set(rec.endpoints):
+            self._index_add(key, rec, ep)
+        return rec
+
+    def _forgotten(self, key: _Key, rec: _Attempt) -> None:
+        if self._current.get(rec.transfer_id) == rec.attempt:
+            del self._current[rec.transfer_id]
 
     def _info(self, rec: _Attempt, now: float) -> PendingInfo:
-        assert rec.state is not None
         return PendingInfo(
             transfer_id=rec.transfer_id,
             attempt=rec.attempt,
-            state=rec.state.value,
+            state=rec.state,
             notified=len(rec.notified),
             resolved=len(rec.resolved),
             producers=rec.producers,
@@ -265,200 +361,196 @@ class CompletionCounter:
             deadline=rec.deadline,
         )
 
-    def _dispatch(self, rec: _Attempt | None, ev: Any, out: list[Action]) -> None:
-        _TABLE[(rec.state if rec is not None else None, type(ev))](self, rec, ev, out)
 
-    def _expire(self, out: list[Action]) -> None:
-        """Dispatch a deadline event to every record due at ``now``."""
-        for key in self._deadlines.pop_due(self._now):
-            self._dispatch(self._recs[key], _Deadline(self._now), out)
-
-    def _schedule(self, rec: _Attempt, due: float) -> None:
-        self._deadlines.set((rec.transfer_id, rec.attempt), due)
-
-    def _set_state(self, rec: _Attempt, new: State) -> None:
-        """Move to ``new``; tombstones are purged later, live states end by the deadline."""
-        old = rec.state
-        if old is new:
-            return
-        if old is not None:
-            self._counts[old] -= 1
-        self._counts[new] += 1
-        rec.state = new
-        due = self._now + self.tombstone_s if new in _TOMBSTONES else rec.deadline
-        self._schedule(rec, due)
-
-    def _drop(self, rec: _Attempt, ev: Any = None, out: list[Action] | None = None) -> None:
-        """Forget the record (tombstone time over, or a superseded attempt settled)."""
-        key = (rec.transfer_id, rec.attempt)
-        del self._recs[key]
-        assert rec.state is not None
-        self._counts[rec.state] -= 1
-        if self._current.get(rec.transfer_id) == rec.attempt:
-            del self._current[rec.transfer_id]
-        self._deadlines.set(key, None)
-
-    def _unresolved(self, rec: _Attempt) -> bool:
-        return len(rec.resolved) < rec.producers
-
-    def _cancel_rest(self, rec: _Attempt, reason: str, out: list[Action]) -> None:
-        """Stop producers that may still write (they may otherwise write late)."""
-        if self._unresolved(rec):
-            out.append(SendCancel(rec.transfer_id, rec.attempt, reason))
-
-    def _settle(self, rec: _Attempt, out: list[Action]) -> None:
-        """Finish a state whose wait is over."""
-        if rec.state is State.WAITING:
-            if len(rec.notified) == rec.producers:
-                out.append(Complete(rec.transfer_id, rec.attempt))
-                self._set_state(rec, State.COMPLETED)
-        elif not self._unresolved(rec):
-            if rec.state is State.FAILING:
-                out.append(Fail(rec.transfer_id, rec.attempt, rec.reason))
-                self._set_state(rec, State.FAILED)
-            elif rec.state is State.ABORTING:
-                out.append(Release(rec.transfer_id, rec.attempt))
-                self._set_state(rec, State.RELEASED)
-            elif rec.state is State.SUPERSEDED:
-                self._drop(rec)
-
-    # ------------------------------------------------------------------- Expect
-
-    def _expect(self, ev: Expect, out: list[Action]) -> None:
-        """Not per record: creates one, superseding the transfer's older attempt."""
-        tid, attempt = ev.transfer_id, ev.attempt
-        if (tid, attempt) in self._recs:
-            return  # duplicate
-        if attempt < 0 or ev.producers < 1:
-            out.append(Fail(tid, attempt, "invalid registration"))
-            return
-        if ev.deadline <= self._now:
-            out.append(Fail(tid, attempt, "registration deadline already passed"))
-            return
-        cur = self._current.get(tid)
-        if cur is not None and attempt < cur:
-            out.append(Fail(tid, attempt, f"stale attempt: attempt {cur} is newer"))
-            return
-        if cur is not None:
-            old = self._recs.get((tid, cur))
-            if old is not None:
-                self._dispatch(old, _Supersede(attempt), out)
-        rec = _Attempt(tid, attempt, ev.producers, ev.deadline, self._now)
-        self._recs[(tid, attempt)] = rec
-        self._current[tid] = attempt
-        self._set_state(rec, State.WAITING)
-        out.append(Accepted(tid, attempt))
-
-    # ------------------------------------------------------------------ handlers
-
-    def _resolve(self, rec: _Attempt, ev: Any, out: list[Action]) -> bool:
-        """Count one producer's final word; False for out-of-range ranks and duplicates."""
-        p = ev.producer_rank
-        if not 0 <= p < rec.producers or p in rec.resolved:
-            return False
-        rec.resolved.add(p)
-        if isinstance(ev, Notified):
-            rec.notified.add(p)
-        elif not rec.reason:
-            why = ev.reason if isinstance(ev, ProducerFailed) else "cancelled"
-            rec.reason = f"producer {p}: {why}"
-        return True
-
-    def _on_result(self, rec: _Attempt, ev: Any, out: list[Action]) -> None:
-        """FAILING / ABORTING / SUPERSEDED: any final word counts the same."""
-        if self._resolve(rec, ev, out):
-            self._settle(rec, out)
-
-    def _notified(self, rec: _Attempt, ev: Notified, out: list[Action]) -> None:
-        if self._resolve(rec, ev, out):
-            self._settle(rec, out)
-
-    def _producer_gone(
-        self, rec: _Attempt, ev: ProducerFailed | CancelConfirmed, out: list[Action]
-    ) -> None:
-        """WAITING: one producer will not write, so this attempt cannot complete."""
-        if self._resolve(rec, ev, out):
-            self._set_state(rec, State.FAILING)
-            self._cancel_rest(rec, rec.reason, out)
-            self._settle(rec, out)
-
-    def _abort(self, rec: _Attempt, ev: Abort, out: list[Action]) -> None:
-        if rec.state is State.WAITING:  # FAILING / SUPERSEDED already sent their cancel
-            self._cancel_rest(rec, f"aborted: {ev.reason}", out)
-        self._set_state(rec, State.ABORTING)
-        self._settle(rec, out)
-
-    def _abort_unknown(self, rec: None, ev: Abort, out: list[Action]) -> None:
-        """Nothing registered (or long settled) for this attempt: blocks are free."""
-        out.append(Release(ev.transfer_id, ev.attempt))
-
-    def _release_now(self, rec: _Attempt, ev: Any, out: list[Action]) -> None:
-        """Abort after Complete/Fail, or ABORTING's hard deadline: free the blocks."""
-        out.append(Release(rec.transfer_id, rec.attempt))
-        self._set_state(rec, State.RELEASED)
-
-    def _supersede(self, rec: _Attempt, ev: _Supersede, out: list[Action]) -> None:
-        if rec.state is State.WAITING:
-            self._cancel_rest(rec, f"superseded by attempt {ev.attempt}", out)
-        self._set_state(rec, State.SUPERSEDED)
-        self._settle(rec, out)
-
-    def _timeout(self, rec: _Attempt, ev: _Deadline, out: list[Action]) -> None:
-        missing = rec.producers - len(rec.notified)
-        why = f"timed out waiting for {missing} of {rec.producers} producers"
-        out.append(Fail(rec.transfer_id, rec.attempt, why))
-        self._cancel_rest(rec, why, out)
-        self._set_state(rec, State.FAILED)
-
-    def _fail_now(self, rec: _Attempt, ev: _Deadline, out: list[Action]) -> None:
-        out.append(Fail(rec.transfer_id, rec.attempt, rec.reason))
-        self._set_state(rec, State.FAILED)
-
-    def _ignore(self, rec: _Attempt | None, ev: Any, out: list[Action]) -> None:
-        return
+# ============================================================================ guards
+# Pure predicates over (core, record, event), evaluated before any step of the row.
 
 
-# ------------------------------------------------------------------------ the table
-# Every transition of a (transfer, attempt), in one place (Expect and Tick are handled
-# by ``handle``: Expect creates records and sends _Supersede through this table).
+def invalid(cc: CompletionCounter, rec: None, ev: Expect) -> bool:
+    sized = (ev.endpoints, ev.ranks, ev.forwards)
+    return ev.attempt < 0 or ev.producers < 1 or any(t and len(t) != ev.producers for t in sized)
 
-_C = CompletionCounter
+
+def late(cc: CompletionCounter, rec: None, ev: Expect) -> bool:
+    return ev.deadline <= cc.now
+
+
+def stale(cc: CompletionCounter, rec: None, ev: Expect) -> bool:
+    """An older attempt than the transfer's newest: refused."""
+    cur = cc.current(ev.transfer_id)
+    return cur is not None and ev.attempt < cur
+
+
+def overloaded(cc: CompletionCounter, rec: None, ev: Expect) -> bool:
+    return cc.overloaded()
+
+
+def unresolvable(cc: CompletionCounter, rec: _Attempt, ev: Any) -> bool:
+    """An out-of-range producer, or one whose final word was already counted."""
+    p = ev.producer
+    return not 0 <= p < rec.producers or p in rec.resolved
+
+
+def completes(cc: CompletionCounter, rec: _Attempt, ev: Notified) -> bool:
+    """This notification is the last one missing."""
+    return len(rec.notified) + 1 == rec.producers
+
+
+def last_unresolved(cc: CompletionCounter, rec: _Attempt, ev: Any) -> bool:
+    """This producer is the last one whose final word was missing."""
+    return len(rec.resolved) + 1 == rec.producers
+
+
+# ============================================================================= steps
+# (core, record, event, out): change the record's facts, append actions. No states.
+
+
+def fail_invalid(cc: CompletionCounter, rec: None, ev: Expect, out: list) -> None:
+    out.append(Fail(ev.transfer_id, ev.attempt, "invalid registration", Cause.INVALID))
+
+
+def fail_late(cc: CompletionCounter, rec: None, ev: Expect, out: list) -> None:
+    out.append(Fail(ev.transfer_id, ev.attempt, "registration deadline already passed", Cause.INVALID))
+
+
+def fail_stale(cc: CompletionCounter, rec: None, ev: Expect, out: list) -> None:
+    why = f"stale attempt: attempt {cc.current(ev.transfer_id)} is newer"
+    out.append(Fail(ev.transfer_id, ev.attempt, why, Cause.SUPERSEDED))
+
+
+def fail_overloaded(cc: CompletionCounter, rec: None, ev: Expect, out: list) -> None:
+    out.append(Fail(ev.transfer_id, ev.attempt, "overloaded", Cause.OVERLOADED))
+
+
+def take_over(cc: CompletionCounter, rec: _Attempt, ev: Expect, out: list) -> None:
+    """This attempt becomes the transfer's newest; the older one hears through its own
+    row of the table (``_Supersede``)."""
+    older = cc._current.get(rec.transfer_id)
+    cc._current[rec.transfer_id] = rec.attempt
+    if older is not None and cc._get((rec.transfer_id, older)) is not None:
+        cc._dispatch((rec.transfer_id, older), _Supersede(rec.attempt), out)
+
+
+def accept(cc: CompletionCounter, rec: _Attempt, ev: Expect, out: list) -> None:
+    out.append(Accepted(rec.transfer_id, rec.attempt, rec.forwards, rec.endpoints))
+
+
+def resolve(cc: CompletionCounter, rec: _Attempt, ev: Any, out: list) -> None:
+    """Count one producer's final word (the row's guard ruled out repeats)."""
+    p = ev.producer
+    rec.resolved.add(p)
+    if isinstance(ev, Notified):
+        rec.notified.add(p)
+    elif not rec.reason:
+        why = ev.reason if isinstance(ev, ProducerFailed) else "cancelled"
+        rec.reason = f"producer {p}: {why}"
+        rec.cause = ev.cause if isinstance(ev, ProducerFailed) else Cause.CANCELLED
+
+
+def _cancel_rest(rec: _Attempt, reason: str, cause: Cause, out: list) -> None:
+    """Stop producers that may still write (they may otherwise write late)."""
+    if len(rec.resolved) < rec.producers:
+        out.append(SendCancel(rec.transfer_id, rec.attempt, reason, cause))
+
+
+def cancel_failed(cc: CompletionCounter, rec: _Attempt, ev: Any, out: list) -> None:
+    _cancel_rest(rec, rec.reason, rec.cause, out)
+
+
+def cancel_aborted(cc: CompletionCounter, rec: _Attempt, ev: Abort, out: list) -> None:
+    _cancel_rest(rec, f"aborted: {ev.reason}", Cause.ABORTED, out)
+
+
+def cancel_superseded(cc: CompletionCounter, rec: _Attempt, ev: _Supersede, out: list) -> None:
+    _cancel_rest(rec, f"superseded by attempt {ev.attempt}", Cause.SUPERSEDED, out)
+
+
+def complete(cc: CompletionCounter, rec: _Attempt, ev: Any, out: list) -> None:
+    out.append(Complete(rec.transfer_id, rec.attempt))
+
+
+def fail(cc: CompletionCounter, rec: _Attempt, ev: Any, out: list) -> None:
+    out.append(Fail(rec.transfer_id, rec.attempt, rec.reason, rec.cause))
+
+
+def fail_timeout(cc: CompletionCounter, rec: _Attempt, ev: _Deadline, out: list) -> None:
+    missing = rec.producers - len(rec.notified)
+    why = f"timed out waiting for {missing} of {rec.producers} producers"
+    out.append(Fail(rec.transfer_id, rec.attempt, why, Cause.TIMEOUT))
+    _cancel_rest(rec, why, Cause.TIMEOUT, out)
+
+
+def release(cc: CompletionCounter, rec: _Attempt, ev: Any, out: list) -> None:
+    out.append(Release(rec.transfer_id, rec.attempt))
+
+
+def release_unknown(cc: CompletionCounter, rec: None, ev: Abort, out: list) -> None:
+    """Nothing registered (or long settled) for this attempt: the blocks are free."""
+    out.append(Release(ev.transfer_id, ev.attempt))
+
+
+# ========================================================================= the table
+
 _WT, _FG, _AB, _SU = State.WAITING, State.FAILING, State.ABORTING, State.SUPERSEDED
 _CO, _FD, _RL = State.COMPLETED, State.FAILED, State.RELEASED
-_RESULTS = (Notified, ProducerFailed, CancelConfirmed)
+_GONE = (ProducerFailed, CancelConfirmed)  # a producer that will not write
+_RESULTS = (Notified, *_GONE)
+_CURRENT_ONLY = "only the newest attempt is superseded, and a SUPERSEDED one is not the newest"
 
-_TABLE: dict[tuple[State | None, type], Handler] = {
-    # no record: results are stale or unknown; an abort frees at once
-    **{(None, e): _C._ignore for e in _RESULTS},
-    (None, Abort): _C._abort_unknown,
-    # WAITING
-    (_WT, Notified): _C._notified,
-    (_WT, ProducerFailed): _C._producer_gone,
-    (_WT, CancelConfirmed): _C._producer_gone,
-    (_WT, Abort): _C._abort,
-    (_WT, _Supersede): _C._supersede,
-    (_WT, _Deadline): _C._timeout,
-    # FAILING
-    **{(_FG, e): _C._on_result for e in _RESULTS},
-    (_FG, Abort): _C._abort,  # the engine gets Release instead of Fail
-    (_FG, _Supersede): _C._supersede,
-    (_FG, _Deadline): _C._fail_now,
-    # ABORTING: Release is owed whatever happens
-    **{(_AB, e): _C._on_result for e in _RESULTS},
-    (_AB, Abort): _C._ignore,
-    (_AB, _Supersede): _C._ignore,
-    (_AB, _Deadline): _C._release_now,
-    # SUPERSEDED: no engine output unless the engine aborts this attempt
-    **{(_SU, e): _C._on_result for e in _RESULTS},
-    (_SU, Abort): _C._abort,
-    (_SU, _Supersede): _C._ignore,
-    (_SU, _Deadline): _C._drop,
-    # tombstones
-    **{(s, e): _C._ignore for s in (_CO, _FD, _RL) for e in _RESULTS},
-    (_CO, Abort): _C._release_now,  # all producers notified: nothing in flight
-    (_FD, Abort): _C._release_now,  # Fail came only once all answered or at the deadline
-    (_RL, Abort): _C._ignore,
-    **{(s, _Supersede): _C._ignore for s in (_CO, _FD, _RL)},
-    **{(s, _Deadline): _C._drop for s in (_CO, _FD, _RL)},
-}
-del _C, _WT, _FG, _AB, _SU, _CO, _FD, _RL
+TABLE = Table(State, (Expect, *_RESULTS, Abort, _Supersede, _Deadline), [
+    # --- no record --------------------------------------------------------------------
+    row(None, Expect, invalid, None, fail_invalid),
+    row(None, Expect, late, None, fail_late),
+    row(None, Expect, stale, None, fail_stale),
+    row(None, Expect, overloaded, None, fail_overloaded),
+    row(None, Expect, None, _WT, take_over, accept),
+    *[row(None, e, None, None) for e in _RESULTS],  # stale or unknown
+    row(None, Abort, None, None, release_unknown),
+    row(None, _Supersede, None, None, unreachable="the newest attempt is on record"),
+    row(None, _Deadline, None, None, unreachable="a forgotten record has no deadline"),
+    # a repeated Expect of an attempt on record is a duplicate
+    *[row(s, Expect, None, s) for s in State],
+
+    # --- WAITING: counting ------------------------------------------------------------
+    *[row(_WT, e, unresolvable, _WT) for e in _RESULTS],
+    row(_WT, Notified, completes, _CO, resolve, complete),
+    row(_WT, Notified, None, _WT, resolve),
+    *[row(_WT, e, last_unresolved, _FD, resolve, fail) for e in _GONE],
+    *[row(_WT, e, None, _FG, resolve, cancel_failed) for e in _GONE],
+    row(_WT, Abort, None, _AB, cancel_aborted),
+    row(_WT, _Supersede, None, _SU, cancel_superseded),
+    row(_WT, _Deadline, None, _FD, fail_timeout),
+
+    # --- FAILING: Fail once every producer answered --------------------------------------
+    *[row(_FG, e, unresolvable, _FG) for e in _RESULTS],
+    *[row(_FG, e, last_unresolved, _FD, resolve, fail) for e in _RESULTS],
+    *[row(_FG, e, None, _FG, resolve) for e in _RESULTS],
+    row(_FG, Abort, None, _AB),  # the engine gets Release instead of Fail
+    row(_FG, _Supersede, None, _SU),
+    row(_FG, _Deadline, None, _FD, fail),
+
+    # --- ABORTING: Release is owed whatever happens ---------------------------------------
+    *[row(_AB, e, unresolvable, _AB) for e in _RESULTS],
+    *[row(_AB, e, last_unresolved, _RL, resolve, release) for e in _RESULTS],
+    *[row(_AB, e, None, _AB, resolve) for e in _RESULTS],
+    row(_AB, Abort, None, _AB),
+    row(_AB, _Supersede, None, _AB),
+    row(_AB, _Deadline, None, _RL, release),
+
+    # --- SUPERSEDED: no engine output unless the engine aborts this attempt ---------------
+    *[row(_SU, e, unresolvable, _SU) for e in _RESULTS],
+    *[row(_SU, e, last_unresolved, None, resolve) for e in _RESULTS],
+    *[row(_SU, e, None, _SU, resolve) for e in _RESULTS],
+    row(_SU, Abort, None, _AB),
+    row(_SU, _Supersede, None, _SU, unreachable=_CURRENT_ONLY),
+    row(_SU, _Deadline, None, None),
+
+    # --- tombstones -------------------------------------------------------------------
+    *[row(s, e, None, s) for s in (_CO, _FD, _RL) for e in _RESULTS],
+    row(_CO, Abort, None, _RL, release),  # all producers notified: nothing in flight
+    row(_FD, Abort, None, _RL, release),  # Fail came only once all answered or at the deadline
+    row(_RL, Abort, None, _RL),
+    *[row(s, _Supersede, None, s) for s in (_CO, _FD, _RL)],
+    *[row(s, _Deadline, None, None) for s in (_CO, _FD, _RL)],  # tombstone time is over
+])  # fmt: skip
+del _WT, _FG, _AB, _SU, _CO, _FD, _RL

@@ -5,10 +5,11 @@ decode registrations, prefill completion, write results, aborts and deadlines ca
 property-tested in isolation. The daemon feeds it events carrying ``now`` and carries
 out the actions it returns.
 
-Every transition lives in one table, ``_TABLE`` at the end of this module, keyed by
-``(state, event type)`` (``None`` = no record for that transfer). Handlers mutate the
-record's facts; :meth:`Rendezvous._settle` then derives the state from those facts, so
-a state can never disagree with what is actually registered, started or in flight.
+Every transition is one row of ``TABLE`` at the end of this module,
+``(state, event type, guard) -> (new state, steps)`` (``None`` = no record for that
+transfer); see :mod:`kvpush.daemon.core` for how rows are picked. Guards are named pure
+predicates over the record's facts and the event; steps only change those facts and emit
+actions, so the legal transitions, and the actions each one carries, read off the table.
 
 Safety rules the table upholds (each one is a bug seen in other systems):
 
@@ -25,11 +26,16 @@ Safety rules the table upholds (each one is a bug seen in other systems):
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
-from kvpush.daemon.deadlines import Deadlines
+from kvpush.daemon.core import Cause, Core, Record, Table, _Deadline, row
+
+__all__ = [
+    "Abort", "Action", "Cause", "ConfirmCancel", "Event", "NotifyFailure", "PeerLost",
+    "PendingInfo", "PrefillDone", "Register", "ReleaseBlocks", "Rendezvous", "StartWrite",
+    "State", "TABLE", "TOMBSTONES", "Tick", "WriteDone", "WriteFailed",
+]
 
 # --------------------------------------------------------------------------- events
 
@@ -80,6 +86,7 @@ class WriteFailed:
     dest_rank: int
     reason: str
     now: float
+    cause: Cause = Cause.WRITE_FAILED  # e.g. TIMEOUT when the WRITE ran past its limit
 
 
 @dataclass(frozen=True)
@@ -114,13 +121,6 @@ class Tick:
     now: float
 
 
-@dataclass(frozen=True)
-class _Deadline:
-    """Internal: the record's scheduled deadline passed (dispatched through the table)."""
-
-    now: float
-
-
 Event = Register | PrefillDone | WriteDone | WriteFailed | Abort | PeerLost | Tick
 
 # -------------------------------------------------------------------------- actions
@@ -148,6 +148,7 @@ class ReleaseBlocks:
     block_ids: tuple[int, ...]
     ok: bool
     reason: str
+    cause: Cause = Cause.OK
 
 
 @dataclass(frozen=True)
@@ -159,6 +160,7 @@ class NotifyFailure:
     peer: str
     dest_rank: int
     reason: str
+    cause: Cause = Cause.INVALID
 
 
 @dataclass(frozen=True)
@@ -175,29 +177,30 @@ Action = StartWrite | ReleaseBlocks | NotifyFailure | ConfirmCancel
 # --------------------------------------------------------------------------- states
 
 
-class State(enum.Enum):
-    """Per-transfer states. DONE, FAILED and EXPIRED are tombstones: kept ``tombstone_s``
-    so that late duplicates are recognised, then purged."""
+class State(enum.StrEnum):
+    """Per-transfer states and the facts each one implies (the table keeps them true).
+    DONE, FAILED and EXPIRED are tombstones: kept ``tombstone_s`` so that late duplicates
+    are recognised, then purged."""
 
-    WAIT_PREFILL = "wait_prefill"  # live registrations, no prefill yet
-    WAIT_REGISTER = "wait_register"  # prefill held, current attempt incomplete or dead
-    WRITING = "writing"  # prefill held, every destination registered and started
-    DRAINING = "draining"  # outcome decided, waiting for in-flight writes to finish
+    WAIT_PREFILL = "wait_prefill"  # no prefill; the current attempt is live with registrations
+    WAIT_REGISTER = "wait_register"  # prefill held; current attempt incomplete or dead
+    WRITING = "writing"  # prefill held; every destination registered, started, >= 1 in flight
+    DRAINING = "draining"  # verdict decided, waiting for in-flight writes to finish
     DONE = "done"  # blocks released ok
     FAILED = "failed"  # blocks released not ok, or aborted before prefill
     EXPIRED = "expired"  # no prefill and no live registration left
 
 
-_TOMBSTONES = frozenset({State.DONE, State.FAILED, State.EXPIRED})
+TOMBSTONES = frozenset({State.DONE, State.FAILED, State.EXPIRED})
 
 
 @dataclass(frozen=True)
 class PendingInfo:
-    """One live transfer as ops sees it (``kvpushctl pending``)."""
+    """One transfer as ops sees it (``kvpushctl pending``)."""
 
     transfer_id: str
     attempt: int  # -1: no registration yet
-    state: str
+    state: State
     blocks: int  # source blocks held (0 before prefill)
     registered: int  # registrations of the current attempt
     expected: int  # destinations the current attempt needs
@@ -221,13 +224,19 @@ class _Flight:
     confirm: bool = False  # the peer cancelled: answer ConfirmCancel when this ends
 
 
+@dataclass(frozen=True)
+class _Verdict:
+    """How the blocks go back once nothing reads them: ReleaseBlocks(ok, reason, cause)."""
+
+    ok: bool
+    reason: str
+    cause: Cause
+
+
 @dataclass(eq=False)
-class _Transfer:
+class _Transfer(Record):
     transfer_id: str
-    created: float
-    state: State | None = None
     prefill: PrefillDone | None = None
-    released: bool = False
     attempt: int = -1
     live: bool = False  # the current attempt may still write and complete
     expected: int = 0
@@ -235,14 +244,32 @@ class _Transfer:
     started: set[int] = field(default_factory=set)  # current attempt
     done: set[int] = field(default_factory=set)  # current attempt
     inflight: dict[tuple[int, int], _Flight] = field(default_factory=dict)  # (attempt, dest)
-    outcome: tuple[bool, str] | None = None  # decided ReleaseBlocks(ok, reason)
-    peers: set[str] = field(default_factory=set)  # every peer that registered (index cleanup)
+    verdict: _Verdict | None = None
 
 
-Handler = Callable[..., None]
+def _earliest_registration(rec: _Transfer) -> float:
+    return min(r.deadline for r in rec.regs.values())
 
 
-class Rendezvous:
+def _lease(rec: _Transfer) -> float:
+    assert rec.prefill is not None
+    return rec.prefill.lease_deadline
+
+
+def _none(rec: _Transfer) -> None:
+    return None  # the transport always answers a write
+
+
+#: What each live state waits for before giving up (tombstones: ``tombstone_s``).
+DEADLINES = {
+    State.WAIT_PREFILL: _earliest_registration,
+    State.WAIT_REGISTER: _lease,
+    State.WRITING: _none,
+    State.DRAINING: _none,
+}
+
+
+class Rendezvous(Core[str, _Transfer]):
     """Matches decode registrations with prefill completions; see the module docstring.
 
     ``handle`` is O(1) amortised per event (O(destinations) for a transfer's own
@@ -250,59 +277,39 @@ class Rendezvous:
     """
 
     def __init__(self, *, tombstone_s: float = 60.0, max_transfers: int = 100_000) -> None:
-        self.tombstone_s = tombstone_s
-        self.max_transfers = max_transfers
-        self._t: dict[str, _Transfer] = {}
-        self._by_peer: dict[str, set[str]] = {}
-        self._deadlines: Deadlines[str] = Deadlines()
-        self._now = float("-inf")
-        self._counts: dict[State, int] = {s: 0 for s in State}
-        self._live = 0
+        super().__init__(TABLE, TOMBSTONES, DEADLINES, tombstone_s=tombstone_s, max_live=max_transfers)
+
+    @property
+    def max_transfers(self) -> int | None:
+        return self.max_live
 
     # ------------------------------------------------------------------ public API
 
-    def handle(self, ev: Event) -> list[Action]:
-        """Apply one event; return the actions to carry out, in order.
-
-        Expiry runs before and after the event so that no event ever sees (or leaves)
-        an entry whose deadline has already passed at ``ev.now``.
-        """
-        self._now = max(self._now, ev.now)
-        out: list[Action] = []
-        self._expire(out)
-        if isinstance(ev, PeerLost):
-            for tid in sorted(self._by_peer.pop(ev.peer, ())):
-                rec = self._t.get(tid)
-                if rec is not None:
-                    self._dispatch(rec, ev, out)
-        elif not isinstance(ev, Tick):
-            self._dispatch(self._t.get(ev.transfer_id), ev, out)
-        self._expire(out)
-        return out
-
-    def pending(self, now: float | None = None) -> list[PendingInfo]:
-        """Live (non-tombstone) transfers, oldest first. O(n): for ops, not the hot path."""
-        t = self._now if now is None else now
-        rows = [self._info(r, t) for r in self._t.values() if r.state not in _TOMBSTONES]
-        return sorted(rows, key=lambda i: -i.age)
-
     def info(self, transfer_id: str, now: float | None = None) -> PendingInfo | None:
         """One transfer, tombstones included."""
-        rec = self._t.get(transfer_id)
-        return None if rec is None else self._info(rec, self._now if now is None else now)
+        return self._view(transfer_id, now)  # type: ignore[no-any-return]
 
-    def counts(self) -> dict[str, int]:
-        """Number of transfers per state (tombstones included)."""
-        return {s.value: n for s, n in self._counts.items()}
+    def live(self, transfer_id: str) -> bool:
+        """The transfer is known and not a tombstone (it may still write or release)."""
+        return self._is_live(transfer_id)
 
-    # ------------------------------------------------------------ bookkeeping
+    # ------------------------------------------------------------ Core hooks
+
+    def _route(self, ev: object) -> Iterable[str]:
+        if isinstance(ev, PeerLost):
+            return sorted(self._index_pop(ev.peer))
+        if isinstance(ev, Tick):
+            return ()
+        return (ev.transfer_id,)  # type: ignore[attr-defined]
+
+    def _create(self, key: str, ev: object) -> _Transfer:
+        return _Transfer(transfer_id=key)
 
     def _info(self, rec: _Transfer, now: float) -> PendingInfo:
-        assert rec.state is not None
         return PendingInfo(
             transfer_id=rec.transfer_id,
             attempt=rec.attempt,
-            state=rec.state.value,
+            state=rec.state,
             blocks=len(rec.prefill.block_ids) if rec.prefill is not None else 0,
             registered=len(rec.regs) if rec.live else 0,
             expected=rec.expected,
@@ -311,376 +318,481 @@ class Rendezvous:
             deadline=self._deadlines.get(rec.transfer_id),
         )
 
-    def _dispatch(self, rec: _Transfer | None, ev: Any, out: list[Action]) -> None:
-        _TABLE[(rec.state if rec is not None else None, type(ev))](self, rec, ev, out)
 
-    def _expire(self, out: list[Action]) -> None:
-        """Dispatch a deadline event to every record due at ``now``."""
-        for tid in self._deadlines.pop_due(self._now):
-            self._dispatch(self._t[tid], _Deadline(self._now), out)
+# ============================================================================ guards
+# Pure predicates over (core, record, event), evaluated before any step of the row.
 
-    def _schedule(self, rec: _Transfer, deadline: float | None) -> None:
-        self._deadlines.set(rec.transfer_id, deadline)
 
-    def _set_state(self, rec: _Transfer, new: State) -> None:
-        old = rec.state
-        if old is new:
-            return
-        if old is not None:
-            self._counts[old] -= 1
-            self._live -= old not in _TOMBSTONES
-        self._counts[new] += 1
-        self._live += new not in _TOMBSTONES
-        rec.state = new
+def _why_invalid(rv: Rendezvous, ev: Register) -> str | None:
+    if ev.attempt < 0:
+        return "negative attempt"
+    if ev.expected_dests < 1 or not 0 <= ev.dest_rank < ev.expected_dests:
+        return f"dest_rank {ev.dest_rank} outside expected_dests {ev.expected_dests}"
+    if ev.deadline <= rv.now:
+        return "registration deadline already passed"
+    return None
 
-    def _new(self, tid: str) -> _Transfer:
-        rec = _Transfer(transfer_id=tid, created=self._now)
-        self._t[tid] = rec
-        return rec
 
-    def _purge(self, rec: _Transfer, ev: _Deadline, out: list[Action]) -> None:
-        """Tombstone time is over: forget the transfer."""
-        del self._t[rec.transfer_id]
-        assert rec.state is not None
-        self._counts[rec.state] -= 1
-        for p in rec.peers:
-            s = self._by_peer.get(p)
-            if s is not None:
-                s.discard(rec.transfer_id)
-                if not s:
-                    del self._by_peer[p]
-        self._deadlines.set(rec.transfer_id, None)
+def invalid(rv: Rendezvous, rec: _Transfer | None, ev: Register) -> bool:
+    return _why_invalid(rv, ev) is not None
 
-    def _settle(self, rec: _Transfer, out: list[Action]) -> None:
-        """Derive the state from the record's facts and do what entering it implies."""
-        if (
-            rec.outcome is None
-            and rec.live
-            and rec.prefill is not None
-            and len(rec.done) == rec.expected
-        ):
-            rec.outcome = (True, "")
-            rec.live = False
-        new: State
-        if rec.outcome is not None:
-            if rec.inflight:
-                new = State.DRAINING  # never free source blocks NIXL may still read
-            else:
-                if rec.prefill is not None and not rec.released:
-                    rec.released = True
-                    ok, reason = rec.outcome
-                    out.append(ReleaseBlocks(rec.transfer_id, rec.prefill.block_ids, ok, reason))
-                new = State.DONE if rec.outcome[0] else State.FAILED
-        elif rec.prefill is None:
-            new = State.WAIT_PREFILL if rec.live and rec.regs else State.EXPIRED
-        elif rec.live and len(rec.regs) == rec.expected:
-            new = State.WRITING
-        else:
-            new = State.WAIT_REGISTER
-        old = rec.state
-        self._set_state(rec, new)
-        if new is State.WAIT_PREFILL:
-            self._schedule(rec, min(r.deadline for r in rec.regs.values()))
-        elif new is State.WAIT_REGISTER:
-            assert rec.prefill is not None
-            self._schedule(rec, rec.prefill.lease_deadline)
-        elif new in _TOMBSTONES:
-            if old is not new:
-                self._schedule(rec, self._now + self.tombstone_s)
-        else:
-            self._schedule(rec, None)  # WRITING / DRAINING: the transport always answers
 
-    # ------------------------------------------------------------ shared steps
+def overloaded(rv: Rendezvous, rec: _Transfer | None, ev: object) -> bool:
+    return rv.overloaded()
 
-    def _start(self, rec: _Transfer, dest: int, out: list[Action]) -> None:
-        assert rec.prefill is not None and dest not in rec.started
-        reg = rec.regs[dest]
-        rec.started.add(dest)
-        rec.inflight[(rec.attempt, dest)] = _Flight(reg.peer)
+
+def overloaded_newer(rv: Rendezvous, rec: _Transfer, ev: Register) -> bool:
+    """A newer attempt would make this tombstone live again, but there is no room."""
+    return ev.attempt > rec.attempt and rv.overloaded()
+
+
+def stale(rv: Rendezvous, rec: _Transfer, ev: Register) -> bool:
+    """Attempt numbers only grow: an older one is refused."""
+    return ev.attempt < rec.attempt
+
+
+def duplicate(rv: Rendezvous, rec: _Transfer, ev: Register) -> bool:
+    return ev.attempt == rec.attempt and ev.dest_rank in rec.regs
+
+
+def ended(rv: Rendezvous, rec: _Transfer, ev: Register) -> bool:
+    """The current attempt already failed or ended: it takes no new registrations."""
+    return ev.attempt == rec.attempt and not rec.live
+
+
+def inconsistent(rv: Rendezvous, rec: _Transfer, ev: Register) -> bool:
+    return ev.attempt == rec.attempt and ev.expected_dests != rec.expected
+
+
+def repeats_write(rv: Rendezvous, rec: _Transfer, ev: Register) -> bool:
+    """A registration whose write is in flight is answered by that write's end; any
+    earlier word (e.g. "superseded") would let the decode side free blocks NIXL is
+    still writing into."""
+    return (ev.attempt, ev.dest_rank) in rec.inflight
+
+
+def answered(rv: Rendezvous, rec: _Transfer, ev: Register) -> bool:
+    """A repeat of a registration that already got (or will get) its answer."""
+    return repeats_write(rv, rec, ev) or duplicate(rv, rec, ev)
+
+
+def tokens_differ(rv: Rendezvous, rec: _Transfer, ev: Register) -> bool:
+    assert rec.prefill is not None
+    return ev.num_tokens != rec.prefill.num_tokens
+
+
+def completes_set(rv: Rendezvous, rec: _Transfer, ev: Register) -> bool:
+    """With this registration every destination of its attempt is registered."""
+    if ev.attempt == rec.attempt:
+        return len(rec.regs) + 1 == rec.expected
+    return ev.expected_dests == 1
+
+
+def any_tokens_differ(rv: Rendezvous, rec: _Transfer, ev: PrefillDone) -> bool:
+    return any(r.num_tokens != ev.num_tokens for r in rec.regs.values())
+
+
+def all_registered(rv: Rendezvous, rec: _Transfer, ev: object) -> bool:
+    return len(rec.regs) == rec.expected
+
+
+def no_prefill(rv: Rendezvous, rec: _Transfer, ev: object) -> bool:
+    return rec.prefill is None
+
+
+def unknown_write(rv: Rendezvous, rec: _Transfer, ev: WriteDone | WriteFailed) -> bool:
+    """Not a write we started, or one already answered."""
+    return (ev.attempt, ev.dest_rank) not in rec.inflight
+
+
+def last_write(rv: Rendezvous, rec: _Transfer, ev: WriteDone | WriteFailed) -> bool:
+    """This write is the only one still in flight."""
+    return len(rec.inflight) == 1 and (ev.attempt, ev.dest_rank) in rec.inflight
+
+
+def _of_live_attempt(rec: _Transfer, ev: WriteDone | WriteFailed) -> bool:
+    return rec.live and ev.attempt == rec.attempt
+
+
+def fails_attempt(rv: Rendezvous, rec: _Transfer, ev: WriteFailed) -> bool:
+    """A write of the live attempt failed: the transfer fails."""
+    return _of_live_attempt(rec, ev)
+
+
+def fails_attempt_last(rv: Rendezvous, rec: _Transfer, ev: WriteFailed) -> bool:
+    return _of_live_attempt(rec, ev) and last_write(rv, rec, ev)
+
+
+def completes(rv: Rendezvous, rec: _Transfer, ev: WriteDone) -> bool:
+    """The last outstanding write of the live attempt landed: the transfer succeeded."""
+    return _of_live_attempt(rec, ev) and len(rec.done | {ev.dest_rank}) == rec.expected
+
+
+def completes_last(rv: Rendezvous, rec: _Transfer, ev: WriteDone) -> bool:
+    return completes(rv, rec, ev) and last_write(rv, rec, ev)
+
+
+def last_write_ok(rv: Rendezvous, rec: _Transfer, ev: WriteDone | WriteFailed) -> bool:
+    assert rec.verdict is not None
+    return last_write(rv, rec, ev) and rec.verdict.ok
+
+
+def idle(rv: Rendezvous, rec: _Transfer, ev: object) -> bool:
+    """No write is in flight: the source blocks can go back now."""
+    return not rec.inflight
+
+
+def local(rv: Rendezvous, rec: _Transfer | None, ev: Abort) -> bool:
+    return ev.origin == "local"
+
+
+def local_idle(rv: Rendezvous, rec: _Transfer, ev: Abort) -> bool:
+    return ev.origin == "local" and not rec.inflight
+
+
+def from_peer(rv: Rendezvous, rec: _Transfer | None, ev: Abort) -> bool:
+    return ev.origin == "peer"
+
+
+def cancels_attempt(rv: Rendezvous, rec: _Transfer, ev: Abort) -> bool:
+    """Only a peer that registered for the live attempt can end it for everyone."""
+    attempt = rec.attempt if ev.attempt is None else ev.attempt
+    return (
+        ev.origin == "peer"
+        and rec.live
+        and attempt == rec.attempt
+        and any(r.peer == ev.peer for r in rec.regs.values())
+    )
+
+
+def writes_to_peer(rv: Rendezvous, rec: _Transfer, ev: PeerLost) -> bool:
+    """The lost peer registered for the live attempt."""
+    return rec.live and any(r.peer == ev.peer for r in rec.regs.values())
+
+
+def writes_to_peer_idle(rv: Rendezvous, rec: _Transfer, ev: PeerLost) -> bool:
+    return writes_to_peer(rv, rec, ev) and not rec.inflight
+
+
+# ============================================================================= steps
+# (core, record, event, out): change the record's facts, append actions. No states.
+
+
+def _notify(rec: _Transfer, dest: int, reg: _Reg, reason: str, cause: Cause, out: list) -> None:
+    out.append(NotifyFailure(rec.transfer_id, rec.attempt, reg.peer, dest, reason, cause))
+
+
+def _end_attempt(
+    rec: _Transfer, reason: str, cause: Cause, out: list, skip_peer: str | None = None
+) -> None:
+    """End the current attempt: it never writes again. Peers whose write has not
+    started hear now; a started write's peer hears through that write's own end."""
+    if not rec.live:
+        return
+    rec.live = False
+    for dest, reg in sorted(rec.regs.items()):
+        if dest not in rec.started and reg.peer != skip_peer:
+            _notify(rec, dest, reg, reason, cause, out)
+
+
+def _fail(rec: _Transfer, reason: str, cause: Cause, out: list) -> None:
+    """Fail the whole transfer: the source blocks go back as soon as nothing reads them."""
+    _end_attempt(rec, reason, cause, out)
+    if rec.verdict is None:
+        rec.verdict = _Verdict(False, reason, cause)
+
+
+def _start(rec: _Transfer, dest: int, out: list) -> None:
+    assert rec.prefill is not None and dest not in rec.started
+    reg = rec.regs[dest]
+    rec.started.add(dest)
+    rec.inflight[(rec.attempt, dest)] = _Flight(reg.peer)
+    out.append(
+        StartWrite(
+            rec.transfer_id,
+            rec.attempt,
+            reg.peer,
+            dest,
+            rec.prefill.block_ids,
+            reg.block_ids,
+            rec.prefill.num_tokens,
+            reg.first_token,
+        )
+    )
+
+
+def _refuse(ev: Register, reason: str, cause: Cause, out: list) -> None:
+    out.append(NotifyFailure(ev.transfer_id, ev.attempt, ev.peer, ev.dest_rank, reason, cause))
+
+
+def reject_invalid(rv: Rendezvous, rec: _Transfer | None, ev: Register, out: list) -> None:
+    why = _why_invalid(rv, ev)
+    assert why is not None
+    _refuse(ev, why, Cause.INVALID, out)
+
+
+def reject_overloaded(rv: Rendezvous, rec: _Transfer | None, ev: Register, out: list) -> None:
+    _refuse(ev, "overloaded", Cause.OVERLOADED, out)
+
+
+def reject_stale(rv: Rendezvous, rec: _Transfer, ev: Register, out: list) -> None:
+    _refuse(ev, f"superseded by attempt {rec.attempt}", Cause.SUPERSEDED, out)
+
+
+def reject_ended(rv: Rendezvous, rec: _Transfer, ev: Register, out: list) -> None:
+    _refuse(ev, f"attempt {ev.attempt} already failed or ended", Cause.CLOSED, out)
+
+
+def reject_inconsistent(rv: Rendezvous, rec: _Transfer, ev: Register, out: list) -> None:
+    _refuse(ev, "expected_dests differs between registrations", Cause.INVALID, out)
+
+
+def reject_closed(rv: Rendezvous, rec: _Transfer, ev: Register, out: list) -> None:
+    why = "source blocks released" if rec.prefill else "transfer aborted"
+    _refuse(ev, why, Cause.CLOSED, out)
+
+
+def end_inconsistent(rv: Rendezvous, rec: _Transfer, ev: Register, out: list) -> None:
+    _end_attempt(rec, "inconsistent registrations", Cause.INVALID, out)
+
+
+def open_attempt(rv: Rendezvous, rec: _Transfer, ev: Register, out: list) -> None:
+    """A newer attempt supersedes the current one (same attempt: nothing to do)."""
+    if ev.attempt > rec.attempt:
+        _end_attempt(rec, f"superseded by attempt {ev.attempt}", Cause.SUPERSEDED, out)
+        rec.attempt, rec.live, rec.expected = ev.attempt, True, ev.expected_dests
+        rec.regs, rec.started, rec.done = {}, set(), set()
+
+
+def add_reg(rv: Rendezvous, rec: _Transfer, ev: Register, out: list) -> None:
+    rec.regs[ev.dest_rank] = _Reg(ev.peer, tuple(ev.block_ids), ev.num_tokens, ev.deadline, ev.first_token)
+    rv._index_add(rec.transfer_id, rec, ev.peer)
+
+
+def start_reg(rv: Rendezvous, rec: _Transfer, ev: Register, out: list) -> None:
+    _start(rec, ev.dest_rank, out)
+
+
+def end_mismatch(rv: Rendezvous, rec: _Transfer, ev: Register, out: list) -> None:
+    assert rec.prefill is not None
+    msg = f"num_tokens mismatch: registered {ev.num_tokens}, prefilled {rec.prefill.num_tokens}"
+    _end_attempt(rec, msg, Cause.MISMATCH, out)
+
+
+def hold(rv: Rendezvous, rec: _Transfer, ev: PrefillDone, out: list) -> None:
+    """Keep the engine's blocks until ReleaseBlocks."""
+    rec.prefill = ev
+
+
+def start_all(rv: Rendezvous, rec: _Transfer, ev: PrefillDone, out: list) -> None:
+    for dest in sorted(rec.regs):
+        _start(rec, dest, out)
+
+
+def end_mismatch_all(rv: Rendezvous, rec: _Transfer, ev: PrefillDone, out: list) -> None:
+    bad = [r.num_tokens for r in rec.regs.values() if r.num_tokens != ev.num_tokens]
+    msg = f"num_tokens mismatch: registered {bad[0]}, prefilled {ev.num_tokens}"
+    _end_attempt(rec, msg, Cause.MISMATCH, out)
+
+
+def release_overloaded(rv: Rendezvous, rec: None, ev: PrefillDone, out: list) -> None:
+    out.append(ReleaseBlocks(ev.transfer_id, ev.block_ids, False, "overloaded", Cause.OVERLOADED))
+
+
+def decide_overloaded(rv: Rendezvous, rec: _Transfer, ev: PrefillDone, out: list) -> None:
+    rec.verdict = _Verdict(False, "overloaded", Cause.OVERLOADED)
+
+
+def release(rv: Rendezvous, rec: _Transfer, ev: object, out: list) -> None:
+    """Give the source blocks back with the verdict (the row guarantees nothing reads them)."""
+    assert rec.prefill is not None and rec.verdict is not None and not rec.inflight
+    v = rec.verdict
+    out.append(ReleaseBlocks(rec.transfer_id, rec.prefill.block_ids, v.ok, v.reason, v.cause))
+
+
+def land(rv: Rendezvous, rec: _Transfer, ev: WriteDone | WriteFailed, out: list) -> None:
+    """The write is over: answer its peer (a pending cancel, or the failure)."""
+    flight = rec.inflight.pop((ev.attempt, ev.dest_rank))
+    if flight.confirm:
+        if not any(a == ev.attempt and f.peer == flight.peer for (a, _), f in rec.inflight.items()):
+            out.append(ConfirmCancel(rec.transfer_id, ev.attempt, flight.peer))
+    elif isinstance(ev, WriteFailed):
         out.append(
-            StartWrite(
-                rec.transfer_id,
-                rec.attempt,
-                reg.peer,
-                dest,
-                rec.prefill.block_ids,
-                reg.block_ids,
-                rec.prefill.num_tokens,
-                reg.first_token,
-            )
+            NotifyFailure(rec.transfer_id, ev.attempt, flight.peer, ev.dest_rank, _write_reason(ev), ev.cause)
         )
 
-    def _kill(
-        self, rec: _Transfer, reason: str, out: list[Action], skip_peer: str | None = None
-    ) -> None:
-        """End the current attempt: it never writes again. Peers whose write has not
-        started hear now; a started write's peer hears through that write's own end."""
-        if not rec.live:
-            return
-        rec.live = False
-        for dest, reg in sorted(rec.regs.items()):
-            if dest not in rec.started and reg.peer != skip_peer:
-                out.append(NotifyFailure(rec.transfer_id, rec.attempt, reg.peer, dest, reason))
 
-    def _fail(self, rec: _Transfer, reason: str, out: list[Action]) -> None:
-        """Fail the whole transfer: the source blocks go back as soon as nothing reads them."""
-        self._kill(rec, reason, out)
-        if rec.outcome is None:
-            rec.outcome = (False, reason)
-
-    def _confirm_when_idle(
-        self, rec: _Transfer, attempt: int, peer: str, out: list[Action]
-    ) -> None:
-        flights = [f for (a, _), f in rec.inflight.items() if a == attempt and f.peer == peer]
-        for f in flights:
-            f.confirm = True
-        if not flights:
-            out.append(ConfirmCancel(rec.transfer_id, attempt, peer))
-
-    def _invalid(self, ev: Register) -> str | None:
-        if ev.attempt < 0:
-            return "negative attempt"
-        if ev.expected_dests < 1 or not 0 <= ev.dest_rank < ev.expected_dests:
-            return f"dest_rank {ev.dest_rank} outside expected_dests {ev.expected_dests}"
-        if ev.deadline <= self._now:
-            return "registration deadline already passed"
-        return None
-
-    def _repeats_a_write(self, rec: _Transfer, ev: Register) -> bool:
-        """A registration whose write is in flight is answered by that write's end; any
-        earlier word (e.g. "superseded") would let the decode side free blocks NIXL is
-        still writing into."""
-        return (ev.attempt, ev.dest_rank) in rec.inflight
-
-    def _reject(self, ev: Register, reason: str, out: list[Action]) -> None:
-        out.append(NotifyFailure(ev.transfer_id, ev.attempt, ev.peer, ev.dest_rank, reason))
-
-    def _accept_reg(self, rec: _Transfer, ev: Register, out: list[Action]) -> None:
-        """Attempt numbers only grow: older ones are refused, a newer one supersedes."""
-        if ev.attempt < rec.attempt:
-            self._reject(ev, f"superseded by attempt {rec.attempt}", out)
-            return
-        if ev.attempt == rec.attempt:
-            if ev.dest_rank in rec.regs:
-                return  # duplicate
-            if not rec.live:
-                self._reject(ev, f"attempt {ev.attempt} already failed or ended", out)
-                return
-            if ev.expected_dests != rec.expected:
-                self._reject(ev, "expected_dests differs between registrations", out)
-                self._kill(rec, "inconsistent registrations", out)
-                self._settle(rec, out)
-                return
-        else:
-            self._kill(rec, f"superseded by attempt {ev.attempt}", out)
-            rec.attempt, rec.live, rec.expected = ev.attempt, True, ev.expected_dests
-            rec.regs, rec.started, rec.done = {}, set(), set()
-        rec.regs[ev.dest_rank] = _Reg(ev.peer, tuple(ev.block_ids), ev.num_tokens, ev.deadline, ev.first_token)
-        rec.peers.add(ev.peer)
-        self._by_peer.setdefault(ev.peer, set()).add(rec.transfer_id)
-        if rec.prefill is not None:
-            if ev.num_tokens != rec.prefill.num_tokens:
-                self._kill(
-                    rec,
-                    f"num_tokens mismatch: registered {ev.num_tokens}, "
-                    f"prefilled {rec.prefill.num_tokens}",
-                    out,
-                )
-            else:
-                self._start(rec, ev.dest_rank, out)
-        self._settle(rec, out)
-
-    # ------------------------------------------------------------ handlers: Register
-
-    def _reg_new(self, rec: None, ev: Register, out: list[Action]) -> None:
-        bad = self._invalid(ev)
-        if bad is not None:
-            self._reject(ev, bad, out)
-        elif self._live >= self.max_transfers:
-            self._reject(ev, "overloaded", out)
-        else:
-            self._accept_reg(self._new(ev.transfer_id), ev, out)
-
-    def _reg_live(self, rec: _Transfer, ev: Register, out: list[Action]) -> None:
-        bad = self._invalid(ev)
-        if self._repeats_a_write(rec, ev):
-            return
-        if bad is not None:
-            self._reject(ev, bad, out)
-        else:
-            self._accept_reg(rec, ev, out)
-
-    def _reg_revive(self, rec: _Transfer, ev: Register, out: list[Action]) -> None:
-        """EXPIRED: a newer attempt may bring the transfer back (it counts as live again)."""
-        bad = self._invalid(ev)
-        if bad is not None:
-            self._reject(ev, bad, out)
-        elif ev.attempt > rec.attempt and self._live >= self.max_transfers:
-            self._reject(ev, "overloaded", out)
-        else:
-            self._accept_reg(rec, ev, out)
-
-    def _reg_closed(self, rec: _Transfer, ev: Register, out: list[Action]) -> None:
-        """DRAINING / DONE / FAILED: the outcome is decided; no write may start again."""
-        if self._repeats_a_write(rec, ev) or (
-            ev.attempt == rec.attempt and ev.dest_rank in rec.regs
-        ):
-            return  # duplicate of a registration that already got its answer
-        self._reject(ev, "source blocks released" if rec.prefill else "transfer aborted", out)
-
-    # --------------------------------------------------------- handlers: PrefillDone
-
-    def _prefill_new(self, rec: None, ev: PrefillDone, out: list[Action]) -> None:
-        if self._live >= self.max_transfers:
-            out.append(ReleaseBlocks(ev.transfer_id, ev.block_ids, False, "overloaded"))
-            return
-        rec = self._new(ev.transfer_id)
-        rec.prefill = ev
-        self._settle(rec, out)
-
-    def _prefill_arrives(self, rec: _Transfer, ev: PrefillDone, out: list[Action]) -> None:
-        """WAIT_PREFILL: check the registrations against the prefill, then start them all."""
-        rec.prefill = ev
-        bad = [r.num_tokens for r in rec.regs.values() if r.num_tokens != ev.num_tokens]
-        if bad:
-            msg = f"num_tokens mismatch: registered {bad[0]}, prefilled {ev.num_tokens}"
-            self._kill(rec, msg, out)
-        else:
-            for dest in sorted(rec.regs):
-                self._start(rec, dest, out)
-        self._settle(rec, out)
-
-    def _prefill_revive(self, rec: _Transfer, ev: PrefillDone, out: list[Action]) -> None:
-        """EXPIRED: hold the blocks until the lease for a newer attempt (a decode that
-        was preempted re-registers under a new attempt)."""
-        rec.prefill = ev
-        if self._live >= self.max_transfers:
-            rec.outcome = (False, "overloaded")
-        self._settle(rec, out)
-
-    def _prefill_after_fail(self, rec: _Transfer, ev: PrefillDone, out: list[Action]) -> None:
-        """FAILED before any prefill (local abort): give the blocks straight back."""
-        if rec.prefill is None:
-            rec.prefill = ev
-            self._settle(rec, out)
-
-    # ------------------------------------------------------ handlers: write results
-
-    def _write_result(self, rec: _Transfer, ev: WriteDone | WriteFailed, out: list[Action]) -> None:
-        flight = rec.inflight.pop((ev.attempt, ev.dest_rank), None)
-        if flight is None:
-            return  # not a write we started, or already answered
-        failed = isinstance(ev, WriteFailed)
-        reason = f"write failed: {ev.reason}" if isinstance(ev, WriteFailed) else ""
-        if flight.confirm:
-            if not any(
-                a == ev.attempt and f.peer == flight.peer for (a, _), f in rec.inflight.items()
-            ):
-                out.append(ConfirmCancel(rec.transfer_id, ev.attempt, flight.peer))
-        elif failed:
-            out.append(
-                NotifyFailure(rec.transfer_id, ev.attempt, flight.peer, ev.dest_rank, reason)
-            )
-        if rec.live and ev.attempt == rec.attempt:
-            if failed:
-                self._fail(rec, reason, out)
-            else:
-                rec.done.add(ev.dest_rank)
-        self._settle(rec, out)
-
-    # ------------------------------------------------------------ handlers: Abort
-
-    def _abort_live(self, rec: _Transfer, ev: Abort, out: list[Action]) -> None:
-        if ev.origin == "local":
-            self._fail(rec, f"aborted: {ev.reason}", out)
-        else:
-            attempt = rec.attempt if ev.attempt is None else ev.attempt
-            # Only a peer that registered for the live attempt can end it for everyone.
-            if attempt == rec.attempt and any(r.peer == ev.peer for r in rec.regs.values()):
-                self._kill(rec, f"cancelled by {ev.peer}: {ev.reason}", out, skip_peer=ev.peer)
-            self._confirm_when_idle(rec, attempt, ev.peer, out)
-        self._settle(rec, out)
-
-    def _abort_other(self, rec: _Transfer | None, ev: Abort, out: list[Action]) -> None:
-        """No record, DRAINING or a tombstone: answer cancels, remember a local abort."""
-        if ev.origin == "peer":
-            attempt = ev.attempt if ev.attempt is not None else (rec.attempt if rec else -1)
-            if rec is not None:
-                self._confirm_when_idle(rec, attempt, ev.peer, out)
-            elif attempt >= 0:
-                out.append(ConfirmCancel(ev.transfer_id, attempt, ev.peer))
-        elif rec is not None and rec.state is State.EXPIRED:
-            rec.outcome = (False, f"aborted: {ev.reason}")
-            self._settle(rec, out)
-
-    # ---------------------------------------------------- handlers: PeerLost, deadlines
-
-    def _peer_lost(self, rec: _Transfer, ev: PeerLost, out: list[Action]) -> None:
-        if rec.live and any(r.peer == ev.peer for r in rec.regs.values()):
-            self._fail(rec, f"peer lost: {ev.peer}", out)
-            self._settle(rec, out)
-
-    def _prefill_timeout(self, rec: _Transfer, ev: _Deadline, out: list[Action]) -> None:
-        self._kill(rec, "prefill did not complete in time", out)
-        self._settle(rec, out)
-
-    def _lease_expired(self, rec: _Transfer, ev: _Deadline, out: list[Action]) -> None:
-        self._fail(rec, "lease expired", out)
-        self._settle(rec, out)
-
-    def _ignore(self, rec: _Transfer | None, ev: Any, out: list[Action]) -> None:
-        return
+def _write_reason(ev: WriteFailed) -> str:
+    return f"write failed: {ev.reason}"
 
 
-# ------------------------------------------------------------------------ the table
-# Every transition of a transfer, in one place. ``None``: no record for that transfer.
-# Handlers change the record's facts; ``_settle`` derives the resulting state.
+def count_done(rv: Rendezvous, rec: _Transfer, ev: WriteDone, out: list) -> None:
+    if _of_live_attempt(rec, ev):
+        rec.done.add(ev.dest_rank)
 
-_R = Rendezvous
+
+def decide_ok(rv: Rendezvous, rec: _Transfer, ev: WriteDone, out: list) -> None:
+    rec.live = False
+    rec.verdict = _Verdict(True, "", Cause.OK)
+
+
+def fail_write(rv: Rendezvous, rec: _Transfer, ev: WriteFailed, out: list) -> None:
+    _fail(rec, _write_reason(ev), ev.cause, out)
+
+
+def fail_aborted(rv: Rendezvous, rec: _Transfer, ev: Abort, out: list) -> None:
+    _fail(rec, f"aborted: {ev.reason}", Cause.ABORTED, out)
+
+
+def decide_aborted(rv: Rendezvous, rec: _Transfer, ev: Abort, out: list) -> None:
+    rec.verdict = _Verdict(False, f"aborted: {ev.reason}", Cause.ABORTED)
+
+
+def end_cancelled(rv: Rendezvous, rec: _Transfer, ev: Abort, out: list) -> None:
+    _end_attempt(rec, f"cancelled by {ev.peer}: {ev.reason}", Cause.CANCELLED, out, skip_peer=ev.peer)
+
+
+def confirm(rv: Rendezvous, rec: _Transfer, ev: Abort, out: list) -> None:
+    """Answer the peer's cancel now, or when its last write of that attempt ends."""
+    attempt = rec.attempt if ev.attempt is None else ev.attempt
+    flights = [f for (a, _), f in rec.inflight.items() if a == attempt and f.peer == ev.peer]
+    for f in flights:
+        f.confirm = True
+    if not flights:
+        out.append(ConfirmCancel(rec.transfer_id, attempt, ev.peer))
+
+
+def confirm_unknown(rv: Rendezvous, rec: None, ev: Abort, out: list) -> None:
+    """Nothing known of that transfer, so nothing is in flight."""
+    if ev.attempt is not None and ev.attempt >= 0:
+        out.append(ConfirmCancel(ev.transfer_id, ev.attempt, ev.peer))
+
+
+def fail_peer_lost(rv: Rendezvous, rec: _Transfer, ev: PeerLost, out: list) -> None:
+    _fail(rec, f"peer lost: {ev.peer}", Cause.PEER_LOST, out)
+
+
+def end_timeout(rv: Rendezvous, rec: _Transfer, ev: _Deadline, out: list) -> None:
+    _end_attempt(rec, "prefill did not complete in time", Cause.TIMEOUT, out)
+
+
+def fail_lease(rv: Rendezvous, rec: _Transfer, ev: _Deadline, out: list) -> None:
+    _fail(rec, "lease expired", Cause.LEASE_EXPIRED, out)
+
+
+# ========================================================================= the table
+
 _WP, _WR, _WG = State.WAIT_PREFILL, State.WAIT_REGISTER, State.WRITING
 _DR, _OK, _FL, _EX = State.DRAINING, State.DONE, State.FAILED, State.EXPIRED
+_WRITES_ANSWER = "WRITING and DRAINING set no deadline: the transport answers every write"
+_IN_FLIGHT = "WRITING always has a write in flight (all started, not all done, none failed)"
 
-_TABLE: dict[tuple[State | None, type], Handler] = {
-    # Register
-    (None, Register): _R._reg_new,
-    (_WP, Register): _R._reg_live,
-    (_WR, Register): _R._reg_live,
-    (_WG, Register): _R._reg_live,
-    (_DR, Register): _R._reg_closed,
-    (_OK, Register): _R._reg_closed,
-    (_FL, Register): _R._reg_closed,
-    (_EX, Register): _R._reg_revive,
-    # PrefillDone
-    (None, PrefillDone): _R._prefill_new,
-    (_WP, PrefillDone): _R._prefill_arrives,
-    (_WR, PrefillDone): _R._ignore,  # duplicate
-    (_WG, PrefillDone): _R._ignore,
-    (_DR, PrefillDone): _R._ignore,
-    (_OK, PrefillDone): _R._ignore,
-    (_FL, PrefillDone): _R._prefill_after_fail,
-    (_EX, PrefillDone): _R._prefill_revive,
-    # WriteDone / WriteFailed: only states with prefill can have writes in flight
-    **{(s, e): _R._write_result for s in (_WR, _WG, _DR) for e in (WriteDone, WriteFailed)},
-    **{(s, e): _R._ignore for s in (None, _WP, _OK, _FL, _EX) for e in (WriteDone, WriteFailed)},
-    # Abort
-    (None, Abort): _R._abort_other,
-    (_WP, Abort): _R._abort_live,
-    (_WR, Abort): _R._abort_live,
-    (_WG, Abort): _R._abort_live,
-    (_DR, Abort): _R._abort_other,
-    (_OK, Abort): _R._abort_other,
-    (_FL, Abort): _R._abort_other,
-    (_EX, Abort): _R._abort_other,
-    # PeerLost (fanned out through the peer index, so never None)
-    **{(s, PeerLost): _R._peer_lost for s in (_WP, _WR, _WG)},
-    **{(s, PeerLost): _R._ignore for s in (None, _DR, _OK, _FL, _EX)},
-    # deadlines: registration, lease, tombstone (WRITING / DRAINING never schedule one)
-    (_WP, _Deadline): _R._prefill_timeout,
-    (_WR, _Deadline): _R._lease_expired,
-    (_WG, _Deadline): _R._ignore,
-    (_DR, _Deadline): _R._ignore,
-    (_OK, _Deadline): _R._purge,
-    (_FL, _Deadline): _R._purge,
-    (_EX, _Deadline): _R._purge,
-}
-del _R, _WP, _WR, _WG, _DR, _OK, _FL, _EX
+TABLE = Table(State, (Register, PrefillDone, WriteDone, WriteFailed, Abort, PeerLost, _Deadline), [
+    # --- Register ---------------------------------------------------------------------
+    row(None, Register, invalid, None, reject_invalid),
+    row(None, Register, overloaded, None, reject_overloaded),
+    row(None, Register, None, _WP, open_attempt, add_reg),
+
+    row(_WP, Register, invalid, _WP, reject_invalid),
+    row(_WP, Register, stale, _WP, reject_stale),
+    row(_WP, Register, duplicate, _WP),
+    row(_WP, Register, inconsistent, _EX, reject_inconsistent, end_inconsistent),
+    row(_WP, Register, None, _WP, open_attempt, add_reg),
+
+    row(_WR, Register, repeats_write, _WR),
+    row(_WR, Register, invalid, _WR, reject_invalid),
+    row(_WR, Register, stale, _WR, reject_stale),
+    row(_WR, Register, duplicate, _WR),
+    row(_WR, Register, ended, _WR, reject_ended),
+    row(_WR, Register, inconsistent, _WR, reject_inconsistent, end_inconsistent),
+    row(_WR, Register, tokens_differ, _WR, open_attempt, add_reg, end_mismatch),
+    row(_WR, Register, completes_set, _WG, open_attempt, add_reg, start_reg),
+    row(_WR, Register, None, _WR, open_attempt, add_reg, start_reg),
+
+    row(_WG, Register, repeats_write, _WG),
+    row(_WG, Register, invalid, _WG, reject_invalid),
+    row(_WG, Register, stale, _WG, reject_stale),
+    row(_WG, Register, duplicate, _WG),
+    row(_WG, Register, inconsistent, _WR, reject_inconsistent, end_inconsistent),
+    # what is left is a newer attempt (every destination of this one is registered)
+    row(_WG, Register, tokens_differ, _WR, open_attempt, add_reg, end_mismatch),
+    row(_WG, Register, completes_set, _WG, open_attempt, add_reg, start_reg),
+    row(_WG, Register, None, _WR, open_attempt, add_reg, start_reg),
+
+    *[row(s, Register, answered, s) for s in (_DR, _OK, _FL)],
+    *[row(s, Register, None, s, reject_closed) for s in (_DR, _OK, _FL)],
+
+    # EXPIRED: a newer attempt brings the transfer back (it counts as live again)
+    row(_EX, Register, invalid, _EX, reject_invalid),
+    row(_EX, Register, overloaded_newer, _EX, reject_overloaded),
+    row(_EX, Register, stale, _EX, reject_stale),
+    row(_EX, Register, duplicate, _EX),
+    row(_EX, Register, ended, _EX, reject_ended),
+    row(_EX, Register, None, _WP, open_attempt, add_reg),
+
+    # --- PrefillDone ------------------------------------------------------------------
+    row(None, PrefillDone, overloaded, None, release_overloaded),
+    row(None, PrefillDone, None, _WR, hold),
+    row(_WP, PrefillDone, any_tokens_differ, _WR, hold, end_mismatch_all),
+    row(_WP, PrefillDone, all_registered, _WG, hold, start_all),
+    row(_WP, PrefillDone, None, _WR, hold, start_all),
+    *[row(s, PrefillDone, None, s) for s in (_WR, _WG, _DR, _OK)],  # a duplicate
+    # FAILED before any prefill (local abort): give the blocks straight back
+    row(_FL, PrefillDone, no_prefill, _FL, hold, release),
+    row(_FL, PrefillDone, None, _FL),
+    # EXPIRED: hold the blocks until the lease, for a newer attempt (a decode that was
+    # preempted re-registers under a new attempt)
+    row(_EX, PrefillDone, overloaded, _FL, hold, decide_overloaded, release),
+    row(_EX, PrefillDone, None, _WR, hold),
+
+    # --- WriteDone / WriteFailed: only states holding a prefill have writes in flight --
+    *[row(s, e, unknown_write, s) for s in (_WR, _WG, _DR) for e in (WriteDone, WriteFailed)],
+    row(_WR, WriteDone, None, _WR, land, count_done),  # the live attempt is incomplete
+    row(_WG, WriteDone, completes_last, _OK, land, count_done, decide_ok, release),
+    row(_WG, WriteDone, completes, _DR, land, count_done, decide_ok),  # older writes read
+    row(_WG, WriteDone, None, _WG, land, count_done),
+    *[row(s, WriteFailed, fails_attempt_last, _FL, land, fail_write, release) for s in (_WR, _WG)],
+    *[row(s, WriteFailed, fails_attempt, _DR, land, fail_write) for s in (_WR, _WG)],
+    *[row(s, WriteFailed, None, s, land) for s in (_WR, _WG)],  # an older or dead attempt's
+    *[row(_DR, e, last_write_ok, _OK, land, release) for e in (WriteDone, WriteFailed)],
+    *[row(_DR, e, last_write, _FL, land, release) for e in (WriteDone, WriteFailed)],
+    *[row(_DR, e, None, _DR, land) for e in (WriteDone, WriteFailed)],
+    # no write in flight without a held prefill: a stray or repeated answer
+    *[row(s, e, None, s) for s in (None, _WP, _OK, _FL, _EX) for e in (WriteDone, WriteFailed)],
+
+    # --- Abort ------------------------------------------------------------------------
+    row(None, Abort, from_peer, None, confirm_unknown),
+    row(None, Abort, None, None),  # a local abort of an unknown transfer
+    row(_WP, Abort, local, _FL, fail_aborted),
+    row(_WP, Abort, cancels_attempt, _EX, end_cancelled, confirm),
+    row(_WP, Abort, None, _WP, confirm),
+    row(_WR, Abort, local_idle, _FL, fail_aborted, release),
+    row(_WR, Abort, local, _DR, fail_aborted),
+    row(_WR, Abort, cancels_attempt, _WR, end_cancelled, confirm),
+    row(_WR, Abort, None, _WR, confirm),
+    row(_WG, Abort, local_idle, _FL, fail_aborted, release, unreachable=_IN_FLIGHT),
+    row(_WG, Abort, local, _DR, fail_aborted),
+    row(_WG, Abort, cancels_attempt, _WR, end_cancelled, confirm),
+    row(_WG, Abort, None, _WG, confirm),
+    *[row(s, Abort, from_peer, s, confirm) for s in (_DR, _OK, _FL, _EX)],
+    *[row(s, Abort, None, s) for s in (_DR, _OK, _FL)],
+    row(_EX, Abort, None, _FL, decide_aborted),  # remembered: a later PrefillDone goes back
+
+    # --- PeerLost (fanned out through the peer index) ---------------------------------
+    row(_WP, PeerLost, writes_to_peer, _FL, fail_peer_lost),
+    row(_WR, PeerLost, writes_to_peer_idle, _FL, fail_peer_lost, release),
+    row(_WR, PeerLost, writes_to_peer, _DR, fail_peer_lost),
+    row(_WG, PeerLost, writes_to_peer_idle, _FL, fail_peer_lost, release, unreachable=_IN_FLIGHT),
+    row(_WG, PeerLost, writes_to_peer, _DR, fail_peer_lost),
+    *[row(s, PeerLost, None, s) for s in (_WP, _WR, _WG, _DR, _OK, _FL, _EX)],
+    row(None, PeerLost, None, None, unreachable="the peer index forgets purged transfers"),
+
+    # --- deadlines: registration, lease, tombstone --------------------------------------
+    row(_WP, _Deadline, None, _EX, end_timeout),
+    row(_WR, _Deadline, idle, _FL, fail_lease, release),
+    row(_WR, _Deadline, None, _DR, fail_lease),
+    *[row(s, _Deadline, None, s, unreachable=_WRITES_ANSWER) for s in (_WG, _DR)],
+    *[row(s, _Deadline, None, None) for s in (_OK, _FL, _EX)],  # tombstone time is over
+    row(None, _Deadline, None, None, unreachable="a forgotten record has no deadline"),
+])  # fmt: skip
+del _WP, _WR, _WG, _DR, _OK, _FL, _EX

@@ -19,6 +19,7 @@ from kvpush.daemon.counter import (
     Abort,
     Accepted,
     CancelConfirmed,
+    Cause,
     Complete,
     CompletionCounter,
     Expect,
@@ -40,12 +41,9 @@ def run(cc: CompletionCounter, *events: object) -> list:
 
 
 def test_table_covers_every_state_and_event() -> None:
-    for ev in (Notified, ProducerFailed, CancelConfirmed, Abort):
+    for ev in (Expect, Notified, ProducerFailed, CancelConfirmed, Abort, cm._Deadline, cm._Supersede):
         for state in (None, *State):
-            assert (state, ev) in cm._TABLE, (state, ev)
-    for ev in (cm._Deadline, cm._Supersede):
-        for state in State:
-            assert (state, ev) in cm._TABLE, (state, ev)
+            assert cm.TABLE.rows_for(state, ev), (state, ev)
 
 
 def test_complete_needs_every_producer_of_this_attempt() -> None:
@@ -70,7 +68,7 @@ def test_deadline_fails_and_cancels() -> None:
     run(cc, Expect("t", 0, 2, 0.0, 10.0), Notified("t", 0, 1, 1.0))
     out = cc.handle(Tick(10.0))
     why = "timed out waiting for 1 of 2 producers"
-    assert out == [Fail("t", 0, why), SendCancel("t", 0, why)]
+    assert out == [Fail("t", 0, why, Cause.TIMEOUT), SendCancel("t", 0, why, Cause.TIMEOUT)]
     assert run(cc, Notified("t", 0, 0, 11.0)) == []  # too late: never Complete after Fail
 
 
@@ -78,15 +76,18 @@ def test_producer_failure_cancels_the_rest_and_fails_once_they_answer() -> None:
     cc = CompletionCounter()
     run(cc, Expect("t", 0, 3, 0.0, 10.0), Notified("t", 0, 0, 1.0))
     out = cc.handle(ProducerFailed("t", 0, 1, "ucx", 2.0))
-    assert out == [SendCancel("t", 0, "producer 1: ucx")]
+    assert out == [SendCancel("t", 0, "producer 1: ucx", Cause.PRODUCER_FAILED)]
     assert cc.counts()["failing"] == 1
-    assert cc.handle(CancelConfirmed("t", 0, 2, 3.0)) == [Fail("t", 0, "producer 1: ucx")]
+    assert cc.handle(CancelConfirmed("t", 0, 2, 3.0)) == [
+        Fail("t", 0, "producer 1: ucx", Cause.PRODUCER_FAILED)
+    ]
 
 
 def test_single_producer_failure_fails_at_once() -> None:
     cc = CompletionCounter()
     run(cc, Expect("t", 0, 1, 0.0, 10.0))
-    assert cc.handle(ProducerFailed("t", 0, 0, "gone", 1.0)) == [Fail("t", 0, "producer 0: gone")]
+    out = cc.handle(ProducerFailed("t", 0, 0, "gone", 1.0, Cause.PEER_LOST))
+    assert out == [Fail("t", 0, "producer 0: gone", Cause.PEER_LOST)]
 
 
 def test_abort_releases_only_after_every_producer_answered() -> None:
@@ -116,7 +117,7 @@ def test_newer_attempt_supersedes_silently() -> None:
     cc = CompletionCounter()
     run(cc, Expect("t", 0, 2, 0.0, 10.0), Notified("t", 0, 0, 1.0))
     out = cc.handle(Expect("t", 1, 1, 2.0, 12.0))
-    assert out == [SendCancel("t", 0, "superseded by attempt 1"), Accepted("t", 1)]
+    assert out == [SendCancel("t", 0, "superseded by attempt 1", Cause.SUPERSEDED), Accepted("t", 1)]
     assert run(cc, Notified("t", 0, 1, 3.0)) == []  # old attempt settles: no Complete
     assert cc.counts()["superseded"] == 0  # and is forgotten
     assert cc.handle(Expect("t", 0, 1, 4.0, 12.0))[0].reason.startswith("stale attempt")
@@ -133,10 +134,12 @@ def test_aborted_attempt_still_owes_release_after_supersession() -> None:
 
 def test_invalid_registrations_fail_at_once() -> None:
     cc = CompletionCounter()
-    assert cc.handle(Expect("t", 0, 0, 0.0, 10.0)) == [Fail("t", 0, "invalid registration")]
+    assert cc.handle(Expect("t", 0, 0, 0.0, 10.0)) == [Fail("t", 0, "invalid registration", Cause.INVALID)]
     assert cc.handle(Expect("t", 0, 1, 5.0, 5.0))[0] == Fail(
-        "t", 0, "registration deadline already passed"
+        "t", 0, "registration deadline already passed", Cause.INVALID
     )
+    # per-producer tuples must have one entry per producer
+    assert cc.handle(Expect("t", 0, 2, 5.0, 9.0, ("e0",)))[0].cause is Cause.INVALID
 
 
 @pytest.mark.parametrize("order", [[30.0, 10.0, 20.0, 5.0], [5.0, 10.0, 20.0, 30.0]])
@@ -196,6 +199,7 @@ class _R:
     notified: set[int] = field(default_factory=set)
     resolved: set[int] = field(default_factory=set)
     reason: str = ""
+    cause: Cause = Cause.PRODUCER_FAILED
     until: float = 0.0  # tombstone end
 
 
@@ -232,9 +236,9 @@ class RefCounter:
         if self.cur.get(key[0]) == key[1]:
             del self.cur[key[0]]
 
-    def cancel(self, key: tuple[str, int], r: _R, why: str, out: list) -> None:
+    def cancel(self, key: tuple[str, int], r: _R, why: str, cause: Cause, out: list) -> None:
         if len(r.resolved) < r.producers:
-            out.append(SendCancel(*key, why))
+            out.append(SendCancel(*key, why, cause))
 
     def settle(self, key: tuple[str, int], r: _R, out: list) -> None:
         if r.state == "waiting" and len(r.notified) == r.producers:
@@ -242,7 +246,7 @@ class RefCounter:
             self.end(key, r, "completed")
         elif r.state != "waiting" and len(r.resolved) == r.producers:
             if r.state == "failing":
-                out.append(Fail(*key, r.reason))
+                out.append(Fail(*key, r.reason, r.cause))
                 self.end(key, r, "failed")
             elif r.state == "aborting":
                 out.append(Release(*key))
@@ -264,11 +268,11 @@ class RefCounter:
                 r = self.recs[key]
                 if r.state == "waiting":
                     why = f"timed out waiting for {r.producers - len(r.notified)} of {r.producers} producers"
-                    out.append(Fail(*key, why))
-                    self.cancel(key, r, why, out)
+                    out.append(Fail(*key, why, Cause.TIMEOUT))
+                    self.cancel(key, r, why, Cause.TIMEOUT, out)
                     self.end(key, r, "failed")
                 elif r.state == "failing":
-                    out.append(Fail(*key, r.reason))
+                    out.append(Fail(*key, r.reason, r.cause))
                     self.end(key, r, "failed")
                 elif r.state == "aborting":
                     out.append(Release(*key))
@@ -282,18 +286,18 @@ class RefCounter:
         if key in self.recs:
             return
         if ev.attempt < 0 or ev.producers < 1:
-            out.append(Fail(*key, "invalid registration"))
+            out.append(Fail(*key, "invalid registration", Cause.INVALID))
         elif ev.deadline <= self.now:
-            out.append(Fail(*key, "registration deadline already passed"))
+            out.append(Fail(*key, "registration deadline already passed", Cause.INVALID))
         elif cur is not None and ev.attempt < cur:
-            out.append(Fail(*key, f"stale attempt: attempt {cur} is newer"))
+            out.append(Fail(*key, f"stale attempt: attempt {cur} is newer", Cause.SUPERSEDED))
         else:
             old = self.recs.get((ev.transfer_id, cur)) if cur is not None else None
             if old is not None and old.state in ("waiting", "failing"):
                 if old.state == "waiting":
-                    self.cancel(
-                        (ev.transfer_id, cur), old, f"superseded by attempt {ev.attempt}", out
-                    )  # type: ignore[arg-type]
+                    why = f"superseded by attempt {ev.attempt}"
+                    old_key = (ev.transfer_id, cur)
+                    self.cancel(old_key, old, why, Cause.SUPERSEDED, out)  # type: ignore[arg-type]
                 old.state = "superseded"
                 self.settle((ev.transfer_id, cur), old, out)  # type: ignore[arg-type]
             self.recs[key] = _R(ev.producers, ev.deadline)
@@ -308,12 +312,12 @@ class RefCounter:
             self.end(key, r, "released")
         elif r.state in ("waiting", "failing", "superseded"):
             if r.state == "waiting":
-                self.cancel(key, r, f"aborted: {ev.reason}", out)
+                self.cancel(key, r, f"aborted: {ev.reason}", Cause.ABORTED, out)
             r.state = "aborting"
             self.settle(key, r, out)
 
     def result(self, key: tuple[str, int], r: _R, ev: object, out: list) -> None:
-        p = ev.producer_rank  # type: ignore[attr-defined]
+        p = ev.producer  # type: ignore[attr-defined]
         if not 0 <= p < r.producers or p in r.resolved:
             return
         r.resolved.add(p)
@@ -323,9 +327,10 @@ class RefCounter:
             if not r.reason:
                 why = ev.reason if isinstance(ev, ProducerFailed) else "cancelled"
                 r.reason = f"producer {p}: {why}"
+                r.cause = ev.cause if isinstance(ev, ProducerFailed) else Cause.CANCELLED
             if r.state == "waiting":
                 r.state = "failing"
-                self.cancel(key, r, r.reason, out)
+                self.cancel(key, r, r.reason, r.cause, out)
         self.settle(key, r, out)
 
 
@@ -367,7 +372,7 @@ class Checker:
                 self.seen[key].aborts += 1
         elif not isinstance(ev, Tick):
             s = self.seen.get((ev.transfer_id, ev.attempt))  # type: ignore[attr-defined]
-            p = ev.producer_rank  # type: ignore[attr-defined]
+            p = ev.producer  # type: ignore[attr-defined]
             if s is not None and 0 <= p < s.producers and p not in s.resolved:
                 s.resolved.add(p)  # a producer's first word is its final word
                 if isinstance(ev, Notified):
@@ -441,7 +446,8 @@ def _draw_events(data: st.DataObject) -> list[object]:
         elif kind == "notified":
             evs.append(Notified(tid, attempt, rank, now))
         elif kind == "failed":
-            evs.append(ProducerFailed(tid, attempt, rank, "boom", now))
+            cause = data.draw(st.sampled_from([Cause.PRODUCER_FAILED, Cause.PEER_LOST]))
+            evs.append(ProducerFailed(tid, attempt, rank, "boom", now, cause))
         elif kind == "confirmed":
             evs.append(CancelConfirmed(tid, attempt, rank, now))
         else:

@@ -25,6 +25,7 @@ from hypothesis.stateful import (
 from kvpush.daemon import rendezvous as rz
 from kvpush.daemon.rendezvous import (
     Abort,
+    Cause,
     ConfirmCancel,
     NotifyFailure,
     PeerLost,
@@ -69,12 +70,10 @@ def of(kind: type, actions: list) -> list:
 
 
 def test_table_covers_every_state_and_event() -> None:
-    events = (Register, PrefillDone, WriteDone, WriteFailed, Abort, PeerLost)
+    events = (Register, PrefillDone, WriteDone, WriteFailed, Abort, PeerLost, rz._Deadline)
     for state in (None, *State):
         for ev in events:
-            assert (state, ev) in rz._TABLE, (state, ev)
-    for state in State:
-        assert (state, rz._Deadline) in rz._TABLE
+            assert rz.TABLE.rows_for(state, ev), (state, ev)
 
 
 @pytest.mark.parametrize("prefill_first", [True, False])
@@ -130,9 +129,9 @@ def test_stale_attempt_is_refused_while_live() -> None:
     rv = Rendezvous()
     rv.handle(reg(attempt=2, dest=0, expected=2))
     out = rv.handle(reg(attempt=1, dest=1, expected=2))
-    assert out == [NotifyFailure("t", 1, "d1", 1, "superseded by attempt 2")]
+    assert out == [NotifyFailure("t", 1, "d1", 1, "superseded by attempt 2", Cause.SUPERSEDED)]
     out = rv.handle(reg(attempt=3, dest=1, expected=2))  # supersedes attempt 2's dest 0
-    assert out == [NotifyFailure("t", 2, "d0", 0, "superseded by attempt 3")]
+    assert out == [NotifyFailure("t", 2, "d0", 0, "superseded by attempt 3", Cause.SUPERSEDED)]
 
 
 def test_num_tokens_mismatch_fails_the_attempt_and_a_correct_one_still_works() -> None:
@@ -152,7 +151,7 @@ def test_lease_expiry_releases_and_notifies_but_waits_for_inflight_write() -> No
     out = rv.handle(Tick(10.0))
     assert out == [] and rv.counts()["draining"] == 1  # dest 0 write still in flight
     out = rv.handle(WriteDone("t", 0, 0, 11.0))
-    assert out == [ReleaseBlocks("t", SRC, False, "lease expired")]
+    assert out == [ReleaseBlocks("t", SRC, False, "lease expired", Cause.LEASE_EXPIRED)]
     assert of(NotifyFailure, rv.handle(reg(dest=1, expected=2, now=12.0)))
 
 
@@ -161,14 +160,16 @@ def test_lease_expiry_without_writes() -> None:
     rv.handle(pf(lease=10.0))
     rv.handle(reg(tokens=1))  # mismatch: notified, not written
     assert rv.handle(Tick(9.99)) == []
-    assert rv.handle(Tick(10.0)) == [ReleaseBlocks("t", SRC, False, "lease expired")]
+    assert rv.handle(Tick(10.0)) == [
+        ReleaseBlocks("t", SRC, False, "lease expired", Cause.LEASE_EXPIRED)
+    ]
 
 
 def test_registration_without_prefill_expires() -> None:
     rv = Rendezvous()
     rv.handle(reg(deadline=5.0))
     out = rv.handle(Tick(5.0))
-    assert out == [NotifyFailure("t", 0, "d0", 0, "prefill did not complete in time")]
+    assert out == [NotifyFailure("t", 0, "d0", 0, "prefill did not complete in time", Cause.TIMEOUT)]
     assert rv.counts()["expired"] == 1
     # the prefill arriving later holds its blocks for a newer attempt, until the lease
     assert rv.handle(pf(now=6.0, lease=20.0)) == []
@@ -190,10 +191,10 @@ def test_write_failed_notifies_peer_and_releases_not_ok() -> None:
     rv.handle(reg(dest=0, expected=2))
     rv.handle(reg(dest=1, expected=2))
     out = rv.handle(WriteFailed("t", 0, 0, "ucx error", 1.0))
-    assert out == [NotifyFailure("t", 0, "d0", 0, "write failed: ucx error")]
+    assert out == [NotifyFailure("t", 0, "d0", 0, "write failed: ucx error", Cause.WRITE_FAILED)]
     assert rv.counts()["draining"] == 1  # dest 1 still writing
     out = rv.handle(WriteDone("t", 0, 1, 2.0))
-    assert out == [ReleaseBlocks("t", SRC, False, "write failed: ucx error")]
+    assert out == [ReleaseBlocks("t", SRC, False, "write failed: ucx error", Cause.WRITE_FAILED)]
 
 
 def test_peer_abort_before_and_during_write() -> None:
@@ -202,7 +203,9 @@ def test_peer_abort_before_and_during_write() -> None:
     rv.handle(reg(dest=1, expected=2))
     out = rv.handle(Abort("t", 0, "preempted", "peer", 1.0, peer="d0"))
     assert ConfirmCancel("t", 0, "d0") in out
-    assert of(NotifyFailure, out) == [NotifyFailure("t", 0, "d1", 1, "cancelled by d0: preempted")]
+    assert of(NotifyFailure, out) == [
+        NotifyFailure("t", 0, "d1", 1, "cancelled by d0: preempted", Cause.CANCELLED)
+    ]
     assert rv.handle(pf(now=2.0)) == []  # dead attempt: nothing written
     # a new attempt; its peer cancels during the write: confirm only after the write
     rv.handle(reg(attempt=1, dest=0, expected=1, now=3.0))
@@ -233,13 +236,13 @@ def test_local_abort_fails_everything_after_writes_end() -> None:
     rv.handle(reg(dest=0, expected=2))
     assert rv.handle(Abort("t", None, "client gone", "local", 1.0)) == []
     assert rv.handle(WriteDone("t", 0, 0, 2.0)) == [
-        ReleaseBlocks("t", SRC, False, "aborted: client gone")
+        ReleaseBlocks("t", SRC, False, "aborted: client gone", Cause.ABORTED)
     ]
     # before prefill: registrations hear at once; a later PrefillDone is released at once
     rv.handle(reg("u", dest=0))
     out = rv.handle(Abort("u", None, "x", "local", 3.0))
     assert of(NotifyFailure, out) and rv.counts()["failed"] == 2
-    assert rv.handle(pf("u", now=4.0)) == [ReleaseBlocks("u", SRC, False, "aborted: x")]
+    assert rv.handle(pf("u", now=4.0)) == [ReleaseBlocks("u", SRC, False, "aborted: x", Cause.ABORTED)]
 
 
 def test_peer_lost_fails_its_transfers_only() -> None:
@@ -249,7 +252,7 @@ def test_peer_lost_fails_its_transfers_only() -> None:
     rv.handle(pf("c"))
     rv.handle(reg("c", peer="p1"))  # writing to p1
     out = rv.handle(PeerLost("p1", 1.0))
-    assert NotifyFailure("a", 0, "p1", 0, "peer lost: p1") in out
+    assert NotifyFailure("a", 0, "p1", 0, "peer lost: p1", Cause.PEER_LOST) in out
     assert not of(ReleaseBlocks, out)  # c's write to p1 is still in flight
     out = rv.handle(WriteFailed("c", 0, 0, "peer gone", 2.0))
     assert of(ReleaseBlocks, out)[0].ok is False
@@ -260,8 +263,8 @@ def test_overload() -> None:
     rv = Rendezvous(max_transfers=2)
     rv.handle(reg("a"))
     rv.handle(pf("b"))
-    assert rv.handle(reg("c")) == [NotifyFailure("c", 0, "d0", 0, "overloaded")]
-    assert rv.handle(pf("d")) == [ReleaseBlocks("d", SRC, False, "overloaded")]
+    assert rv.handle(reg("c")) == [NotifyFailure("c", 0, "d0", 0, "overloaded", Cause.OVERLOADED)]
+    assert rv.handle(pf("d")) == [ReleaseBlocks("d", SRC, False, "overloaded", Cause.OVERLOADED)]
     rv.handle(pf("a"))
     rv.handle(WriteDone("a", 0, 0, 1.0))  # a done: room again
     assert rv.handle(reg("c", now=2.0)) == []  # accepted
@@ -275,7 +278,7 @@ def test_register_after_done_and_invalid_registrations() -> None:
     rv.handle(WriteDone("t", 0, 0, 1.0))
     assert rv.handle(reg(now=2.0)) == []  # duplicate of the finished one
     out = rv.handle(reg(attempt=1, now=2.0))
-    assert out == [NotifyFailure("t", 1, "d0", 0, "source blocks released")]
+    assert out == [NotifyFailure("t", 1, "d0", 0, "source blocks released", Cause.CLOSED)]
     assert of(NotifyFailure, rv.handle(reg("v", dest=2, expected=2)))
     assert of(NotifyFailure, rv.handle(reg("v", now=3.0, deadline=3.0)))
     assert rv.handle(pf("t", now=4.0)) == []  # duplicate PrefillDone
@@ -290,7 +293,7 @@ def test_tombstones_are_purged() -> None:
     rv.handle(Tick(5.0))
     assert rv.counts()["done"] == 1 and rv.counts()["expired"] == 1
     rv.handle(Tick(20.0))
-    assert sum(rv.counts().values()) == 0 and rv._by_peer == {} and rv.info("t") is None
+    assert sum(rv.counts().values()) == 0 and rv._index == {} and rv.info("t") is None
 
 
 @pytest.mark.parametrize("kind", ["register", "lease"])
@@ -334,7 +337,7 @@ def test_heap_stays_bounded_under_rescheduling() -> None:
         rv.handle(reg(f"t{i}", now=float(i), deadline=i + 10.0))
         rv.handle(pf(f"t{i}", now=float(i), lease=i + 20.0))
         rv.handle(WriteDone(f"t{i}", 0, 0, float(i)))
-    assert len(rv._deadlines._heap) <= 2 * len(rv._t) + 64
+    assert len(rv._deadlines._heap) <= 2 * len(rv._recs) + 64
 
 
 def test_zero_tombstones_with_heap_compaction_during_expiry() -> None:
@@ -342,7 +345,7 @@ def test_zero_tombstones_with_heap_compaction_during_expiry() -> None:
     for i in range(500):
         rv.handle(reg(f"t{i}", deadline=1.0 + i % 7))
     rv.handle(Tick(100.0))
-    assert sum(rv.counts().values()) == 0 and rv._deadlines._heap == [] and rv._by_peer == {}
+    assert sum(rv.counts().values()) == 0 and rv._deadlines._heap == [] and rv._index == {}
 
 
 # --------------------------------------------------------- order does not matter

@@ -1,0 +1,341 @@
+"""The transition tables of both pure cores, and the machinery they share (daemon.core).
+
+* every row of each table is taken by some event sequence, or is documented unreachable
+  and is never taken;
+* after any event sequence the record is in the state the taken row names, and that state
+  agrees with the record's facts (an independent derivation, the one the cores used
+  before the table named states) and with the deadline rule of that state;
+* every cause agrees with its reason, so callers can switch from matching strings;
+* the counter's registration queries agree with the actions it emitted.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpush.daemon import core
+from kvpush.daemon import counter as cm
+from kvpush.daemon import rendezvous as rz
+from kvpush.daemon.core import Cause, Row, Table, row
+
+# ------------------------------------------------------------------ the Table itself
+
+
+class _S(core.enum.Enum):
+    A = "a"
+    B = "b"
+
+
+class _E:
+    pass
+
+
+def _always(core_: Any, rec: Any, ev: Any) -> bool:
+    return True
+
+
+def test_table_must_be_total() -> None:
+    rows = [row(None, _E, None, _S.A), row(_S.A, _E, None, _S.B)]
+    with pytest.raises(ValueError, match="no row for"):
+        Table(_S, (_E,), rows)  # (B, _E) missing
+
+
+def test_table_last_row_and_only_the_last_is_unguarded() -> None:
+    ok = [row(None, _E, None, None), row(_S.A, _E, None, _S.A), row(_S.B, _E, None, _S.B)]
+    Table(_S, (_E,), ok)
+    with pytest.raises(ValueError, match="last row"):
+        Table(_S, (_E,), [*ok, row(_S.B, _E, _always, _S.A)])  # guarded after the fallback
+    with pytest.raises(ValueError, match="last row"):
+        Table(_S, (_E,), [row(None, _E, _always, None), *ok[1:]])  # no fallback for None
+
+
+def test_table_rejects_foreign_events() -> None:
+    class Other:
+        pass
+
+    with pytest.raises(ValueError, match="not an event"):
+        Table(_S, (_E,), [row(None, Other, None, None)])
+
+
+def test_rows_print_as_transitions() -> None:
+    text = rz.TABLE.describe()
+    assert "WAIT_REGISTER --Register[completes_set]--> WRITING: open_attempt, add_reg, start_reg" in text
+    assert "WAITING --_Deadline--> FAILED: fail_timeout" in cm.TABLE.describe()
+
+
+def test_states_are_str_enums_with_the_old_values() -> None:
+    assert rz.State.WRITING == "writing" and cm.State.WAITING == "waiting"
+    assert {"done", "failed", "expired"} == set(rz.TOMBSTONES)
+    assert {"completed", "failed", "released"} == set(cm.TOMBSTONES)
+    assert Cause.TIMEOUT == "timeout"
+
+
+# ------------------------------------------------------------------- event sources
+
+TIDS = ("a", "b", "c")
+PEERS = ("p0", "p1")
+
+
+def rz_events(rng: random.Random, n: int) -> Iterator[Any]:
+    """Registrations, prefills, write results (also stray ones), aborts, peer losses and
+    time, over few names so that they collide."""
+    now = 0.0
+    for _ in range(n):
+        k, tid = rng.random(), rng.choice(TIDS)
+        if k < 0.3:
+            exp = rng.choice([1, 1, 2, 2, 3])
+            bad = rng.random() < 0.05
+            yield rz.Register(
+                tid, -1 if bad else rng.choice([0, 0, 1, 2]), rng.choice(PEERS),
+                rng.randrange(exp + bad), exp + (rng.random() < 0.05), (rng.randrange(5), 9),
+                rng.choice([16, 16, 16, 17]), now, now + rng.uniform(-1, 20), rng.choice([0, 0, 16]),
+            )  # fmt: skip
+        elif k < 0.45:
+            yield rz.PrefillDone(tid, (100, 101), rng.choice([16, 16, 17]), now, now + rng.uniform(0.5, 30))
+        elif k < 0.65:
+            a, d = rng.randrange(3), rng.randrange(3)
+            if rng.random() < 0.7:
+                yield rz.WriteDone(tid, a, d, now)
+            else:
+                yield rz.WriteFailed(tid, a, d, "boom", now, rng.choice([Cause.WRITE_FAILED, Cause.TIMEOUT]))
+        elif k < 0.75:
+            if rng.random() < 0.5:
+                yield rz.Abort(tid, rng.choice([None, 0, 1, 2]), "x", "peer", now, rng.choice(PEERS))
+            else:
+                yield rz.Abort(tid, None, "stop", "local", now)
+        elif k < 0.8:
+            yield rz.PeerLost(rng.choice(PEERS), now)
+        else:
+            now += rng.uniform(0, 6)
+            yield rz.Tick(now)
+    yield rz.Tick(now + 1e4)
+
+
+def cm_events(rng: random.Random, n: int) -> Iterator[Any]:
+    """Registrations (with endpoints, ranks, forwards) and producer results aimed mostly
+    at them, with stale, duplicate, out-of-range and unknown ones mixed in."""
+    now, known = 0.0, []
+    for _ in range(n):
+        k = rng.random()
+        if k < 0.15 or not known:
+            tid, att = rng.choice("ab"), rng.randrange(-1 if rng.random() < 0.03 else 0, 3)
+            p = rng.randrange(0 if rng.random() < 0.03 else 1, 4)
+            eps = tuple(rng.sample(["e0", "e1", "e2", "e3"], p))
+            ranks = tuple(rng.sample(range(8), p))
+            known.append((tid, att, p))
+            fwds = tuple(f"fwd{r}" for r in ranks)
+            yield cm.Expect(tid, att, p, now, now + rng.uniform(-1, 30), eps, ranks, fwds)
+            continue
+        tid, att, p = rng.choice(known) if rng.random() < 0.85 else (rng.choice("ab"), rng.randrange(3), 2)
+        r = rng.randrange(p + 1)
+        if k < 0.6:
+            yield cm.Notified(tid, att, r, now)
+        elif k < 0.68:
+            cause = rng.choice([Cause.PRODUCER_FAILED, Cause.PEER_LOST])
+            yield cm.ProducerFailed(tid, att, r, "boom", now, cause)
+        elif k < 0.76:
+            yield cm.CancelConfirmed(tid, att, r, now)
+        elif k < 0.84:
+            yield cm.Abort(tid, att, "stop", now)
+        else:
+            now += rng.uniform(0, 6)
+            yield cm.Tick(now)
+    yield cm.Tick(now + 1e4)
+
+
+# ------------------------------------------------------------ every row, or why not
+
+
+def _taken_rows(make: Any, events: Any, seeds: range) -> set[Row]:
+    taken: set[Row] = set()
+    for seed in seeds:
+        c = make()
+        c.on_transition = lambda key, old, ev, r: taken.add(r)
+        for ev in events(random.Random(seed), 300):
+            c.handle(ev)
+    return taken
+
+
+@pytest.mark.parametrize(
+    "table, makes, events",
+    [
+        (
+            rz.TABLE,
+            [lambda: rz.Rendezvous(tombstone_s=5.0, max_transfers=2), lambda: rz.Rendezvous(tombstone_s=5.0)],
+            rz_events,
+        ),
+        (cm.TABLE, [lambda: cm.CompletionCounter(tombstone_s=3.0, max_attempts=3)], cm_events),
+    ],
+    ids=["rendezvous", "counter"],
+)
+def test_every_row_is_taken_or_documented_unreachable(table: Table, makes: list, events: Any) -> None:
+    taken: set[Row] = set()
+    for make in makes:
+        taken |= _taken_rows(make, events, range(300))
+    never = [str(r) for r in table.rows if r not in taken and not r.unreachable]
+    assert never == [], "rows never taken (take them, or document why they cannot be):\n" + "\n".join(never)
+    wrong = [str(r) for r in table.rows if r in taken and r.unreachable]
+    assert wrong == [], "rows documented unreachable but taken:\n" + "\n".join(wrong)
+
+
+# ---------------------------------------------- the state is the one the table names
+
+
+def _rz_state_from_facts(rec: Any) -> rz.State:
+    """The state implied by a transfer's facts, derived independently of the table (the
+    rules the core applied before its table named the states)."""
+    v = rec.verdict
+    if v is not None:
+        if rec.inflight:
+            return rz.State.DRAINING
+        return rz.State.DONE if v.ok else rz.State.FAILED
+    if rec.prefill is None:
+        return rz.State.WAIT_PREFILL if rec.live and rec.regs else rz.State.EXPIRED
+    if rec.live and len(rec.regs) == rec.expected:
+        return rz.State.WRITING
+    return rz.State.WAIT_REGISTER
+
+
+_RZ_CAUSES = [  # reason prefix -> cause, as callers matched strings before causes existed
+    ("superseded by attempt", Cause.SUPERSEDED),
+    ("write failed", None),  # the transport's cause, carried by WriteFailed
+    ("peer lost", Cause.PEER_LOST),
+    ("aborted", Cause.ABORTED),
+    ("cancelled by", Cause.CANCELLED),
+    ("lease expired", Cause.LEASE_EXPIRED),
+    ("prefill did not complete in time", Cause.TIMEOUT),
+    ("num_tokens mismatch", Cause.MISMATCH),
+    ("overloaded", Cause.OVERLOADED),
+    ("source blocks released", Cause.CLOSED),
+    ("transfer aborted", Cause.CLOSED),
+    ("attempt", Cause.CLOSED),  # "attempt N already failed or ended"
+    ("", Cause.INVALID),
+]
+
+
+def _rz_cause_of(reason: str) -> Cause | None:
+    return next(c for prefix, c in _RZ_CAUSES if reason.startswith(prefix))
+
+
+class _Watch:
+    """Checks every transition of a core as it happens."""
+
+    def __init__(self, c: Any, facts: Any) -> None:
+        self.c, self.facts = c, facts
+        c.on_transition = self.saw
+
+    def saw(self, key: Any, old: Any, ev: Any, r: Row) -> None:
+        rec = self.c._get(key)
+        assert r.state is old and isinstance(ev, r.event), r
+        if r.to is None:
+            assert rec is None, f"{r}: record kept"
+            return
+        assert rec is not None and rec.state is r.to, f"{r}: in {rec and rec.state}"
+        self.facts(self.c, key, rec, r)
+        due = self.c._deadlines.get(key)
+        if r.to in self.c._tombstones:
+            assert due is not None and due <= self.c.now + self.c.tombstone_s, r
+        else:
+            assert due == self.c._due[r.to](rec), f"{r}: deadline {due}"
+
+
+def _rz_facts(c: rz.Rendezvous, key: str, rec: Any, r: Row) -> None:
+    assert _rz_state_from_facts(rec) is rec.state, f"{r}: facts say {_rz_state_from_facts(rec)}"
+    if rec.state is rz.State.WRITING:
+        assert rec.inflight, "WRITING without a write in flight"
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(0, 2**32), st.sampled_from([(5.0, 2), (5.0, 1000), (1e9, 1000)]))
+def test_rendezvous_states_follow_the_table_and_the_facts(seed: int, cfg: tuple) -> None:
+    rng = random.Random(seed)  # a seed, not st.randoms: the sequences are long
+    rv = rz.Rendezvous(tombstone_s=cfg[0], max_transfers=cfg[1])
+    _Watch(rv, _rz_facts)
+    for ev in rz_events(rng, 120):
+        for a in rv.handle(ev):
+            if isinstance(a, rz.NotifyFailure) or (isinstance(a, rz.ReleaseBlocks) and not a.ok):
+                want = _rz_cause_of(a.reason)
+                if want is None:  # a write failure: the transport said why
+                    assert a.cause in (Cause.WRITE_FAILED, Cause.TIMEOUT), a
+                else:
+                    assert a.cause is want, a
+            elif isinstance(a, rz.ReleaseBlocks):
+                assert a.cause is Cause.OK and a.reason == "", a
+            if isinstance(a, rz.ReleaseBlocks):
+                assert not rv.live(a.transfer_id), "released but still live"
+        for tid in TIDS:
+            info = rv.info(tid)
+            assert rv.live(tid) == (info is not None and info.state not in rz.TOMBSTONES)
+            assert info is None or type(info.state) is rz.State
+
+
+def _cm_facts(c: cm.CompletionCounter, key: tuple, rec: Any, r: Row) -> None:
+    s, n = rec.state, rec.producers
+    assert rec.notified <= rec.resolved <= set(range(n))
+    if s not in cm.TOMBSTONES:
+        assert len(rec.resolved) < n, f"{r}: live with every producer resolved"
+    if s is cm.State.WAITING:
+        assert rec.resolved == rec.notified and c.current(rec.transfer_id) == rec.attempt
+    elif s is cm.State.FAILING:
+        assert rec.reason and rec.resolved != rec.notified
+    elif s is cm.State.SUPERSEDED:  # the newest may be purged before this one settles
+        assert c.current(rec.transfer_id) != rec.attempt
+    elif s is cm.State.COMPLETED:
+        assert len(rec.notified) == n
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(0, 2**32), st.sampled_from([3.0, 1e9]))
+def test_counter_states_follow_the_table_and_the_queries_agree(seed: int, tomb: float) -> None:
+    rng = random.Random(seed)
+    cc = cm.CompletionCounter(tombstone_s=tomb)
+    _Watch(cc, _cm_facts)
+    told: set[tuple[str, int]] = set()  # the engine heard the outcome
+    gone: dict[tuple[str, int], set[int]] = {}  # producers whose final word was sent
+    for ev in cm_events(rng, 120):
+        if isinstance(ev, (cm.Notified, cm.ProducerFailed, cm.CancelConfirmed)):
+            gone.setdefault((ev.transfer_id, ev.attempt), set()).add(ev.producer)
+        for a in cc.handle(ev):
+            key = (a.transfer_id, a.attempt)
+            if isinstance(a, cm.Accepted):  # answers the Expect just handled
+                e = ev
+                assert isinstance(e, cm.Expect) and key == (e.transfer_id, e.attempt)
+                assert (a.forwards, a.endpoints) == (e.forwards, e.endpoints)
+                reg = cc.registration(a.transfer_id)
+                assert reg is not None and reg.live and reg.attempt == a.attempt
+                assert (reg.endpoints, reg.ranks, reg.forwards) == (e.endpoints, e.ranks, e.forwards)
+                assert (reg.since, reg.deadline, reg.producers) == (e.now, e.deadline, e.producers)
+                for i, (ep, rank) in enumerate(zip(e.endpoints, e.ranks, strict=True)):
+                    assert cc.producer_index(a.transfer_id, ep) == i
+                    assert cc.rank_index(a.transfer_id, rank, a.attempt) == i
+                assert cc.producer_index(a.transfer_id, "nowhere") is None
+                told.discard(key)
+                gone.pop(key, None)  # a new record under a purged one's key
+            elif isinstance(a, (cm.Complete, cm.Fail, cm.Release)) and key in cc._recs:
+                told.add(key)
+                reg = cc.registration(*key)
+                assert reg is not None and not reg.live and reg.state in cm.TOMBSTONES
+            if isinstance(a, (cm.Fail, cm.SendCancel)):
+                # what callers matched before causes: the same set of actions
+                assert ("timed out" in a.reason) == (a.cause is Cause.TIMEOUT), a
+        for tid in "ab":
+            reg = cc.registration(tid)
+            assert cc.live(tid) == (reg is not None and reg.live)
+            if reg is not None:
+                assert (reg.state in cm.TOMBSTONES) == ((tid, reg.attempt) in told)
+        for ep in ("e0", "e1", "e2", "e3"):  # brute force over the records
+            want = sorted(
+                (r.transfer_id, r.attempt, r.endpoints.index(ep))
+                for k, r in cc._recs.items()
+                if r.state not in cm.TOMBSTONES
+                and ep in r.endpoints
+                and r.endpoints.index(ep) not in gone.get(k, set())
+            )
+            assert cc.waiting_on(ep) == want
+    assert cc.pending() == [] and cc.waiting_on("e0") == []

@@ -24,13 +24,13 @@ def _r(x: float | None, digits: int = 4) -> float | None:
 
 
 def _counts(w: Worker) -> po.PendingCounts:
-    return po.PendingCounts(prefill=w.rdv.counts(), decode=w.counter.counts())
+    return po.PendingCounts(prefill=w.prefill.rdv.counts(), decode=w.decode.counter.counts())
 
 
 def status(w: Worker) -> po.StatusReply:
     import psutil
 
-    a = w.attached
+    a = w.ctx.attached
     now = time.monotonic()
     proc = psutil.Process()
     engine = None
@@ -43,21 +43,21 @@ def status(w: Worker) -> po.StatusReply:
     return po.StatusReply(
         device=w.cfg.name,
         pid=os.getpid(),
-        daemon_id=w.daemon_id,
+        daemon_id=w.ctx.daemon_id,
         version=proto.PROTOCOL_VERSION,
         backend=w.cfg.backend,
-        agent=w.agent_name,
-        uptime_s=round(now - w.started, 1),
-        draining=w.draining,
-        peer_endpoint=w.peer_endpoint,
+        agent=w.ctx.agent_name,
+        uptime_s=round(now - w.ctx.started, 1),
+        draining=w.ctx.draining,
+        peer_endpoint=w.ctx.peer_endpoint,
         engine_socket=w.cfg.engine_socket,
         rss_bytes=proc.memory_info().rss,
         cpu_s=round(sum(proc.cpu_times()[:2]), 3),
         engine=engine,
-        peers=po.PeerCounts(producers=len(w.producers), consumers=len(w.consumers)),
+        peers=po.PeerCounts(producers=len(w.decode.producers), consumers=len(w.prefill.consumers)),
         pending=_counts(w),
-        in_flight=len(w.in_flight),
-        rejected_inputs=w.errors,
+        in_flight=len(w.prefill.in_flight),
+        rejected_inputs=w.ctx.errors,
     )
 
 
@@ -69,7 +69,7 @@ def pending(w: Worker) -> po.PendingReply:
             registered=p.registered, expected=p.expected, writes_in_flight=p.writes_in_flight,
             age=round(p.age, 4), deadline=_r(p.deadline),
         )
-        for p in w.rdv.pending(now)
+        for p in w.prefill.rdv.pending(now)
     ]
     rows += [
         po.DecodePending(
@@ -77,15 +77,15 @@ def pending(w: Worker) -> po.PendingReply:
             resolved=p.resolved, producers=p.producers, age=round(p.age, 4),
             deadline=round(p.deadline, 4),
         )
-        for p in w.counter.pending(now)
+        for p in w.decode.counter.pending(now)
     ]
     return po.PendingReply(device=w.cfg.name, pending=tuple(rows))
 
 
 def peers(w: Worker) -> po.PeersReply:
     now = time.monotonic()
-    rows = [p.describe(now, "producer") for p in w.producers.values()]
-    rows += [p.describe(now, "consumer") for p in w.consumers.values()]
+    rows = [p.describe(now) for p in w.decode.producers.values()]
+    rows += [p.describe(now) for p in w.prefill.consumers.values()]
     return po.PeersReply(device=w.cfg.name,
                          peers=tuple(po.PeerRow.from_data(r, f"peers[{i}]") for i, r in enumerate(rows)))
 
@@ -107,15 +107,15 @@ def transfers(w: Worker) -> po.TransfersReply:
             transfer_id=f.transfer_id, attempt=f.attempt, dest_rank=f.dest_rank,
             bytes=f.nbytes, descriptors=f.descriptors, age_s=round(now - f.started, 3),
         )
-        for f in w.in_flight.values()
+        for f in w.prefill.in_flight.values()
     )
-    recent = tuple(_recent(h, now, i) for i, h in enumerate(reversed(w.history.items)))
+    recent = tuple(_recent(h, now, i) for i, h in enumerate(reversed(w.ctx.history.items)))
     return po.TransfersReply(device=w.cfg.name, in_flight=live, recent=recent)
 
 
 def trace(w: Worker, tid: str) -> po.TraceReply:
     """One transfer's stamps on this daemon (its own and its engine plugin's)."""
-    view = w.trace.view(tid)
+    view = w.ctx.trace.view(tid)
     clock = ClockPair(**view["clock"])
     if "events" in view:
         return po.TraceReply(device=w.cfg.name, clock=clock, transfer_id=view["transfer_id"],
@@ -144,9 +144,9 @@ def handle_ops(w: Worker, req: proto.OpsRequest) -> proto.OpsReply:
     if req.cmd == "trace":
         return _ok(trace(w, req.arg))
     if req.cmd == "metrics":
-        return _ok(po.MetricsReply(text=w.metrics.render()))
+        return _ok(po.MetricsReply(text=w.ctx.metrics.render()))
     if req.cmd == "drain":
-        w.draining = True
+        w.ctx.draining = True
         return _ok(po.DrainReply(draining=True, pending=_counts(w)))
     if req.cmd == "cancel":
         tid = req.arg

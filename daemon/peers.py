@@ -97,7 +97,7 @@ class Producer:
                 return LinkEvent.PING_DUE
         return None
 
-    def describe(self, now: float, _role: str = "") -> dict[str, Any]:
+    def describe(self, now: float) -> dict[str, Any]:
         return _describe(self, "producer", now, len(self.queued), 0)
 
 
@@ -125,7 +125,7 @@ class Consumer:
         """The rendezvous core's name for this peer."""
         return self.routing_id.hex()
 
-    def describe(self, now: float, _role: str = "") -> dict[str, Any]:
+    def describe(self, now: float) -> dict[str, Any]:
         prepped = self.prepped[0].entries * self.prepped[0].dst_blocks if self.prepped else 0
         return _describe(self, "consumer", now, 0, prepped)
 

@@ -25,6 +25,8 @@ import time
 import uuid
 from typing import Any
 
+import zmq
+
 from kvpush import proto
 from kvpush.daemon.config import DeviceConfig
 from kvpush.daemon.context import DaemonContext
@@ -34,6 +36,7 @@ from kvpush.daemon.engine_session import EngineSession
 from kvpush.daemon.metrics import WorkerMetrics
 from kvpush.daemon.peers import Link
 from kvpush.daemon.prefill_side import PrefillSide
+from kvpush.daemon.transport import NixlTransport
 from kvpush.daemon.wire import ZmqWire
 
 log = logging.getLogger("kvpush.worker")
@@ -45,12 +48,12 @@ IDLE_POLL_MS = 250  # how long the loop blocks on ZeroMQ with nothing in flight
 class Worker:
     """One device's daemon: its parts, and the loop (startup, step, tick, shutdown)."""
 
-    def __init__(self, cfg: DeviceConfig, *, transport_factory: Any = None) -> None:
+    def __init__(self, cfg: DeviceConfig) -> None:
         self.cfg = cfg
         daemon_id = uuid.uuid4().hex[:12]
         agent_name = f"kvpush-{socket.gethostname()}-{cfg.name}-{daemon_id}"
         metrics = WorkerMetrics(cfg.name)
-        self.zctx = zmq_context()
+        self.zctx = zmq.Context()
         curve = load_curve(cfg.curve_secret_key_file, cfg.authorized_keys_dir or "") \
             if cfg.curve_secret_key_file else None
         ep = Endpoints(
@@ -59,15 +62,11 @@ class Worker:
         )
         self.ctx: DaemonContext
         self.wire = ZmqWire(ep, lambda cause, detail: self.ctx.bad(cause, detail))
-        if transport_factory is None:
-            from kvpush.daemon.transport import NixlTransport
-
-            transport_factory = NixlTransport
         params = {"ucx_error_handling_mode": cfg.ucx_error_handling_mode} if cfg.backend == "UCX" else {}
         adv = cfg.advertise_host or cfg.peer_host
         self.ctx = DaemonContext(
             cfg, daemon_id, agent_name, f"tcp://{adv}:{ep.peer_ep.rsplit(':', 1)[1]}", self.wire,
-            transport_factory(agent_name, cfg.backend, backend_params=params), metrics,
+            NixlTransport(agent_name, cfg.backend, backend_params=params), metrics,
         )
         self.prefill = PrefillSide(self.ctx)
         self.decode = DecodeSide(self.ctx)
@@ -160,31 +159,6 @@ class Worker:
         found = self.prefill.abort(tid, why, now)
         return self.decode.cancel(tid, why, now) or found
 
-    # ------------------------------------------------------------------ ops view (TEMP)
-    # Read by kvpush.daemon.ops until it addresses the parts directly.
-    attached = property(lambda self: self.ctx.attached)
-    consumers = property(lambda self: self.prefill.consumers)
-    producers = property(lambda self: self.decode.producers)
-    rdv = property(lambda self: self.prefill.rdv)
-    counter = property(lambda self: self.decode.counter)
-    in_flight = property(lambda self: self.prefill.in_flight)
-    history = property(lambda self: self.ctx.history)
-    trace = property(lambda self: self.ctx.trace)
-    metrics = property(lambda self: self.ctx.metrics)
-    daemon_id = property(lambda self: self.ctx.daemon_id)
-    agent_name = property(lambda self: self.ctx.agent_name)
-    started = property(lambda self: self.ctx.started)
-    peer_endpoint = property(lambda self: self.ctx.peer_endpoint)
-    errors = property(lambda self: self.ctx.errors)
-
-    @property
-    def draining(self) -> bool:
-        return self.ctx.draining
-
-    @draining.setter
-    def draining(self, value: bool) -> None:
-        self.ctx.draining = value
-
     # ------------------------------------------------------------------ shutdown
 
     def shutdown(self) -> None:
@@ -203,12 +177,6 @@ class Worker:
             self.ctx.attached = None
         self.wire.close()
         self.zctx.term()
-
-
-def zmq_context() -> Any:
-    import zmq
-
-    return zmq.Context()
 
 
 def run_worker(cfg: DeviceConfig, ready_event: Any = None) -> int:

@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 import torch
-import zmq
 
 from kvpush import proto
+from kvpush.daemon import opsclient
 from kvpush.daemon.config import DeviceConfig
 from kvpush.engine_plugin.client import DaemonClient
 from kvpush.engine_plugin.memory import export_cpu_tensor
@@ -50,20 +50,8 @@ def _run(cfg: DeviceConfig, ready: Any) -> None:
     raise SystemExit(run_worker(cfg, ready))
 
 
-def ops_request(endpoint: str, cmd: str, arg: str = "", timeout_s: float = 5.0) -> proto.OpsReply:
-    ctx = zmq.Context.instance()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(endpoint)
-    try:
-        s.send(proto.encode(proto.OpsRequest(cmd, arg)))
-        if not s.poll(int(timeout_s * 1000)):
-            raise TimeoutError(f"no ops reply from {endpoint}")
-        msg = proto.decode(s.recv())
-        assert isinstance(msg, proto.OpsReply)
-        return msg
-    finally:
-        s.close(0)
+def ops_request(endpoint: str, cmd: str, arg: str = "", timeout_s: float = 5.0) -> opsclient.Answer:
+    return opsclient.request(endpoint, proto.OpsRequest(cmd, arg), timeout_s)
 
 
 _LIVE: list[Daemon] = []

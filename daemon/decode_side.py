@@ -178,7 +178,7 @@ class DecodeSide:
     def _fail_waiting(self, endpoint: str, why: str) -> None:
         now = time.monotonic()
         for tid, attempt, idx in self.counter.waiting_on(endpoint):
-            self.apply(ctr.ProducerFailed(tid, attempt, idx, why, now))
+            self.apply(ctr.ProducerFailed(tid, attempt, idx, why, now, ctr.Cause.PEER_LOST))
 
     def _producer_result(self, tid: str, attempt: int, endpoint: str, reason: str, now: float, *,
                          failed: bool) -> None:
@@ -302,7 +302,7 @@ class DecodeSide:
         if reg is None:
             return False
         for idx in range(len(reg.endpoints)):
-            self.apply(ctr.ProducerFailed(tid, reg.attempt, idx, why, now))
+            self.apply(ctr.ProducerFailed(tid, reg.attempt, idx, why, now, ctr.Cause.ABORTED))
         return True
 
     def fail_all(self, why: str) -> None:

@@ -280,7 +280,8 @@ class PrefillSide:
             if state == "pending":
                 if now - f.started > self.cfg.write_timeout_s:
                     self.ctx.metrics.timeout("write")
-                    self._finish(key, f, now, f"WRITE timed out after {self.cfg.write_timeout_s:.1f}s")
+                    self._finish(key, f, now, f"WRITE timed out after {self.cfg.write_timeout_s:.1f}s",
+                                 rv.Cause.TIMEOUT)
                     activity = True
                 continue
             activity = True
@@ -293,7 +294,8 @@ class PrefillSide:
             self.progress(time.monotonic())
             time.sleep(0.001)
 
-    def _finish(self, key: int, f: InFlight, now: float, error: str) -> None:
+    def _finish(self, key: int, f: InFlight, now: float, error: str,
+                cause: rv.Cause = rv.Cause.WRITE_FAILED) -> None:
         try:
             self.ctx.transport.release(f.handle)
         except Exception as exc:
@@ -312,7 +314,7 @@ class PrefillSide:
         })
         if error:
             self.ctx.metrics.failure("nixl")
-            self.apply(rv.WriteFailed(f.transfer_id, f.attempt, f.dest_rank, error, now))
+            self.apply(rv.WriteFailed(f.transfer_id, f.attempt, f.dest_rank, error, now, cause))
             return
         self.ctx.trace.stamp(f.transfer_id, "p.daemon.write_done")
         peer = self.consumer(f.peer)

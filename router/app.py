@@ -26,7 +26,7 @@ from aiohttp import web
 
 from kvpush.proto.params import DecodeLeg, PrefillLeg
 from kvpush.proto.trace import TraceRing
-from kvpush.router.front import LegFailed, decode_chunks, error_response, front_app
+from kvpush.router.front import LegFailed, Upstreams, decode_chunks, error_response, front_app
 
 log = logging.getLogger("kvpush.router")
 
@@ -61,11 +61,11 @@ def parse_prefill(spec: str) -> Backend:
     return Backend(url.rstrip("/"), endpoints)
 
 
-class Router:
+class Router(Upstreams):
     def __init__(self, cfg: RouterConfig) -> None:
         self.cfg = cfg
+        self.connect_timeout_s = cfg.connect_timeout_s
         self._rr = {"p": itertools.cycle(range(len(cfg.prefill))), "d": itertools.cycle(range(len(cfg.decode)))}
-        self.session: aiohttp.ClientSession | None = None
         self.stats = {"requests": 0, "errors": 0}
         # Per-request timeline (kvpushctl trace --router URL) and x-request-id -> transfer_id.
         self.trace = TraceRing()
@@ -76,34 +76,13 @@ class Router:
             return pool[next(self._rr[key])]
         return min(pool, key=lambda b: b.in_flight)
 
-    async def start(self, _app: web.Application) -> None:
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s)
-        self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+    def engine_urls(self) -> list[str]:
+        return [b.url for b in [*self.cfg.prefill, *self.cfg.decode]]
 
-    async def stop(self, _app: web.Application) -> None:
-        if self.session is not None:
-            await self.session.close()
+    def models_url(self) -> str:
+        return self.cfg.decode[0].url
 
     # ------------------------------------------------------------------ handlers
-
-    async def health(self, _req: web.Request) -> web.Response:
-        assert self.session is not None
-        bad = []
-        for b in [*self.cfg.prefill, *self.cfg.decode]:
-            try:
-                async with self.session.get(f"{b.url}/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
-                    if r.status != 200:
-                        bad.append(b.url)
-            except (TimeoutError, aiohttp.ClientError):
-                bad.append(b.url)
-        if bad:
-            return web.json_response({"status": "unhealthy", "down": bad}, status=503)
-        return web.json_response({"status": "ok"})
-
-    async def models(self, _req: web.Request) -> web.Response:
-        assert self.session is not None
-        async with self.session.get(f"{self.cfg.decode[0].url}/v1/models") as r:
-            return web.Response(body=await r.read(), status=r.status, content_type="application/json")
 
     async def status(self, _req: web.Request) -> web.Response:
         def rows(pool: list[Backend]) -> list[dict[str, Any]]:

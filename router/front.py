@@ -15,6 +15,49 @@ import aiohttp
 from aiohttp import web
 
 
+class Upstreams:
+    """The client side both fronts share: one pooled session to the engines, and the
+    ``/health`` and ``/v1/models`` answers derived from them."""
+
+    connect_timeout_s: float = 10.0
+    session: aiohttp.ClientSession | None = None
+
+    def engine_urls(self) -> list[str]:
+        """Every engine behind this front (health checks each)."""
+        raise NotImplementedError
+
+    def models_url(self) -> str:
+        """The engine whose ``/v1/models`` this front serves."""
+        raise NotImplementedError
+
+    async def start(self, _app: web.Application) -> None:
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s)
+        self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+
+    async def stop(self, _app: web.Application) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    async def health(self, _req: web.Request) -> web.Response:
+        assert self.session is not None
+        down = []
+        for url in self.engine_urls():
+            try:
+                async with self.session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    if r.status != 200:
+                        down.append(url)
+            except (TimeoutError, aiohttp.ClientError):
+                down.append(url)
+        if down:
+            return web.json_response({"status": "unhealthy", "down": down}, status=503)
+        return web.json_response({"status": "ok"})
+
+    async def models(self, _req: web.Request) -> web.Response:
+        assert self.session is not None
+        async with self.session.get(f"{self.models_url()}/v1/models") as r:
+            return web.Response(body=await r.read(), status=r.status, content_type="application/json")
+
+
 class LegFailed(RuntimeError):
     """One leg of a P/D request failed; the other is cancelled."""
 

@@ -39,6 +39,7 @@ from aiohttp import web
 from kvpush.proto.params import DO_REMOTE_DECODE, DO_REMOTE_PREFILL
 from kvpush.router.front import (  # one front end, two policies
     LegFailed,
+    Upstreams,
     decode_chunks,
     error_response,
     front_app,
@@ -107,42 +108,20 @@ def push_decode_params(cfg: ProxyConfig, request_id: str) -> dict[str, Any]:
     }
 
 
-class Proxy:
+class Proxy(Upstreams):
     def __init__(self, cfg: ProxyConfig) -> None:
         if cfg.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {cfg.mode!r}")
         if cfg.mode == "push" and not cfg.prefill_side_port:
             raise ValueError("push mode needs the prefill engine's NIXL side-channel port")
         self.cfg = cfg
-        self.session: aiohttp.ClientSession | None = None
         self.stats = {"requests": 0, "errors": 0, "in_flight": 0}
 
-    async def start(self, _app: web.Application) -> None:
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
-        self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+    def engine_urls(self) -> list[str]:
+        return [self.cfg.prefill_url, self.cfg.decode_url]
 
-    async def stop(self, _app: web.Application) -> None:
-        if self.session is not None:
-            await self.session.close()
-
-    async def health(self, _req: web.Request) -> web.Response:
-        assert self.session is not None
-        down = []
-        for url in (self.cfg.prefill_url, self.cfg.decode_url):
-            try:
-                async with self.session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
-                    if r.status != 200:
-                        down.append(url)
-            except (TimeoutError, aiohttp.ClientError):
-                down.append(url)
-        if down:
-            return web.json_response({"status": "unhealthy", "down": down}, status=503)
-        return web.json_response({"status": "ok"})
-
-    async def models(self, _req: web.Request) -> web.Response:
-        assert self.session is not None
-        async with self.session.get(f"{self.cfg.decode_url}/v1/models") as r:
-            return web.Response(body=await r.read(), status=r.status, content_type="application/json")
+    def models_url(self) -> str:
+        return self.cfg.decode_url
 
     async def status(self, _req: web.Request) -> web.Response:
         return web.json_response({"mode": self.cfg.mode, **self.stats})

@@ -212,24 +212,6 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def group_rss_bytes(proc: subprocess.Popen[bytes]) -> int:
-    """Summed RSS of the engine process and its descendants (server + EngineCore)."""
-    import psutil
-
-    try:
-        root = psutil.Process(proc.pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0
-    total = 0
-    for p in procs:
-        try:
-            total += p.memory_info().rss
-        except psutil.NoSuchProcess:
-            pass
-    return total
-
-
 def post_json(url: str, body: Mapping[str, Any], timeout: float = 60.0) -> dict[str, Any]:
     """POST a JSON body and return the decoded JSON reply (stdlib only)."""
     req = urllib.request.Request(

@@ -43,6 +43,15 @@ def lab():
     return Net(), Fabric()
 
 
+def pair(net: Net, fab: Fabric, **cfg) -> tuple[MemNode, MemNode]:
+    """A prefill and a decode daemon, each with an engine stand-in attached (equal layouts)."""
+    lay, _ = cpu()
+    p, d = MemNode(net, fab, "p", **cfg), MemNode(net, fab, "d", **cfg)
+    p.attach(lay, buf(lay, 1), role="prefill")
+    d.attach(lay, buf(lay, None), role="decode")
+    return p, d
+
+
 def register(d: MemNode, t: str, blocks, n: int, producers: list[MemNode], attempt: int = 0, timeout_ms: int = 20000):
     eps = tuple(p.endpoint for p in producers)
     return d.engine(proto.Register(t, attempt, tuple(blocks), n, eps, len(eps), timeout_ms))
@@ -104,10 +113,7 @@ def test_tp2_to_tp1_counts_both_producers_before_received(lab):
 
 def test_failed_write_fails_both_engines_and_never_reports_received(lab):
     net, fab = lab
-    lay, _ = cpu()
-    p, d = MemNode(net, fab, "p"), MemNode(net, fab, "d")
-    p.attach(lay, buf(lay, 1), role="prefill")
-    d.attach(lay, buf(lay, None), role="decode")
+    p, d = pair(net, fab)
     t = tid()
     register(d, t, [1, 2], 20, [p])
     net.run()
@@ -119,10 +125,7 @@ def test_failed_write_fails_both_engines_and_never_reports_received(lab):
 
 def test_decode_abort_cancels_at_the_producer_then_releases(lab):
     net, fab = lab
-    lay, _ = cpu()
-    p, d = MemNode(net, fab, "p"), MemNode(net, fab, "d")
-    p.attach(lay, buf(lay, 1), role="prefill")
-    d.attach(lay, buf(lay, None), role="decode")
+    p, d = pair(net, fab)
     t = tid()
     register(d, t, [1, 2], 20, [p])
     net.run()
@@ -137,10 +140,7 @@ def test_decode_abort_cancels_at_the_producer_then_releases(lab):
 
 def test_a_newer_attempt_supersedes_and_only_it_is_received(lab):
     net, fab = lab
-    lay, _ = cpu()
-    p, d = MemNode(net, fab, "p"), MemNode(net, fab, "d")
-    p.attach(lay, buf(lay, 1), role="prefill")
-    d.attach(lay, buf(lay, None), role="decode")
+    p, d = pair(net, fab)
     t = tid()
     register(d, t, [1, 2], 20, [p], attempt=0)
     net.run()
@@ -155,10 +155,7 @@ def test_a_newer_attempt_supersedes_and_only_it_is_received(lab):
 
 def test_unreachable_producer_fails_the_registration_at_the_handshake_timeout(lab):
     net, fab = lab
-    lay, _ = cpu()
-    p, d = MemNode(net, fab, "p", peer_timeout_s=2.0), MemNode(net, fab, "d", peer_timeout_s=2.0)
-    p.attach(lay, buf(lay, 1), role="prefill")
-    d.attach(lay, buf(lay, None), role="decode")
+    p, d = pair(net, fab, peer_timeout_s=2.0)
     net.cut.add(p.endpoint)
     t = tid()
     register(d, t, [1, 2], 20, [p])
@@ -172,10 +169,7 @@ def test_unreachable_producer_fails_the_registration_at_the_handshake_timeout(la
 
 def test_restarted_producer_fails_what_waited_on_it_and_is_dialled_again(lab):
     net, fab = lab
-    lay, _ = cpu()
-    p, d = MemNode(net, fab, "p"), MemNode(net, fab, "d")
-    p.attach(lay, buf(lay, 1), role="prefill")
-    d.attach(lay, buf(lay, None), role="decode")
+    p, d = pair(net, fab)
     t = tid()
     register(d, t, [1, 2], 20, [p])
     net.run()
@@ -193,11 +187,7 @@ def test_restarted_producer_fails_what_waited_on_it_and_is_dialled_again(lab):
 
 def test_bounds_come_from_config_not_the_wire(lab):
     net, fab = lab
-    lay, _ = cpu()
-    cfg = dict(register_timeout_s=8.0, write_timeout_s=1.0)
-    p, d = MemNode(net, fab, "p", **cfg), MemNode(net, fab, "d", **cfg)
-    p.attach(lay, buf(lay, 1), role="prefill")
-    d.attach(lay, buf(lay, None), role="decode")
+    p, d = pair(net, fab, register_timeout_s=8.0, write_timeout_s=1.0)
     t = tid()
     register(d, t, [1, 2], 20, [p], timeout_ms=2**40)  # asks for ~35 years
     net.run()
@@ -210,10 +200,7 @@ def test_bounds_come_from_config_not_the_wire(lab):
 
 def test_bad_inputs_are_refused_with_a_reason_and_nothing_is_written(lab):
     net, fab = lab
-    lay, _ = cpu()
-    p, d = MemNode(net, fab, "p"), MemNode(net, fab, "d")
-    p.attach(lay, buf(lay, 1), role="prefill")
-    d.attach(lay, buf(lay, None), role="decode")
+    p, d = pair(net, fab)
     assert "out of range" in register(d, tid(), [1, 99], 20, [p]).reason
     assert "cannot hold" in register(d, tid(), [1], 20, [p]).reason
     assert isinstance(prefill_done(p, tid(), [1, 99], 20), proto.SendFailed)
@@ -257,3 +244,19 @@ def test_link_clock_events(dt, timeout):
     p.state = Link.READY
     ev = p.due(dt, timeout)
     assert ev is (LinkEvent.SILENT if dt > timeout else LinkEvent.PING_DUE if dt > timeout / 4 else None)
+
+
+def test_a_peer_cannot_register_for_another_rank_or_layout(lab):
+    net, fab = lab
+    p, d = pair(net, fab)
+    register(d, tid(), [1, 2], 20, [p])  # handshakes d with p
+    net.run()
+    errors = p.ctx.errors
+    t = tid()
+    d.decode.send(p.endpoint, proto.PeerRegister(t, 0, (1, 2), 20, 1, 2, 1, 20000))  # claims rank 1 of 2
+    d.decode.send(p.endpoint, proto.PeerRegister(t, 0, (1, 99), 20, 0, 1, 1, 20000))  # block out of range
+    net.run()
+    assert p.ctx.errors == errors + 2 and not p.prefill.rdv.live(t)
+    prefill_done(p, t, [3, 4], 20)
+    net.run()
+    assert p.transport.writes == 0

@@ -26,6 +26,7 @@ fetched over the ops sockets with ``OpsRequest(cmd="metrics")`` through
 from __future__ import annotations
 
 import ctypes
+import enum
 import json
 import logging
 import math
@@ -110,14 +111,25 @@ def _child_main(target: WorkerTarget, cfg: DeviceConfig, ready: Any, parent_pid:
     sys.exit(code if isinstance(code, int) else 0)
 
 
+class ChildState(enum.StrEnum):
+    """Where one device daemon's process is (`kvpushctl status` shows the value)."""
+
+    STARTING = "starting"
+    UP = "up"
+    KILLING = "killing"  # not ready in time: killed, restarted once reaped
+    BACKOFF = "backoff"  # exited: restarts after a delay
+    CRASH_LOOP = "crash-loop"  # exited too often: restarts after the long delay
+    FAILED = "failed"  # will not be restarted
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+
 @dataclass
 class Child:
     """Supervisor-side bookkeeping of one device daemon."""
 
     cfg: DeviceConfig
-    # starting | up | killing (not ready in time) | backoff | crash-loop | failed | stopping
-    # | stopped
-    state: str = "stopped"
+    state: ChildState = ChildState.STOPPED
     process: Any = None
     ready: Any = None
     ps: psutil.Process | None = None
@@ -205,7 +217,7 @@ class Supervisor:
         with self._lock:
             live = [c for c in self._children.values() if c.process is not None]
             for c in live:
-                c.state = "stopping"
+                c.state = ChildState.STOPPING
                 if c.process.is_alive():
                     c.process.terminate()
         deadline = time.monotonic() + self.node.stop_timeout_s
@@ -220,9 +232,9 @@ class Supervisor:
                     c.process.kill()
                 c.process.join()
                 c.last_exit = c.process.exitcode
-                c.process, c.ps, c.state = None, None, "stopped"
+                c.process, c.ps, c.state = None, None, ChildState.STOPPED
             for c in self._children.values():
-                c.state = "stopped"
+                c.state = ChildState.STOPPED
         if self._http is not None:
             self._http.shutdown()
             self._http.server_close()
@@ -246,7 +258,7 @@ class Supervisor:
                                       args=(self.target, c.cfg, c.ready, os.getpid()))
         c.process.start()
         c.ps = _psutil_process(c.process.pid)
-        c.state, c.started_at, c.up_since = "starting", now, None
+        c.state, c.started_at, c.up_since = ChildState.STARTING, now, None
         c.rss_bytes, c.cpu_seconds, c.cpu_percent = 0, 0.0, 0.0
         log.info("%s %s (pid %d)", "restarted" if restart else "started", c.cfg.name,
                  c.process.pid)
@@ -261,20 +273,20 @@ class Supervisor:
             c.restart_times.popleft()
         limit = self.node.max_restarts_per_minute
         if limit == 0:
-            c.state, c.next_start = "failed", math.inf
+            c.state, c.next_start = ChildState.FAILED, math.inf
             log.error("%s exited (%s); restarts are disabled", c.cfg.name, c.last_exit)
             return
         delay = min(self.node.restart_backoff_s * 2 ** (c.consecutive - 1),
                     self.node.restart_backoff_max_s)
         c.next_start = now + delay
         if len(c.restart_times) >= limit:
-            c.state = "crash-loop"
+            c.state = ChildState.CRASH_LOOP
             c.next_start = max(c.next_start, c.restart_times[0] + WINDOW_S)
             log.error("%s exited (%s) after %d restarts in %.0fs; holding it down for %.1fs",
                       c.cfg.name, c.last_exit, len(c.restart_times), WINDOW_S,
                       c.next_start - now)
         else:
-            c.state = "backoff"
+            c.state = ChildState.BACKOFF
             log.warning("%s exited (%s) after %.1fs; restarting in %.2fs", c.cfg.name,
                         c.last_exit, ran, delay)
 
@@ -285,16 +297,16 @@ class Supervisor:
             for c in self._children.values():
                 if c.process is not None and not c.process.is_alive():
                     self._on_exit(c, now)
-                elif c.state == "starting" and c.ready.is_set():
-                    c.state, c.up_since = "up", now
+                elif c.state is ChildState.STARTING and c.ready.is_set():
+                    c.state, c.up_since = ChildState.UP, now
                     log.info("%s is up (pid %d, %.2fs)", c.cfg.name, c.pid, now - c.started_at)
-                elif (c.state == "starting" and self.node.ready_timeout_s
+                elif (c.state is ChildState.STARTING and self.node.ready_timeout_s
                       and now - c.started_at > self.node.ready_timeout_s):
                     log.error("%s not ready after %.1fs, killing it", c.cfg.name,
                               self.node.ready_timeout_s)
-                    c.state = "killing"  # reaped (and restarted) on a later step
+                    c.state = ChildState.KILLING  # reaped (and restarted) on a later step
                     c.process.kill()
-                if c.state in ("backoff", "crash-loop") and now >= c.next_start:
+                if c.state in (ChildState.BACKOFF, ChildState.CRASH_LOOP) and now >= c.next_start:
                     self._spawn(c, restart=True)
                 self._sample(c)
         self._publish_status()
@@ -319,9 +331,9 @@ class Supervisor:
         with self._lock:
             timeout = 1.0
             for c in self._children.values():
-                if c.state == "starting":
+                if c.state is ChildState.STARTING:
                     timeout = min(timeout, 0.05)
-                elif c.state in ("backoff", "crash-loop"):
+                elif c.state in (ChildState.BACKOFF, ChildState.CRASH_LOOP):
                     timeout = min(timeout, max(c.next_start - now, 0.0))
             sentinels = [c.process.sentinel for c in self._children.values()
                          if c.process is not None]
@@ -337,8 +349,8 @@ class Supervisor:
     def _publish_status(self) -> None:
         with self._lock:
             children = list(self._children.values())
-            up = sum(c.state == "up" for c in children)
-            not_up = [f"{c.cfg.name} {c.state}" for c in children if c.state != "up"]
+            up = sum(c.state is ChildState.UP for c in children)
+            not_up = [f"{c.cfg.name} {c.state}" for c in children if c.state is not ChildState.UP]
         text = f"{up}/{len(children)} devices up" + (f" ({', '.join(not_up)})" if not_up else "")
         if up == len(children) and not self._ready_sent:
             self._ready_sent = True
@@ -356,8 +368,8 @@ class Supervisor:
         now = time.monotonic()
         with self._lock:
             devices = {name: {
-                "state": c.state,
-                "up": c.state == "up",
+                "state": str(c.state),
+                "up": c.state is ChildState.UP,
                 "pid": c.pid,
                 "restarts": c.restarts,
                 "last_exit": c.last_exit,

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import logging
 import socket
 import time
@@ -26,7 +25,15 @@ from aiohttp import web
 
 from kvpush.proto.params import DecodeLeg, PrefillLeg
 from kvpush.proto.trace import TraceRing
-from kvpush.router.front import LegFailed, Upstreams, decode_chunks, error_response, front_app
+from kvpush.router.front import (
+    BadRequest,
+    LegFailed,
+    Upstreams,
+    decode_chunks,
+    error_response,
+    front_app,
+    json_body,
+)
 
 log = logging.getLogger("kvpush.router")
 
@@ -101,11 +108,9 @@ class Router(Upstreams):
     async def forward(self, req: web.Request, path: str) -> web.StreamResponse:
         assert self.session is not None
         try:
-            body = await req.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return _error(400, "request body is not JSON")
-        if not isinstance(body, dict):
-            return _error(400, "request body must be a JSON object")
+            body = await json_body(req)
+        except BadRequest as exc:
+            return _error(400, str(exc))
         self.stats["requests"] += 1
         transfer_id = f"kvp-{uuid.uuid4().hex}"
         self.trace.stamp(transfer_id, "router.request_in")

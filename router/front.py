@@ -8,6 +8,7 @@ prefill leg may still fail.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -94,6 +95,21 @@ async def decode_chunks(up: aiohttp.ClientResponse, prefill: asyncio.Task[Any] |
 def error_response(status: int, message: str, kind: str = "kvpush_router_error") -> web.Response:
     """An OpenAI-style error body, so clients show the message."""
     return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+
+
+class BadRequest(ValueError):
+    """A client's body is not a JSON object: answered 400 with this message."""
+
+
+async def json_body(req: web.Request) -> dict[str, Any]:
+    """The request's JSON object (raises BadRequest otherwise)."""
+    try:
+        body = await req.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise BadRequest("request body is not JSON") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    return body
 
 
 def front_app(front: Any, status_path: str) -> web.Application:

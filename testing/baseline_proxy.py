@@ -38,11 +38,13 @@ from aiohttp import web
 
 from kvpush.proto.params import DO_REMOTE_DECODE, DO_REMOTE_PREFILL
 from kvpush.router.front import (  # one front end, two policies
+    BadRequest,
     LegFailed,
     Upstreams,
     decode_chunks,
     error_response,
     front_app,
+    json_body,
 )
 
 log = logging.getLogger("baseline-proxy")
@@ -128,11 +130,9 @@ class Proxy(Upstreams):
 
     async def completions(self, req: web.Request) -> web.StreamResponse:
         try:
-            body = await req.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return _error(400, "request body is not JSON")
-        if not isinstance(body, dict):
-            return _error(400, "request body must be a JSON object")
+            body = await json_body(req)
+        except BadRequest as exc:
+            return _error(400, str(exc))
         self.stats["requests"] += 1
         self.stats["in_flight"] += 1
         rid = f"px{uuid.uuid4().hex}"

@@ -29,6 +29,7 @@ async def _engine(healthy: bool) -> tuple[web.AppRunner, str]:
 
 
 DOWN: list[str] = []
+BAD: list[tuple[int, str]] = []
 
 
 async def _scenario() -> tuple[int, dict, int, dict]:
@@ -45,6 +46,9 @@ async def _scenario() -> tuple[int, dict, int, dict]:
                 health = (r.status, await r.json())
             async with s.get(f"http://127.0.0.1:{port}/v1/models") as r:
                 models = (r.status, await r.json())
+            for data in (b"{not json", b"[1, 2]"):
+                async with s.post(f"http://127.0.0.1:{port}/v1/completions", data=data) as r:
+                    BAD.append((r.status, (await r.json())["error"]["message"]))
         return (*health, *models)
     finally:
         await runner.cleanup()
@@ -57,3 +61,4 @@ def test_health_names_the_engine_that_is_down_and_models_come_from_decode():
     assert hs == 503 and health["status"] == "unhealthy"
     assert health["down"] == [DOWN[0]]  # the decode stand-in answers 503; prefill is fine
     assert ms == 200 and models["data"][0]["id"] == "tiny"
+    assert BAD == [(400, "request body is not JSON"), (400, "request body must be a JSON object")]

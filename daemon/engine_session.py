@@ -4,46 +4,86 @@ Hops 1 and 9 of a request: the plugin's Attach maps the engine's KV memory and r
 with NIXL; its Register / PrefillDone / Abort go to the decode or prefill side; their answers
 go back through :meth:`DaemonContext.to_engine`. This module alone writes
 ``ctx.attached``. A re-attach (new memory) fails everything tied to the old one first.
+
+The local trust boundary (:class:`LocalTrust`, given by the worker): an Attach is bound to
+the process whose ipc connection carried it (kernel credentials, :mod:`.peercred`). That
+process must be the memory's exporter, the file must be its own (``daemon.memory``), and it
+takes the rank only if no other live, connected process holds it (one engine per rank). The
+mapped shm files are recorded (:class:`ShmLedger`) and unlinked once their exporter is gone.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from kvpush import proto
 from kvpush.daemon.context import Attached, DaemonContext
 from kvpush.daemon.decode_side import DecodeSide
+from kvpush.daemon.peercred import Holder, PeerCred, PeerTable, attach_refusal
 from kvpush.daemon.prefill_side import PrefillSide
+from kvpush.proto.memory import RegionError, process_start_time, shm_info
 from kvpush.proto.trace import HOP_SET
 
 log = logging.getLogger("kvpush.worker")
 
-RegionOpener = Callable[[proto.MemoryHandle], Any]
+RegionOpener = Callable[..., Any]  # (MemoryHandle[, ShmOwner]) -> MappedRegion
+
+RESTART_GRACE_S = 10.0  # after a daemon restart, the recorded live engine's claim on the rank
+REAP_EVERY_S = 1.0  # how often exited engines' memory is looked for
 
 
-def _open_region(memory: proto.MemoryHandle) -> Any:
+def _open_region(memory: proto.MemoryHandle, owner: Any = None) -> Any:
     from kvpush.daemon.memory import open_region
 
-    return open_region(memory)
+    return open_region(memory, owner)
+
+
+@dataclass
+class LocalTrust:
+    """What the real daemon knows of its local peers: the engine socket's live connections
+    and the ledger of mapped shm files. Without it (the in-memory unit harness) an Attach is
+    taken as it comes."""
+
+    peers: PeerTable
+    ledger: Any = None  # kvpush.daemon.memory.ShmLedger (None: nothing recorded)
+    start_time: Callable[[int], int | None] = process_start_time
+    restart_grace_s: float = RESTART_GRACE_S
 
 
 class EngineSession:
     def __init__(self, ctx: DaemonContext, prefill: PrefillSide, decode: DecodeSide,
-                 open_region: RegionOpener = _open_region) -> None:
+                 open_region: RegionOpener = _open_region, trust: LocalTrust | None = None) -> None:
         self.ctx = ctx
         self.prefill = prefill
         self.decode = decode
         self.open_region = open_region
+        self.trust = trust
+        self.holder: Holder | None = None  # the process holding the rank (with trust)
+        self.last_reap = 0.0
+        if trust is not None and trust.ledger is not None:
+            self._restore(trust, time.monotonic())
 
-    def on_engine(self, ident: bytes, msg: Any, now: float) -> None:
+    def _restore(self, trust: LocalTrust, now: float) -> None:
+        """A (re)started daemon: unlink what exited engines left, and keep the rank for the
+        live engine that held it (it reconnects by itself and re-attaches, same file)."""
+        trust.ledger.load()
+        for path in trust.ledger.reap():
+            log.info("removed %s left by an exited engine", path)
+        rec = trust.ledger.latest_alive()
+        if rec is not None:
+            self.holder = Holder(rec.pid, rec.start_time, rec.uid, now + trust.restart_grace_s)
+
+    def on_engine(self, ident: bytes, msg: Any, now: float, peer: PeerCred | None = None) -> None:
         ctx = self.ctx
         if isinstance(msg, proto.Heartbeat):
             ctx.wire.to_engine(ident, proto.HeartbeatAck(msg.seq, ctx.daemon_id))
             return
         if isinstance(msg, proto.Attach):
-            self.on_attach(ident, msg, now)
+            self.on_attach(ident, msg, now, peer)
             return
         if ctx.attached is None or ident != ctx.attached.identity:
             ctx.bad("not_attached", f"{type(msg).__name__} before Attach")
@@ -65,16 +105,30 @@ class EngineSession:
             ctx.bad("unexpected", f"{type(msg).__name__} on the engine endpoint")
             ctx.wire.to_engine(ident, proto.Error("unexpected", f"{type(msg).__name__} not accepted here"))
 
-    def on_attach(self, ident: bytes, msg: proto.Attach, now: float) -> None:
+    def on_attach(self, ident: bytes, msg: proto.Attach, now: float, peer: PeerCred | None = None) -> None:
         ctx = self.ctx
+        owner = None
+        peer_start = None
+        if self.trust is not None:
+            refusal, peer_start = self._refusal(msg, peer, now)
+            if refusal is not None:
+                ctx.bad("attach_refused", refusal)
+                log.warning("Attach of engine %r refused: %s", msg.engine_id, refusal)
+                ctx.wire.to_engine(ident, proto.Error("attach_refused", refusal))
+                return
+            from kvpush.daemon.memory import ShmOwner
+
+            assert peer is not None
+            owner = ShmOwner(peer.pid, peer.uid)
         a = ctx.attached
-        if a is not None and a.memory == msg.memory and a.layout == msg.layout and a.engine_id == msg.engine_id:
+        if a is not None and a.memory == msg.memory and a.layout == msg.layout and a.engine_id == msg.engine_id \
+                and (owner is None or (self.holder is not None and self.holder.pid == owner.pid)):
             # The same engine memory again (a reconnect): keep the mapping, just follow the identity.
             a.identity = ident
             ctx.wire.to_engine(ident, proto.AttachAck(ctx.agent_name, ctx.daemon_id))
             return
         try:
-            region = self.open_region(msg.memory)
+            region = self.open_region(msg.memory) if owner is None else self.open_region(msg.memory, owner)
         except (OSError, RuntimeError, ValueError) as exc:  # RegionError is a ValueError
             ctx.bad("attach", str(exc))
             ctx.wire.to_engine(ident, proto.Error("attach", f"cannot map engine memory: {exc}"))
@@ -91,11 +145,63 @@ class EngineSession:
             ident, msg.engine_id, msg.rank, msg.tp_size, msg.role, msg.layout, region, now, msg.memory
         )
         self.prefill.on_attach()
+        if self.trust is not None and peer is not None and peer_start is not None:
+            self.holder = Holder(peer.pid, peer_start, peer.uid)
+            self._record(region)
         log.info(
             "engine %s rank %d/%d (%s) attached: %d bytes, %d blocks x %d tokens",
             msg.engine_id, msg.rank, msg.tp_size, msg.role, region.size, msg.layout.num_blocks, msg.layout.block_size,
         )
         ctx.wire.to_engine(ident, proto.AttachAck(ctx.agent_name, ctx.daemon_id))
+
+    def _refusal(self, msg: proto.Attach, peer: PeerCred | None, now: float) -> tuple[str | None, int | None]:
+        """Why this Attach may not take the rank (None: it may), and the sender's start time."""
+        assert self.trust is not None
+        if peer is None:
+            return "no kernel credentials for this connection (engines attach over the ipc socket)", None
+        start = self.trust.start_time
+        peer_start = start(peer.pid)
+        if msg.memory.kind == "cpu_shm":
+            try:
+                info = shm_info(msg.memory)
+            except RegionError as exc:
+                return f"memory handle: {exc}", peer_start
+            if info.pid != peer.pid or info.start_time != peer_start:
+                return (f"memory exported by process {info.pid}, but the Attach came from process "
+                        f"{peer.pid}: an engine attaches only its own memory"), peer_start
+        h = self.holder
+        held = attach_refusal(h, peer, peer_start, start(h.pid) if h else None,
+                              self.trust.peers.connected(h.pid) if h else False, now)
+        return held, peer_start
+
+    def _record(self, region: Any) -> None:
+        from kvpush.daemon.memory import ShmRecord, ShmRegion
+
+        ledger = self.trust.ledger if self.trust is not None else None
+        if ledger is not None and isinstance(region, ShmRegion):
+            ledger.add(ShmRecord.of(region))
+
+    def tick(self, now: float) -> None:
+        """Once a second: an attached engine whose process is gone is detached (its memory
+        unmapped), and the shm files of exited engines are unlinked."""
+        trust = self.trust
+        if trust is None or now - self.last_reap < REAP_EVERY_S:
+            return
+        self.last_reap = now
+        h = self.holder
+        if h is not None and trust.start_time(h.pid) != h.start_time:
+            self.holder = None
+            if self.ctx.attached is not None:
+                log.info("engine process %d exited: detaching its memory", h.pid)
+                self.detach("engine process exited")
+        if trust.ledger is not None:
+            trust.ledger.reap()
+
+    def shutdown(self) -> None:
+        """At daemon exit: unlink what exited engines left (never a live engine's file: it
+        re-attaches to the next daemon with it)."""
+        if self.trust is not None and self.trust.ledger is not None:
+            self.trust.ledger.reap()
 
     def detach(self, why: str) -> None:
         """Fail everything tied to the attached memory, then unmap it."""

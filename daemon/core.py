@@ -23,6 +23,8 @@ Around that table, :class:`Core` owns what both cores need and must get right on
 * expiry before and after every event, so no event sees (or leaves) a passed deadline;
 * a capacity bound on live records (``max_live``) that rows may test with ``overloaded``;
 * a secondary index (e.g. by peer) that is cleaned when a record is forgotten;
+* holdings: what each holder (e.g. a peer) holds across the records, kept up to date
+  incrementally after every transition (quotas ask it in O(1), never scan);
 * ``pending`` / ``info`` views for ops.
 
 A core is pure: no I/O, no clock (events carry ``now``), no threads.
@@ -148,6 +150,18 @@ class Record:
 
 
 Deadline = Callable[[Any], float | None]  # record -> when its live state gives up
+Holdings = Callable[[Any], Mapping[Hashable, int]]  # record -> {holder: units it holds there}
+
+
+@dataclass(frozen=True)
+class Held:
+    """What one holder holds across a core's records: in how many, and units in all."""
+
+    records: int = 0
+    units: int = 0
+
+
+_NOTHING = Held()
 
 
 @dataclass(frozen=True)
@@ -174,6 +188,7 @@ class Core(Generic[K, R]):
         *,
         tombstone_s: float,
         max_live: int | None,
+        holdings: Holdings | None = None,
     ) -> None:
         live = [s for s in table.states if s not in tombstones]
         missing = [s for s in live if s not in deadlines]
@@ -189,6 +204,9 @@ class Core(Generic[K, R]):
         self._counts: dict[Any, int] = {s: 0 for s in table.states}
         self._live = 0
         self._index: dict[Hashable, set[K]] = {}
+        self._holdings = holdings
+        self._charges: dict[K, dict[Hashable, int]] = {}  # key -> its record's holdings
+        self._held: dict[Hashable, Held] = {}  # holder -> totals over every record
         self._now = float("-inf")
         #: Called after every transition as (key, old state, event, row): for tests and tracing.
         self.on_transition: Callable[[K, Any, Any, Row], None] | None = None
@@ -222,6 +240,14 @@ class Core(Generic[K, R]):
         t = self._now if now is None else now
         rows = [self._info(r, t) for r in self._recs.values() if r.state not in self._tombstones]
         return sorted(rows, key=lambda i: -i.age)
+
+    def held(self, holder: Hashable) -> Held:
+        """What ``holder`` holds across all records (per the core's ``holdings``). O(1)."""
+        return self._held.get(holder, _NOTHING)
+
+    def held_in(self, key: K, holder: Hashable) -> int | None:
+        """Units ``holder`` holds in the record of ``key``; None if it holds nothing there."""
+        return self._charges.get(key, {}).get(holder)
 
     @property
     def table(self) -> Table:
@@ -274,6 +300,8 @@ class Core(Generic[K, R]):
                 self._forget(key, rec)
             else:
                 self._enter(key, rec, old, r.to)
+            if self._holdings is not None:
+                self._recharge(key, None if r.to is None else rec)
         if self.on_transition is not None:
             self.on_transition(key, old, ev, r)
 
@@ -306,6 +334,22 @@ class Core(Generic[K, R]):
                 if not keys:
                     del self._index[name]
         self._forgotten(key, rec)
+
+    def _recharge(self, key: K, rec: R | None) -> None:
+        """Replace what ``key``'s record held by what it holds now: O(its holders)."""
+        assert self._holdings is not None
+        new = {} if rec is None else dict(self._holdings(rec))
+        for holder, units in self._charges.pop(key, {}).items():
+            h = self._held[holder]
+            if h.records == 1:
+                del self._held[holder]
+            else:
+                self._held[holder] = Held(h.records - 1, h.units - units)
+        for holder, units in new.items():
+            h = self._held.get(holder, _NOTHING)
+            self._held[holder] = Held(h.records + 1, h.units + units)
+        if new:
+            self._charges[key] = new
 
     def _expire(self, out: list[Any]) -> None:
         """Dispatch a deadline event to every record due at ``now``."""

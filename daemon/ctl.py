@@ -599,6 +599,10 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None,
     if getattr(ns, "timeout", DEFAULT_TIMEOUT_S) <= 0:
         print("kvpushctl: --timeout must be positive", file=err)
         return EXIT_USAGE
+    longest = proto.Limits().max_str  # the daemon could not even decode a longer request
+    if len(getattr(ns, "transfer_id", "")) > longest:
+        print(f"kvpushctl: a transfer ID has at most {longest} characters", file=err)
+        return EXIT_USAGE
     try:
         node = _node_for(ns)
         if watch is None:

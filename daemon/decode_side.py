@@ -25,6 +25,12 @@ from kvpush.proto.notif import Notification
 
 log = logging.getLogger("kvpush.worker")
 
+
+def _reason(text: str) -> str:
+    """A reason as it leaves: it may quote a producer's or the engine's words (a refusal,
+    a WriteFailedNotice, an abort), so it is clipped to stay decodable."""
+    return proto.codec.clip(text, proto.codec.REASON_MAX)
+
 RECV_POLL_MAX_S = 0.0005  # poll cap while a producer said Writing and its notification is missing
 RECV_FALLBACK_S = 0.01  # poll cap while receiving otherwise (no WRITE announced yet)
 HINT_WINDOW_S = 0.02  # how long a completed WRITE keeps the tight poll if its notification never shows
@@ -50,7 +56,7 @@ class DecodeSide:
 
         def refuse(why: str) -> None:
             self.ctx.bad("register", why)
-            self.ctx.to_engine(proto.ReceiveFailed(tid, msg.attempt, why))
+            self.ctx.to_engine(proto.ReceiveFailed(tid, msg.attempt, _reason(why)))
 
         if self.ctx.draining:
             return refuse("daemon is draining")
@@ -99,7 +105,7 @@ class DecodeSide:
             try:
                 self.ctx.wire.open_producer(endpoint)
             except ValueError as exc:
-                peer.error = str(exc)
+                peer.error = _reason(str(exc))
                 self._fail_waiting(endpoint, f"cannot connect to {endpoint}: {exc}")
                 return
             self.producers[endpoint] = peer
@@ -158,7 +164,7 @@ class DecodeSide:
                 peer.last_ping = time.monotonic()
                 self.ctx.wire.to_producer(peer.endpoint, proto.Heartbeat(int(peer.last_ping * 1000)))
             elif act is LinkAction.FAIL_WAITING:
-                peer.error = why
+                peer.error = _reason(why)
                 log.warning("%s", why)
                 self._fail_waiting(peer.endpoint, why)
             elif act is LinkAction.CLOSE:
@@ -256,8 +262,9 @@ class DecodeSide:
                 if act.cause is ctr.Cause.TIMEOUT:
                     self.ctx.metrics.timeout("deadline")
                 self.ctx.trace.stamp(tid, "d.daemon.receive_failed")
-                self.ctx.to_engine(proto.ReceiveFailed(tid, act.attempt, act.reason))
-                self._history(tid, act.attempt, "failed", act.reason)
+                reason = _reason(act.reason)
+                self.ctx.to_engine(proto.ReceiveFailed(tid, act.attempt, reason))
+                self._history(tid, act.attempt, "failed", reason)
             elif isinstance(act, ctr.Release):
                 self.ctx.to_engine(proto.Released(tid, act.attempt))
             elif isinstance(act, ctr.SendCancel):
@@ -266,7 +273,7 @@ class DecodeSide:
                     for ep in reg.endpoints:
                         peer = self.producers.get(ep)
                         if peer is not None and peer.state is Link.READY:
-                            self.ctx.wire.to_producer(ep, proto.Cancel(tid, act.attempt, act.reason))
+                            self.ctx.wire.to_producer(ep, proto.Cancel(tid, act.attempt, _reason(act.reason)))
         self.receiving = self.counter.live_count()
 
     def _history(self, tid: str, attempt: int, result: str, error: str) -> None:

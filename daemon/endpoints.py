@@ -15,7 +15,11 @@ from pathlib import Path
 
 import zmq
 
+from kvpush.daemon.config import DEFAULT_MAX_MESSAGE, OPS_MAX_MESSAGE
+
 log = logging.getLogger(__name__)
+
+HEARTBEATS = 3  # a TCP peer that misses this many ZMTP heartbeats (PINGs) in a row is closed
 
 
 def ipc_path(endpoint: str) -> str | None:
@@ -82,17 +86,23 @@ class Endpoints:
         peer: str,
         ops: str,
         socket_mode: int = 0o600,
+        max_message: int = DEFAULT_MAX_MESSAGE,
+        handshake_ms: int = 5000,
         curve: CurveKeys | None = None,
     ) -> None:
         self.ctx = ctx
+        # What one connection may cost us: a frame over max_message closes it (ZeroMQ checks
+        # the length prefix, before buffering); one that has not greeted (ZMTP, CURVE) within
+        # handshake_ms is closed; on TCP, one that stops answering heartbeats is closed too.
+        self.max_message, self.handshake_ms = max_message, handshake_ms
         self.curve = curve
         self._auth = None
         self.engine_ep, self.ops_ep = engine, ops
         self.engine = self._router()
         bind_private(self.engine, engine, socket_mode)
-        self.ops = self._router()
+        self.ops = self._router(min(max_message, OPS_MAX_MESSAGE))
         bind_private(self.ops, ops, socket_mode)
-        self.peer = self._router()
+        self.peer = self._router(heartbeat=True)
         if curve is not None:
             from zmq.auth.thread import ThreadAuthenticator
 
@@ -109,13 +119,20 @@ class Endpoints:
             self.peer.bind(peer)
         self.peer_ep = peer
 
-    def _router(self) -> zmq.Socket:
+    def _limit(self, s: zmq.Socket, max_message: int, heartbeat: bool) -> None:
+        s.setsockopt(zmq.MAXMSGSIZE, max_message)
+        s.setsockopt(zmq.HANDSHAKE_IVL, self.handshake_ms)
+        if heartbeat:
+            s.setsockopt(zmq.HEARTBEAT_IVL, self.handshake_ms)
+            s.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEATS * self.handshake_ms)
+
+    def _router(self, max_message: int | None = None, heartbeat: bool = False) -> zmq.Socket:
         s = self.ctx.socket(zmq.ROUTER)
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.ROUTER_MANDATORY, 0)
         s.setsockopt(zmq.SNDHWM, 100_000)
         s.setsockopt(zmq.RCVHWM, 100_000)
-        s.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
+        self._limit(s, self.max_message if max_message is None else max_message, heartbeat)
         return s
 
     def dealer(self, endpoint: str) -> zmq.Socket:
@@ -129,7 +146,7 @@ class Endpoints:
         s = self.ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.SNDHWM, 100_000)
-        s.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
+        self._limit(s, self.max_message, heartbeat=True)
         if self.curve is not None:
             s.curve_secretkey = self.curve.secret
             s.curve_publickey = self.curve.public

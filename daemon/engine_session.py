@@ -131,7 +131,8 @@ class EngineSession:
             region = self.open_region(msg.memory) if owner is None else self.open_region(msg.memory, owner)
         except (OSError, RuntimeError, ValueError) as exc:  # RegionError is a ValueError
             ctx.bad("attach", str(exc))
-            ctx.wire.to_engine(ident, proto.Error("attach", f"cannot map engine memory: {exc}"))
+            ctx.wire.to_engine(ident, proto.Error(
+                "attach", proto.codec.clip(f"cannot map engine memory: {exc}", proto.codec.REASON_MAX)))
             return
         if msg.layout.region_size > region.size:
             region.close()

@@ -10,6 +10,9 @@ from __future__ import annotations
 from kvpush import proto
 from kvpush.daemon.context import DaemonContext
 from kvpush.daemon.planner import PlanError, check_compatible
+from kvpush.proto.codec import clip
+
+REFUSED = "handshake refused"
 
 
 def make_hello(ctx: DaemonContext, *, reply: bool) -> proto.Hello:
@@ -36,3 +39,14 @@ def compat_error(ctx: DaemonContext, msg: proto.Hello) -> str:
     except PlanError as exc:
         return str(exc)
     return ""
+
+
+def refusal(reason: str, authenticated: bool) -> str:
+    """What a peer whose Hello is refused is told: the one place that decides it.
+
+    A stranger is told only :data:`REFUSED`: every precise reason names the value accepted
+    here (protocol version, dtype, layers, packing, ...), so answering it would let anyone
+    who reaches the port learn the accepted layout by trial. The daemon logs and counts the
+    reason locally instead. An authenticated (allowlisted) peer may be told the reason.
+    """
+    return clip(reason) if authenticated else REFUSED

@@ -154,6 +154,6 @@ def handle_ops(w: Worker, req: proto.OpsRequest) -> proto.OpsReply:
             return _refuse("cancel needs a transfer ID")
         found = w.cancel(tid, "cancelled by operator", now)
         if not found:
-            return _refuse(f"transfer {tid!r} is not pending here")
+            return _refuse(f"transfer {proto.codec.clip(tid)!r} is not pending here")
         return _ok(po.CancelReply(cancelled=tid))
     return _refuse(f"unknown command {req.cmd!r}")

@@ -18,15 +18,22 @@ from typing import Any
 import numpy as np
 
 from kvpush import proto
+from kvpush.daemon import quotas
 from kvpush.daemon import rendezvous as rv
 from kvpush.daemon.checks import bounded_s, check_blocks
 from kvpush.daemon.context import DaemonContext
-from kvpush.daemon.handshake import compat_error, make_hello
+from kvpush.daemon.handshake import compat_error, make_hello, refusal
 from kvpush.daemon.peers import Consumer
 from kvpush.daemon.planner import PlanError, block_pattern, plan
 from kvpush.proto.notif import Notification
 
 log = logging.getLogger("kvpush.worker")
+
+
+def _reason(text: str) -> str:
+    """A reason as it leaves: it may quote a peer's or the engine's words (an abort's or a
+    cancel's reason), so it is clipped to stay decodable."""
+    return proto.codec.clip(text, proto.codec.REASON_MAX)
 
 
 @dataclass
@@ -49,6 +56,7 @@ class PrefillSide:
         self.ctx = ctx
         self.cfg = ctx.cfg
         self.rdv = rv.Rendezvous()
+        self.quota = quotas.Quota(self.cfg.max_transfers_per_peer, self.cfg.max_blocks_per_peer)
         self.consumers: dict[bytes, Consumer] = {}  # routing id -> decode daemon
         self.in_flight: dict[int, InFlight] = {}
         self._local_prep: dict[tuple[bytes, bytes], Any] = {}  # pattern -> prepared local dlist
@@ -112,7 +120,7 @@ class PrefillSide:
         why = compat_error(self.ctx, msg)
         if why:
             self.ctx.bad("handshake", why)
-            self.ctx.wire.to_consumer(ident, proto.Error("incompatible", why))
+            self.ctx.wire.to_consumer(ident, proto.Error("incompatible", refusal(why, authenticated=False)))
             return
         # The same endpoint under a new identity is a restarted peer: evict the old one.
         for old in [p for p in self.consumers.values() if p.endpoint == msg.endpoint and p.routing_id != ident]:
@@ -126,7 +134,7 @@ class PrefillSide:
             name = self.ctx.transport.add_peer(msg.agent_metadata)
         except Exception as exc:
             self.ctx.bad("handshake", str(exc))
-            self.ctx.wire.to_consumer(ident, proto.Error("handshake", str(exc)))
+            self.ctx.wire.to_consumer(ident, proto.Error("handshake", refusal(str(exc), authenticated=False)))
             return
         peer = self.consumers[ident] = Consumer(
             ident, msg.endpoint, name, msg.layout, msg.region_base, msg.rank, msg.tp_size, msg.engine_id,
@@ -144,7 +152,8 @@ class PrefillSide:
         elif msg.expected_dests == 0:
             why = "expected_dests must be positive"
         else:
-            why = check_blocks(peer.layout, msg.block_ids, msg.num_tokens, "peer register", msg.first_token)
+            why = (check_blocks(peer.layout, msg.block_ids, msg.num_tokens, "peer register", msg.first_token)
+                   or self._over_quota(peer, msg))
         if why:
             self.ctx.bad("register", why)
             self.ctx.wire.to_consumer(
@@ -160,6 +169,17 @@ class PrefillSide:
             msg.transfer_id, msg.attempt, peer.key, msg.dest_rank, msg.expected_dests, msg.block_ids,
             msg.num_tokens, now, now + max(0.0, deadline - margin), msg.first_token,
         ))
+
+    def _over_quota(self, peer: Consumer, msg: proto.PeerRegister) -> str:
+        """Why this registration would take its peer over its share (:mod:`quotas`), or "".
+        A repeat or an older attempt of a transfer the peer holds is the rendezvous' to
+        answer: a WRITE into those blocks may be in flight, so it must not hear a failure."""
+        stake = self.rdv.peer_stake(msg.transfer_id, peer.key)
+        if stake is not None:
+            cur = self.rdv.info(msg.transfer_id)
+            if cur is not None and msg.attempt <= cur.attempt:
+                return ""
+        return quotas.refusal(self.quota, self.rdv.peer_held(peer.key), stake, len(msg.block_ids))
 
     def consumer(self, key: str) -> Consumer | None:
         try:
@@ -336,7 +356,7 @@ class PrefillSide:
                 elif isinstance(act, rv.ReleaseBlocks):
                     # The prefill engine keys its held blocks by transfer ID alone.
                     msg: Any = (proto.Sent(act.transfer_id, 0) if act.ok
-                                else proto.SendFailed(act.transfer_id, 0, act.reason))
+                                else proto.SendFailed(act.transfer_id, 0, _reason(act.reason)))
                     self.ctx.metrics.transfer_finished("prefill", "ok" if act.ok else "failed")
                     # Stamped before it leaves: the timeline stays causal across processes.
                     self.ctx.trace.stamp(act.transfer_id, "p.daemon.sent" if act.ok else "p.daemon.send_failed")
@@ -345,7 +365,7 @@ class PrefillSide:
                     peer = self.consumer(act.peer)
                     if peer is not None:
                         self.ctx.wire.to_consumer(peer.routing_id, proto.WriteFailedNotice(
-                            act.transfer_id, act.attempt, self.ctx.rank, act.reason))
+                            act.transfer_id, act.attempt, self.ctx.rank, _reason(act.reason)))
                 elif isinstance(act, rv.ConfirmCancel):
                     peer = self.consumer(act.peer)
                     if peer is not None:

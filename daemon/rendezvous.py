@@ -29,7 +29,7 @@ import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from kvpush.daemon.core import Cause, Core, Record, Table, _Deadline, row
+from kvpush.daemon.core import Cause, Core, Held, Record, Table, _Deadline, row
 
 __all__ = [
     "Abort", "Action", "Cause", "ConfirmCancel", "Event", "NotifyFailure", "PeerLost",
@@ -269,6 +269,22 @@ DEADLINES = {
 }
 
 
+def _peer_holdings(rec: _Transfer) -> dict[str, int]:
+    """Block IDs each decode peer has registered here that may still be written: the live
+    attempt's registrations and any whose write is in flight (an older attempt's flight
+    counts as a transfer of 0 blocks). What a peer's quota counts; tombstones hold nothing."""
+    out: dict[str, int] = {}
+    if rec.state in TOMBSTONES:
+        return out
+    for dest, reg in rec.regs.items():
+        if rec.live or (rec.attempt, dest) in rec.inflight:
+            out[reg.peer] = out.get(reg.peer, 0) + len(reg.block_ids)
+    for (attempt, _), f in rec.inflight.items():
+        if attempt != rec.attempt:
+            out.setdefault(f.peer, 0)
+    return out
+
+
 class Rendezvous(Core[str, _Transfer]):
     """Matches decode registrations with prefill completions; see the module docstring.
 
@@ -277,7 +293,8 @@ class Rendezvous(Core[str, _Transfer]):
     """
 
     def __init__(self, *, tombstone_s: float = 60.0, max_transfers: int = 100_000) -> None:
-        super().__init__(TABLE, TOMBSTONES, DEADLINES, tombstone_s=tombstone_s, max_live=max_transfers)
+        super().__init__(TABLE, TOMBSTONES, DEADLINES, tombstone_s=tombstone_s, max_live=max_transfers,
+                         holdings=_peer_holdings)
 
     @property
     def max_transfers(self) -> int | None:
@@ -292,6 +309,15 @@ class Rendezvous(Core[str, _Transfer]):
     def live(self, transfer_id: str) -> bool:
         """The transfer is known and not a tombstone (it may still write or release)."""
         return self._is_live(transfer_id)
+
+    def peer_held(self, peer: str) -> Held:
+        """The live transfers a decode peer holds registrations in, and their block IDs in
+        all (what its quota counts): kept up to date per transition, so O(1)."""
+        return self.held(peer)
+
+    def peer_stake(self, transfer_id: str, peer: str) -> int | None:
+        """Block IDs ``peer`` holds in this transfer; None if it holds none there."""
+        return self.held_in(transfer_id, peer)
 
     # ------------------------------------------------------------ Core hooks
 

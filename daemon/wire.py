@@ -104,7 +104,8 @@ class ZmqWire:
             except Exception as exc:  # never let one message kill the daemon
                 log.exception("handling %s failed", type(msg).__name__)
                 self.bad("internal", f"{type(exc).__name__}: {exc}")
-                self._reply(sock, ident, proto.Error("internal", f"{type(exc).__name__}: {exc}"))
+                why = proto.codec.clip(f"{type(exc).__name__}: {exc}", proto.codec.REASON_MAX)
+                self._reply(sock, ident, proto.Error("internal", why))
         return got
 
     def drain_dealer(self, sock: zmq.Socket, handler: Callable[[str, Any], None]) -> bool:

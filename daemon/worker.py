@@ -58,6 +58,7 @@ class Worker:
             if cfg.curve_secret_key_file else None
         ep = Endpoints(
             self.zctx, engine=cfg.engine_socket, peer=f"tcp://{cfg.peer_host}:{cfg.peer_port or 0}",
+            max_message=cfg.max_message_bytes, handshake_ms=round(cfg.peer_handshake_s * 1000),
             ops=cfg.ops_socket, socket_mode=cfg.socket_mode, curve=curve,
         )
         self.ctx: DaemonContext

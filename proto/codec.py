@@ -27,23 +27,49 @@ import msgpack
 from kvpush.proto.errors import ProtocolError
 from kvpush.proto.messages import MESSAGE_TYPES, PROTOCOL_VERSION, Message
 
-__all__ = ["Limits", "decode", "decode_struct", "encode", "encode_struct"]
+__all__ = [
+    "Limits", "MAX_BLOCK_IDS", "MAX_METADATA", "QUOTE_MAX", "REASON_MAX", "clip", "decode", "decode_struct",
+    "encode", "encode_struct", "largest_inbound", "largest_ops_request",
+]
 
 JSON_MAX_DEPTH = 8  # OpsReply.data: nesting of maps/lists, the top map counting as 1
+
+# What the largest *legitimate* message a daemon receives may hold (the daemon's
+# ``max_message_bytes`` default is computed from these, see :func:`largest_inbound`):
+MAX_BLOCK_IDS = 1 << 18  # block IDs of one Register / PeerRegister: 4M tokens at block size 16
+MAX_METADATA = 1 << 20  # NIXL agent metadata of one Hello (measured: ~0.5 KiB, UCX, one region)
+MAX_ENDPOINTS = 64  # prefill endpoints of one Register (prefill TP size)
+MAX_LAYERS = 1024  # layer_offsets of one KVLayout
+QUOTE_MAX = 200  # chars of wire input that a reply, a reason or a log line quotes
+REASON_MAX = 1024  # chars of a reason / error text a daemon sends (composed ones included)
 
 
 @dataclass(frozen=True)
 class Limits:
-    """Bounds decode enforces; small values let tests (and wary callers) tighten them."""
+    """Bounds decode enforces; small values let tests (and wary callers) tighten them.
+
+    ``max_message`` bounds *any* message, ops replies (``pending`` of a full rendezvous) and
+    the largest legitimate inbound message included; a daemon's sockets take less
+    (``max_message_bytes``, default :func:`largest_inbound`), which must stay below it.
+    """
 
     max_list: int = 1 << 20  # elements of any array, entries of any map (at least _MAP_FLOOR)
     max_str: int = 4096  # chars of a typed str field (OpsReply.data strings: max_message)
-    max_bytes: int = 16 << 20  # length of a bytes field
+    max_bytes: int = MAX_METADATA  # length of a bytes field (agent metadata, memory handles)
     max_int: int = 2**63 - 1  # every int field is in [0, max_int]
     max_message: int = 64 << 20  # bytes of one encoded message
 
 
 DEFAULT_LIMITS = Limits()
+
+
+def clip(text: str, n: int = QUOTE_MAX) -> str:
+    """``text`` cut to at most ``n`` chars, marked: a reply, a reason or a log line that
+    quotes wire input stays far below ``max_str`` (so it is decodable), whatever was sent."""
+    if len(text) <= n:
+        return text
+    tail = f"...({len(text)} chars)"
+    return text[: max(0, n - len(tail))] + tail
 
 _ENVELOPE = frozenset({"v", "t"})
 _NO_KEYS: frozenset[str] = frozenset()
@@ -377,3 +403,43 @@ def decode_struct(cls: type[_S], data: bytes, limits: Limits | None = None) -> _
     obj = _unpack(data, lim, cls.__name__)
     result: _S = _nested(cls)(obj, lim, cls.__name__)
     return result
+
+
+# ---- the largest legitimate messages, from the limits above -----------------------------
+
+
+def _worst_layout(lim: Limits) -> Any:
+    from kvpush.proto.layout import KVLayout, Packing
+
+    big = lim.max_int
+    pk = Packing(big, big, big, big, big)
+    return KVLayout(big, big, big, big, big, "float8_e4m3fn", (big,) * MAX_LAYERS, big, big, big,
+                    pk, pk, big, big, big, "m" * lim.max_str)
+
+
+def largest_inbound(lim: Limits = DEFAULT_LIMITS) -> int:
+    """Bytes of the largest legitimate message a daemon's engine or peer socket receives.
+
+    Measured by encoding the worst case of each big message (every int at ``max_int``, every
+    string at ``max_str`` chars): a Register with :data:`MAX_BLOCK_IDS` block IDs and
+    :data:`MAX_ENDPOINTS` endpoints, a PeerRegister with as many IDs, a Hello with
+    :data:`MAX_METADATA` bytes of NIXL metadata, an Attach. ~2.7 MB with the defaults.
+    """
+    from kvpush.proto import messages as m
+
+    s, big, ids = "t" * lim.max_str, lim.max_int, (lim.max_int,) * MAX_BLOCK_IDS
+    lay = _worst_layout(lim)
+    worst = (
+        m.Register(s, big, ids, big, (s,) * MAX_ENDPOINTS, big, big, big),
+        m.PeerRegister(s, big, ids, big, big, big, big, big, big),
+        m.Hello(s, b"\0" * MAX_METADATA, lay, big, big, s, s, big, big, s, True),
+        m.Attach(s, big, big, "prefill", m.MemoryHandle("cpu_shm", b"\0" * 4096, big, big, big), lay),
+    )
+    return max(len(encode(w)) for w in worst)
+
+
+def largest_ops_request(lim: Limits = DEFAULT_LIMITS) -> int:
+    """Bytes of the largest OpsRequest (an argument of ``max_str`` 4-byte UTF-8 chars)."""
+    from kvpush.proto import messages as m
+
+    return len(encode(m.OpsRequest("transfers", "\U0001f600" * lim.max_str)))

@@ -319,6 +319,10 @@ EXAMPLES: dict[str, tuple[str, Any]] = {
     "poll_min_s": ("0.001", lambda n: n.devices[0].poll_min_s == 0.001),
     "poll_max_s": ("0.5", lambda n: n.devices[0].poll_max_s == 0.5),
     "max_prepped_descriptors": ("0", lambda n: n.devices[0].max_prepped_descriptors == 0),
+    "peer_handshake_s": ("2.5", lambda n: n.devices[0].peer_handshake_s == 2.5),
+    "max_message_bytes": ("1048576", lambda n: n.devices[0].max_message_bytes == 1 << 20),
+    "max_transfers_per_peer": ("64", lambda n: n.devices[0].max_transfers_per_peer == 64),
+    "max_blocks_per_peer": ("4096", lambda n: n.devices[0].max_blocks_per_peer == 4096),
 }
 # CURVE keys only come in pairs; "config" names the file it is in.
 PARTNER = {"curve_secret_key_file": "authorized_keys_dir", "authorized_keys_dir": "curve_secret_key_file"}

@@ -116,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if cmd == "worker":
             cfg = node.devices[0]
             configure_logging(cfg.log_level)
-            ensure_runtime_dir(cfg.runtime_dir)
+            ensure_runtime_dir(cfg.runtime_dir, cfg.socket_mode)
             from kvpush.daemon.worker import run_worker
 
             return run_worker(cfg, ready_event=_ForegroundReady(cfg.name))

@@ -10,8 +10,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import stat
+from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 
 import zmq
 
@@ -26,17 +27,68 @@ def ipc_path(endpoint: str) -> str | None:
     return endpoint[len("ipc://") :] if endpoint.startswith("ipc://") else None
 
 
+class RuntimeDirError(RuntimeError):
+    """The socket directory is not private to this daemon's user: refuse to start."""
+
+
+def runtime_dir_mode(socket_modes: Iterable[int] = ()) -> int:
+    """0700; 0750 when a socket is shared with a group (its mode has group bits), so the
+    group's engines can reach it. Never group/world-writable: a writer of the directory
+    could replace our sockets with its own."""
+    return 0o750 if any(m & 0o070 for m in socket_modes) else 0o700
+
+
+def check_private_dir(path: str, mode: int) -> None:
+    """Raise RuntimeDirError unless ``path`` is a real directory (not a symlink) owned by
+    our effective uid with no permission bits beyond ``mode``."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise RuntimeDirError(f"runtime directory {path} does not exist") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise RuntimeDirError(f"runtime directory {path} is a symlink; refusing to use it")
+    if not stat.S_ISDIR(st.st_mode):
+        raise RuntimeDirError(f"runtime directory {path} is not a directory")
+    euid = os.geteuid()
+    if st.st_uid != euid:
+        raise RuntimeDirError(
+            f"runtime directory {path} is owned by uid {st.st_uid}, not by this daemon's uid "
+            f"{euid} (another user may have created it first); remove it or set runtime_dir")
+    extra = st.st_mode & 0o777 & ~mode
+    if extra:
+        what = "group/world-writable" if extra & 0o022 else "more open than socket_mode needs"
+        raise RuntimeDirError(
+            f"runtime directory {path} has mode {st.st_mode & 0o777:#o}, {what} (at most "
+            f"{mode:#o}); chmod {mode:o} it or remove it")
+
+
+def ensure_private_dir(path: str, mode: int = 0o700) -> None:
+    """Create the runtime directory with exactly ``mode`` (whatever the umask), or check an
+    existing one (:func:`check_private_dir`). Missing parents are created as usual (0777
+    minus umask); only the last component holds sockets."""
+    parent = os.path.dirname(path.rstrip("/"))
+    if parent:
+        os.makedirs(parent, exist_ok=True)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    else:
+        os.chmod(path, mode)
+    check_private_dir(path, mode)
+
+
 def bind_private(sock: zmq.Socket, endpoint: str, mode: int) -> None:
     """Bind, creating an ipc socket file with ``mode`` from the start (no window).
 
-    A stale file left by a killed daemon is replaced; the parent directory is
-    created with the same restrictions (plus execute bits).
+    A stale file left by a killed daemon is replaced; the parent directory must be
+    private to us (created so if missing, refused otherwise: :func:`ensure_private_dir`).
     """
     path = ipc_path(endpoint)
     if path is None:
         sock.bind(endpoint)
         return
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    ensure_private_dir(os.path.dirname(path), runtime_dir_mode([mode]))
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
     old = os.umask(0o777 & ~mode)
@@ -99,6 +151,9 @@ class Endpoints:
         self._auth = None
         self.engine_ep, self.ops_ep = engine, ops
         self.engine = self._router()
+        # Before bind: every accepted engine connection (its fd) and its end are reported
+        # here; the wire keeps the live local peers from them (kvpush.daemon.peercred).
+        self.engine_monitor = self.engine.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         bind_private(self.engine, engine, socket_mode)
         self.ops = self._router(min(max_message, OPS_MAX_MESSAGE))
         bind_private(self.ops, ops, socket_mode)
@@ -155,6 +210,9 @@ class Endpoints:
         return s
 
     def close(self) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            self.engine.disable_monitor()
+        self.engine_monitor.close(0)
         for s in (self.engine, self.ops, self.peer):
             s.close(0)
         if self._auth is not None:

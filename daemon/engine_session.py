@@ -112,8 +112,7 @@ class EngineSession:
         if self.trust is not None:
             refusal, peer_start = self._refusal(msg, peer, now)
             if refusal is not None:
-                ctx.bad("attach_refused", refusal)
-                log.warning("Attach of engine %r refused: %s", msg.engine_id, refusal)
+                ctx.bad("attach_refused", f"engine {msg.engine_id!r}: {refusal}")
                 ctx.wire.to_engine(ident, proto.Error("attach_refused", refusal))
                 return
             from kvpush.daemon.memory import ShmOwner

@@ -68,10 +68,13 @@ def configure_logging(level: str) -> None:
     logging.basicConfig(level=level, stream=sys.stderr, format=LOG_FORMAT, force=True)
 
 
-def ensure_runtime_dir(path: str) -> None:
-    """Create the socket directory if systemd's RuntimeDirectory did not; socket_mode on
-    each socket is the access control, the directory only needs to be traversable."""
-    os.makedirs(path, mode=0o755, exist_ok=True)
+def ensure_runtime_dir(path: str, *socket_modes: int) -> None:
+    """Create the socket directory if systemd's RuntimeDirectory did not (0700; 0750 when
+    a socket is group-shared), or refuse one another user could tamper with (wrong owner,
+    group/world-writable, more open than that): RuntimeDirError."""
+    from kvpush.daemon.endpoints import ensure_private_dir, runtime_dir_mode
+
+    ensure_private_dir(path, runtime_dir_mode(socket_modes))
 
 
 def run_worker_entry(cfg: DeviceConfig, ready_event: Any) -> int:
@@ -188,7 +191,7 @@ class Supervisor:
         return 0
 
     def start(self) -> None:
-        ensure_runtime_dir(self.node.runtime_dir)
+        ensure_runtime_dir(self.node.runtime_dir, *(d.socket_mode for d in self.node.devices))
         self._start_http()
         with self._lock:
             for child in self._children.values():

@@ -17,6 +17,7 @@ import zmq
 
 from kvpush import proto
 from kvpush.daemon.endpoints import Endpoints
+from kvpush.daemon.peercred import PeerCred, PeerTable, parse_peer_address, peercred_of_fd
 
 log = logging.getLogger("kvpush.worker")
 
@@ -25,15 +26,27 @@ DRAIN_MAX = 1000  # frames per socket per loop turn: one busy socket cannot star
 Bad = Callable[[str, str], None]
 
 
+def _peer_cred(frame: zmq.Frame) -> PeerCred | None:
+    """The kernel's credentials of the ipc connection this frame arrived on."""
+    try:
+        return parse_peer_address(frame.get("Peer-Address"))
+    except zmq.ZMQError:
+        return None
+
+
 class ZmqWire:
     def __init__(self, ep: Endpoints, bad: Bad) -> None:
         self.ep = ep
         self.bad = bad
+        self.engine_peers = PeerTable()  # live connections of the engine socket
+        self._monitor: zmq.Socket | None = ep.engine_monitor
         self.dealers: dict[str, zmq.Socket] = {}  # prefill daemon endpoint -> our DEALER
         self._by_sock: dict[zmq.Socket, str] = {}
         self.poller = zmq.Poller()
         for s in (ep.engine, ep.peer, ep.ops):
             self.poller.register(s, zmq.POLLIN)
+        if self._monitor is not None:
+            self.poller.register(self._monitor, zmq.POLLIN)
 
     # ------------------------------------------------------------------ the Wire port
 
@@ -78,21 +91,48 @@ class ZmqWire:
     # ------------------------------------------------------------------ receiving
 
     def poll(self, timeout_ms: int) -> set[Any]:
-        return {s for s, _ in self.poller.poll(max(timeout_ms, 0))}
+        ready = {s for s, _ in self.poller.poll(max(timeout_ms, 0))}
+        if self._monitor is not None and self._monitor in ready:
+            ready.discard(self._monitor)
+            self.drain_monitor()
+        return ready
 
-    def drain_router(self, sock: zmq.Socket, handler: Callable[[bytes, Any], None]) -> bool:
-        """Hand every decoded frame waiting on a bound socket to ``handler(identity, msg)``."""
+    def drain_monitor(self) -> None:
+        """Apply the engine socket's connection events to :attr:`engine_peers` (in order:
+        an fd the kernel reuses shows up as disconnected, then accepted again)."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        assert self._monitor is not None
+        for _ in range(DRAIN_MAX):
+            try:
+                ev = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except (zmq.ZMQError, ValueError) as exc:
+                log.warning("engine socket monitor: %s", exc)
+                return
+            fd = int(ev["value"])
+            if ev["event"] == zmq.EVENT_ACCEPTED:
+                self.engine_peers.accepted(fd, peercred_of_fd(fd))
+            elif ev["event"] == zmq.EVENT_DISCONNECTED:
+                self.engine_peers.disconnected(fd)
+
+    def drain_router(self, sock: zmq.Socket, handler: Callable[..., None], *, peer_cred: bool = False) -> bool:
+        """Hand every decoded frame waiting on a bound socket to ``handler(identity, msg)``,
+        or with ``peer_cred`` (the engine socket) to ``handler(identity, msg, cred)``: the
+        :class:`PeerCred` of the local process whose connection carried the frame (None if
+        the kernel told us nothing)."""
         got = False
         for _ in range(DRAIN_MAX):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
             got = True
             if len(frames) != 2:
                 self.bad("frames", f"{len(frames)} frames")
                 continue
-            ident, payload = frames
+            ident, payload = frames[0].bytes, frames[1].bytes
             try:
                 msg = proto.decode(payload)
             except proto.ProtocolError as exc:
@@ -100,7 +140,10 @@ class ZmqWire:
                 self._reply(sock, ident, proto.Error("protocol", str(exc)))
                 continue
             try:
-                handler(ident, msg)
+                if peer_cred:
+                    handler(ident, msg, _peer_cred(frames[1]))
+                else:
+                    handler(ident, msg)
             except Exception as exc:  # never let one message kill the daemon
                 log.exception("handling %s failed", type(msg).__name__)
                 self.bad("internal", f"{type(exc).__name__}: {exc}")

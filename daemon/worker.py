@@ -32,7 +32,8 @@ from kvpush.daemon.config import DeviceConfig
 from kvpush.daemon.context import DaemonContext
 from kvpush.daemon.decode_side import DecodeSide
 from kvpush.daemon.endpoints import Endpoints, load_curve
-from kvpush.daemon.engine_session import EngineSession
+from kvpush.daemon.engine_session import EngineSession, LocalTrust
+from kvpush.daemon.memory import ShmLedger
 from kvpush.daemon.metrics import WorkerMetrics
 from kvpush.daemon.peers import Link
 from kvpush.daemon.prefill_side import PrefillSide
@@ -71,7 +72,9 @@ class Worker:
         )
         self.prefill = PrefillSide(self.ctx)
         self.decode = DecodeSide(self.ctx)
-        self.session = EngineSession(self.ctx, self.prefill, self.decode)
+        ledger = ShmLedger(os.path.join(cfg.runtime_dir, f"shm-{cfg.name}.json"))
+        self.session = EngineSession(self.ctx, self.prefill, self.decode,
+                                     trust=LocalTrust(self.wire.engine_peers, ledger))
         self.stopping = False
         self.poll_s = cfg.poll_min_s
         self.last_tick = 0.0
@@ -105,7 +108,7 @@ class Worker:
         engine, peer, ops = self.wire.bound()
         activity = False
         if engine in ready:
-            activity |= self.wire.drain_router(engine, self._on_engine)
+            activity |= self.wire.drain_router(engine, self._on_engine, peer_cred=True)
         if peer in ready:
             activity |= self.wire.drain_router(peer, self._on_peer)
         if ops in ready:
@@ -126,8 +129,8 @@ class Worker:
         cap = self.decode.poll_cap(now)
         self.poll_s = self.cfg.poll_min_s if activity else min(self.poll_s * 2, cap)
 
-    def _on_engine(self, ident: bytes, msg: Any) -> None:
-        self.session.on_engine(ident, msg, time.monotonic())
+    def _on_engine(self, ident: bytes, msg: Any, peer: Any = None) -> None:
+        self.session.on_engine(ident, msg, time.monotonic(), peer)
 
     def _on_peer(self, ident: bytes, msg: Any) -> None:
         self.prefill.on_peer(ident, msg, time.monotonic())
@@ -148,6 +151,7 @@ class Worker:
     def tick(self, now: float) -> None:
         self.prefill.tick(now)
         self.decode.tick(now)
+        self.session.tick(now)
         m = self.ctx.metrics
         m.set_peers("ready", sum(p.state is Link.READY for p in self.decode.producers.values())
                     + len(self.prefill.consumers))
@@ -176,6 +180,7 @@ class Worker:
         if self.ctx.attached is not None:
             self.ctx.attached.region.close()
             self.ctx.attached = None
+        self.session.shutdown()
         self.wire.close()
         self.zctx.term()
 

@@ -7,6 +7,7 @@ shared memory, as the vLLM plugin's worker half does.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import time
@@ -21,9 +22,10 @@ from kvpush import proto
 from kvpush.daemon import opsclient
 from kvpush.daemon.config import DeviceConfig
 from kvpush.engine_plugin.client import DaemonClient
-from kvpush.engine_plugin.memory import export_cpu_tensor
+from kvpush.engine_plugin.memory import export_cpu_tensor, unlink_export
 from kvpush.proto import naming
 from kvpush.proto.layout import KVLayout
+from kvpush.proto.memory import shm_info
 
 
 def device_config(tmp: Path, index: int, **kw: Any) -> DeviceConfig:
@@ -158,4 +160,95 @@ class Engine:
         return self.wait_for(lambda m: isinstance(m, kinds) and m.transfer_id == tid, timeout)
 
     def close(self) -> None:
+        """Close the link and unlink the KV shm file, as the plugin does at shutdown (our
+        mapping, and the daemon's, stay valid)."""
         self.client.close()
+        with contextlib.suppress(FileNotFoundError):
+            unlink_export(self.handle)
+
+
+# ---- an engine in its own process (local trust tests: other processes, killed engines) ----
+
+FORGERIES = ("own", "foreign", "foreign_renamed", "symlink", "hardlink", "not_owned")
+
+
+def _forge(how: str, own: proto.MemoryHandle, victim: proto.MemoryHandle | None) -> tuple[proto.MemoryHandle, list[str]]:
+    """The handle a (hostile) local process sends, and the files it planted for it."""
+    from kvpush.proto.memory import SHM_DIR, ShmInfo, process_start_time, shm_handle, shm_info
+
+    if how == "own":
+        return own, []
+    assert victim is not None
+    v = shm_info(victim)
+    if how == "foreign":
+        return victim, []
+    pid = os.getpid()
+    mine = ShmInfo(f"/torch_{pid}_{FORGERIES.index(how)}_0", v.data_offset, pid, process_start_time(pid) or 0)
+    path = SHM_DIR + mine.name
+    if how == "foreign_renamed":  # another file's name, our pid: the name is not ours
+        mine = ShmInfo(v.name, v.data_offset, pid, mine.start_time)
+        path = ""
+    elif how == "symlink":
+        os.symlink(v.path, path)
+    elif how == "hardlink":
+        os.link(v.path, path)
+    elif how == "not_owned":  # the right size, but another user's file
+        with open(path, "wb") as f:
+            f.truncate(v.data_offset + victim.size)
+        os.chown(path, 65534, 65534)
+    return shm_handle(mine, size=victim.size, offset=victim.offset), [path] if path else []
+
+
+def _engine_child(socket_path: str, layout: KVLayout, engine_id: str, how: str,
+                  victim: proto.MemoryHandle | None, conn: Any) -> None:
+    kv = torch.zeros(layout.region_size, dtype=torch.uint8)
+    own = export_cpu_tensor(kv)
+    handle, planted = _forge(how, own, victim)
+    client = DaemonClient(socket_path)
+    client.attach(proto.Attach(engine_id, 0, 1, "decode", handle, layout))
+    reply: Any = None
+    end = time.monotonic() + 20
+    while reply is None and time.monotonic() < end:
+        for m in client.poll():
+            if isinstance(m, proto.AttachAck | proto.Error):
+                reply = m
+        client.wait(0.01)
+    conn.send((os.getpid(), own, planted, reply))
+    while not conn.poll(0.05):  # keep the link (and our connection) alive until told
+        client.poll()
+    client.close()
+    unlink_export(own)  # a normal exit cleans up, as the plugin does
+
+
+class EngineProcess:
+    """An engine rank in a process of its own: exports its KV, attaches (or, with ``how``,
+    sends a forged Attach naming ``victim``'s memory), then idles until stopped or killed."""
+
+    def __init__(self, daemon: Daemon, layout: KVLayout, *, engine_id: str = "child",
+                 how: str = "own", victim: proto.MemoryHandle | None = None) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_engine_child, daemon=True,
+                                args=(daemon.cfg.engine_socket, layout, engine_id, how, victim, child))
+        self.proc.start()
+        if not self.conn.poll(60):
+            self.proc.kill()
+            raise RuntimeError("engine process did not report")
+        self.pid, self.handle, self.planted, self.reply = self.conn.recv()
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            self.conn.send("exit")
+            self.proc.join(10)
+        self.kill()
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(5)
+        left = list(self.planted)
+        if not isinstance(self.reply, proto.AttachAck):  # never recorded by a daemon
+            left.append(shm_info(self.handle).path)
+        for path in left:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)

@@ -62,6 +62,8 @@ from kvpush.proto.codec import DEFAULT_LIMITS, largest_inbound, largest_ops_requ
 
 DEFAULT_BASE_PORT = 17500
 DEFAULT_METRICS_PORT = 9470
+DEFAULT_MAX_MESSAGE = -(-largest_inbound() // (64 << 10)) * (64 << 10)  # 2686976: 2.6 MiB
+OPS_MAX_MESSAGE = largest_ops_request()  # the ops socket only ever receives an OpsRequest
 DEFAULT_MAX_MESSAGE = -(-largest_inbound() // (64 << 10)) * (64 << 10)  # 2.5 MiB
 OPS_MAX_MESSAGE = largest_ops_request()  # the ops socket only ever receives an OpsRequest
 BACKENDS = ("UCX", "LIBFABRIC")

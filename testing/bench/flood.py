@@ -185,10 +185,12 @@ def flood_partial(p: Daemon, conns: int = 16, oversize: bool = True) -> Result:
             t = closed_within(big, 5.0)
             detail["oversize_closed_s"] = None if t is None else round(t, 3)
             big.close()
-        return Result("partial", before, after, detail)
     finally:
         for s in socks:
             s.close()
+    time.sleep(1.0)
+    detail["rss_after_close_mib"] = round(rss(p) / MiB, 1)  # the buffers go back with the connections
+    return Result("partial", before, after, detail)
 
 
 def flood_half_open(p: Daemon, conns: int = 64) -> Result:
@@ -249,11 +251,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--conns", type=int, default=16)
     ap.add_argument("--registers", type=int, default=5000)
     ap.add_argument("--hellos", type=int, default=2000)
+    ap.add_argument("--max-message", type=int, default=0,
+                    help="the daemon's max_message_bytes (default: its default; 67108864 = before)")
     a = ap.parse_args(argv)
     lay = layout()
     with tempfile.TemporaryDirectory(prefix="kvflood") as tmp:
+        extra = {"max_message_bytes": a.max_message} if a.max_message else {}
         p = Daemon(device_config(Path(tmp), 0, insecure_peers=True, max_transfers_per_peer=64,
-                                 register_timeout_s=60.0))
+                                 register_timeout_s=60.0, **extra))
         eng = Engine(p, lay, "prefill")
         try:
             print(f"max_message_bytes={p.cfg.max_message_bytes} peer_handshake_s={p.cfg.peer_handshake_s} "

@@ -4,6 +4,7 @@
             [--metrics-port N] [--backend UCX|LIBFABRIC] [--log-level LEVEL]
     kvpushd worker --device cuda0 [same flags]    # one accelerator's daemon, foreground
     kvpushd print-config [--format toml|json] [same flags]
+    kvpushd keygen --dir /etc/kvpush --host 10.0.0.5 [--host ...] [--name NODE]
 
 Flags beat ``KVPUSH_*`` environment variables, which beat the TOML file (see config.py).
 Exit codes: 0 clean stop, 1 runtime failure, 2 usage or configuration error.
@@ -66,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvpushd", description="kvpush node daemon: one KV-push daemon per accelerator",
         allow_abbrev=False)
     _add_common(parser)
-    sub = parser.add_subparsers(dest="cmd", metavar="{worker,print-config}")
+    sub = parser.add_subparsers(dest="cmd", metavar="{worker,print-config,keygen}")
     w = sub.add_parser("worker", help="run one accelerator's daemon in the foreground",
                        allow_abbrev=False)
     w.add_argument("--device", required=True, help="device name, e.g. cpu0 or cuda1")
@@ -75,7 +76,31 @@ def build_parser() -> argparse.ArgumentParser:
                         allow_abbrev=False)
     pc.add_argument("--format", choices=("toml", "json"), default="toml")
     _add_common(pc)
+    kg = sub.add_parser("keygen", help="make this node's peer key pair (CURVE certificates)",
+                        allow_abbrev=False,
+                        description="Writes DIR/NAME.key_secret (keep it, mode 0600: the config's "
+                        "curve_secret_key_file) and DIR/NAME.key (public: copy it into every "
+                        "allowed node's authorized_keys_dir, this node's included).")
+    kg.add_argument("--dir", required=True, help="where to write the key pair")
+    kg.add_argument("--host", action="append", required=True,
+                    help="an address this node's daemons advertise (repeat for several)")
+    kg.add_argument("--name", default=None, help="node name (default: the host name)")
     return parser
+
+
+def keygen(ns: argparse.Namespace) -> int:
+    import socket
+
+    from kvpush.daemon.peerauth import PeerAuthError
+    from kvpush.daemon.peerauth import keygen as make
+
+    try:
+        pub, sec = make(ns.dir, ns.name or socket.gethostname().split(".")[0], ns.host)
+    except PeerAuthError as e:
+        print(f"kvpushd keygen: {e}", file=sys.stderr)
+        return 2
+    print(f"secret: {sec}\npublic: {pub}")
+    return 0
 
 
 class _ForegroundReady:
@@ -98,6 +123,8 @@ class _ForegroundReady:
 def main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     cmd = ns.cmd or "run"
+    if cmd == "keygen":
+        return keygen(ns)
     overrides: dict[str, Any] = {k: getattr(ns, k, None) for k in FLAG_KEYS}
     if cmd == "worker":
         overrides["devices"], overrides["count"] = [ns.device], None
@@ -109,9 +136,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cmd == "print-config":
         sys.stdout.write(dump_json(node) + "\n" if ns.format == "json" else dump_toml(node))
         return 0
+    from kvpush.daemon.peerauth import PeerAuth, PeerAuthError
     from kvpush.daemon.supervisor import Supervisor, configure_logging, ensure_runtime_dir
 
     configure_logging(node.log_level)
+    try:  # fail at once with the reason, rather than crash-looping every worker on it
+        for dev in node.devices:
+            if not dev.insecure_peers:
+                PeerAuth.load(dev.curve_secret_key_file, dev.authorized_keys_dir)
+    except PeerAuthError as e:
+        print(f"kvpushd: {e}", file=sys.stderr)
+        return 2
     try:
         if cmd == "worker":
             cfg = node.devices[0]
@@ -121,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_worker(cfg, ready_event=_ForegroundReady(cfg.name))
         return Supervisor(node).run()
-    except (RuntimeError, OSError) as e:
+    except (RuntimeError, OSError, ValueError) as e:  # PeerAuthError: no keys, and not insecure
         log.error("%s", e)
         return 1
 

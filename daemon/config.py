@@ -22,12 +22,11 @@ variables, e.g. ``KVPUSH_METRICS_PORT=0``, ``KVPUSH_DEVICES=cpu0,cpu1``)::
     lease_s = 30.0                 # longest lease a PrefillDone may ask for
     register_timeout_s = 30.0      # longest timeout a Register may ask for
     # engine_socket / ops_socket are templates: {runtime_dir} {index} {name}
-    # CURVE (both or none): the peer endpoint becomes a CURVE server with this node's
-    # zmq.auth secret certificate (it holds the public key too) and a ZAP allowlist of the
-    # public keys found in authorized_keys_dir; outgoing peer connections use the same
-    # keypair as client.
+    # Peer authentication is on by default (CURVE + ZAP): this node's secret certificate
+    # (`kvpushd keygen`) and the public certificates of the nodes allowed in / dialled.
     curve_secret_key_file = "/etc/kvpush/node.key_secret"
     authorized_keys_dir = "/etc/kvpush/authorized_keys"
+    insecure_peers = false         # true: no authentication (logged, kvpushctl status shows it)
 
     [device.cuda1]                 # per-device overrides of the device keys (+ peer_port)
     peer_port = 17601
@@ -134,6 +133,15 @@ def _p_int(v: Any) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
         raise TypeError("expected an integer")
     return v
+
+
+def _p_bool(v: Any) -> bool:
+    """TOML true/false; env 1/0, true/false, yes/no."""
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, str) and v.strip().lower() in ("1", "true", "yes", "0", "false", "no"):
+        return v.strip().lower() in ("1", "true", "yes")
+    raise TypeError("expected true or false")
 
 
 def _p_port(v: Any) -> int:
@@ -327,11 +335,15 @@ class DeviceConfig:
                                  check=_check_positive)
     peer_timeout_s: float = key(10.0, "a peer daemon silent this long (or not answering the "
                                 "handshake) is dropped", check=_check_positive)
-    curve_secret_key_file: str | None = key(
-        None, "CURVE (with authorized_keys_dir): this node's zmq.auth secret certificate; "
-        "the peer endpoint becomes a CURVE server with it and dials peers as a client")
-    authorized_keys_dir: str | None = key(
-        None, "CURVE: directory of the public certificates of the peers allowed in (ZAP)")
+    insecure_peers: bool = key(False, "true: the peer port runs without authentication (anyone "
+                               "who reaches it gets NIXL access to the KV memory); logged at start "
+                               "and shown by kvpushctl status. Default: CURVE keys required")
+    curve_secret_key_file: str = key(
+        "/etc/kvpush/node.key_secret", "this node's secret certificate (`kvpushd keygen`): the "
+        "peer endpoint is a CURVE server with it and dials peers as a CURVE client")
+    authorized_keys_dir: str = key(
+        "/etc/kvpush/authorized_keys", "public certificates (.key) of the nodes allowed in (ZAP) "
+        "and dialled by host; re-read when it changes (add, rotate, revoke a node)")
     peer_handshake_s: float = key(5.0, "a connection that has not finished ZeroMQ's greeting "
                                   "(and CURVE handshake) by then is closed (ZMQ_HANDSHAKE_IVL on "
                                   "every daemon socket): half-open connections do not pile up",
@@ -386,25 +398,11 @@ class DeviceConfig:
         if (kind, index) != (self.device_kind, self.index):
             raise ConfigError(f"{where}: name does not match device_kind/index")
         _check_abs(f"{where}: runtime_dir", self.runtime_dir)
-        self._validate_curve(where)
         _check_fields(self, where)
         if self.engine_socket == self.ops_socket:
             raise ConfigError(f"{where}: engine_socket and ops_socket are the same")
         if self.poll_min_s > self.poll_max_s:
             raise ConfigError(f"{where}: poll_min_s {self.poll_min_s} > poll_max_s {self.poll_max_s}")
-
-    def _validate_curve(self, where: str) -> None:
-        keys = ("curve_secret_key_file", "authorized_keys_dir")
-        given = [k for k in keys if getattr(self, k) is not None]
-        if given and len(given) != len(keys):
-            missing = [k for k in keys if k not in given]
-            raise ConfigError(f"{where}: CURVE needs all of {', '.join(keys)}; missing {', '.join(missing)}")
-        path = self.curve_secret_key_file
-        if path is not None and not os.path.isfile(path):
-            raise ConfigError(f"{where}: curve_secret_key_file {path!r} is not a readable file")
-        if self.authorized_keys_dir is not None and not os.path.isdir(self.authorized_keys_dir):
-            raise ConfigError(f"{where}: authorized_keys_dir {self.authorized_keys_dir!r} is not a directory")
-
 
 @dataclass
 class NodeConfig:
@@ -475,7 +473,7 @@ def _claim(seen: dict[Any, str], key: Any, owner: str, what: str) -> None:
 
 # --------------------------------------------------------------------------- loading
 
-_PARSERS: dict[Any, Parser] = {str: _p_str, int: _p_int, float: _p_float}
+_PARSERS: dict[Any, Parser] = {str: _p_str, int: _p_int, float: _p_float, bool: _p_bool}
 
 
 def _keys(cls: type, *scopes: str) -> dict[str, Parser]:

@@ -36,8 +36,9 @@ class Wire(Protocol):
     def to_consumer(self, routing_id: bytes, msg: Any) -> None:
         """Reply on the peer socket to the decode daemon with this routing identity."""
 
-    def open_producer(self, endpoint: str) -> None:
-        """Connect to a prefill daemon's peer endpoint (raises ValueError if it cannot)."""
+    def open_producer(self, endpoint: str) -> str:
+        """Connect to a prefill daemon's peer endpoint; returns the authenticated node it
+        reaches ("" when insecure). Raises ValueError if it cannot."""
 
     def to_producer(self, endpoint: str, msg: Any) -> None:
         """Send to a connected prefill daemon."""
@@ -87,6 +88,7 @@ class DaemonContext:
     metrics: WorkerMetrics
     trace: TraceRing = field(default_factory=TraceRing)
     history: History = field(default_factory=History)
+    auth: Any = None  # PeerAuth (None: insecure_peers, every peer is anonymous)
     attached: Attached | None = None
     draining: bool = False
     errors: int = 0

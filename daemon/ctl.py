@@ -356,7 +356,7 @@ def _status_rows(targets: list[Target]) -> list[list[Any]]:
             up = "denied" if t.outcome == "denied" else "no"
             if sup.get("state") not in (None, "up"):
                 up = f"{up}({sup['state']})"
-            rows.append([t.label(), up, None, None, None, None, None, None, None, None,
+            rows.append([t.label(), up, None, None, None, None, None, None, None, None, None,
                          sup.get("restarts"), None])
             continue
         eng = d.engine
@@ -368,6 +368,7 @@ def _status_rows(targets: list[Target]) -> list[list[Any]]:
             (eng.engine_id if eng else "") or "(none)",
             _size(eng.memory_bytes) if eng else None,
             f"{d.peers.producers}/{d.peers.consumers}",
+            "INSECURE" if d.peer_auth == "insecure" else f"curve:{d.node}",
             _dur(d.uptime_s),
             sup.get("restarts"),
             d.version,
@@ -395,7 +396,7 @@ def render(cmd: str, targets: list[Target]) -> str:
     """The human view of one command's answers."""
     if cmd == "status":
         return table(["DEVICE", "UP", "PID", "ROLE", "RANK", "BACKEND", "ENGINE", "MEMORY",
-                      "PEERS P/C", "UPTIME", "RESTARTS", "PROTO"], _status_rows(targets))
+                      "PEERS P/C", "AUTH", "UPTIME", "RESTARTS", "PROTO"], _status_rows(targets))
     if cmd == "pending":
         rows = _pending_rows(targets)
         if not rows:

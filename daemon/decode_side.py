@@ -103,7 +103,7 @@ class DecodeSide:
             now = time.monotonic()
             peer = Producer(endpoint, since=now, last_seen=now)
             try:
-                self.ctx.wire.open_producer(endpoint)
+                peer.node = self.ctx.wire.open_producer(endpoint)
             except ValueError as exc:
                 peer.error = _reason(str(exc))
                 self._fail_waiting(endpoint, f"cannot connect to {endpoint}: {exc}")
@@ -175,6 +175,11 @@ class DecodeSide:
             del self.producers[peer.endpoint]
             self.ctx.wire.close_producer(peer.endpoint)
         peer.queued.clear()
+
+    def revoke(self, allowed: set[str]) -> None:
+        """The allowlist changed: drop links to nodes no longer in it (their waiters fail)."""
+        for p in [p for p in self.producers.values() if p.node and p.node not in allowed]:
+            self._link(p, LinkEvent.REFUSED, f"prefill node {p.node!r} was removed from the allowlist")
 
     def drop_all(self, why: str) -> None:
         """Forget every link (our memory changed, or we stop): the next Register re-handshakes."""

@@ -12,11 +12,11 @@ import logging
 import os
 import stat
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import zmq
 
 from kvpush.daemon.config import DEFAULT_MAX_MESSAGE, OPS_MAX_MESSAGE
+from kvpush.daemon.peerauth import PeerAuth
 
 log = logging.getLogger(__name__)
 
@@ -106,27 +106,6 @@ def remove_ipc(endpoint: str) -> None:
             os.unlink(path)
 
 
-@dataclass
-class CurveKeys:
-    """This daemon's CURVE key pair and the directory of public keys it accepts."""
-
-    public: bytes
-    secret: bytes
-    authorized_dir: str
-
-
-def load_curve(secret_file: str, authorized_dir: str) -> CurveKeys:
-    """Load the cluster certificate (zmq.auth format, public + secret key)."""
-    import zmq.auth
-
-    pub, sec = zmq.auth.load_certificate(secret_file)
-    if sec is None:
-        raise ValueError(f"{secret_file} holds no secret key")
-    if not os.path.isdir(authorized_dir):
-        raise ValueError(f"authorized keys directory {authorized_dir} does not exist")
-    return CurveKeys(pub, sec, authorized_dir)
-
-
 class Endpoints:
     """Owns the three bound sockets and the outgoing per-peer DEALERs."""
 
@@ -140,15 +119,15 @@ class Endpoints:
         socket_mode: int = 0o600,
         max_message: int = DEFAULT_MAX_MESSAGE,
         handshake_ms: int = 5000,
-        curve: CurveKeys | None = None,
+        auth: PeerAuth | None = None,
     ) -> None:
+        """``auth`` None is the explicit insecure mode (``insecure_peers = true``)."""
         self.ctx = ctx
         # What one connection may cost us: a frame over max_message closes it (ZeroMQ checks
         # the length prefix, before buffering); one that has not greeted (ZMTP, CURVE) within
         # handshake_ms is closed; on TCP, one that stops answering heartbeats is closed too.
         self.max_message, self.handshake_ms = max_message, handshake_ms
-        self.curve = curve
-        self._auth = None
+        self.auth = auth
         self.engine_ep, self.ops_ep = engine, ops
         self.engine = self._router()
         # Before bind: every accepted engine connection (its fd) and its end are reported
@@ -158,15 +137,8 @@ class Endpoints:
         self.ops = self._router(min(max_message, OPS_MAX_MESSAGE))
         bind_private(self.ops, ops, socket_mode)
         self.peer = self._router(heartbeat=True)
-        if curve is not None:
-            from zmq.auth.thread import ThreadAuthenticator
-
-            self._auth = ThreadAuthenticator(ctx)
-            self._auth.start()
-            self._auth.configure_curve(domain="*", location=curve.authorized_dir)
-            self.peer.curve_secretkey = curve.secret
-            self.peer.curve_publickey = curve.public
-            self.peer.curve_server = True
+        if auth is not None:
+            auth.serve(ctx, self.peer)
         if peer.endswith(":0"):
             port = self.peer.bind_to_random_port(peer.rsplit(":", 1)[0])
             peer = f"{peer.rsplit(':', 1)[0]}:{port}"
@@ -190,24 +162,26 @@ class Endpoints:
         self._limit(s, self.max_message if max_message is None else max_message, heartbeat)
         return s
 
-    def dealer(self, endpoint: str) -> zmq.Socket:
-        """An outgoing connection to a peer daemon's peer endpoint.
+    def dealer(self, endpoint: str) -> tuple[zmq.Socket, str]:
+        """An outgoing connection to a peer daemon's peer endpoint, and the node it reaches.
 
-        CURVE model: one cluster key pair (the same certificate on every node) is
-        every peer endpoint's server key; a connecting daemon proves it holds a key
-        listed in ``authorized_dir`` (ZAP allowlist), so a host without the
-        certificate can neither connect nor make a daemon WRITE.
+        Authenticated: a CURVE client with this node's keys, expecting the server key of the
+        allowlisted node whose certificate lists the endpoint's host (PeerAuthError if none);
+        that node's name is returned. Insecure: a plain connection, name "".
         """
         s = self.ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.SNDHWM, 100_000)
         self._limit(s, self.max_message, heartbeat=True)
-        if self.curve is not None:
-            s.curve_secretkey = self.curve.secret
-            s.curve_publickey = self.curve.public
-            s.curve_serverkey = self.curve.public
+        node = ""
+        if self.auth is not None:
+            try:
+                node = self.auth.dial(s, endpoint)
+            except Exception:
+                s.close(0)
+                raise
         s.connect(endpoint)
-        return s
+        return s, node
 
     def close(self) -> None:
         with contextlib.suppress(zmq.ZMQError):
@@ -215,7 +189,7 @@ class Endpoints:
         self.engine_monitor.close(0)
         for s in (self.engine, self.ops, self.peer):
             s.close(0)
-        if self._auth is not None:
-            self._auth.stop()
+        if self.auth is not None:
+            self.auth.close()
         remove_ipc(self.engine_ep)
         remove_ipc(self.ops_ep)

@@ -50,6 +50,8 @@ def status(w: Worker) -> po.StatusReply:
         uptime_s=round(now - w.ctx.started, 1),
         draining=w.ctx.draining,
         peer_endpoint=w.ctx.peer_endpoint,
+        peer_auth="insecure" if w.ctx.auth is None else "curve",
+        node="" if w.ctx.auth is None else w.ctx.auth.me.name,
         engine_socket=w.cfg.engine_socket,
         rss_bytes=proc.memory_info().rss,
         cpu_s=round(sum(proc.cpu_times()[:2]), 3),

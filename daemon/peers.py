@@ -85,6 +85,7 @@ class Producer:
     transfers: int = 0
     error: str = ""
     queued: list[Any] = field(default_factory=list)  # messages waiting for the handshake
+    node: str = ""  # the authenticated node its server key belongs to; "" with insecure_peers
 
     def due(self, now: float, timeout_s: float) -> LinkEvent | None:
         """The clock's event for this link now, if any."""
@@ -117,6 +118,7 @@ class Consumer:
     last_seen: float
     transfers: int = 0
     prepped: Any = None  # (BlockPattern, local dlist, remote dlist) for index WRITEs
+    node: str = ""  # its authenticated identity (certificate name); "" with insecure_peers
     state: Link = Link.READY
     error: str = ""
 
@@ -136,6 +138,7 @@ def _describe(p: Producer | Consumer, role: str, now: float, queued: int, preppe
         "endpoint": p.endpoint,
         "state": str(p.state),
         "agent": p.agent_name,
+        "node": p.node,
         "engine_id": p.engine_id,
         "rank": p.rank,
         "tp_size": p.tp_size,

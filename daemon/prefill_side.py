@@ -95,12 +95,13 @@ class PrefillSide:
 
     # ------------------------------------------------------------------ peers
 
-    def on_peer(self, ident: bytes, msg: Any, now: float) -> None:
+    def on_peer(self, ident: bytes, msg: Any, now: float, node: str = "") -> None:
+        """``node``: the authenticated sender's name (ZAP), "" only with insecure_peers."""
         if isinstance(msg, proto.Hello):
-            self.on_hello(ident, msg, now)
+            self.on_hello(ident, msg, now, node)
             return
         peer = self.consumers.get(ident)
-        if peer is None:
+        if peer is None or peer.node != node:
             self.ctx.bad("unauthenticated", f"{type(msg).__name__} from a peer without handshake")
             self.ctx.wire.to_consumer(ident, proto.Error("handshake", "send Hello first"))
             return
@@ -115,18 +116,24 @@ class PrefillSide:
             self.ctx.bad("unexpected", f"{type(msg).__name__} on the peer endpoint")
             self.ctx.wire.to_consumer(ident, proto.Error("unexpected", f"{type(msg).__name__} not accepted here"))
 
-    def on_hello(self, ident: bytes, msg: proto.Hello, now: float) -> None:
-        """A decode daemon introduces itself (first contact or after a restart)."""
-        why = compat_error(self.ctx, msg)
+    def on_hello(self, ident: bytes, msg: proto.Hello, now: float, node: str = "") -> None:
+        """A decode daemon introduces itself (first contact or after a restart).
+
+        Authenticated, it may only claim an endpoint on a host its certificate lists, and
+        only replace (evict) a peer of its own identity."""
+        # An identity violation is never explained; a layout mismatch is, to an allowlisted node.
+        bad_identity = self._identity_error(msg, node)
+        why = bad_identity or compat_error(self.ctx, msg)
         if why:
             self.ctx.bad("handshake", why)
-            self.ctx.wire.to_consumer(ident, proto.Error("incompatible", refusal(why, authenticated=False)))
+            told = refusal(why, self._allowed(node) and not bad_identity)
+            self.ctx.wire.to_consumer(ident, proto.Error("incompatible", told))
             return
         # The same endpoint under a new identity is a restarted peer: evict the old one.
         for old in [p for p in self.consumers.values() if p.endpoint == msg.endpoint and p.routing_id != ident]:
             self.evict(old, "peer restarted", now)
         old = self.consumers.get(ident)
-        if old is not None and old.agent_name != msg.agent_name:
+        if old is not None and (old.agent_name != msg.agent_name or old.node != node):
             self.evict(old, "peer re-handshook", now)
         elif old is not None:
             self._unprep(old)  # its memory may have moved: prepared again below
@@ -134,15 +141,39 @@ class PrefillSide:
             name = self.ctx.transport.add_peer(msg.agent_metadata)
         except Exception as exc:
             self.ctx.bad("handshake", str(exc))
-            self.ctx.wire.to_consumer(ident, proto.Error("handshake", refusal(str(exc), authenticated=False)))
+            self.ctx.wire.to_consumer(ident, proto.Error("handshake", refusal(str(exc), self._allowed(node))))
             return
         peer = self.consumers[ident] = Consumer(
             ident, msg.endpoint, name, msg.layout, msg.region_base, msg.rank, msg.tp_size, msg.engine_id,
-            since=now, last_seen=now,
+            since=now, last_seen=now, node=node,
         )
         log.info("decode peer %s (%s rank %d) handshaken", msg.endpoint, msg.engine_id, msg.rank)
         self.ctx.wire.to_consumer(ident, make_hello(self.ctx, reply=True))
         self._prep(peer)  # after the reply: off the peer's critical path
+
+    def _allowed(self, node: str) -> bool:
+        """An authenticated peer still in the allowlist (it may learn why it was refused)."""
+        return bool(node) and self.ctx.auth is not None and node in self.ctx.auth.allow.names()
+
+    def _identity_error(self, msg: proto.Hello, node: str) -> str:
+        auth = self.ctx.auth
+        if auth is None:
+            return ""  # insecure_peers: every peer is anonymous
+        cert = next((c for c in auth.allow.certs() if c.name == node), None)
+        host = msg.endpoint.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+        if cert is None:
+            return f"peer {node!r} is not in the allowlist"
+        if host not in cert.hosts:
+            return f"peer {node!r} claims endpoint {msg.endpoint} on a host its certificate does not list"
+        taken = [p for p in self.consumers.values() if p.endpoint == msg.endpoint and p.node != node]
+        if taken:
+            return f"endpoint {msg.endpoint} belongs to peer {taken[0].node!r}"
+        return ""
+
+    def revoke(self, allowed: set[str], now: float) -> None:
+        """The allowlist changed: drop every consumer whose node is no longer in it."""
+        for c in [c for c in self.consumers.values() if c.node and c.node not in allowed]:
+            self.evict(c, f"node {c.node!r} was removed from the allowlist", now)
 
     def on_peer_register(self, peer: Consumer, msg: proto.PeerRegister, now: float) -> None:
         if self.ctx.draining:
@@ -167,7 +198,7 @@ class PrefillSide:
         deadline = bounded_s(msg.deadline_ms, self.cfg.register_timeout_s)
         self.apply(rv.Register(
             msg.transfer_id, msg.attempt, peer.key, msg.dest_rank, msg.expected_dests, msg.block_ids,
-            msg.num_tokens, now, now + max(0.0, deadline - margin), msg.first_token,
+            msg.num_tokens, now, now + max(0.0, deadline - margin), msg.first_token, peer.node,
         ))
 
     def _over_quota(self, peer: Consumer, msg: proto.PeerRegister) -> str:

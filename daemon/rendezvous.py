@@ -54,6 +54,7 @@ class Register:
     now: float
     deadline: float
     first_token: int = 0  # block_ids cover tokens [first_token, num_tokens) (decode prefix hit)
+    identity: str = ""  # the registering peer's authenticated node ("" when unauthenticated)
 
 
 @dataclass(frozen=True)
@@ -245,6 +246,7 @@ class _Transfer(Record):
     done: set[int] = field(default_factory=set)  # current attempt
     inflight: dict[tuple[int, int], _Flight] = field(default_factory=dict)  # (attempt, dest)
     verdict: _Verdict | None = None
+    owner: str = ""  # identity of its first registration: only it may register (supersede) again
 
 
 def _earliest_registration(rec: _Transfer) -> float:
@@ -349,7 +351,9 @@ class Rendezvous(Core[str, _Transfer]):
 # Pure predicates over (core, record, event), evaluated before any step of the row.
 
 
-def _why_invalid(rv: Rendezvous, ev: Register) -> str | None:
+def _why_invalid(rv: Rendezvous, ev: Register, rec: _Transfer | None = None) -> str | None:
+    if rec is not None and rec.owner and ev.identity != rec.owner:
+        return "transfer was registered by another peer"
     if ev.attempt < 0:
         return "negative attempt"
     if ev.expected_dests < 1 or not 0 <= ev.dest_rank < ev.expected_dests:
@@ -360,7 +364,7 @@ def _why_invalid(rv: Rendezvous, ev: Register) -> str | None:
 
 
 def invalid(rv: Rendezvous, rec: _Transfer | None, ev: Register) -> bool:
-    return _why_invalid(rv, ev) is not None
+    return _why_invalid(rv, ev, rec) is not None
 
 
 def overloaded(rv: Rendezvous, rec: _Transfer | None, ev: object) -> bool:
@@ -552,7 +556,7 @@ def _refuse(ev: Register, reason: str, cause: Cause, out: list) -> None:
 
 
 def reject_invalid(rv: Rendezvous, rec: _Transfer | None, ev: Register, out: list) -> None:
-    why = _why_invalid(rv, ev)
+    why = _why_invalid(rv, ev, rec)
     assert why is not None
     _refuse(ev, why, Cause.INVALID, out)
 
@@ -591,6 +595,7 @@ def open_attempt(rv: Rendezvous, rec: _Transfer, ev: Register, out: list) -> Non
 
 
 def add_reg(rv: Rendezvous, rec: _Transfer, ev: Register, out: list) -> None:
+    rec.owner = rec.owner or ev.identity
     rec.regs[ev.dest_rank] = _Reg(ev.peer, tuple(ev.block_ids), ev.num_tokens, ev.deadline, ev.first_token)
     rv._index_add(rec.transfer_id, rec, ev.peer)
 

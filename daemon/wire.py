@@ -26,6 +26,13 @@ DRAIN_MAX = 1000  # frames per socket per loop turn: one busy socket cannot star
 Bad = Callable[[str, str], None]
 
 
+def _user_id(frame: zmq.Frame) -> str:
+    try:
+        return str(frame.get("User-Id") or "")
+    except zmq.ZMQError:  # no ZAP on this socket (insecure mode)
+        return ""
+
+
 def _peer_cred(frame: zmq.Frame) -> PeerCred | None:
     """The kernel's credentials of the ipc connection this frame arrived on."""
     try:
@@ -59,14 +66,15 @@ class ZmqWire:
     def to_ops(self, identity: bytes, msg: Any) -> None:
         self._reply(self.ep.ops, identity, msg)
 
-    def open_producer(self, endpoint: str) -> None:
+    def open_producer(self, endpoint: str) -> str:
         try:
-            sock = self.ep.dealer(endpoint)
-        except (zmq.ZMQError, ValueError) as exc:
+            sock, node = self.ep.dealer(endpoint)
+        except (zmq.ZMQError, ValueError) as exc:  # PeerAuthError is a ValueError
             raise ValueError(str(exc)) from exc
         self.poller.register(sock, zmq.POLLIN)
         self.dealers[endpoint] = sock
         self._by_sock[sock] = endpoint
+        return node
 
     def to_producer(self, endpoint: str, msg: Any) -> None:
         sock = self.dealers.get(endpoint)
@@ -117,22 +125,26 @@ class ZmqWire:
             elif ev["event"] == zmq.EVENT_DISCONNECTED:
                 self.engine_peers.disconnected(fd)
 
-    def drain_router(self, sock: zmq.Socket, handler: Callable[..., None], *, peer_cred: bool = False) -> bool:
+    def drain_router(self, sock: zmq.Socket, handler: Callable[..., None], *, user_id: bool = False,
+                     peer_cred: bool = False) -> bool:
         """Hand every decoded frame waiting on a bound socket to ``handler(identity, msg)``,
-        or with ``peer_cred`` (the engine socket) to ``handler(identity, msg, cred)``: the
+        or with ``user_id`` to ``handler(identity, msg, node)``: the name ZAP gave the
+        sender's authenticated session ("" when the socket is not authenticated); or with
+        ``peer_cred`` (the engine socket) to ``handler(identity, msg, cred)``: the
         :class:`PeerCred` of the local process whose connection carried the frame (None if
         the kernel told us nothing)."""
         got = False
         for _ in range(DRAIN_MAX):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                raw = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
             got = True
-            if len(frames) != 2:
-                self.bad("frames", f"{len(frames)} frames")
+            if len(raw) != 2:
+                self.bad("frames", f"{len(raw)} frames")
                 continue
-            ident, payload = frames[0].bytes, frames[1].bytes
+            ident, payload = raw[0].bytes, raw[1].bytes
+            node: Any = _user_id(raw[1]) if user_id else None
             try:
                 msg = proto.decode(payload)
             except proto.ProtocolError as exc:
@@ -141,9 +153,11 @@ class ZmqWire:
                 continue
             try:
                 if peer_cred:
-                    handler(ident, msg, _peer_cred(frames[1]))
-                else:
+                    handler(ident, msg, _peer_cred(raw[1]))
+                elif node is None:
                     handler(ident, msg)
+                else:
+                    handler(ident, msg, node)
             except Exception as exc:  # never let one message kill the daemon
                 log.exception("handling %s failed", type(msg).__name__)
                 self.bad("internal", f"{type(exc).__name__}: {exc}")

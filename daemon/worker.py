@@ -31,10 +31,11 @@ from kvpush import proto
 from kvpush.daemon.config import DeviceConfig
 from kvpush.daemon.context import DaemonContext
 from kvpush.daemon.decode_side import DecodeSide
-from kvpush.daemon.endpoints import Endpoints, load_curve
+from kvpush.daemon.endpoints import Endpoints
 from kvpush.daemon.engine_session import EngineSession, LocalTrust
 from kvpush.daemon.memory import ShmLedger
 from kvpush.daemon.metrics import WorkerMetrics
+from kvpush.daemon.peerauth import PeerAuth
 from kvpush.daemon.peers import Link
 from kvpush.daemon.prefill_side import PrefillSide
 from kvpush.daemon.transport import NixlTransport
@@ -44,6 +45,7 @@ log = logging.getLogger("kvpush.worker")
 
 TICK_S = 0.05  # timers (deadlines, leases, peer silence) resolve to this
 IDLE_POLL_MS = 250  # how long the loop blocks on ZeroMQ with nothing in flight
+AUTH_REFRESH_S = 1.0  # how often the allowlist directory is checked for changes
 
 
 class Worker:
@@ -55,12 +57,16 @@ class Worker:
         agent_name = f"kvpush-{socket.gethostname()}-{cfg.name}-{daemon_id}"
         metrics = WorkerMetrics(cfg.name)
         self.zctx = zmq.Context()
-        curve = load_curve(cfg.curve_secret_key_file, cfg.authorized_keys_dir or "") \
-            if cfg.curve_secret_key_file else None
+        auth = None
+        if cfg.insecure_peers:
+            log.warning("insecure_peers = true: the peer port %s:%s accepts anyone who reaches it "
+                        "(NIXL metadata and KV memory included)", cfg.peer_host, cfg.peer_port)
+        else:
+            auth = PeerAuth.load(cfg.curve_secret_key_file, cfg.authorized_keys_dir)
         ep = Endpoints(
             self.zctx, engine=cfg.engine_socket, peer=f"tcp://{cfg.peer_host}:{cfg.peer_port or 0}",
             max_message=cfg.max_message_bytes, handshake_ms=round(cfg.peer_handshake_s * 1000),
-            ops=cfg.ops_socket, socket_mode=cfg.socket_mode, curve=curve,
+            ops=cfg.ops_socket, socket_mode=cfg.socket_mode, auth=auth,
         )
         self.ctx: DaemonContext
         self.wire = ZmqWire(ep, lambda cause, detail: self.ctx.bad(cause, detail))
@@ -68,7 +74,7 @@ class Worker:
         adv = cfg.advertise_host or cfg.peer_host
         self.ctx = DaemonContext(
             cfg, daemon_id, agent_name, f"tcp://{adv}:{ep.peer_ep.rsplit(':', 1)[1]}", self.wire,
-            NixlTransport(agent_name, cfg.backend, backend_params=params), metrics,
+            NixlTransport(agent_name, cfg.backend, backend_params=params), metrics, auth=auth,
         )
         self.prefill = PrefillSide(self.ctx)
         self.decode = DecodeSide(self.ctx)
@@ -78,6 +84,7 @@ class Worker:
         self.stopping = False
         self.poll_s = cfg.poll_min_s
         self.last_tick = 0.0
+        self.last_auth = 0.0
 
     # ------------------------------------------------------------------ loop
 
@@ -110,7 +117,7 @@ class Worker:
         if engine in ready:
             activity |= self.wire.drain_router(engine, self._on_engine, peer_cred=True)
         if peer in ready:
-            activity |= self.wire.drain_router(peer, self._on_peer)
+            activity |= self.wire.drain_router(peer, self._on_peer, user_id=True)
         if ops in ready:
             self.wire.drain_router(ops, self._on_ops)
         for sock in ready - {engine, peer, ops}:
@@ -132,8 +139,8 @@ class Worker:
     def _on_engine(self, ident: bytes, msg: Any, peer: Any = None) -> None:
         self.session.on_engine(ident, msg, time.monotonic(), peer)
 
-    def _on_peer(self, ident: bytes, msg: Any) -> None:
-        self.prefill.on_peer(ident, msg, time.monotonic())
+    def _on_peer(self, ident: bytes, msg: Any, node: str) -> None:
+        self.prefill.on_peer(ident, msg, time.monotonic(), node)
 
     def _on_producer(self, endpoint: str, msg: Any) -> None:
         self.decode.on_producer(endpoint, msg, time.monotonic())
@@ -152,6 +159,13 @@ class Worker:
         self.prefill.tick(now)
         self.decode.tick(now)
         self.session.tick(now)
+        auth = self.ctx.auth
+        if auth is not None and now - self.last_auth >= AUTH_REFRESH_S:
+            self.last_auth = now
+            if auth.allow.refresh():  # a node added, rotated or revoked
+                names = auth.allow.names()
+                self.prefill.revoke(names, now)
+                self.decode.revoke(names)
         m = self.ctx.metrics
         m.set_peers("ready", sum(p.state is Link.READY for p in self.decode.producers.values())
                     + len(self.prefill.consumers))

@@ -128,6 +128,8 @@ class StatusReply(OpsData):
     uptime_s: float
     draining: bool
     peer_endpoint: str
+    peer_auth: str  # "curve" (CURVE + ZAP allowlist) or "insecure" (insecure_peers = true)
+    node: str  # this node's certificate name ("" when insecure)
     engine_socket: str
     rss_bytes: int
     cpu_s: float
@@ -193,6 +195,7 @@ class PeerRow(OpsData):
     endpoint: str
     state: str
     agent: str
+    node: str  # the peer's authenticated identity ("" when insecure)
     engine_id: str
     rank: int
     tp_size: int

@@ -67,7 +67,28 @@ fi
 "$VENV/bin/kvpushd" --config "$CONF_DST" print-config >/dev/null ||
   die "$CONF_DST is not a valid kvpushd configuration"
 
-# 4. The unit.
+# 4. Peer keys (authentication is on by default): this node's key pair, made once.
+#    KVPUSH_NODE_HOSTS: the addresses this node's daemons advertise (default: all of this
+#    host's addresses). Copy the public $CONF_DIR/<node>.key into every peer node's
+#    $CONF_DIR/authorized_keys/ (README: "Peer keys").
+NODE="$(hostname -s)"
+install -d -m 0750 -o root -g kvpush "$CONF_DIR/authorized_keys"
+if [[ ! -e $CONF_DIR/node.key_secret ]]; then
+  read -r -a hosts <<<"${KVPUSH_NODE_HOSTS:-$(hostname -I 2>/dev/null || echo 127.0.0.1)}"
+  host_args=()
+  for h in "${hosts[@]}"; do host_args+=(--host "$h"); done
+  tmpk="$(mktemp -d)"
+  "$VENV/bin/kvpushd" keygen --dir "$tmpk" --name "$NODE" "${host_args[@]}" >/dev/null
+  install -m 0640 -o root -g kvpush "$tmpk/$NODE.key_secret" "$CONF_DIR/node.key_secret"
+  install -m 0644 "$tmpk/$NODE.key" "$CONF_DIR/$NODE.key"
+  install -m 0644 "$tmpk/$NODE.key" "$CONF_DIR/authorized_keys/$NODE.key"
+  rm -rf "$tmpk"
+  echo "made this node's peer keys: $CONF_DIR/node.key_secret (secret), $CONF_DIR/$NODE.key (public)"
+else
+  echo "keeping this node's peer keys in $CONF_DIR"
+fi
+
+# 5. The unit.
 install -m 0644 "$UNIT_SRC" "$UNIT_DST"
 if command -v systemd-analyze >/dev/null; then
   systemd-analyze verify "$UNIT_DST"

@@ -26,10 +26,15 @@ from kvpush.engine_plugin.memory import export_cpu_tensor, unlink_export
 from kvpush.proto import naming
 from kvpush.proto.layout import KVLayout
 from kvpush.proto.memory import shm_info
+from kvpush.testing.keys import lab_keys
 
 
 def device_config(tmp: Path, index: int, **kw: Any) -> DeviceConfig:
+    """A daemon config under ``tmp``: authenticated with the run's lab keys (kept under ``tmp``)
+    unless ``kw`` names keys or sets insecure_peers."""
     name = f"cpu{index}"
+    if not kw.get("insecure_peers") and "curve_secret_key_file" not in kw:
+        kw = {**lab_keys(tmp).config(), **kw}
     cfg = DeviceConfig(
         index=index,
         name=name,

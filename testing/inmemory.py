@@ -212,10 +212,11 @@ class MemWire:
     def to_consumer(self, routing_id: bytes, msg: Any) -> None:
         self.net.post("to_decode", routing_id.decode(), self.endpoint, msg)
 
-    def open_producer(self, endpoint: str) -> None:
+    def open_producer(self, endpoint: str) -> str:
         if not endpoint.startswith("mem://"):
             raise ValueError(f"invalid endpoint {endpoint!r}")
         self.dialled.add(endpoint)
+        return ""  # the in-memory net is unauthenticated
 
     def to_producer(self, endpoint: str, msg: Any) -> None:
         if endpoint in self.dialled:
@@ -233,7 +234,7 @@ class MemNode:
 
     def __init__(self, net: Net, fabric: Fabric, name: str, **cfg: Any) -> None:
         endpoint = f"mem://{name}"
-        self.cfg = DeviceConfig(name=name, index=0, runtime_dir="/nonexistent", **cfg)
+        self.cfg = DeviceConfig(name=name, index=0, runtime_dir="/nonexistent", insecure_peers=True, **cfg)
         self.wire = MemWire(net, endpoint)
         self.transport = MemTransport(f"agent-{name}", fabric=fabric)
         self.ctx = DaemonContext(self.cfg, f"id-{name}", self.transport.name, endpoint, self.wire,

@@ -14,6 +14,7 @@ from typing import Any
 
 from kvpush.proto import naming
 from kvpush.testing import vllm_env as ve
+from kvpush.testing.keys import lab_keys
 from kvpush.testing.procs import free_port, popen
 from kvpush.testing.prom import by_label, fetch_text, parse
 
@@ -39,6 +40,7 @@ class PDStack:
     p_block_size: int | None = None
     d_block_size: int | None = None
     ucx_error_handling_mode: str = "none"
+    insecure_peers: bool = False  # True only to measure what authentication costs
     d_prefix_caching: bool = False
     with_router: bool = True
     plugin_extra: dict[str, Any] = field(default_factory=dict)
@@ -85,9 +87,13 @@ class PDStack:
     # ------------------------------------------------------------------ lifecycle
     def start_daemons(self) -> None:
         cfg = self.work / "kvpushd.toml"
+        # Authenticated peers (keys made for this stack) unless the stack is explicitly insecure.
+        auth = "insecure_peers = true\n" if self.insecure_peers else "".join(
+            f'{k} = "{v}"\n' for k, v in lab_keys(self.work).config().items())
         cfg.write_text(
             f'devices = ["cpu0", "cpu1"]\nruntime_dir = "{self.rt}"\nbase_port = {self.base_port}\n'
             f'metrics_port = {self.metrics_port}\nucx_error_handling_mode = "{self.ucx_error_handling_mode}"\n'
+            + auth
         )
         self.procs["kvpushd"] = popen([ve.vllm_python(), "-m", "kvpush.daemon.cli", "--config", str(cfg)],
                                       self.work / "kvpushd.log", cpus=self._aux())

@@ -77,12 +77,40 @@ def idle_cpu(pid: int, seconds: float) -> float:
     return (sum(proc.cpu_times()[:2]) - c0) / seconds
 
 
+def auth_cost(mode: str, blocks: int, sizes: list[int], rows: dict[str, Any]) -> dict[str, float]:
+    """The same daemon end-to-end runs with insecure_peers = true: authenticated GB/s over
+    insecure GB/s per size (the CURVE cost is on the control messages, not the WRITE)."""
+    tmp = Path(tempfile.mkdtemp(prefix="kvpush-bench-insecure-"))
+    p = Daemon(device_config(tmp, 0, ucx_error_handling_mode=mode, insecure_peers=True))
+    d = Daemon(device_config(tmp, 1, ucx_error_handling_mode=mode, insecure_peers=True))
+    lay = layout(blocks)
+    pe = Engine(p, lay, "prefill", seed=1)
+    de = Engine(d, lay, "decode", fill="zeros")
+    out: dict[str, float] = {}
+    try:
+        for size in sizes:
+            iters = 20 if size <= 16 * MiB else 5
+            for scattered in (False, True):
+                key = f"{size // MiB}MiB_{'scattered' if scattered else 'contiguous'}"
+                e2e = daemon_e2e_gbps(p, d, pe, de, size, scattered, iters, seed=size)
+                out[key] = round(rows[key]["daemon_gbps"] / e2e["gbps"], 3)
+                out[f"{key}_insecure_median_ms"] = round(e2e["median_ms"], 3)
+    finally:
+        pe.close()
+        de.close()
+        p.stop()
+        d.stop()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--sizes", default="1,16,256", help="MiB, comma separated")
     ap.add_argument("--modes", default="none,peer", help="UCX error handling modes to measure")
     ap.add_argument("--idle-seconds", type=float, default=5.0)
+    ap.add_argument("--auth-cost", action="store_true",
+                    help="also run the daemons with insecure_peers = true and report authenticated / insecure")
     args = ap.parse_args(argv)
     sizes = [int(s) * MiB for s in args.sizes.split(",")]
     # NIXL logs to stdout (in this process and in the daemons it spawns): keep stdout for
@@ -133,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
             p.stop()
             d.stop()
         out["modes"][mode] = {"sizes": rows, "idle": idle}
+        if args.auth_cost:
+            out["modes"][mode]["auth_vs_insecure"] = auth_cost(mode, blocks, sizes, rows)
     sys.stdout.flush()
     os.dup2(real_stdout, 1)
     print(json.dumps(out) if args.json else json.dumps(out, indent=2))

@@ -6,6 +6,7 @@ whole process group pinned to one core (``vllm_env.start_engine``):
 - ``colocated``: one engine, no connector (core 0): the floor;
 - ``prefill``: the kvpush stack's prefill engine asked directly (no KV parameters);
 - ``kvpush``: kvpushd + KVPushConnector + the kvpush router (``kvpush.testing.pd_stack.PDStack``);
+- ``kvpush_insecure``: the same stack with ``insecure_peers = true`` (what peer authentication costs);
 - ``pull``: vLLM's NixlConnector behind the sequential proxy (``kvpush.testing.sweep.launchers.start_nixl``).
 
 Per mode: sequential streaming requests (one at a time, greedy, ``--output-len`` tokens) at
@@ -16,7 +17,7 @@ what kvpush adds over colocated, and for kvpush the median request's breakdown b
 the timeline (router + both daemons + both engine plugins, ``kvpushctl trace``).
 
     .venv/bin/python scripts/bench_ttft.py [--json] [--lengths 16,256,1024,2000] [--requests 20]
-        [--modes colocated,prefill,kvpush,pull] [--out FILE]
+        [--modes colocated,prefill,kvpush,kvpush_insecure,pull] [--out FILE]
 
 Targets (GOALS.md): kvpush p50 <= colocated p50 + 10 ms and p90 <= colocated p90 + 25 ms at
 every length; no request slower than 3x its length's p50; concurrency: p50 <= 1.5x colocated.
@@ -46,7 +47,7 @@ from kvpush.testing.sse import sse_data
 from kvpush.testing.sweep.launchers import start_nixl
 
 ROOT = ve.ROOT
-MODES = ("colocated", "prefill", "kvpush", "pull")
+MODES = ("colocated", "prefill", "kvpush", "kvpush_insecure", "pull")
 VOCAB = 1000  # token IDs drawn below the tiny model's vocabulary size
 
 
@@ -235,6 +236,13 @@ def main(argv: list[str] | None = None) -> int:
                 idle["kvpush"] = idle_cores(dict(stack.procs), 3.0, args.idle_seconds)
         finally:
             stack.stop()
+    if "kvpush_insecure" in modes:  # the same stack with insecure_peers = true: what auth costs
+        stack = PDStack(model, work / "kvpush_insecure", insecure_peers=True)
+        stack.start()
+        try:
+            measure("kvpush_insecure", stack.router_url)
+        finally:
+            stack.stop()
     if "pull" in modes:
         logs = work / "pull"
         logs.mkdir(exist_ok=True)
@@ -271,6 +279,12 @@ def main(argv: list[str] | None = None) -> int:
         base = idle["colocated"]["engine"]
         verdict["idle"] = {role: {"cores": idle["kvpush"][role], "over_colocated": round(idle["kvpush"][role] - base, 4),
                                   "ok": idle["kvpush"][role] <= base + 0.02} for role in ("prefill", "decode")}
+    if "kvpush_insecure" in summary and "kvpush" in summary:
+        k, i = summary["kvpush"], summary["kvpush_insecure"]
+        verdict["auth_cost_p50_ms"] = {L: round(v["p50"] - i["sequential"][L]["p50"], 2)
+                                       for L, v in k["sequential"].items() if v and i["sequential"].get(L)}
+        if k["concurrent"] and i["concurrent"]:
+            verdict["auth_cost_concurrent_p50_ratio"] = round(k["concurrent"]["p50"] / i["concurrent"]["p50"], 3)
     if "pull" in summary and "kvpush" in summary:
         verdict["vs_pull_p50"] = {L: round(summary["kvpush"]["sequential"][L]["p50"] / v["p50"], 3)
                                   for L, v in summary["pull"]["sequential"].items()
@@ -286,13 +300,13 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result, indent=2))
         return 0
     print(f"\nTTFT ms (sequential, {args.requests} per length; concurrency {args.concurrency} last column)")
-    print(f"{'mode':<10}" + "".join(f"{L:>22}" for L in lengths) + f"{'conc p50/p90':>18}")
+    print(f"{'mode':<16}" + "".join(f"{L:>22}" for L in lengths) + f"{'conc p50/p90':>18}")
     for m, s in summary.items():
         cells = "".join(f"{s['sequential'][str(L)]['p50']:>8.1f}/{s['sequential'][str(L)]['p90']:.1f}/"
                         f"{s['sequential'][str(L)]['p99']:.1f}".rjust(22) if s["sequential"].get(str(L)) else " " * 22
                         for L in lengths)
         cc = s["concurrent"]
-        print(f"{m:<10}{cells}{(str(cc.get('p50')) + '/' + str(cc.get('p90'))):>18}  errors={s['errors']}")
+        print(f"{m:<16}{cells}{(str(cc.get('p50')) + '/' + str(cc.get('p90'))):>18}  errors={s['errors']}")
     print("\nverdict:", json.dumps(verdict, indent=1))
     for L, h in hops.items():
         print(f"\nkvpush median request at {L} tokens ({h['ttft_ms']} ms, {h['transfer_id']}):")

@@ -227,7 +227,7 @@ def test_status_all_daemons_from_config(pair: Pair) -> None:
         assert code == 0, err
         lines = out.splitlines()
         assert lines[0].split() == ["DEVICE", "UP", "PID", "ROLE", "RANK", "BACKEND", "ENGINE",
-                                    "MEMORY", "PEERS", "P/C", "UPTIME", "RESTARTS", "PROTO"]
+                                    "MEMORY", "PEERS", "P/C", "AUTH", "UPTIME", "RESTARTS", "PROTO"]
         row = row_with(out, "cpu0")
         assert row[1] == "yes" and row[2] == str(pair.p.proc.pid)
         assert row[3:7] == ["prefill", "0/1", "UCX", "prefill-0"]

@@ -32,6 +32,7 @@ from kvpush.daemon import metrics as metrics_mod
 from kvpush.daemon.config import DeviceConfig
 from kvpush.daemon.ctl import main as ctl_main
 from kvpush.testing.daemon_harness import Engine, ops_request
+from kvpush.testing.keys import lab_keys
 from kvpush.testing.kvref import make
 
 pytestmark = pytest.mark.integration
@@ -71,7 +72,7 @@ class Node:
         self.proc = subprocess.Popen(
             [str(BIN / "kvpushd"), "--devices", ",".join(DEVICES), "--runtime-dir", str(tmp),
              "--base-port", "0", "--metrics-port", str(self.port)],
-            stdout=self.log, stderr=subprocess.STDOUT)
+            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **lab_keys(tmp).env()})
 
     def get(self, path: str) -> tuple[int, str]:
         assert self.proc.poll() is None, f"kvpushd exited with {self.proc.returncode}"

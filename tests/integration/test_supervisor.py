@@ -36,6 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvpush.daemon import sdnotify
 from kvpush.daemon.metrics import WorkerMetrics
 from kvpush.daemon.supervisor import merge_metrics
+from kvpush.testing.keys import lab_keys
 
 pytestmark = pytest.mark.integration
 SLOW = 60.0  # bound on waiting for a condition that needs children to start (spawn + imports)
@@ -336,7 +337,7 @@ def test_kvpushd_runs_real_workers(runtime: Path) -> None:
     """`kvpushd` end to end with the default target (kvpush.daemon.worker.run_worker)."""
     port = free_port()
     proc = _run_kvpushd(["--devices", "cpu0", "--runtime-dir", str(runtime), "--base-port",
-                         str(free_port()), "--metrics-port", str(port)], {})
+                         str(free_port()), "--metrics-port", str(port)], lab_keys(runtime).env())
     try:
         def health() -> int:
             assert proc.poll() is None, f"kvpushd exited with {proc.returncode}"
@@ -370,7 +371,7 @@ def test_kvpushd_worker_foreground_notifies_ready(runtime: Path) -> None:
         sock.bind("\0" + addr[1:])
         sock.settimeout(0.2)
         proc = _run_kvpushd(["worker", "--device", "cpu1", "--runtime-dir", str(runtime),
-                             "--base-port", str(free_port())], {"NOTIFY_SOCKET": addr})
+                             "--base-port", str(free_port())], {"NOTIFY_SOCKET": addr, **lab_keys(runtime).env()})
 
         def recv() -> str:
             assert proc.poll() is None, f"kvpushd worker exited with {proc.returncode}"

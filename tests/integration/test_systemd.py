@@ -37,6 +37,7 @@ from pathlib import Path
 import pytest
 
 from kvpush.daemon.config import load_config
+from kvpush.testing.keys import lab_keys
 
 pytestmark = pytest.mark.integration
 
@@ -258,7 +259,8 @@ def test_execstart_as_written_notifies_ready_and_stops_clean(short_tmp: Path) ->
     # systemd's environment: a clean one, the unit's Environment=, and what it adds itself
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": str(short_tmp),
            **unit_environment(), "RUNTIME_DIRECTORY": str(run_dir),
-           "NOTIFY_SOCKET": notify_addr, "WATCHDOG_USEC": "2000000"}
+           "NOTIFY_SOCKET": notify_addr, "WATCHDOG_USEC": "2000000",
+           **lab_keys(short_tmp).env()}  # what the install script's keygen provides
     log = open(short_tmp / "kvpushd.log", "w+")  # noqa: SIM115
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as nsock:
         nsock.bind("\0" + notify_addr[1:])

@@ -65,7 +65,10 @@ def test_defaults_on_a_cpu_node() -> None:
     assert (dev.lease_s, dev.register_timeout_s, dev.write_timeout_s, dev.peer_timeout_s) == (
         30.0, 30.0, 5.0, 10.0)
     assert (dev.poll_min_s, dev.poll_max_s) == (0.0005, 0.05)
-    assert dev.curve_secret_key_file is None and dev.authorized_keys_dir is None
+    # Peer authentication is on by default: the keys are expected where the installer puts them.
+    assert not dev.insecure_peers
+    assert (dev.curve_secret_key_file, dev.authorized_keys_dir) == (
+        "/etc/kvpush/node.key_secret", "/etc/kvpush/authorized_keys")
     assert (node.metrics_host, node.metrics_port) == ("127.0.0.1", 9470)
 
 
@@ -258,21 +261,16 @@ def test_validation_errors(overrides: dict, env: dict, message: str) -> None:
         load(overrides=overrides, env=env)
 
 
-def test_curve_needs_both_and_existing_paths(tmp_path: Path) -> None:
-    sec, keys = tmp_path / "node.key_secret", tmp_path / "keys"
-    with pytest.raises(ConfigError, match="missing authorized_keys_dir"):
-        load(env={"KVPUSH_CURVE_SECRET_KEY_FILE": str(sec)})
-    with pytest.raises(ConfigError, match="missing curve_secret_key_file"):
-        load(env={"KVPUSH_AUTHORIZED_KEYS_DIR": str(keys)})
-    env = {"KVPUSH_CURVE_SECRET_KEY_FILE": str(sec), "KVPUSH_AUTHORIZED_KEYS_DIR": str(keys)}
-    with pytest.raises(ConfigError, match="curve_secret_key_file .* is not a readable file"):
-        load(env=env)
-    sec.write_text("secret")
-    with pytest.raises(ConfigError, match="authorized_keys_dir .* is not a directory"):
-        load(env=env)
-    keys.mkdir()
+def test_peer_keys_are_checked_when_the_daemon_starts_not_when_the_config_loads(tmp_path: Path) -> None:
+    """kvpushctl loads the same config on hosts without the keys; kvpushd refuses to start
+    without them (PeerAuth.load), unless insecure_peers says so explicitly."""
+    from kvpush.daemon.peerauth import PeerAuth, PeerAuthError
+
+    env = {"KVPUSH_CURVE_SECRET_KEY_FILE": str(tmp_path / "none"), "KVPUSH_AUTHORIZED_KEYS_DIR": str(tmp_path)}
     dev = load(env=env).devices[0]
-    assert (dev.curve_secret_key_file, dev.authorized_keys_dir) == (str(sec), str(keys))
+    with pytest.raises(PeerAuthError, match="kvpushd keygen"):
+        PeerAuth.load(dev.curve_secret_key_file, dev.authorized_keys_dir)
+    assert load(env={**env, "KVPUSH_INSECURE_PEERS": "true"}).devices[0].insecure_peers
 
 
 @pytest.mark.parametrize("removed", ["curve_public_key_file", "peer_bind", "curve_enabled"])
@@ -316,6 +314,7 @@ EXAMPLES: dict[str, tuple[str, Any]] = {
     "peer_timeout_s": ("8.0", lambda n: n.devices[0].peer_timeout_s == 8.0),
     "curve_secret_key_file": ('"{secret}"', lambda n: n.devices[0].curve_secret_key_file.endswith("sec")),
     "authorized_keys_dir": ('"{keys}"', lambda n: n.devices[0].authorized_keys_dir.endswith("keys")),
+    "insecure_peers": ("true", lambda n: n.devices[0].insecure_peers is True),
     "poll_min_s": ("0.001", lambda n: n.devices[0].poll_min_s == 0.001),
     "poll_max_s": ("0.5", lambda n: n.devices[0].poll_max_s == 0.5),
     "max_prepped_descriptors": ("0", lambda n: n.devices[0].max_prepped_descriptors == 0),

@@ -73,7 +73,8 @@ def test_every_reply_round_trips_through_the_codec(case: tuple[str, ops.OpsData]
 def status_data() -> dict[str, Any]:
     return ops.StatusReply(
         device="cpu0", pid=7, daemon_id="abc", version=1, backend="UCX", agent="a",
-        uptime_s=1.5, draining=False, peer_endpoint="tcp://127.0.0.1:1", engine_socket="ipc:///e",
+        uptime_s=1.5, draining=False, peer_endpoint="tcp://127.0.0.1:1", peer_auth="curve", node="n1",
+        engine_socket="ipc:///e",
         rss_bytes=10, cpu_s=0.1,
         engine=ops.EngineInfo(engine_id="e", rank=0, tp_size=1, role="prefill", memory_bytes=1,
                               blocks=2, block_size=16, attached_s=0.5),

@@ -596,3 +596,38 @@ RendezvousMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestRendezvousInterleavings = RendezvousMachine.TestCase
+
+
+# ------------------------------------------------------------------------ identities
+
+
+def _as(identity: str, r: Register) -> Register:
+    return replace(r, identity=identity)
+
+
+def test_only_the_registering_identity_may_supersede_or_add_destinations() -> None:
+    rv = Rendezvous()
+    rv.handle(_as("nodeD", reg(dest=0, expected=2)))
+    # Another node: neither a higher attempt (take-over) nor another destination is accepted.
+    for r in (reg(attempt=5, peer="evil"), reg(dest=1, expected=2, peer="evil")):
+        out = rv.handle(_as("nodeX", r))
+        assert [type(a) for a in out] == [NotifyFailure] and out[0].peer == "evil"
+        assert "another peer" in out[0].reason
+    assert rv.info("t").attempt == 0
+    # The owner still completes its transfer, and may supersede its own attempt.
+    rv.handle(pf())
+    assert of(StartWrite, rv.handle(_as("nodeD", reg(dest=1, expected=2, now=1.0))))
+    assert of(StartWrite, rv.handle(_as("nodeD", reg(attempt=1, dest=0, expected=1, now=2.0))))
+
+
+@given(st.lists(st.tuples(st.sampled_from(["a", "b"]), st.integers(0, 3), st.integers(0, 1)), max_size=12))
+def test_no_write_ever_targets_a_peer_of_another_identity(regs) -> None:
+    rv = Rendezvous()
+    peer_of = {"a": "pa", "b": "pb"}
+    owner = None
+    out = rv.handle(pf())
+    for i, (who, attempt, dest) in enumerate(regs):
+        out = rv.handle(_as(who, reg(attempt=attempt, dest=dest, expected=2, peer=peer_of[who], now=i * 0.01)))
+        owner = owner or who
+        for w in of(StartWrite, out):
+            assert w.peer == peer_of[owner]

@@ -1,0 +1,233 @@
+"""Who may talk to a daemon's peer port: per-node CURVE keys and an allowlist (ZAP).
+
+Every node has one key pair (``kvpushd keygen``): a secret certificate the node keeps and a
+public one it gives to the nodes it works with. Each daemon's peer endpoint is a CURVE
+server with its node's keys; ZAP lets in only clients whose public key is a certificate in
+``authorized_keys_dir``, and names them by that certificate (its ``name``). A daemon dialling
+a prefill daemon must know that node's public key: it is the allowlisted certificate whose
+``hosts`` metadata lists the host of the endpoint. So one directory of public certificates is
+both the allowlist (who may connect to us) and the directory of servers (whom we may dial).
+
+The allowlist is re-read when the directory changes, so adding, rotating or revoking a node
+is a file operation (README: "Peer keys"). Revoking stops new sessions at once; sessions
+already open are not torn down by ZeroMQ, so a revoked node's open connections are dropped
+by the daemon when it sees the identity is no longer allowed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+log = logging.getLogger(__name__)
+
+CERT_SUFFIX = ".key"
+SECRET_SUFFIX = ".key_secret"
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+_META = re.compile(r"^\s+([A-Za-z0-9_\-]+)\s*=\s*\"?([^\"]*)\"?\s*$")
+
+
+class PeerAuthError(ValueError):
+    """Keys missing or unusable: the daemon does not open its peer port."""
+
+
+@dataclass(frozen=True)
+class NodeCert:
+    """One node's public certificate: its name, CURVE public key (z85) and hosts."""
+
+    name: str
+    public: bytes
+    hosts: tuple[str, ...]
+
+
+def _metadata(path: Path) -> dict[str, str]:
+    """The ``metadata`` section of a zmq.auth certificate file (ZPL key = value lines)."""
+    out: dict[str, str] = {}
+    section = ""
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        if not line[0].isspace():
+            section = line.strip()
+            continue
+        m = _META.match(line)
+        if section == "metadata" and m:
+            out[m.group(1)] = m.group(2)
+    return out
+
+
+def read_cert(path: str | Path) -> NodeCert:
+    p = Path(path)
+    try:
+        public, _secret = zmq.auth.load_certificate(str(p))
+        meta = _metadata(p)
+    except (OSError, ValueError) as exc:
+        raise PeerAuthError(f"certificate {p}: {exc}") from None
+    name = meta.get("name") or p.name.removesuffix(SECRET_SUFFIX).removesuffix(CERT_SUFFIX)
+    hosts = tuple(h.strip() for h in meta.get("hosts", "").split(",") if h.strip())
+    return NodeCert(name, public, hosts)
+
+
+def keygen(directory: str | Path, name: str, hosts: list[str]) -> tuple[Path, Path]:
+    """Make a node key pair in ``directory``: (public certificate, secret certificate).
+
+    The secret file is created 0600; the public one is what other nodes put in their
+    ``authorized_keys_dir``. ``hosts`` are the addresses this node's daemons advertise."""
+    if not _NAME.match(name):
+        raise PeerAuthError(f"node name {name!r}: use letters, digits, '_', '.', '-' (at most 64)")
+    if not hosts or any("," in h or not h.strip() for h in hosts):
+        raise PeerAuthError("keygen needs the node's advertised host(s), e.g. --host 10.0.0.5")
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for suffix in (CERT_SUFFIX, SECRET_SUFFIX):
+        if (d / f"{name}{suffix}").exists():
+            raise PeerAuthError(f"{d / (name + suffix)} exists; remove it first to rotate the key")
+    old = os.umask(0o077)
+    try:
+        pub, sec = zmq.auth.create_certificates(str(d), name, metadata={"name": name, "hosts": ",".join(hosts)})
+    finally:
+        os.umask(old)
+    public, _ = zmq.auth.load_certificate(pub)
+    # pyzmq writes metadata only into the secret file; the public one must carry the hosts.
+    Path(pub).write_text(
+        "#   kvpush node certificate (public): copy it into the authorized_keys_dir of every\n"
+        "#   node this one works with (its own included); remove it there to revoke the node.\n"
+        f'metadata\n    name = "{name}"\n    hosts = "{",".join(hosts)}"\n'
+        f'curve\n    public-key = "{public.decode()}"\n', encoding="utf-8")
+    os.chmod(pub, 0o644)
+    os.chmod(sec, 0o600)
+    return Path(pub), Path(sec)
+
+
+class Allowlist:
+    """The public certificates in ``authorized_keys_dir``, re-read when the directory changes."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self._lock = threading.Lock()
+        self._by_key: dict[bytes, NodeCert] = {}
+        self._stamp: tuple[float, int] | None = None
+        self.refresh()
+
+    def refresh(self) -> bool:
+        """Re-read if the directory changed; True if it did."""
+        try:
+            st = os.stat(self.directory)
+            names = sorted(os.listdir(self.directory))
+        except OSError as exc:
+            raise PeerAuthError(f"authorized_keys_dir {self.directory}: {exc}") from None
+        stamp = (max([st.st_mtime, *(os.stat(os.path.join(self.directory, n)).st_mtime for n in names)]),
+                 len(names))
+        if stamp == self._stamp:
+            return False
+        certs: dict[bytes, NodeCert] = {}
+        for n in names:
+            if not n.endswith(CERT_SUFFIX):
+                continue
+            try:
+                c = read_cert(os.path.join(self.directory, n))
+            except PeerAuthError as exc:
+                log.warning("ignoring %s", exc)
+                continue
+            certs[c.public] = c
+        with self._lock:
+            self._by_key, self._stamp = certs, stamp
+        log.info("peer allowlist: %d node(s) in %s", len(certs), self.directory)
+        return True
+
+    def by_key(self, public_z85: bytes) -> NodeCert | None:
+        with self._lock:
+            return self._by_key.get(public_z85)
+
+    def certs(self) -> list[NodeCert]:
+        with self._lock:
+            return list(self._by_key.values())
+
+    def names(self) -> set[str]:
+        with self._lock:
+            return {c.name for c in self._by_key.values()}
+
+    def server_for(self, host: str) -> NodeCert | None:
+        """The node whose certificate lists ``host`` (whose daemons we may dial there)."""
+        with self._lock:
+            found = [c for c in self._by_key.values() if host in c.hosts]
+        return found[0] if len(found) == 1 else None
+
+
+class _Zap(ThreadAuthenticator):
+    """ZAP over the allowlist: authenticated sessions carry the certificate's name as User-Id."""
+
+    def __init__(self, ctx: zmq.Context, allow: Allowlist) -> None:
+        super().__init__(ctx)
+        self.allow = allow
+
+    def callback(self, _domain: str, key: bytes) -> bool:
+        return self.allow.by_key(key) is not None
+
+    def curve_user_id(self, client_public_key: bytes) -> str:
+        cert = self.allow.by_key(zmq.utils.z85.encode(client_public_key))
+        return cert.name if cert is not None else ""
+
+
+@dataclass(eq=False)
+class PeerAuth:
+    """This node's keys and the allowlist: configures the peer ROUTER and every DEALER."""
+
+    me: NodeCert
+    secret: bytes
+    allow: Allowlist
+    _zap: _Zap | None = None
+
+    @staticmethod
+    def load(secret_file: str, authorized_dir: str) -> PeerAuth:
+        if not os.path.isfile(secret_file):
+            raise PeerAuthError(
+                f"peer authentication is on by default and this node has no key at {secret_file}: "
+                f"make one with `kvpushd keygen --dir {os.path.dirname(secret_file) or '.'} --host ADDR` "
+                "(and put the nodes' public .key files in authorized_keys_dir), or set "
+                "insecure_peers = true to run without authentication")
+        public, secret = zmq.auth.load_certificate(secret_file)
+        if not secret:
+            raise PeerAuthError(f"{secret_file} holds no secret key")
+        if not os.path.isdir(authorized_dir):
+            raise PeerAuthError(f"authorized_keys_dir {authorized_dir} does not exist "
+                                "(it holds the public .key files of the nodes allowed in)")
+        me = read_cert(secret_file)
+        return PeerAuth(NodeCert(me.name, public, me.hosts), secret, Allowlist(authorized_dir))
+
+    def serve(self, ctx: zmq.Context, sock: zmq.Socket) -> None:
+        """Make ``sock`` (not yet bound) a CURVE server admitting only the allowlist."""
+        if self._zap is None:
+            self._zap = _Zap(ctx, self.allow)
+            self._zap.start()
+            self._zap.configure_curve_callback(domain="*", credentials_provider=self._zap)
+        sock.curve_secretkey = self.secret
+        sock.curve_publickey = self.me.public
+        sock.curve_server = True
+
+    def dial(self, sock: zmq.Socket, endpoint: str) -> str:
+        """Configure a DEALER to ``endpoint`` as a CURVE client; returns the node it will reach.
+
+        Raises PeerAuthError if no allowlisted node lists the endpoint's host."""
+        host = endpoint.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+        cert = self.allow.server_for(host)
+        if cert is None:
+            raise PeerAuthError(f"no authorized node certificate lists host {host!r} "
+                                f"(or more than one does): cannot dial {endpoint}")
+        sock.curve_secretkey = self.secret
+        sock.curve_publickey = self.me.public
+        sock.curve_serverkey = cert.public
+        return cert.name
+
+    def close(self) -> None:
+        if self._zap is not None:
+            self._zap.stop()
+            self._zap = None

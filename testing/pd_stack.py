@@ -41,6 +41,7 @@ class PDStack:
     d_block_size: int | None = None
     ucx_error_handling_mode: str = "none"
     insecure_peers: bool = False  # True only to measure what authentication costs
+    keys_dir: Path | None = None  # where this run's node keys live (stacks that talk to each other share it)
     d_prefix_caching: bool = False
     with_router: bool = True
     plugin_extra: dict[str, Any] = field(default_factory=dict)
@@ -89,7 +90,7 @@ class PDStack:
         cfg = self.work / "kvpushd.toml"
         # Authenticated peers (keys made for this stack) unless the stack is explicitly insecure.
         auth = "insecure_peers = true\n" if self.insecure_peers else "".join(
-            f'{k} = "{v}"\n' for k, v in lab_keys(self.work).config().items())
+            f'{k} = "{v}"\n' for k, v in lab_keys(self.keys_dir or self.work).config().items())
         cfg.write_text(
             f'devices = ["cpu0", "cpu1"]\nruntime_dir = "{self.rt}"\nbase_port = {self.base_port}\n'
             f'metrics_port = {self.metrics_port}\nucx_error_handling_mode = "{self.ucx_error_handling_mode}"\n'

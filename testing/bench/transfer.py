@@ -23,6 +23,8 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -80,14 +82,8 @@ def idle_cpu(pid: int, seconds: float) -> float:
 def auth_cost(mode: str, blocks: int, sizes: list[int], rows: dict[str, Any]) -> dict[str, float]:
     """The same daemon end-to-end runs with insecure_peers = true: authenticated GB/s over
     insecure GB/s per size (the CURVE cost is on the control messages, not the WRITE)."""
-    tmp = Path(tempfile.mkdtemp(prefix="kvpush-bench-insecure-"))
-    p = Daemon(device_config(tmp, 0, ucx_error_handling_mode=mode, insecure_peers=True))
-    d = Daemon(device_config(tmp, 1, ucx_error_handling_mode=mode, insecure_peers=True))
-    lay = layout(blocks)
-    pe = Engine(p, lay, "prefill", seed=1)
-    de = Engine(d, lay, "decode", fill="zeros")
     out: dict[str, float] = {}
-    try:
+    with daemon_pair(mode, blocks, insecure_peers=True) as (p, d, pe, de):
         for size in sizes:
             iters = 20 if size <= 16 * MiB else 5
             for scattered in (False, True):
@@ -95,12 +91,25 @@ def auth_cost(mode: str, blocks: int, sizes: list[int], rows: dict[str, Any]) ->
                 e2e = daemon_e2e_gbps(p, d, pe, de, size, scattered, iters, seed=size)
                 out[key] = round(rows[key]["daemon_gbps"] / e2e["gbps"], 3)
                 out[f"{key}_insecure_median_ms"] = round(e2e["median_ms"], 3)
+    return out
+
+
+@contextmanager
+def daemon_pair(mode: str, blocks: int, **cfg: Any) -> Iterator[tuple[Daemon, Daemon, Engine, Engine]]:
+    """A prefill and a decode daemon (real processes) with an engine stand-in each."""
+    tmp = Path(tempfile.mkdtemp(prefix="kvpush-bench-"))
+    p = Daemon(device_config(tmp, 0, ucx_error_handling_mode=mode, **cfg))
+    d = Daemon(device_config(tmp, 1, ucx_error_handling_mode=mode, **cfg))
+    lay = layout(blocks)
+    pe = Engine(p, lay, "prefill", seed=1)
+    de = Engine(d, lay, "decode", fill="zeros")
+    try:
+        yield p, d, pe, de
     finally:
         pe.close()
         de.close()
         p.stop()
         d.stop()
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,14 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     blocks = 2 * max(sizes) // BLOCK_BYTES
     out: dict[str, Any] = {"block_bytes": BLOCK_BYTES, "modes": {}}
     for mode in args.modes.split(","):
-        tmp = Path(tempfile.mkdtemp(prefix="kvpush-bench-"))
-        p = Daemon(device_config(tmp, 0, ucx_error_handling_mode=mode))
-        d = Daemon(device_config(tmp, 1, ucx_error_handling_mode=mode))
-        lay = layout(blocks)
-        pe = Engine(p, lay, "prefill", seed=1)
-        de = Engine(d, lay, "decode", fill="zeros")
         rows: dict[str, Any] = {}
-        try:
+        with daemon_pair(mode, blocks) as (p, d, pe, de):
             for size in sizes:
                 iters = 20 if size <= 16 * MiB else 5
                 for scattered in (False, True):
@@ -155,11 +158,6 @@ def main(argv: list[str] | None = None) -> int:
                 "decode_daemon_cores": round(idle_cpu(d.proc.pid, args.idle_seconds), 4),
                 "prefill_daemon_rss_mib": round(psutil.Process(p.proc.pid).memory_info().rss / MiB, 1),
             }
-        finally:
-            pe.close()
-            de.close()
-            p.stop()
-            d.stop()
         out["modes"][mode] = {"sizes": rows, "idle": idle}
         if args.auth_cost:
             out["modes"][mode]["auth_vs_insecure"] = auth_cost(mode, blocks, sizes, rows)

@@ -37,7 +37,7 @@ def tiny_model() -> Path:
 def pd(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
     from kvpush.testing.pd_stack import PDStack
 
-    stack = PDStack(tiny_model, tmp_path_factory.mktemp("pd"))
+    stack = PDStack(tiny_model, tmp_path_factory.mktemp("pd"), keys_dir=tmp_path_factory.getbasetemp())
     stack.start()
     try:
         yield stack

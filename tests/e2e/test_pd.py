@@ -266,7 +266,9 @@ async def via_router_url(url: str, prompts: list[list[int]], max_tokens: int) ->
 def pd_blocks(tiny_model, tmp_path_factory):
     """A second stack whose engines use other block sizes (P 32, D 64; the main one uses 128),
     with prefix caching on the decode engine (partial local hits)."""
+    # Its daemons talk to the main stack's: the same node keys (one "host", 127.0.0.1).
     stack = PDStack(tiny_model, tmp_path_factory.mktemp("pd_blocks"), p_block_size=32, d_block_size=64,
+                    keys_dir=tmp_path_factory.getbasetemp(),
                     with_router=False, d_prefix_caching=True)
     stack.start()
     try:

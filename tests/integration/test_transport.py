@@ -399,6 +399,7 @@ def test_transport_rejects_bad_use(tmp_path: Any) -> None:
         r1.close()
         r2.close()
         unlink_export(h)
+        unlink_export(h)
     with pytest.raises(TransportError, match="closed"):
         a.metadata()
 

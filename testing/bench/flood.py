@@ -138,10 +138,11 @@ def flood_quota(p: Daemon, lay: KVLayout, n: int = 5000) -> Result:
 
     from kvpush.daemon.memory import open_region
     from kvpush.daemon.transport import NixlTransport
-    from kvpush.engine_plugin.memory import export_cpu_tensor
+    from kvpush.engine_plugin.memory import export_cpu_tensor, unlink_export
 
     kv = torch.zeros(lay.region_size, dtype=torch.uint8)
-    region = open_region(export_cpu_tensor(kv))
+    handle = export_cpu_tensor(kv)
+    region = open_region(handle)
     tr = NixlTransport(f"flood-{time.monotonic_ns()}", "UCX")
     tr.register(region)
     s = zmq.Context.instance().socket(zmq.DEALER)
@@ -164,6 +165,7 @@ def flood_quota(p: Daemon, lay: KVLayout, n: int = 5000) -> Result:
         s.close(0)
         tr.close()
         region.close()
+        unlink_export(handle)
 
 
 def flood_partial(p: Daemon, conns: int = 16, oversize: bool = True) -> Result:

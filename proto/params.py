@@ -17,6 +17,13 @@ DO_REMOTE_PREFILL = "do_remote_prefill"  # decode leg: the prompt's KV comes fro
 TRANSFER_ID = "transfer_id"
 PREFILL_ENDPOINTS = "prefill_endpoints"  # peer endpoints of the prefill engine's daemons, by rank
 PREFILL_TP_SIZE = "prefill_tp_size"
+# vLLM's push-proxy protocol (NixlPushConnector's decode leg): the prefill node's host and
+# its kvpushd base peer port; rank r's daemon listens at remote_port + r.
+REMOTE_HOST = "remote_host"
+REMOTE_PORT = "remote_port"
+TP_SIZE = "tp_size"
+PP_SIZE = "pp_size"
+MAX_TP = 1024  # a bound on what a request may claim, not a limit of any deployment
 
 
 @dataclass(frozen=True)
@@ -54,11 +61,38 @@ def prefill_leg(params: Mapping[str, Any] | None) -> PrefillLeg | None:
     return PrefillLeg(str(tid)) if tid else None
 
 
+def _int(v: Any, lo: int, hi: int) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi else None
+
+
+def push_proxy_endpoints(params: Mapping[str, Any]) -> tuple[str, ...] | None:
+    """The prefill daemons' endpoints from vLLM push-proxy fields (``remote_host``,
+    ``remote_port`` = the prefill node's kvpushd base peer port, ``tp_size``), or None.
+
+    Rank r is at ``remote_port + r`` (kvpushd's ``base_port + index`` with one device per
+    rank). Pipeline parallelism is not supported: ``pp_size`` other than 1 gives None."""
+    host, port = params.get(REMOTE_HOST), params.get(REMOTE_PORT)
+    tp = _int(params.get(TP_SIZE, 1), 1, MAX_TP)
+    if not isinstance(host, str) or not host or any(c in host for c in "/ ") or tp is None:
+        return None
+    if _int(params.get(PP_SIZE, 1), 1, 1) is None or _int(port, 1, 65536 - tp) is None:
+        return None
+    h = f"[{host}]" if ":" in host else host
+    return tuple(f"tcp://{h}:{port + r}" for r in range(tp))
+
+
 def decode_leg(params: Mapping[str, Any] | None) -> DecodeLeg | None:
-    """The decode leg these params describe, or None (not a kvpush decode leg, or malformed)."""
+    """The decode leg these params describe, or None (not a kvpush decode leg, or malformed).
+
+    Two spellings: kvpush's router names the prefill daemons (``prefill_endpoints``); vLLM's
+    push proxy names the prefill node (``remote_host`` / ``remote_port`` / ``tp_size``)."""
     if not params or not params.get(DO_REMOTE_PREFILL):
         return None
     tid, endpoints = params.get(TRANSFER_ID), params.get(PREFILL_ENDPOINTS)
+    if endpoints is None and REMOTE_HOST in params:
+        endpoints = push_proxy_endpoints(params)
+        if tid and endpoints:
+            return DecodeLeg(str(tid), endpoints, len(endpoints))
     if not tid or not isinstance(endpoints, (list, tuple)) or not endpoints:
         return None
     tp = params.get(PREFILL_TP_SIZE, len(endpoints))

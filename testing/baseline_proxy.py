@@ -36,7 +36,13 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kvpush.proto.params import DO_REMOTE_DECODE, DO_REMOTE_PREFILL
+from kvpush.proto.params import (
+    DO_REMOTE_DECODE,
+    DO_REMOTE_PREFILL,
+    REMOTE_HOST,
+    REMOTE_PORT,
+    TP_SIZE,
+)
 from kvpush.router.front import (  # one front end, two policies
     BadRequest,
     LegFailed,
@@ -49,14 +55,12 @@ from kvpush.router.front import (  # one front end, two policies
 
 log = logging.getLogger("baseline-proxy")
 MODES = ("pull", "push")
-# vLLM's NixlConnector / NixlPushConnector keys (vLLM's contract, not kvpush's: the two
-# do_remote_* flags are shared with kvpush.proto.params, the rest only vLLM reads).
+# vLLM's NixlConnector / NixlPushConnector keys that only vLLM reads (the do_remote_* flags and
+# the push proxy's remote_host / remote_port / tp_size, which kvpush reads too, are in
+# kvpush.proto.params).
 REMOTE_ENGINE_ID = "remote_engine_id"
 REMOTE_BLOCK_IDS = "remote_block_ids"
-REMOTE_HOST = "remote_host"
-REMOTE_PORT = "remote_port"
 REMOTE_REQUEST_ID = "remote_request_id"
-TP_SIZE = "tp_size"
 
 
 @dataclass

@@ -145,6 +145,32 @@ def test_forced_orders(pd: PDStack, order: str) -> None:
     assert loaded_all(ext1 - ext0, [len(prompt)])
 
 
+def test_a_client_speaking_vllms_push_proxy_protocol_gets_its_prompt_through_kvpush(pd: PDStack) -> None:
+    """Both legs at once, the decode leg in NixlPushConnector's fields: the prefill node is named
+    by remote_host + remote_port (its kvpushd base peer port) + tp_size, not by endpoints."""
+    prompt = ids(400, seed=61)
+    want = run(reference(pd, [prompt], 12))[0]
+    tid = f"pushproxy-{uuid.uuid4().hex[:8]}"
+    p_body = body(prompt, 1, kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False,
+                                                 "transfer_id": tid})
+    d_body = body(prompt, 12, kv_transfer_params={
+        "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "prefill",
+        "remote_host": "127.0.0.1", "remote_port": pd.base_port, "tp_size": 1, "pp_size": 1,
+        "remote_request_id": f"cmpl-{tid}-0", "transfer_id": tid})
+
+    async def go() -> dict[str, Any]:
+        async with aiohttp.ClientSession() as s:
+            dtask = asyncio.create_task(post(s, f"{pd.d_url}/v1/completions", d_body))
+            text(await post(s, f"{pd.p_url}/v1/completions", p_body))
+            return await dtask
+
+    ext0, _ = external(pd)
+    got = run(go())
+    ext1, _ = external(pd)
+    assert text(got) == want
+    assert loaded_all(ext1 - ext0, [len(prompt)])
+
+
 def test_trace_shows_every_hop_of_a_request_in_order(pd: PDStack) -> None:
     """`kvpushctl trace TID --router URL` merges router, both plugins and both daemons."""
     import subprocess

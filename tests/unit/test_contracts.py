@@ -41,3 +41,28 @@ def test_legs_round_trip_and_reject_malformed():
 def test_socket_names():
     assert naming.engine_socket("/run/kvpush", 3) == "ipc:///run/kvpush/engine-3.sock"
     assert naming.ops_socket("/r", 0) == "ipc:///r/ops-0.sock"
+
+
+def test_vllm_push_proxy_fields_name_the_prefill_daemons():
+    """NixlPushConnector's decode leg: host + the node's kvpushd base peer port + TP size."""
+    leg = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_host": "10.0.0.5", "remote_port": 17500,
+           "tp_size": 2, "pp_size": 1, "remote_request_id": "cmpl-x-0", "transfer_id": "t9"}
+    assert params.decode_leg(leg) == params.DecodeLeg("t9", ("tcp://10.0.0.5:17500", "tcp://10.0.0.5:17501"), 2)
+    assert params.decode_leg({**leg, "remote_host": "fd00::5", "tp_size": 1}).prefill_endpoints == (
+        "tcp://[fd00::5]:17500",)
+    assert params.decode_leg({k: v for k, v in leg.items() if k != "tp_size"}).prefill_tp_size == 1
+    for bad in ({"pp_size": 2}, {"tp_size": 0}, {"tp_size": "2"}, {"remote_port": 65535}, {"remote_port": True},
+                {"remote_host": ""}, {"remote_host": "a/b"}, {"transfer_id": ""}):
+        assert params.decode_leg({**leg, **bad}) is None, bad
+    # Our own router's spelling wins when both are there.
+    both = {**leg, "prefill_endpoints": ["tcp://h:1"], "prefill_tp_size": 1}
+    assert params.decode_leg(both).prefill_endpoints == ("tcp://h:1",)
+
+
+@given(st.integers(1, 65535), st.integers(1, 64))
+def test_push_proxy_ports_never_leave_the_port_range(port, tp):
+    eps = params.push_proxy_endpoints({"remote_host": "h", "remote_port": port, "tp_size": tp})
+    if port + tp - 1 <= 65535:
+        assert eps is not None and len(eps) == tp and all(0 < int(e.rsplit(":", 1)[1]) <= 65535 for e in eps)
+    else:
+        assert eps is None

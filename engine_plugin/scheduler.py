@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvpush.engine_plugin.config import PluginConfig
 from kvpush.engine_plugin.metadata import AbortReq, KVPushMetadata, RegisterReq, SendReq
-from kvpush.proto.params import decode_leg, prefill_leg
+from kvpush.proto.params import DO_REMOTE_PREFILL, decode_leg, prefill_leg
 from kvpush.proto.trace import now_ns
 
 if TYPE_CHECKING:
@@ -50,6 +50,7 @@ class KVPushScheduler:
         self._first_step: dict[str, str] = {}  # decode: req_id -> transfer_id, load done, not yet stepped
         self._candidates: dict[str, str] = {}  # prefill: req_id -> transfer_id, may publish early
         self._early: dict[str, str] = {}  # prefill: req_id -> transfer_id published early
+        self._warned: set[tuple[str, ...]] = set()  # key sets of unusable decode legs already logged
 
     # ------------------------------------------------------------------ decode side
 
@@ -61,13 +62,30 @@ class KVPushScheduler:
             # can go out right after that forward instead of a step later.
             self._candidates[rid] = pleg.transfer_id
         dleg = decode_leg(request.kv_transfer_params)
-        if dleg is None or rid in self._done_recv or rid in self._recv:
+        if dleg is None:
+            self._warn_unusable(request.kv_transfer_params)
+            return 0, False
+        if rid in self._done_recv or rid in self._recv:
             return 0, False
         count = request.num_prompt_tokens - num_computed_tokens
         if count <= 0:
             return 0, False
         self._meta.stamps.append((dleg.transfer_id, "d.plugin.claim", now_ns()))
         return count, True
+
+    def _warn_unusable(self, params: dict[str, Any] | None) -> None:
+        """A decode leg asks for remote prefill but names no usable prefill daemon: its prompt
+        is computed here. Said once per set of keys (not per request), so it is not silent."""
+        if not params or not params.get(DO_REMOTE_PREFILL):
+            return
+        keys = tuple(sorted(params))
+        if keys in self._warned:
+            return
+        self._warned.add(keys)
+        log.warning("kvpush: a request asks for remote prefill but its kv_transfer_params (keys %s) name no "
+                    "usable prefill daemon (kvpush needs transfer_id and prefill_endpoints, or remote_host, "
+                    "remote_port and tp_size with pp_size 1): computing its prompt locally; further requests "
+                    "with these keys are not logged", ", ".join(keys))
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         rid = request.request_id

@@ -33,6 +33,7 @@ A core is pure: no I/O, no clock (events carry ``now``), no threads.
 from __future__ import annotations
 
 import enum
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -171,7 +172,7 @@ class _Deadline:
     now: float
 
 
-class Core(Generic[K, R]):
+class Core(ABC, Generic[K, R]):
     """Records, states, deadlines, tombstones and views, driven by a :class:`Table`.
 
     Subclasses say how an event maps to keys (``_route``), how a record is created
@@ -358,16 +359,17 @@ class Core(Generic[K, R]):
 
     # ------------------------------------------------------------ for subclasses
 
+    @abstractmethod
     def _route(self, ev: Any) -> Iterable[K]:
         """The keys an external event is dispatched to (none for a Tick)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _create(self, key: K, ev: Any) -> R:
         """A fresh record for ``key`` (a row from state None to a state creates it)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _info(self, rec: R, now: float) -> Any:
-        raise NotImplementedError
+        """The ops view (PendingInfo) of one record."""
 
     def _forgotten(self, key: K, rec: R) -> None:
         """Hook: ``rec`` was just forgotten."""

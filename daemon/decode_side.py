@@ -43,7 +43,11 @@ class DecodeSide:
         self.counter = ctr.CompletionCounter()
         self.producers: dict[str, Producer] = {}  # endpoint -> prefill daemon
         self.hinted: dict[str, float] = {}  # transfer -> poll tightly until (monotonic)
-        self.receiving = 0  # live registrations (the loop polls NIXL while > 0)
+
+    @property
+    def receiving(self) -> int:
+        """Live registrations (the loop polls NIXL while there are any): the counter's own count."""
+        return self.counter.live_count()
 
     # ------------------------------------------------------------------ engine
 
@@ -183,6 +187,8 @@ class DecodeSide:
 
     def drop_all(self, why: str) -> None:
         """Forget every link (our memory changed, or we stop): the next Register re-handshakes."""
+        if self.producers:
+            log.info("dropping %d prefill link(s): %s", len(self.producers), why)
         for p in list(self.producers.values()):
             self.drop(p)
 
@@ -279,7 +285,6 @@ class DecodeSide:
                         peer = self.producers.get(ep)
                         if peer is not None and peer.state is Link.READY:
                             self.ctx.wire.to_producer(ep, proto.Cancel(tid, act.attempt, _reason(act.reason)))
-        self.receiving = self.counter.live_count()
 
     def _history(self, tid: str, attempt: int, result: str, error: str) -> None:
         reg = self.counter.registration(tid)

@@ -64,16 +64,26 @@ def _metadata(path: Path) -> dict[str, str]:
     return out
 
 
-def read_cert(path: str | Path) -> NodeCert:
+def _read(path: str | Path) -> tuple[NodeCert, bytes | None]:
+    """A certificate file's node (name, public key, hosts) and its secret key, if it holds one."""
     p = Path(path)
     try:
-        public, _secret = zmq.auth.load_certificate(str(p))
+        public, secret = zmq.auth.load_certificate(str(p))
         meta = _metadata(p)
     except (OSError, ValueError) as exc:
         raise PeerAuthError(f"certificate {p}: {exc}") from None
     name = meta.get("name") or p.name.removesuffix(SECRET_SUFFIX).removesuffix(CERT_SUFFIX)
     hosts = tuple(h.strip() for h in meta.get("hosts", "").split(",") if h.strip())
-    return NodeCert(name, public, hosts)
+    return NodeCert(name, public, hosts), secret
+
+
+def read_cert(path: str | Path) -> NodeCert:
+    return _read(path)[0]
+
+
+def endpoint_host(endpoint: str) -> str:
+    """The host of ``tcp://HOST:PORT`` (``[v6]`` brackets removed): what certificates list."""
+    return endpoint.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
 
 
 def keygen(directory: str | Path, name: str, hosts: list[str]) -> tuple[Path, Path]:
@@ -147,9 +157,10 @@ class Allowlist:
         with self._lock:
             return self._by_key.get(public_z85)
 
-    def certs(self) -> list[NodeCert]:
+    def named(self, name: str) -> NodeCert | None:
+        """The allowlisted node of that certificate name (a session's ZAP identity)."""
         with self._lock:
-            return list(self._by_key.values())
+            return next((c for c in self._by_key.values() if c.name == name), None)
 
     def names(self) -> set[str]:
         with self._lock:
@@ -194,14 +205,13 @@ class PeerAuth:
                 f"make one with `kvpushd keygen --dir {os.path.dirname(secret_file) or '.'} --host ADDR` "
                 "(and put the nodes' public .key files in authorized_keys_dir), or set "
                 "insecure_peers = true to run without authentication")
-        public, secret = zmq.auth.load_certificate(secret_file)
+        me, secret = _read(secret_file)
         if not secret:
             raise PeerAuthError(f"{secret_file} holds no secret key")
         if not os.path.isdir(authorized_dir):
             raise PeerAuthError(f"authorized_keys_dir {authorized_dir} does not exist "
                                 "(it holds the public .key files of the nodes allowed in)")
-        me = read_cert(secret_file)
-        return PeerAuth(NodeCert(me.name, public, me.hosts), secret, Allowlist(authorized_dir))
+        return PeerAuth(me, secret, Allowlist(authorized_dir))
 
     def serve(self, ctx: zmq.Context, sock: zmq.Socket) -> None:
         """Make ``sock`` (not yet bound) a CURVE server admitting only the allowlist."""
@@ -217,7 +227,7 @@ class PeerAuth:
         """Configure a DEALER to ``endpoint`` as a CURVE client; returns the node it will reach.
 
         Raises PeerAuthError if no allowlisted node lists the endpoint's host."""
-        host = endpoint.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+        host = endpoint_host(endpoint)
         cert = self.allow.server_for(host)
         if cert is None:
             raise PeerAuthError(f"no authorized node certificate lists host {host!r} "

@@ -23,6 +23,7 @@ from kvpush.daemon import rendezvous as rv
 from kvpush.daemon.checks import bounded_s, check_blocks
 from kvpush.daemon.context import DaemonContext
 from kvpush.daemon.handshake import compat_error, make_hello, refusal
+from kvpush.daemon.peerauth import endpoint_host
 from kvpush.daemon.peers import Consumer
 from kvpush.daemon.planner import PlanError, block_pattern, plan
 from kvpush.proto.notif import Notification
@@ -153,17 +154,16 @@ class PrefillSide:
 
     def _allowed(self, node: str) -> bool:
         """An authenticated peer still in the allowlist (it may learn why it was refused)."""
-        return bool(node) and self.ctx.auth is not None and node in self.ctx.auth.allow.names()
+        return bool(node) and self.ctx.auth is not None and self.ctx.auth.allow.named(node) is not None
 
     def _identity_error(self, msg: proto.Hello, node: str) -> str:
         auth = self.ctx.auth
         if auth is None:
             return ""  # insecure_peers: every peer is anonymous
-        cert = next((c for c in auth.allow.certs() if c.name == node), None)
-        host = msg.endpoint.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+        cert = auth.allow.named(node)
         if cert is None:
             return f"peer {node!r} is not in the allowlist"
-        if host not in cert.hosts:
+        if endpoint_host(msg.endpoint) not in cert.hosts:
             return f"peer {node!r} claims endpoint {msg.endpoint} on a host its certificate does not list"
         taken = [p for p in self.consumers.values() if p.endpoint == msg.endpoint and p.node != node]
         if taken:

@@ -26,14 +26,14 @@ DRAIN_MAX = 1000  # frames per socket per loop turn: one busy socket cannot star
 Bad = Callable[[str, str], None]
 
 
-def _user_id(frame: zmq.Frame) -> str:
+def frame_node(frame: zmq.Frame) -> str:
     try:
         return str(frame.get("User-Id") or "")
     except zmq.ZMQError:  # no ZAP on this socket (insecure mode)
         return ""
 
 
-def _peer_cred(frame: zmq.Frame) -> PeerCred | None:
+def frame_cred(frame: zmq.Frame) -> PeerCred | None:
     """The kernel's credentials of the ipc connection this frame arrived on."""
     try:
         return parse_peer_address(frame.get("Peer-Address"))
@@ -125,14 +125,12 @@ class ZmqWire:
             elif ev["event"] == zmq.EVENT_DISCONNECTED:
                 self.engine_peers.disconnected(fd)
 
-    def drain_router(self, sock: zmq.Socket, handler: Callable[..., None], *, user_id: bool = False,
-                     peer_cred: bool = False) -> bool:
-        """Hand every decoded frame waiting on a bound socket to ``handler(identity, msg)``,
-        or with ``user_id`` to ``handler(identity, msg, node)``: the name ZAP gave the
-        sender's authenticated session ("" when the socket is not authenticated); or with
-        ``peer_cred`` (the engine socket) to ``handler(identity, msg, cred)``: the
-        :class:`PeerCred` of the local process whose connection carried the frame (None if
-        the kernel told us nothing)."""
+    def drain_router(self, sock: zmq.Socket, handler: Callable[..., None], *,
+                     meta: Callable[[zmq.Frame], Any] | None = None) -> bool:
+        """Hand every decoded frame waiting on a bound socket to ``handler(identity, msg)``, or
+        with ``meta`` to ``handler(identity, msg, meta(frame))``: what ZeroMQ knows of the
+        connection that carried it — :func:`frame_node` (the ZAP identity of an authenticated
+        peer session) or :func:`frame_cred` (the kernel credentials of a local engine)."""
         got = False
         for _ in range(DRAIN_MAX):
             try:
@@ -144,7 +142,6 @@ class ZmqWire:
                 self.bad("frames", f"{len(raw)} frames")
                 continue
             ident, payload = raw[0].bytes, raw[1].bytes
-            node: Any = _user_id(raw[1]) if user_id else None
             try:
                 msg = proto.decode(payload)
             except proto.ProtocolError as exc:
@@ -152,12 +149,10 @@ class ZmqWire:
                 self._reply(sock, ident, proto.Error("protocol", str(exc)))
                 continue
             try:
-                if peer_cred:
-                    handler(ident, msg, _peer_cred(raw[1]))
-                elif node is None:
+                if meta is None:
                     handler(ident, msg)
                 else:
-                    handler(ident, msg, node)
+                    handler(ident, msg, meta(raw[1]))
             except Exception as exc:  # never let one message kill the daemon
                 log.exception("handling %s failed", type(msg).__name__)
                 self.bad("internal", f"{type(exc).__name__}: {exc}")

@@ -39,13 +39,22 @@ from kvpush.daemon.peerauth import PeerAuth
 from kvpush.daemon.peers import Link
 from kvpush.daemon.prefill_side import PrefillSide
 from kvpush.daemon.transport import NixlTransport
-from kvpush.daemon.wire import ZmqWire
+from kvpush.daemon.wire import ZmqWire, frame_cred, frame_node
 
 log = logging.getLogger("kvpush.worker")
 
 TICK_S = 0.05  # timers (deadlines, leases, peer silence) resolve to this
 IDLE_POLL_MS = 250  # how long the loop blocks on ZeroMQ with nothing in flight
 AUTH_REFRESH_S = 1.0  # how often the allowlist directory is checked for changes
+
+
+def nixl_turn(prefill: PrefillSide, decode: DecodeSide, now: float) -> bool:
+    """One loop turn's NIXL work, only where there is some: poll our WRITEs in flight and take
+    the notifications of live registrations (both drive NIXL progress). True if anything moved."""
+    activity = prefill.progress(now) if prefill.in_flight else False
+    if decode.receiving:
+        activity |= decode.take_notifications(now)
+    return activity
 
 
 class Worker:
@@ -115,18 +124,15 @@ class Worker:
         engine, peer, ops = self.wire.bound()
         activity = False
         if engine in ready:
-            activity |= self.wire.drain_router(engine, self._on_engine, peer_cred=True)
+            activity |= self.wire.drain_router(engine, self._on_engine, meta=frame_cred)
         if peer in ready:
-            activity |= self.wire.drain_router(peer, self._on_peer, user_id=True)
+            activity |= self.wire.drain_router(peer, self._on_peer, meta=frame_node)
         if ops in ready:
             self.wire.drain_router(ops, self._on_ops)
         for sock in ready - {engine, peer, ops}:
             activity |= self.wire.drain_dealer(sock, self._on_producer)
         now = time.monotonic()
-        if self.prefill.in_flight:
-            activity |= self.prefill.progress(now)
-        if self.decode.receiving:
-            activity |= self.decode.take_notifications(now)
+        activity |= nixl_turn(self.prefill, self.decode, now)
         if now - self.last_tick >= TICK_S:
             self.last_tick = now
             self.tick(now)

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("kvpush.plugin")
+WARN_KEY_SETS = 32  # distinct unusable decode-leg key sets logged, at most
 
 
 @dataclass
@@ -79,8 +80,8 @@ class KVPushScheduler:
         if not params or not params.get(DO_REMOTE_PREFILL):
             return
         keys = tuple(sorted(params))
-        if keys in self._warned:
-            return
+        if keys in self._warned or len(self._warned) >= WARN_KEY_SETS:
+            return  # said already (the set is bounded: clients choose the keys)
         self._warned.add(keys)
         log.warning("kvpush: a request asks for remote prefill but its kv_transfer_params (keys %s) name no "
                     "usable prefill daemon (kvpush needs transfer_id and prefill_endpoints, or remote_host, "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,20 +17,20 @@ import aiohttp
 from aiohttp import web
 
 
-class Upstreams:
+class Upstreams(ABC):
     """The client side both fronts share: one pooled session to the engines, and the
     ``/health`` and ``/v1/models`` answers derived from them."""
 
     connect_timeout_s: float = 10.0
     session: aiohttp.ClientSession | None = None
 
+    @abstractmethod
     def engine_urls(self) -> list[str]:
         """Every engine behind this front (health checks each)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def models_url(self) -> str:
         """The engine whose ``/v1/models`` this front serves."""
-        raise NotImplementedError
 
     async def start(self, _app: web.Application) -> None:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s)

@@ -29,6 +29,7 @@ from kvpush.daemon.engine_session import EngineSession
 from kvpush.daemon.metrics import WorkerMetrics
 from kvpush.daemon.prefill_side import PrefillSide
 from kvpush.daemon.transport import TransportError
+from kvpush.daemon.worker import nixl_turn
 from kvpush.proto.layout import KVLayout
 
 # ---------------------------------------------------------------------------- memory
@@ -271,12 +272,8 @@ class MemNode:
         return [m for _, m in self.wire.engine_out]
 
     def poll(self) -> bool:
-        """One loop turn's NIXL work (what Worker.step does after draining sockets)."""
-        now = time.monotonic()
-        busy = self.prefill.progress(now) if self.prefill.in_flight else False
-        if self.decode.receiving:
-            busy |= self.decode.take_notifications(now)
-        return busy
+        """One loop turn's NIXL work, exactly as Worker.step does it after draining sockets."""
+        return nixl_turn(self.prefill, self.decode, time.monotonic())
 
     def tick(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now

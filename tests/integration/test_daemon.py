@@ -223,11 +223,17 @@ def test_tp1_to_tp2_one_producer_two_destinations(tmp_path):
 
 
 def _raw(endpoint: str, frames: list[bytes]) -> bytes | None:
+    """The reply to ``frames``, or None: no reply within 2 s, or no session to send on at all
+    (a keyless client of a CURVE port: the DEALER has no pipe, a blocking send would hang)."""
     s = zmq.Context.instance().socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.SNDTIMEO, 2000)
     s.connect(endpoint)
     try:
-        s.send_multipart(frames)
+        try:
+            s.send_multipart(frames)
+        except zmq.Again:
+            return None
         return s.recv() if s.poll(2000) else None
     finally:
         s.close(0)

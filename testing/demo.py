@@ -46,7 +46,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--workdir", default=None, help="logs and sockets (default: a temp dir)")
     ap.add_argument("--ucx-error-handling", choices=("peer", "none"), default="none")
+    ap.add_argument("--hosts", action="store_true",
+                    help="2P2D across network namespaces as hosts (UCX over TCP, router on its own host; "
+                         "needs root): kvpush.testing.labdemo")
     args = ap.parse_args(argv)
+    if args.hosts:
+        from kvpush.testing import labdemo
+
+        return labdemo.main(args, prompts(args.extra_prompts))
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="kvpush-demo-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -66,7 +66,7 @@ def ucx_transports(log: Path) -> list[str]:
 class EngineSpec:
     host: str
     role: str  # "prefill" | "decode"
-    cpus: str = "0"
+    cpus: str = "0"  # VLLM_CPU_OMP_THREADS_BIND: "0", or per TP rank "0|1"
     tp: int = 1
 
 
@@ -143,7 +143,8 @@ class LabStack:
         cmd = ve.engine_cmd(self.model, ENGINE_PORT, host=self.lab.addr(host), extra_args=args,
                             kv_transfer_config=kvpush_transfer_config(role, host, sock, **self.plugin_extra))
         self.procs[host] = self.lab.popen(host, cmd, self.work / host / "engine.log",
-                                          env=ve.engine_env(spec.cpus), cpus=ve.parse_cpus(spec.cpus))
+                                          env=ve.engine_env(spec.cpus),
+                                          cpus=ve.parse_cpus(spec.cpus.replace("|", ",")))
 
     def start_router(self) -> None:
         argv = [ve.vllm_python(), "-m", "kvpush.router.cli", "--host", self.lab.addr(self.router_host),

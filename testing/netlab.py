@@ -220,11 +220,7 @@ class Lab:
         self.procs.clear()
         for ns in present:
             _sh("ip", "netns", "del", ns, check=False)
-        if left:
-            still = _all_mapped_shm()
-            for path in left - still:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
+        self._unlink_orphans(left)
 
     def __enter__(self) -> Lab:
         return self.up()
@@ -289,6 +285,7 @@ class Lab:
     def kill_host(self, host: str) -> list[int]:
         """SIGKILL every process in ``host``'s namespace (a machine that died); returns them."""
         pids = netns_pids(self.ns(host))
+        left = _shm_mapped_by(pids)
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
@@ -299,7 +296,17 @@ class Lab:
             if p.pid in pids:
                 with contextlib.suppress(Exception):
                     p.wait(5)
+        self._unlink_orphans(left)
         return pids
+
+    @staticmethod
+    def _unlink_orphans(paths: set[str]) -> None:
+        """/dev/shm files our killed processes mapped that no live process maps any more."""
+        if not paths:
+            return
+        for path in paths - _all_mapped_shm():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
     # ---------------------------------------------------------------- faults
     def link(self, host: str, up: bool) -> None:

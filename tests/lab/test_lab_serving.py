@@ -24,7 +24,11 @@ from kvpush.testing.sse import run_prompts
 pytestmark = [pytest.mark.lab, pytest.mark.e2e]
 
 MAX_TOKENS = 12
-LOAD_TIMEOUT_MS = 6_000  # the decode side's wait for its producers (plugin timeout_ms)
+# The decode side's wait for its producers (plugin timeout_ms). It must exceed the prefill
+# daemon's write_timeout_s + 1 s: the last WRITE must be able to start and finish (or time
+# out) before that deadline, so a shorter timeout makes every load recompute, silently.
+LOAD_TIMEOUT_MS = 10_000
+WRITE_TIMEOUT_S = 3.0
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +51,7 @@ def stack(lab_ok, tiny_model: Path, tmp_path_factory, reference):
                  [EngineSpec("p0", "prefill", "0"), EngineSpec("p1", "prefill", "0"),
                   EngineSpec("d0", "decode", "1"), EngineSpec("d1", "decode", "1")],
                  plugin_extra={"timeout_ms": LOAD_TIMEOUT_MS, "lease_ms": LOAD_TIMEOUT_MS},
-                 daemon_extra={"peer_timeout_s": 3.0})
+                 daemon_extra={"peer_timeout_s": 3.0, "write_timeout_s": WRITE_TIMEOUT_S})
     try:
         s.start()
         yield s
@@ -79,7 +83,7 @@ def test_2p2d_across_hosts_equals_colocated(stack, reference, prompt_set):
            if "error" in g or g["text"] != r["text"]]
     assert not bad, f"{len(bad)} of {len(got)} differ from the colocated run: {bad[:3]}"
     for h in stack.hosts("decode"):
-        assert ext1[h] > ext0[h], f"decode engine {h} got no prompt tokens through kvpush"
+        assert ext1[h] > ext0[h], f"decode engine {h} got no prompt tokens through kvpush: {stack.tokens_by_source(h)}"
     for h in stack.hosts("prefill") + stack.hosts("decode"):
         assert srv1[stack.url(h)] > srv0[stack.url(h)], f"{h} served nothing: {srv1}"
 
@@ -98,6 +102,7 @@ def test_partition_p0_d0_mid_batch_then_heal(stack, reference, prompt_set):
 
     import threading
 
+    local0 = stack.tokens_by_source("d0").get("local_compute", 0.0)
     t = threading.Thread(target=batch)
     t0 = time.monotonic()
     t.start()
@@ -113,6 +118,8 @@ def test_partition_p0_d0_mid_batch_then_heal(stack, reference, prompt_set):
     wrong = [i for i, (g, r) in enumerate(zip(results, want, strict=True)) if "error" not in g and g["text"] != r["text"]]
     assert not wrong, f"answers that differ from the colocated run during the partition: {wrong}"
     assert took < 4 * LOAD_TIMEOUT_MS / 1000 + 60, f"the batch took {took:.0f}s"
+    # The fault hit: d0 recomputed what p0 could not push (a failed load, not a wrong one).
+    assert stack.tokens_by_source("d0").get("local_compute", 0.0) > local0, "the partition changed nothing"
     time.sleep(2.0)
     ext0 = external(stack)
     deadline = time.monotonic() + 60

@@ -90,7 +90,8 @@ def run(model: Path, work: Path, ps: list[str], max_tokens: int, concurrency: in
     for side in ("prefill", "decode"):
         print(f"  router {side}: " + ", ".join(f"{b['url']} served {b['served']} failed {b['failed']}"
                                               for b in status[side]))
-    seen = {line for lines in stack.transports().values() for line in lines} if stack else set()
+    # the lanes, without the agent names: e.g. "inter-node cfg#1 rma_am(tcp/eth0) ... am(tcp/eth0)"
+    seen = {line.split(" ", 1)[-1] for lines in stack.transports().values() for line in lines} if stack else set()
     print("UCX between hosts (its own log): " + ("; ".join(sorted(seen)) or "not logged"))
     if any(after[h] - before[h] <= 0 for h in after):
         print("FAILED: a decode engine got no prompt through kvpush")

@@ -42,7 +42,9 @@ MiB = 1 << 20
 
 # --------------------------------------------------------------------------- write
 
-def bench_write(sizes: list[int], mode: str) -> dict[str, Any]:
+def bench_write(sizes: list[int], mode: str, rounds: int = 3) -> dict[str, Any]:
+    """Per size, ``rounds`` alternating (daemon, raw) measurements; medians of each and the
+    ratio of the medians (alternating keeps a shared machine's noise on both sides)."""
     from kvpush.testing.daemon_harness import Daemon, Engine
 
     sweep_stale()
@@ -61,12 +63,15 @@ def bench_write(sizes: list[int], mode: str) -> dict[str, Any]:
         try:
             for size in sizes:
                 iters = 10 if size <= 16 * MiB else 4
-                e2e = daemon_e2e_gbps(p, d, pe, de, size, False, iters, seed=size)
-                raw, _ = _raw(size, False, iters, {"ucx_error_handling_mode": mode},
-                              where=(lab.ns("d0"), lab.ns("p0")), env=UCX_NETWORK_ENV)
+                ours, raws = [], []
+                for r in range(rounds):
+                    ours.append(daemon_e2e_gbps(p, d, pe, de, size, False, iters, seed=size + r)["gbps"])
+                    raws.append(_raw(size, False, iters, {"ucx_error_handling_mode": mode},
+                                     where=(lab.ns("d0"), lab.ns("p0")), env=UCX_NETWORK_ENV)[0])
+                a, b = statistics.median(ours), statistics.median(raws)
                 out["sizes"][f"{size // MiB}MiB"] = {
-                    "daemon_gbps": round(e2e["gbps"], 3), "daemon_median_ms": round(e2e["median_ms"], 2),
-                    "raw_nixl_gbps": round(raw, 3), "daemon_over_raw": round(e2e["gbps"] / raw, 3)}
+                    "daemon_gbps": round(a, 3), "raw_nixl_gbps": round(b, 3), "daemon_over_raw": round(a / b, 3),
+                    "daemon_rounds": [round(x, 3) for x in ours], "raw_rounds": [round(x, 3) for x in raws]}
         finally:
             pe.close()
             de.close()
@@ -170,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     w = sub.add_parser("write", help="daemon WRITE vs raw NIXL across the veth")
     w.add_argument("--sizes-mib", default="1,16,64")
     w.add_argument("--ucx-error-handling", choices=("peer", "none"), default="peer")
+    w.add_argument("--rounds", type=int, default=3)
     s = sub.add_parser("serve", help="1P1D two hosts vs one host; 2P2D vs 1P1D")
     s.add_argument("--model-dir", default=str(ve.ROOT / ".models" / "tiny"))
     s.add_argument("--requests", type=int, default=32)
@@ -181,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.what == "write":
-        out = bench_write([int(x) * MiB for x in args.sizes_mib.split(",")], args.ucx_error_handling)
+        out = bench_write([int(x) * MiB for x in args.sizes_mib.split(",")], args.ucx_error_handling, args.rounds)
     else:
         model = ve.ensure_tiny_model(args.model_dir)
         out = bench_serve(model, args.requests, args.prompt_words, args.max_tokens,

@@ -21,6 +21,7 @@ from kvpush.testing import vllm_env as ve
 from kvpush.testing.keys import LabKeys, allow, lab_keys
 from kvpush.testing.netlab import Lab
 from kvpush.testing.pd_stack import kvpush_transfer_config
+from kvpush.testing.procs import shm_files
 from kvpush.testing.prom import by_label, fetch_text, parse
 
 # Namespaces share /dev/shm and the kernel, so UCX would call two lab hosts "intra-node" and
@@ -181,7 +182,16 @@ class LabStack:
         """``fn(*args)`` from the router's host (the lab's client side)."""
         return self.lab.call(self.router_host, fn, *args, timeout=timeout)
 
-    def stop(self) -> None:
+    def stop(self) -> list[str]:
+        """Stop every process; then remove the /dev/shm files they mapped that nothing maps any
+        more (vLLM force-kills its workers: torch's KV exports and, with TP > 1, vLLM's own
+        ``vllm_dist_*cpushm_*`` communicator segments are left behind)."""
+        mapped = shm_files(self.procs)
+        self._stop()
+        self.lab.unlink_orphans(mapped)
+        return sorted(p for p in mapped if os.path.exists(p))  # what is still there (should be none)
+
+    def _stop(self) -> None:
         for name in ["router", *(e.host for e in self.engines), *(f"kvpushd-{e.host}" for e in self.engines)]:
             p = self.procs.pop(name, None)
             if p is not None:

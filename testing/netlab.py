@@ -39,6 +39,9 @@ CLONE_NEWNET = 0x40000000
 SUBNET = "198.18.0"  # inside 198.18.0.0/15 (RFC 2544 benchmarking): never routed anywhere
 PREFIX_LEN = 24
 NFT_TABLE = "kvplab"
+# /dev/shm files a killed engine leaves (torch's KV export, vLLM's TP communicator): the only
+# ones cleanup removes (never e.g. multiprocessing's sem.* of a process outside the lab).
+ORPHAN_PREFIXES = ("torch_", "vllm_")
 T = TypeVar("T")
 
 
@@ -220,7 +223,7 @@ class Lab:
         self.procs.clear()
         for ns in present:
             _sh("ip", "netns", "del", ns, check=False)
-        self._unlink_orphans(left)
+        self.unlink_orphans(left)
 
     def __enter__(self) -> Lab:
         return self.up()
@@ -296,12 +299,13 @@ class Lab:
             if p.pid in pids:
                 with contextlib.suppress(Exception):
                     p.wait(5)
-        self._unlink_orphans(left)
+        self.unlink_orphans(left)
         return pids
 
     @staticmethod
-    def _unlink_orphans(paths: set[str]) -> None:
+    def unlink_orphans(paths: set[str]) -> None:
         """/dev/shm files our killed processes mapped that no live process maps any more."""
+        paths = {p for p in paths if os.path.basename(p).startswith(ORPHAN_PREFIXES)}
         if not paths:
             return
         for path in paths - _all_mapped_shm():

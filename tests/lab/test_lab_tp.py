@@ -81,8 +81,9 @@ def stack(lab_ok, tiny_model: Path, tmp_path_factory):
         s.start()
         yield s
     finally:
-        s.stop()
+        left = s.stop()
         lab.down()
+    assert not left, f"/dev/shm files of the TP stack left behind: {left}"
 
 
 def external(stack: LabStack, host: str) -> float:

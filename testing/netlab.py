@@ -39,9 +39,9 @@ CLONE_NEWNET = 0x40000000
 SUBNET = "198.18.0"  # inside 198.18.0.0/15 (RFC 2544 benchmarking): never routed anywhere
 PREFIX_LEN = 24
 NFT_TABLE = "kvplab"
-# /dev/shm files a killed engine leaves (torch's KV export, vLLM's TP communicator): the only
+# /dev/shm files a killed engine leaves (torch's KV export, vLLM's queues and TP communicator): the only
 # ones cleanup removes (never e.g. multiprocessing's sem.* of a process outside the lab).
-ORPHAN_PREFIXES = ("torch_", "vllm_")
+ORPHAN_PREFIXES = ("torch_", "vllm_", "psm_")  # psm_: vLLM's shared-memory message queues
 T = TypeVar("T")
 
 

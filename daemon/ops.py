@@ -146,6 +146,7 @@ def handle_ops(w: Worker, req: proto.OpsRequest) -> proto.OpsReply:
     if req.cmd == "trace":
         return _ok(trace(w, req.arg))
     if req.cmd == "metrics":
+        w.prefill.report_held(time.monotonic())
         return _ok(po.MetricsReply(text=w.ctx.metrics.render()))
     if req.cmd == "drain":
         w.ctx.draining = True

@@ -61,6 +61,7 @@ class PrefillSide:
         self.consumers: dict[bytes, Consumer] = {}  # routing id -> decode daemon
         self.in_flight: dict[int, InFlight] = {}
         self._local_prep: dict[tuple[bytes, bytes], Any] = {}  # pattern -> prepared local dlist
+        self._lease_said: set[rv.Cause] = set()  # lease expiries already logged, by cause
 
     # ------------------------------------------------------------------ engine
 
@@ -389,6 +390,8 @@ class PrefillSide:
                     msg: Any = (proto.Sent(act.transfer_id, 0) if act.ok
                                 else proto.SendFailed(act.transfer_id, 0, _reason(act.reason)))
                     self.ctx.metrics.transfer_finished("prefill", "ok" if act.ok else "failed")
+                    if act.cause in (rv.Cause.LEASE_EXPIRED, rv.Cause.UNCLAIMED):
+                        self._lease_ended(act)
                     # Stamped before it leaves: the timeline stays causal across processes.
                     self.ctx.trace.stamp(act.transfer_id, "p.daemon.sent" if act.ok else "p.daemon.send_failed")
                     self.ctx.to_engine(msg)
@@ -402,6 +405,37 @@ class PrefillSide:
                     if peer is not None:
                         self.ctx.wire.to_consumer(peer.routing_id, proto.CancelConfirmed(
                             act.transfer_id, act.attempt, self.ctx.rank))
+
+    def _lease_ended(self, act: rv.ReleaseBlocks) -> None:
+        """Blocks held for the whole lease: count them, and say so once per cause (a router or
+        decode engine that never registers would otherwise just starve this engine quietly)."""
+        unclaimed = act.cause is rv.Cause.UNCLAIMED
+        self.ctx.metrics.lease_expiry("none" if unclaimed else "partial", len(act.block_ids))
+        if act.cause in self._lease_said:
+            return
+        self._lease_said.add(act.cause)
+        lease = self.cfg.lease_s
+        if unclaimed:
+            log.warning("transfer %s: %d source blocks held for their whole lease (<= %.0f s) and no decode side "
+                        "registered: is the decode engine using kvpush, and does the router send both legs? "
+                        "(further cases: kvpush_lease_expired_total{registered=\"none\"})",
+                        act.transfer_id, len(act.block_ids), lease)
+        else:
+            log.warning("transfer %s: lease ended before every decode rank registered; %d source blocks released "
+                        "(further cases: kvpush_lease_expired_total{registered=\"partial\"})",
+                        act.transfer_id, len(act.block_ids))
+
+    def report_held(self, now: float) -> None:
+        """Held source blocks by state, and the oldest hold nobody registered for (at scrape time:
+        O(transfers), not on the loop)."""
+        by_state = dict.fromkeys((rv.State.WAIT_REGISTER, rv.State.WRITING, rv.State.DRAINING), 0)
+        oldest = 0.0
+        for p in self.rdv.pending(now):
+            if p.blocks:
+                by_state[p.state] = by_state.get(p.state, 0) + p.blocks
+                if p.state is rv.State.WAIT_REGISTER and p.attempt < 0:
+                    oldest = max(oldest, p.age)
+        self.ctx.metrics.set_held({str(k): v for k, v in by_state.items()}, oldest)
 
     # ------------------------------------------------------------------ time, ops, shutdown
 

@@ -708,7 +708,10 @@ def end_timeout(rv: Rendezvous, rec: _Transfer, ev: _Deadline, out: list) -> Non
 
 
 def fail_lease(rv: Rendezvous, rec: _Transfer, ev: _Deadline, out: list) -> None:
-    _fail(rec, "lease expired", Cause.LEASE_EXPIRED, out)
+    if rec.attempt < 0:  # nobody came: worth telling apart (a router or decode engine not using kvpush)
+        _fail(rec, "lease expired: no decode side registered", Cause.UNCLAIMED, out)
+    else:
+        _fail(rec, "lease expired", Cause.LEASE_EXPIRED, out)
 
 
 # ========================================================================= the table

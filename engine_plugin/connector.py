@@ -53,7 +53,8 @@ class KVPushConnector(KVConnectorBase_V1):
         self.worker: KVPushWorker | None = None
         self._stats = StatsDelta()
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = KVPushScheduler(self.cfg, self.block_size)
+            self.scheduler = KVPushScheduler(self.cfg, self.block_size,
+                                             vllm_config.parallel_config.tensor_parallel_size)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 

@@ -208,6 +208,7 @@ _RZ_CAUSES = [  # reason prefix -> cause, as callers matched strings before caus
     ("peer lost", Cause.PEER_LOST),
     ("aborted", Cause.ABORTED),
     ("cancelled by", Cause.CANCELLED),
+    ("lease expired: no decode side registered", Cause.UNCLAIMED),
     ("lease expired", Cause.LEASE_EXPIRED),
     ("prefill did not complete in time", Cause.TIMEOUT),
     ("num_tokens mismatch", Cause.MISMATCH),

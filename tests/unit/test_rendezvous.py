@@ -165,6 +165,14 @@ def test_lease_expiry_without_writes() -> None:
     ]
 
 
+def test_a_lease_nobody_registered_for_ends_unclaimed() -> None:
+    rv = Rendezvous()
+    rv.handle(pf(lease=10.0))
+    assert rv.handle(Tick(10.0)) == [
+        ReleaseBlocks("t", SRC, False, "lease expired: no decode side registered", Cause.UNCLAIMED)
+    ]
+
+
 def test_registration_without_prefill_expires() -> None:
     rv = Rendezvous()
     rv.handle(reg(deadline=5.0))

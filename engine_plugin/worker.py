@@ -23,6 +23,7 @@ from kvpush.engine_plugin.client import DaemonClient
 from kvpush.engine_plugin.config import PluginConfig
 from kvpush.engine_plugin.memory import export_cpu_tensor, unlink_export
 from kvpush.engine_plugin.metadata import KVPushMetadata, SendReq
+from kvpush.engine_plugin.stats import TransferSamples
 from kvpush.proto.layout import KVLayout, vllm_cpu_layout
 from kvpush.proto.trace import TraceRing, now_ns
 
@@ -126,6 +127,9 @@ class KVPushWorker:
         self.endpoint = cfg.socket_for(rank)
         self.client = DaemonClient(self.endpoint)
         self.counters = TransferCounters()
+        self.samples = TransferSamples()  # latency and bytes of finished transfers (stats hook)
+        self._block_bytes = 0  # this rank's bytes per block (all layers, K and V)
+        self._send_since: dict[str, tuple[float, int]] = {}  # prefill: tid -> (published, blocks)
         self.layout: KVLayout | None = None
         self._recv: dict[str, _Pending] = {}  # transfer_id -> decode registration
         self._send: dict[str, str] = {}  # transfer_id -> req_id (prefill, blocks held)
@@ -163,6 +167,8 @@ class KVPushWorker:
                                              total_heads=self.total_kv_heads)
         self._whole = whole
         self.handle = handle
+        lay = self.layout
+        self._block_bytes = lay.num_layers * 2 * lay.num_heads * lay.block_size * lay.head_size * lay.elem_size
         atexit.register(self._unlink_export)  # a normal exit that skips shutdown() too
         self.client.attach(proto.Attach(self.engine_id, self.rank, self.tp_size, self.role, handle, self.layout))
         log.info("kvpush: KV cache (%d bytes, %d layers, %d blocks x %d tokens) attached to %s",
@@ -217,6 +223,8 @@ class KVPushWorker:
             self._finish_send(s.transfer_id)
         else:
             self.counters.prefill_done += 1
+            if len(self._send_since) < 65536:  # bounded like everything the engine keeps
+                self._send_since[s.transfer_id] = (time.monotonic(), len(s.block_ids))
 
     def after_forward(self) -> None:
         """Right after the step's forward (vLLM's wait_for_save): publish the PrefillDone of
@@ -264,6 +272,7 @@ class KVPushWorker:
         log.debug("kvpush: load of %s failed: %s", tid, why)
 
     def _finish_send(self, tid: str) -> None:
+        self._send_since.pop(tid, None)
         rid = self._send.pop(tid, None)
         if rid is None:
             return
@@ -348,6 +357,7 @@ class KVPushWorker:
                 if p is not None and p.attempt == m.attempt:
                     del self._recv[tid]
                     self.counters.received += 1
+                    self.samples.record("load", time.monotonic() - p.since, len(p.block_ids) * self._block_bytes)
                     self._finished_recving.add(p.req_id)
                     self.trace.stamp(tid, "d.plugin.received_seen")
                     self._reported.append(tid)
@@ -364,6 +374,9 @@ class KVPushWorker:
                 else:
                     self.counters.sent += 1
                     self.trace.stamp(tid, "p.plugin.sent_seen")
+                    since = self._send_since.get(tid)
+                    if since is not None:
+                        self.samples.record("send", time.monotonic() - since[0], since[1] * self._block_bytes)
                 self._finish_send(tid)
                 if tid not in self._unconfirmed:  # else once vLLM finished it (_confirm)
                     self._report_trace(tid)

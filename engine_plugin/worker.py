@@ -127,6 +127,7 @@ class KVPushWorker:
         self.endpoint = cfg.socket_for(rank)
         self.client = DaemonClient(self.endpoint)
         self.counters = TransferCounters()
+        self._said: set[tuple[str, str]] = set()  # failure reasons already logged
         self.samples = TransferSamples()  # latency and bytes of finished transfers (stats hook)
         self._block_bytes = 0  # this rank's bytes per block (all layers, K and V)
         self._send_since: dict[str, tuple[float, int]] = {}  # prefill: tid -> (published, blocks)
@@ -364,12 +365,12 @@ class KVPushWorker:
             elif isinstance(m, proto.ReceiveFailed):
                 p = self._recv.get(tid)
                 if p is not None and p.attempt == m.attempt:
-                    log.warning("kvpush: KV of %s not received (%s); recomputing", tid, m.reason)
+                    self._say_once("not received", tid, m.reason, "recomputing")
                     self._fail_recv(tid, m.reason)
             elif isinstance(m, (proto.Sent, proto.SendFailed)):
                 if isinstance(m, proto.SendFailed):
                     self.counters.send_failed += 1
-                    log.warning("kvpush: KV of %s not sent: %s", tid, m.reason)
+                    self._say_once("not sent", tid, m.reason, "its blocks are free")
                     self.trace.stamp(tid, "p.plugin.send_failed_seen")
                 else:
                     self.counters.sent += 1
@@ -393,6 +394,18 @@ class KVPushWorker:
                     self._daemon_lost("daemon restarted")
                 self._daemon_id = m.daemon_id
                 self._down_logged = False
+
+    def _say_once(self, what: str, tid: str, reason: str, then: str) -> None:
+        """A failed transfer, logged once per (what, reason): under a persistent fault (an
+        unreachable prefill node) the log says why without a line per request; the counts
+        are in the stats (load_failed, send_failed)."""
+        key = (what, reason)
+        if key in self._said or len(self._said) >= 64:
+            log.debug("kvpush: KV of %s %s: %s", tid, what, reason)
+            return
+        self._said.add(key)
+        log.warning("kvpush: KV of %s %s (%s); %s. Further transfers failing for this reason are counted "
+                    "(vLLM's KV Transfer metrics), not logged", tid, what, reason, then)
 
     def _daemon_lost(self, why: str) -> None:
         for tid in list(self._recv):

@@ -258,3 +258,23 @@ def test_stats_reach_vllms_prometheus_series_through_the_connector_class() -> No
     assert val("vllm:kvpush_loads_total") == 3 and val("vllm:kvpush_load_failures_total") == 1
     assert val("vllm:kvpush_load_seconds_count") == 2 and abs(val("vllm:kvpush_load_seconds_sum") - 0.006) < 1e-9
     assert val("vllm:kvpush_load_bytes_sum") == 12288
+
+
+def test_a_persistent_load_failure_is_logged_once_and_counted(stack, caplog) -> None:
+    """An unreachable prefill node fails every load for the same reason: one log line, not one
+    per request; every failure is in the counters."""
+    import logging
+
+    w, daemon = stack
+    with caplog.at_level(logging.WARNING, logger="kvpush.plugin"):
+        for i in range(3):
+            step(w, KVPushMetadata(registers=[RegisterReq(f"r{i}", f"t{i}", 0, [1 + i], 16, 0,
+                                                          ["tcp://10.9.9.9:1"], 1)]), forward=False)
+            settle(w, daemon, lambda d, i=i: any(isinstance(m, proto.Register) and m.transfer_id == f"t{i}"
+                                                 for m in d.got))
+            daemon.send(proto.ReceiveFailed(f"t{i}", 0, "prefill daemon tcp://10.9.9.9:1 unreachable"))
+            _, fr = settle(w, daemon, lambda d, i=i: f"t{i}" not in w._recv)
+            assert fr == {f"r{i}"}
+    said = [r for r in caplog.records if "not received" in r.getMessage()]
+    assert len(said) == 1 and "unreachable" in said[0].getMessage()
+    assert w.counters.load_failed == 3

@@ -380,3 +380,20 @@ def test_restarted_producer_on_the_same_endpoint_is_re_handshaken(tmp_path):
         de.close()
         p.stop()
         d.stop()
+
+
+def test_the_daemon_card_names_its_peer_endpoint_while_it_runs(tmp_path):
+    """Serial proxies depend on it: the prefill engine reads its daemon's peer endpoint from the
+    card next to the engine socket (readable as the socket is), gone when the daemon stops."""
+    from kvpush.proto.card import card_path, read_card
+
+    d = Daemon(device_config(str(tmp_path), 0))
+    path = card_path(d.cfg.engine_socket)
+    assert path is not None
+    try:
+        card = read_card(path)
+        assert card.peer_endpoint == d.peer_endpoint and card.daemon_id == d.ops("status")["daemon_id"]
+        assert os.stat(path).st_mode & 0o777 == d.cfg.socket_mode & 0o666
+    finally:
+        d.stop()
+    assert not os.path.exists(path)

@@ -387,7 +387,7 @@ def test_the_daemon_card_names_its_peer_endpoint_while_it_runs(tmp_path):
     card next to the engine socket (readable as the socket is), gone when the daemon stops."""
     from kvpush.proto.card import card_path, read_card
 
-    d = Daemon(device_config(str(tmp_path), 0))
+    d = Daemon(device_config(tmp_path, 0))
     path = card_path(d.cfg.engine_socket)
     assert path is not None
     try:

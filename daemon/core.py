@@ -57,6 +57,7 @@ class Cause(enum.StrEnum):
     LEASE_EXPIRED = "lease_expired"  # prefill side: held blocks waited too long for registrations
     UNCLAIMED = "unclaimed"  # prefill side: the lease ended and no decode side ever registered
     WRITE_FAILED = "write_failed"  # the transport gave up on a WRITE
+    WRITE_TIMEOUT = "write_timeout"  # a posted WRITE did not finish in time (it may still land)
     PEER_LOST = "peer_lost"  # the peer daemon is gone
     ABORTED = "aborted"  # the local engine or an operator aborted
     CANCELLED = "cancelled"  # the peer cancelled

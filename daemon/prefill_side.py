@@ -333,7 +333,7 @@ class PrefillSide:
                 if now - f.started > self.cfg.write_timeout_s:
                     self.ctx.metrics.timeout("write")
                     self._finish(key, f, now, f"WRITE timed out after {self.cfg.write_timeout_s:.1f}s",
-                                 rv.Cause.TIMEOUT)
+                                 rv.Cause.WRITE_TIMEOUT)
                     activity = True
                 continue
             activity = True
@@ -399,7 +399,8 @@ class PrefillSide:
                     peer = self.consumer(act.peer)
                     if peer is not None:
                         self.ctx.wire.to_consumer(peer.routing_id, proto.WriteFailedNotice(
-                            act.transfer_id, act.attempt, self.ctx.rank, _reason(act.reason)))
+                            act.transfer_id, act.attempt, self.ctx.rank, _reason(act.reason),
+                            may_land=act.cause is rv.Cause.WRITE_TIMEOUT))
                 elif isinstance(act, rv.ConfirmCancel):
                     peer = self.consumer(act.peer)
                     if peer is not None:

@@ -263,12 +263,15 @@ class CancelConfirmed:
 @message
 @dataclass(frozen=True, slots=True)
 class WriteFailedNotice:
-    """Producer could not post or complete its WRITEs; the consumer stops waiting for it."""
+    """Producer could not post or complete its WRITEs; the consumer stops waiting for it.
+    ``may_land``: a WRITE was posted and did not finish (it timed out): NIXL cannot recall
+    it, so it may still arrive; the consumer must fence before reusing its blocks."""
 
     transfer_id: str
     attempt: int
     producer_rank: int
     reason: str
+    may_land: bool = False
 
 
 @message

@@ -397,3 +397,36 @@ def test_the_daemon_card_names_its_peer_endpoint_while_it_runs(tmp_path):
     finally:
         d.stop()
     assert not os.path.exists(path)
+
+
+def test_a_frozen_producer_makes_the_decode_daemon_fence_not_hand_blocks_back(tmp_path):
+    """A producer that stops answering with its connection open (frozen, or behind a partition)
+    may still deliver a WRITE it posted. The decode daemon exits (fence) instead of telling its
+    engine the blocks are free; a killed producer (connection closed) is a plain failure
+    (test_prefill_daemon_killed_mid_transfer_fails_decode_within_deadline)."""
+    import signal
+
+    from kvpush.daemon.context import FENCE_EXIT_CODE
+
+    p = Daemon(device_config(tmp_path, 0))
+    d = Daemon(device_config(tmp_path, 1))
+    lay, _ = cpu()
+    pe = Engine(p, lay, "prefill", seed=8)
+    de = Engine(d, lay, "decode", fill="zeros")
+    try:
+        before = de.bytes.copy()
+        t = tid()
+        register(de, [p], t, [1, 2], 20, timeout_ms=30_000)
+        time.sleep(0.5)  # the registration reached the producer
+        os.kill(p.proc.pid, signal.SIGSTOP)
+        d.proc.join(d.cfg.peer_timeout_s + 10)
+        assert d.proc.exitcode == FENCE_EXIT_CODE
+        de.client.poll()
+        assert not [m for m in de.inbox if isinstance(m, (proto.ReceiveFailed, proto.Released))]
+        assert np.array_equal(de.bytes, before)
+    finally:
+        os.kill(p.proc.pid, signal.SIGCONT)
+        pe.close()
+        de.close()
+        d.stop()
+        p.stop()

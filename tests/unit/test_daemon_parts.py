@@ -123,6 +123,46 @@ def test_failed_write_fails_both_engines_and_never_reports_received(lab):
     assert kinds(d) == ["ReceiveFailed"] and kinds(p) == ["SendFailed"]
 
 
+def test_a_write_that_may_still_land_fences_the_decode_daemon_instead_of_freeing_blocks(lab):
+    """A WRITE posted into a partition times out at the producer: NIXL cannot recall it and
+    UCX delivers it once the link heals. The decode daemon must not hand the blocks back (its
+    engine would reuse them): it fences (a real daemon exits); the engine hears nothing."""
+    net, fab = lab
+    p, d = pair(net, fab, write_timeout_s=1.0)
+    t = tid()
+    register(d, t, [1, 2], 20, [p])
+    net.run()
+    fab.hold_writes = True
+    prefill_done(p, t, [3, 4], 20)
+    net.run()
+    p.poll()
+    assert p.prefill.in_flight and not d.fenced
+    p.prefill.progress(time.monotonic() + 2.0)  # past write_timeout_s
+    net.run()
+    assert kinds(p) == ["SendFailed"]
+    assert len(d.fenced) == 1 and "may still arrive" in d.fenced[0] and kinds(d) == []
+
+
+def test_a_ready_producer_gone_silent_fences_but_a_failed_handshake_does_not(lab):
+    net, fab = lab
+    p, d = pair(net, fab, peer_timeout_s=2.0)
+    t = tid()
+    register(d, t, [1, 2], 20, [p])
+    net.run()  # the link is ready and the registration forwarded: the producer may write any time
+    net.cut.add(p.endpoint)
+    d.tick(time.monotonic() + 3.0)
+    assert len(d.fenced) == 1 and kinds(d) == []
+    # the same silence after the producer's connection closed (it died): a plain, safe Fail
+    t2 = tid()
+    p2, d2 = pair(net, fab, peer_timeout_s=2.0)
+    register(d2, t2, [1, 2], 20, [p2])
+    net.run()
+    net.cut.add(p2.endpoint)
+    net.closed.add(p2.endpoint)
+    d2.tick(time.monotonic() + 3.0)
+    assert kinds(d2) == ["ReceiveFailed"] and not d2.fenced
+
+
 def test_decode_abort_cancels_at_the_producer_then_releases(lab):
     net, fab = lab
     p, d = pair(net, fab)
@@ -193,9 +233,11 @@ def test_bounds_come_from_config_not_the_wire(lab):
     net.run()
     d.tick(time.monotonic() + 5.0)
     assert kinds(d) == []
-    d.tick(time.monotonic() + 9.0)
-    assert kinds(d) == ["ReceiveFailed"]
-    assert d.decode.counter.registration(t).deadline - d.decode.counter.registration(t).since <= 8.0
+    reg = d.decode.counter.registration(t)
+    assert reg.deadline - reg.since <= 8.0  # the config's bound, not the wire's
+    d.tick(time.monotonic() + 9.0)  # past it: cancel the prefill daemon, which confirms
+    net.run()
+    assert kinds(d) == ["ReceiveFailed"] and not d.fenced  # a confirmed cancel: a safe Fail
 
 
 def test_bad_inputs_are_refused_with_a_reason_and_nothing_is_written(lab):

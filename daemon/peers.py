@@ -76,7 +76,7 @@ class Producer:
     state: Link = Link.HANDSHAKING
     agent_name: str = ""
     layout: KVLayout | None = None
-    region_base: int = 0
+    region_bases: tuple[int, ...] = ()
     rank: int = 0
     tp_size: int = 1
     engine_id: str = ""
@@ -110,7 +110,7 @@ class Consumer:
     endpoint: str
     agent_name: str
     layout: KVLayout
-    region_base: int
+    region_bases: tuple[int, ...]
     rank: int
     tp_size: int
     engine_id: str

@@ -164,7 +164,7 @@ class KVPushWorker:
         self._whole = whole
         self.handle = handle
         atexit.register(self._unlink_export)  # a normal exit that skips shutdown() too
-        self.client.attach(proto.Attach(self.engine_id, self.rank, self.tp_size, self.role, handle, self.layout))
+        self.client.attach(proto.Attach(self.engine_id, self.rank, self.tp_size, self.role, (handle,), self.layout))
         log.info("kvpush: KV cache (%d bytes, %d layers, %d blocks x %d tokens) attached to %s",
                  whole.numel(), self.layout.num_layers, self.layout.num_blocks, self.layout.block_size, self.endpoint)
 

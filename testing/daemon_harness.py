@@ -210,7 +210,7 @@ def _engine_child(socket_path: str, layout: KVLayout, engine_id: str, how: str,
     own = export_cpu_tensor(kv)
     handle, planted = _forge(how, own, victim)
     client = DaemonClient(socket_path)
-    client.attach(proto.Attach(engine_id, 0, 1, "decode", handle, layout))
+    client.attach(proto.Attach(engine_id, 0, 1, "decode", (handle,), layout))
     reply: Any = None
     end = time.monotonic() + 20
     while reply is None and time.monotonic() < end:

@@ -130,11 +130,13 @@ class EngineSession:
         if regions is None:
             return
         self.detach("engine re-attached")
+        registered: list[Any] = []
         try:
-            for i, region in enumerate(regions):
+            for region in regions:
                 ctx.transport.register(region)
+                registered.append(region)
         except Exception as exc:  # e.g. mixed memory types: nothing stays registered
-            for region in regions[:i]:
+            for region in registered:
                 ctx.transport.deregister(region)
             for region in regions:
                 region.close()

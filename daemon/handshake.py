@@ -22,6 +22,7 @@ def make_hello(ctx: DaemonContext, *, reply: bool) -> proto.Hello:
     return proto.Hello(
         ctx.agent_name, ctx.transport.metadata(), a.layout, a.bases, proto.PROTOCOL_VERSION,
         a.layout.compat_key(), a.engine_id, a.rank, a.tp_size, ctx.peer_endpoint, reply,
+        a.regions[0].mem_type, a.regions[0].device,
     )
 
 

@@ -119,6 +119,8 @@ class Consumer:
     transfers: int = 0
     prepped: Any = None  # (BlockPattern, local dlist, remote dlist) for index WRITEs
     node: str = ""  # its authenticated identity (certificate name); "" with insecure_peers
+    mem_type: str = "DRAM"  # of its regions, as its Hello said (remote descriptors use it)
+    device: int = 0
     state: Link = Link.READY
     error: str = ""
 

@@ -146,7 +146,7 @@ class PrefillSide:
             return
         peer = self.consumers[ident] = Consumer(
             ident, msg.endpoint, name, msg.layout, msg.region_bases, msg.rank, msg.tp_size, msg.engine_id,
-            since=now, last_seen=now, node=node,
+            since=now, last_seen=now, node=node, mem_type=msg.mem_type, device=msg.device,
         )
         log.info("decode peer %s (%s rank %d) handshaken", msg.endpoint, msg.engine_id, msg.rank)
         self.ctx.wire.to_consumer(ident, make_hello(self.ctx, reply=True))
@@ -252,7 +252,8 @@ class PrefillSide:
                 local = self._local_prep[key] = self.ctx.transport.prep_local(descs)
             descs = pattern.dst_list()
             descs[:, 0] = addresses(descs[:, 0], peer.region_bases)
-            peer.prepped = (pattern, local, self.ctx.transport.prep_remote(peer.agent_name, descs))
+            peer.prepped = (pattern, local, self.ctx.transport.prep_remote(
+                peer.agent_name, descs, mem_type=peer.mem_type, device=peer.device))
         except Exception as exc:  # the per-transfer path still works
             log.warning("cannot prepare descriptor lists for %s (%s); WRITEs build their own", peer.endpoint, exc)
 
@@ -304,7 +305,8 @@ class PrefillSide:
                     local = np.stack((addresses(p.src_off, me.bases), p.length), axis=1)
                     remote = np.stack((addresses(p.dst_off, peer.region_bases), p.length), axis=1)
                     self.ctx.trace.stamp(a.transfer_id, "p.daemon.planned")
-                    h = tr.write(peer.agent_name, local, remote, notif)
+                    h = tr.write(peer.agent_name, local, remote, notif, remote_mem_type=peer.mem_type,
+                                 remote_device=peer.device)
                 self.ctx.trace.stamp(a.transfer_id, "p.daemon.write_posted")
             except PlanError as exc:
                 err = f"plan: {exc}"

@@ -277,3 +277,36 @@ def derive_layout(
         whole.set_(stor, 0, (stor.nbytes(),))
         regions.append(whole)
     return regions, layout
+
+
+@dataclass(frozen=True)
+class EngineGeometry:
+    """What the engine's config says the KV must be (checked against the tensors)."""
+
+    backend: str
+    layer_view_order: tuple[int, ...] | None
+    head_size: int
+    num_kv_heads: int  # this rank's
+    num_blocks: int | None
+    mla: bool
+
+
+def engine_geometry(vllm_config: Any, kv_cache_config: Any) -> EngineGeometry:
+    """Read the backend in use, the resolved KV cache layout and the head geometry from vLLM
+    (and refuse hybrid / packed caches first). Needs the model loaded (attention layers)."""
+    if kv_cache_config is not None:
+        check_kv_cache_config(kv_cache_config)
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+    backends = get_current_attn_backends(vllm_config)
+    names = sorted({b.get_name() for b in backends})
+    if len(names) != 1:
+        raise LayoutRefused(f"kvpush: {len(names)} attention backends in one model ({', '.join(names)})")
+    mc = vllm_config.model_config
+    try:
+        order = tuple(vllm_config.cache_config.get_resolved_kv_cache_layout().layer_view_order)
+    except (AttributeError, ValueError):
+        order = None
+    return EngineGeometry(names[0], order, int(mc.get_head_size()),
+                          int(mc.get_num_kv_heads(vllm_config.parallel_config)),
+                          getattr(kv_cache_config, "num_blocks", None), bool(mc.use_mla))

@@ -18,6 +18,7 @@ from kvpush.proto.layout import KVLayout
 PROTOCOL_VERSION = 2  # 2: Attach carries one MemoryHandle per region, Hello one base per region
 
 MEMORY_KINDS = frozenset({"cpu_shm", "cuda_ipc"})
+MEM_TYPES = frozenset({"DRAM", "VRAM"})  # NIXL memory types of registered regions
 ROLES = frozenset({"prefill", "decode", "both"})
 OPS_COMMANDS = frozenset({"status", "pending", "peers", "transfers", "cancel", "drain", "metrics", "trace"})
 
@@ -225,6 +226,8 @@ class Hello:
     tp_size: int
     endpoint: str
     reply: bool = False
+    mem_type: str = choice(MEM_TYPES, "DRAM")  # of every region (VRAM: CUDA IPC on GPU)
+    device: int = 0  # the regions' device (the GPU index in NIXL's descriptors)
 
 
 @message

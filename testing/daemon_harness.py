@@ -22,7 +22,7 @@ from kvpush import proto
 from kvpush.daemon import opsclient
 from kvpush.daemon.config import DeviceConfig
 from kvpush.engine_plugin.client import DaemonClient
-from kvpush.engine_plugin.memory import export_cpu_tensor, unlink_export
+from kvpush.engine_plugin.memory import export_cpu_tensor, export_cuda_tensor, unlink_export
 from kvpush.proto import naming
 from kvpush.proto.layout import KVLayout
 from kvpush.proto.memory import shm_info
@@ -130,7 +130,9 @@ class Engine:
                 regions = [torch.zeros(layout.region_size, dtype=torch.uint8)]
         self.regions = regions
         self.kv = regions[0]
-        self.handles = tuple(export_cpu_tensor(r) for r in regions)
+        # CUDA regions (scripts/gpu_check.sh) travel as CUDA IPC handles, CPU ones as shm files.
+        self.handles = tuple(export_cuda_tensor(r) if r.device.type == "cuda" else export_cpu_tensor(r)
+                             for r in regions)
         self.handle = self.handles[0]
         self.client = DaemonClient(daemon.cfg.engine_socket)
         self.inbox: list[Any] = []
@@ -179,8 +181,9 @@ class Engine:
         mapping, and the daemon's, stay valid)."""
         self.client.close()
         for h in self.handles:
-            with contextlib.suppress(FileNotFoundError):
-                unlink_export(h)
+            if h.kind == "cpu_shm":
+                with contextlib.suppress(FileNotFoundError):
+                    unlink_export(h)
 
 
 # ---- an engine in its own process (local trust tests: other processes, killed engines) ----

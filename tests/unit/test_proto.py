@@ -47,7 +47,14 @@ from kvpush.proto import (
     decode,
     encode,
 )
-from kvpush.proto.layout import DTYPE_SIZES, KVLayout, flash_layout, vllm_cpu_layout
+from kvpush.proto.layout import (
+    DTYPE_SIZES,
+    KVLayout,
+    flash_layout,
+    mla_layout,
+    per_layer_regions,
+    vllm_cpu_layout,
+)
 
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 MORE = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -110,7 +117,21 @@ def flash_layouts(draw: st.DrawFn) -> KVLayout:
     )
 
 
-layouts = st.one_of(cpu_layouts(), flash_layouts())
+def _mla(layers: int, blocks: int, bs: int, d: int, dtype: str, per_layer: bool) -> KVLayout:
+    return mla_layout(num_layers=layers, num_blocks=blocks, block_size=bs, head_size=d, dtype=dtype,
+                      per_layer=per_layer)
+
+
+def _per_layer(lay: KVLayout) -> KVLayout:
+    return per_layer_regions(lay)
+
+
+# One region (vLLM-cpu), one region per layer (vLLM on GPU), MLA's replicated latent.
+layouts = st.one_of(
+    cpu_layouts(), flash_layouts(), flash_layouts().map(_per_layer),
+    st.builds(_mla, st.integers(1, 4), st.integers(1, 64), st.integers(1, 32), st.integers(1, 576), dtypes,
+              st.booleans()),
+)
 handles = st.builds(
     MemoryHandle,
     kind=st.sampled_from(["cpu_shm", "cuda_ipc"]),
@@ -351,6 +372,19 @@ def test_enumerated_fields() -> None:
     rejects(pack({**att, "regions": [{**att["regions"][0], "kind": "tcp"}]}), "Attach.regions[0].kind")
     rejects(pack({**att, "regions": att["regions"][0]}), "Attach.regions", "expected array")
     rejects(pack({**wire(OpsRequest("status")), "cmd": "reboot"}), "OpsRequest.cmd", "'reboot'")
+
+
+def test_decoded_multi_region_layout_is_validated() -> None:
+    lay = per_layer_regions(small_layout())
+    att = wire(Attach("e", 0, 1, "both", (MemoryHandle("cpu_shm", b"x", 1 << 20),) * 2, lay))
+    m = att["layout"]
+    rejects(pack({**att, "layout": {**m, "layer_regions": [0, 2]}}), "names region 2")
+    rejects(pack({**att, "layout": {**m, "region_sizes": [m["region_sizes"][0], 100],
+                                    "region_size": m["region_sizes"][0] + 100}}), "layer 1", "past the region")
+    rejects(pack({**att, "layout": {**m, "region_size": 5}}), "not the sum of region_sizes")
+    rejects(pack({**att, "layout": {**m, "num_kv": 3}}), "num_kv")
+    rejects(pack({**att, "layout": {**m, "replicated": True, "total_heads": 4}}), "replicated")
+    rejects(pack({**att, "regions": [att["regions"][0]] * 1025}), "exceed 1024")
 
 
 def test_decoded_layout_is_validated() -> None:

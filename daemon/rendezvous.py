@@ -361,8 +361,9 @@ def _why_invalid(rv: Rendezvous, ev: Register, rec: _Transfer | None = None) -> 
     # Destination ranks are the consumers' TP ranks (TP 2 -> 4: producer 1 writes ranks 2 and
     # 3, MLA: rank r of 4 hears from r % 2), so they are not below expected_dests; what must
     # hold is that no more than expected_dests distinct destinations join one attempt.
-    if (rec is not None and ev.attempt == rec.attempt and ev.dest_rank not in rec.regs
-            and len(rec.regs) >= rec.expected):
+    # (A registration that disagrees on expected_dests is the `inconsistent` row's to end.)
+    if (rec is not None and ev.attempt == rec.attempt and ev.expected_dests == rec.expected
+            and ev.dest_rank not in rec.regs and len(rec.regs) >= rec.expected):
         return f"dest_rank {ev.dest_rank} would exceed expected_dests {rec.expected}"
     if ev.deadline <= rv.now:
         return "registration deadline already passed"

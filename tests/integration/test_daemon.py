@@ -258,7 +258,7 @@ def test_bad_input_on_every_endpoint_writes_nothing(pd):
                 msg = proto.decode(reply)
                 assert isinstance(msg, (proto.Error, proto.OpsReply))
         # Wrong protocol version.
-        bad = proto.encode(proto.Heartbeat(1)).replace(b"\xa1v\x01", b"\xa1v\x09")
+        bad = proto.encode(proto.Heartbeat(1)).replace(b"\xa1v" + bytes([proto.PROTOCOL_VERSION]), b"\xa1v\x09")
         assert "version" in proto.decode(_raw(p.cfg.engine_socket, [bad])).message
         # An unauthenticated peer (no Hello) asking for a WRITE into the decode engine's blocks.
         reg = proto.PeerRegister("evil", 0, (0, 1), 20, 0, 1, 1, 5000)

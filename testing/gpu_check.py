@@ -89,13 +89,25 @@ def step_ipc() -> str:
             child.kill()
 
 
-def step_daemon() -> str:
+def step_daemon(device: str = "cuda") -> str:
+    """The daemon WRITE between per-layer caches on ``device`` ("cpu": the same check with shm
+    regions, which the test suite runs where there is no GPU)."""
     import torch
 
     from kvpush import proto
     from kvpush.engine_plugin.layouts import BACKENDS, derive_layout
     from kvpush.testing.daemon_harness import Daemon, Engine, device_config
-    from kvpush.testing.vllm_layouts import caches_equal, ignore_tail, legacy_caches, reference_copy
+    from kvpush.testing.vllm_layouts import (
+        caches_equal,
+        clone_caches,
+        ignore_tail,
+        legacy_caches,
+        reference_copy,
+    )
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
 
     fa = BACKENDS["FLASH_ATTN@legacy"]
     geom = dict(num_layers=4, num_blocks=64, num_heads=2, head_size=128, dtype="bfloat16")
@@ -104,9 +116,9 @@ def step_daemon() -> str:
         p_d, d_d = Daemon(device_config(Path(tmp), 0)), Daemon(device_config(Path(tmp), 1))
         try:
             for case, (sbs, dbs) in (("equal block sizes", (16, 16)), ("block size 16 -> 8", (16, 8))):
-                src = {k: v.cuda() for k, v in legacy_caches(fa, block_size=sbs, seed=1, **geom).items()}
-                dst = {k: v.cuda() for k, v in legacy_caches(fa, block_size=dbs, fill="zeros", **geom).items()}
-                torch.cuda.synchronize()
+                src = {k: v.to(device) for k, v in legacy_caches(fa, block_size=sbs, seed=1, **geom).items()}
+                dst = {k: v.to(device) for k, v in legacy_caches(fa, block_size=dbs, fill="zeros", **geom).items()}
+                sync()
                 s_regions, s_lay = derive_layout(src, fa, head_size=128, num_kv_heads=2)
                 d_regions, d_lay = derive_layout(dst, fa, head_size=128, num_kv_heads=2)
                 pe = Engine(p_d, s_lay, "prefill", regions=s_regions, engine_id="P")
@@ -115,7 +127,7 @@ def step_daemon() -> str:
                     n = 3 * 16 + 5
                     sb, db = [9, 3, 40, 41], [5, 6, 7, 20, 21, 22, 30]
                     t = f"gpu-check-{time.monotonic_ns()}"
-                    want = {k: v.cpu() for k, v in dst.items()}
+                    want = clone_caches({k: v.cpu() for k, v in dst.items()})  # a copy on CPU too
                     src_cpu = {k: v.cpu() for k, v in src.items()}
                     reference_copy(src_cpu, fa, s_lay, sb, want, fa, d_lay, db[: -(-n // dbs)], n)
                     de.send(proto.Register(t, 0, tuple(db[: -(-n // dbs)]), n, (p_d.peer_endpoint,), 1, 10_000))
@@ -125,13 +137,13 @@ def step_daemon() -> str:
                         raise RuntimeError(f"{case}: decode side got {got}")
                     if not isinstance(pe.result(t), proto.Sent):
                         raise RuntimeError(f"{case}: prefill side did not hear Sent")
-                    torch.cuda.synchronize()
+                    sync()
                     after = {k: v.cpu() for k, v in dst.items()}
                     ignore_tail(want, after, fa, d_lay, db[: -(-n // dbs)], n)
                     if not caches_equal(after, fa, want, fa, 128):
                         raise RuntimeError(f"{case}: decode GPU bytes differ from the reference copy")
                     status = p_d.ops("status")
-                    lines.append(f"{case}: {len(s_regions)}+{len(d_regions)} VRAM regions, "
+                    lines.append(f"{case}: {len(s_regions)}+{len(d_regions)} {device} regions, "
                                  f"{status['engine']['memory_bytes']} bytes, bytes equal")
                 finally:
                     pe.close()

@@ -166,3 +166,12 @@ def test_mla_tp2_to_tp2_one_producer_per_destination(daemons):
     finally:
         for r in (*ps, *ds):
             r.close()
+
+
+def test_gpu_check_daemon_step_passes_on_cpu_regions():
+    """scripts/gpu_check.sh's daemon step, run with shm regions: the check itself can pass
+    (its reference, comparison and clean-up are right); on a GPU it runs with CUDA IPC."""
+    from kvpush.testing.gpu_check import step_daemon
+
+    line = step_daemon("cpu")
+    assert line.count("bytes equal") == 2 and "4+4 cpu regions" in line

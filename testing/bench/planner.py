@@ -6,7 +6,7 @@ contiguous plan <= 1 ms with one descriptor per contiguous run; random block IDs
 
 ``gpu_70b`` (same run): a Llama-70B-like GPU rank (80 layers, 8 KV heads x 128, bf16,
 FlashAttention's per-layer ``(2, blocks, 16, heads, 128)``, one region per layer) at TP 8 -> 8
-and 8 -> 4, a prompt of 118 blocks with scattered block IDs (80 x K/V x 118 = 18,880 blocks,
+and 8 -> 4 (and 8 -> 4 with an HND layout, heads outside tokens), a prompt of 118 blocks with scattered block IDs (80 x K/V x 118 = 18,880 blocks,
 the case vLLM's NIXL connector reports 46 ms for). Per producer WRITE: plan (per-transfer
 path) or index lists (prepared path), then the post into real NIXL agents of this process
 (DRAM, one registration per layer region), against a baseline posted in the same run: one
@@ -114,12 +114,21 @@ def _median_ms(fn, repeat: int) -> tuple[float, object]:
 def bench_gpu_70b(repeat: int, num_blocks: int, prompt_blocks: int, post: bool = True) -> dict:
     """The 70B GPU case (see the module docstring): plan + post per producer WRITE."""
     from kvpush.daemon.planner import addresses, block_pattern
-    from kvpush.proto.layout import per_layer_regions
+    from kvpush.proto.layout import per_layer_regions, strided_layout
 
-    def rank(tp: int, r: int) -> KVLayout:
+    def rank(tp: int, r: int, hnd: bool = False) -> KVLayout:
         heads = 8 // tp
-        return per_layer_regions(flash_layout(num_layers=80, num_blocks=num_blocks, block_size=16, num_heads=heads,
-                                              head_size=128, dtype="bfloat16", head_start=r * heads, total_heads=8))
+        if not hnd:
+            return per_layer_regions(flash_layout(num_layers=80, num_blocks=num_blocks, block_size=16,
+                                                  num_heads=heads, head_size=128, dtype="bfloat16",
+                                                  head_start=r * heads, total_heads=8))
+        row = 128 * 2  # HND (heads outside tokens, e.g. FlashInfer's stride order): a head's block is one run
+        per = 2 * num_blocks * heads * 16 * row
+        return per_layer_regions(strided_layout(
+            num_blocks=num_blocks, block_size=16, num_heads=heads, head_size=128, dtype="bfloat16",
+            block_stride=heads * 16 * row, head_stride=16 * row, token_stride=row,
+            kv_stride=num_blocks * heads * 16 * row, layer_offsets=tuple(i * per for i in range(80)),
+            head_start=r * heads, total_heads=8))
 
     rng = np.random.default_rng(1)
     sb = rng.permutation(num_blocks)[:prompt_blocks].astype(np.int64)
@@ -132,8 +141,8 @@ def bench_gpu_70b(repeat: int, num_blocks: int, prompt_blocks: int, post: bool =
         agents = (NixlTransport("bench-p"), NixlTransport("bench-d"))
     out: dict = {"layers": 80, "kv_heads": 8, "head_size": 128, "block_size": 16, "prompt_blocks": prompt_blocks,
                  "vllm_reported_ms": VLLM_REPORTED_MS, "vllm_reported_descriptors": 80 * 2 * prompt_blocks}
-    for case, d_tp in (("tp8_to_tp8", 8), ("tp8_to_tp4", 4)):
-        src, dst = rank(8, 1), rank(d_tp, 0 if d_tp == 4 else 1)
+    for case, d_tp, hnd in (("tp8_to_tp8", 8, False), ("tp8_to_tp4", 4, False), ("tp8_to_tp4_hnd", 4, True)):
+        src, dst = rank(8, 1, hnd), rank(d_tp, 0 if d_tp == 4 else 1, hnd)
         c: dict = {}
         c["plan_ms"], p = _median_ms(lambda src=src, dst=dst: plan(src, sb, dst, db, n), repeat)
         c["descriptors"] = len(p)

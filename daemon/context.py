@@ -63,9 +63,18 @@ class Attached:
     tp_size: int
     role: str
     layout: KVLayout
-    region: Any  # MappedRegion
+    regions: tuple[Any, ...]  # MappedRegion per layout region, in the layout's order
     since: float
-    memory: Any = None  # the MemoryHandle it came from (a repeated Attach is a no-op)
+    memory: Any = None  # the MemoryHandles they came from (a repeated Attach is a no-op)
+
+    @property
+    def bases(self) -> tuple[int, ...]:
+        """This process's address of each region (what plan addresses are relative to)."""
+        return tuple(r.base for r in self.regions)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.size for r in self.regions)
 
 
 @dataclass

@@ -73,7 +73,7 @@ class DecodeSide:
         if msg.prefill_tp_size <= 0 or len(msg.prefill_endpoints) != msg.prefill_tp_size:
             return refuse(f"{len(msg.prefill_endpoints)} prefill endpoints for prefill TP {msg.prefill_tp_size}")
         try:
-            fanout = producer_fanout(a.layout, a.tp_size, msg.prefill_tp_size)
+            fanout = producer_fanout(a.layout, a.tp_size, msg.prefill_tp_size, a.rank)
         except PlanError as exc:
             return refuse(str(exc))
         prev = self.counter.registration(tid) if self.counter.live(tid) else None
@@ -140,7 +140,7 @@ class DecodeSide:
                 self._link(peer, LinkEvent.REFUSED, f"prefill daemon {endpoint}: {why}")
                 return
             peer.agent_name, peer.layout, peer.rank, peer.tp_size = agent, msg.layout, msg.rank, msg.tp_size
-            peer.engine_id, peer.region_base = msg.engine_id, msg.region_base
+            peer.engine_id, peer.region_bases = msg.engine_id, msg.region_bases
             log.info("prefill peer %s (%s rank %d) handshaken", endpoint, msg.engine_id, msg.rank)
             self._link(peer, LinkEvent.HELLO_OK, "")
         elif isinstance(msg, proto.Error):

@@ -25,7 +25,7 @@ from kvpush.daemon.context import DaemonContext
 from kvpush.daemon.handshake import compat_error, make_hello, refusal
 from kvpush.daemon.peerauth import endpoint_host
 from kvpush.daemon.peers import Consumer
-from kvpush.daemon.planner import PlanError, block_pattern, plan
+from kvpush.daemon.planner import PlanError, addresses, block_pattern, plan
 from kvpush.proto.notif import Notification
 
 log = logging.getLogger("kvpush.worker")
@@ -146,8 +146,8 @@ class PrefillSide:
             self.ctx.wire.to_consumer(ident, proto.Error("handshake", refusal(str(exc), self._allowed(node))))
             return
         peer = self.consumers[ident] = Consumer(
-            ident, msg.endpoint, name, msg.layout, msg.region_base, msg.rank, msg.tp_size, msg.engine_id,
-            since=now, last_seen=now, node=node,
+            ident, msg.endpoint, name, msg.layout, msg.region_bases, msg.rank, msg.tp_size, msg.engine_id,
+            since=now, last_seen=now, node=node, mem_type=msg.mem_type, device=msg.device,
         )
         log.info("decode peer %s (%s rank %d) handshaken", msg.endpoint, msg.engine_id, msg.rank)
         self.ctx.wire.to_consumer(ident, make_hello(self.ctx, reply=True))
@@ -235,7 +235,7 @@ class PrefillSide:
     # ------------------------------------------------------------------ prepared lists
 
     def _prep(self, peer: Consumer) -> None:
-        """Prepare NIXL descriptor lists for WRITEs to this consumer, once per (region, peer):
+        """Prepare NIXL descriptor lists for WRITEs to this consumer, once per (regions, peer):
         a WRITE is then two index arrays (no descriptors built per transfer). Layouts whose
         plans are not block-periodic (different block sizes) keep the per-transfer path."""
         me = self.ctx.attached
@@ -249,11 +249,12 @@ class PrefillSide:
             local = self._local_prep.get(key)
             if local is None:
                 descs = pattern.src_list()
-                descs[:, 0] += me.region.base
+                descs[:, 0] = addresses(descs[:, 0], me.bases)
                 local = self._local_prep[key] = self.ctx.transport.prep_local(descs)
             descs = pattern.dst_list()
-            descs[:, 0] += peer.region_base
-            peer.prepped = (pattern, local, self.ctx.transport.prep_remote(peer.agent_name, descs))
+            descs[:, 0] = addresses(descs[:, 0], peer.region_bases)
+            peer.prepped = (pattern, local, self.ctx.transport.prep_remote(
+                peer.agent_name, descs, mem_type=peer.mem_type, device=peer.device))
         except Exception as exc:  # the per-transfer path still works
             log.warning("cannot prepare descriptor lists for %s (%s); WRITEs build their own", peer.endpoint, exc)
 
@@ -302,10 +303,11 @@ class PrefillSide:
                     p = plan(me.layout, a.src_block_ids, peer.layout, a.dst_block_ids, a.num_tokens,
                              dst_first_token=a.dst_first_token)
                     nbytes, ndesc = p.nbytes, len(p)
-                    local = np.stack((p.src_off + me.region.base, p.length), axis=1)
-                    remote = np.stack((p.dst_off + peer.region_base, p.length), axis=1)
+                    local = np.stack((addresses(p.src_off, me.bases), p.length), axis=1)
+                    remote = np.stack((addresses(p.dst_off, peer.region_bases), p.length), axis=1)
                     self.ctx.trace.stamp(a.transfer_id, "p.daemon.planned")
-                    h = tr.write(peer.agent_name, local, remote, notif)
+                    h = tr.write(peer.agent_name, local, remote, notif, remote_mem_type=peer.mem_type,
+                                 remote_device=peer.device)
                 self.ctx.trace.stamp(a.transfer_id, "p.daemon.write_posted")
             except PlanError as exc:
                 err = f"plan: {exc}"

@@ -216,7 +216,8 @@ class Worker:
         except Exception as exc:
             log.warning("NIXL close: %s", exc)
         if self.ctx.attached is not None:
-            self.ctx.attached.region.close()
+            for region in self.ctx.attached.regions:
+                region.close()
             self.ctx.attached = None
         self.session.shutdown()
         self.wire.close()

@@ -68,6 +68,8 @@ class KVPushConnector(KVConnectorBase_V1):
                 tp_size=tp,
                 model=os.path.basename(str(mc.model).rstrip("/")),
                 total_kv_heads=mc.get_total_num_kv_heads(),
+                vllm_config=vllm_config,
+                kv_cache_config=kv_cache_config,
             )
         prefix = os.environ.get("KVPUSH_PROFILE_HOOKS")
         if prefix:  # opt-in: unset, no hook is wrapped and nothing costs anything

@@ -116,7 +116,9 @@ def _layout(kv_caches: dict[str, torch.Tensor], names: list[str], whole: torch.T
 
 class KVPushWorker:
     def __init__(self, cfg: PluginConfig, *, engine_id: str, role: str, rank: int, tp_size: int,
-                 model: str, total_kv_heads: int) -> None:
+                 model: str, total_kv_heads: int, vllm_config: Any = None, kv_cache_config: Any = None) -> None:
+        self.vllm_config = vllm_config  # read on GPU only: the attention backend and layout
+        self.kv_cache_config = kv_cache_config
         self.cfg = cfg
         self.engine_id = engine_id
         self.role = role
@@ -157,8 +159,15 @@ class KVPushWorker:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         first = next(iter(kv_caches.values()))
+        if first.device.type == "cuda":
+            self._register_gpu_kv_caches(kv_caches)
+            return
         if first.device.type != "cpu":
-            raise RuntimeError("kvpush: this build's plugin attaches CPU KV caches (CUDA IPC: see engine_plugin/memory.py)")
+            raise RuntimeError(f"kvpush: KV caches on {first.device.type} are not supported (CPU and CUDA are)")
+        if self.kv_cache_config is not None:  # hybrid models: refused at start-up, not wrong KV
+            from kvpush.engine_plugin.layouts import check_kv_cache_config
+
+            check_kv_cache_config(self.kv_cache_config, pages=False)
         heads = first.shape[1]
         whole, _ = describe_cpu_kv(kv_caches, model=self.model, head_start=self.rank * heads,
                                    total_heads=self.total_kv_heads)
@@ -168,12 +177,34 @@ class KVPushWorker:
                                              total_heads=self.total_kv_heads)
         self._whole = whole
         self.handle = handle
-        lay = self.layout
-        self._block_bytes = lay.num_layers * 2 * lay.num_heads * lay.block_size * lay.head_size * lay.elem_size
+        self._block_bytes = self.layout.block_bytes
         atexit.register(self._unlink_export)  # a normal exit that skips shutdown() too
-        self.client.attach(proto.Attach(self.engine_id, self.rank, self.tp_size, self.role, handle, self.layout))
+        self.client.attach(proto.Attach(self.engine_id, self.rank, self.tp_size, self.role, (handle,), self.layout))
         log.info("kvpush: KV cache (%d bytes, %d layers, %d blocks x %d tokens) attached to %s",
                  whole.numel(), self.layout.num_layers, self.layout.num_blocks, self.layout.block_size, self.endpoint)
+
+    def _register_gpu_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """GPU: the layout from the attention backend in use (engine_plugin.layouts), one
+        CUDA IPC handle per distinct allocation; anything not understood is refused here, at
+        start-up, never attached as a guess."""
+        from kvpush.engine_plugin.layouts import derive_layout, engine_geometry, shape_for_backend
+        from kvpush.engine_plugin.memory import export_cuda_tensor
+
+        geo = engine_geometry(self.vllm_config, self.kv_cache_config)
+        shape = shape_for_backend(geo.backend, geo.layer_view_order)
+        names = sorted(kv_caches, key=_layer_key)
+        regions, self.layout = derive_layout(
+            {n: kv_caches[n] for n in names}, shape, head_size=geo.head_size, num_kv_heads=geo.num_kv_heads,
+            num_blocks=geo.num_blocks, head_start=self.rank * geo.num_kv_heads, total_heads=self.total_kv_heads,
+            model=self.model)
+        self._regions = regions  # keeps every exported allocation alive for the daemon
+        self._block_bytes = self.layout.block_bytes
+        handles = tuple(export_cuda_tensor(r) for r in regions)
+        self.handle = None  # no shm file to unlink
+        self.client.attach(proto.Attach(self.engine_id, self.rank, self.tp_size, self.role, handles, self.layout))
+        log.info("kvpush: GPU KV cache (%s, %d layers in %d allocations, %d blocks x %d tokens) attached to %s",
+                 geo.backend, self.layout.num_layers, len(regions), self.layout.num_blocks,
+                 self.layout.block_size, self.endpoint)
 
     # ------------------------------------------------------------------ per step
 

@@ -261,13 +261,16 @@ class MemNode:
             raise ValueError(f"no such memory {handle.handle!r}")
         return region
 
-    def attach(self, layout: KVLayout, buf: np.ndarray, *, role: str, rank: int = 0, tp_size: int = 1,
-               engine_id: str = "engine") -> Any:
-        """Attach an engine stand-in whose KV is ``buf``; returns the daemon's answer."""
-        key = f"{self.endpoint}/{len(self.regions)}".encode()
-        self.regions[key] = MemRegion(buf)
-        memory = proto.MemoryHandle("cpu_shm", key, buf.nbytes)
-        return self.engine(proto.Attach(engine_id, rank, tp_size, role, memory, layout))
+    def attach(self, layout: KVLayout, buf: np.ndarray | list[np.ndarray], *, role: str, rank: int = 0,
+               tp_size: int = 1, engine_id: str = "engine") -> Any:
+        """Attach an engine stand-in whose KV is ``buf`` (one buffer per region, or one);
+        returns the daemon's answer."""
+        handles = []
+        for b in buf if isinstance(buf, list) else [buf]:
+            key = f"{self.endpoint}/{len(self.regions)}".encode()
+            self.regions[key] = MemRegion(b)
+            handles.append(proto.MemoryHandle("cpu_shm", key, b.nbytes))
+        return self.engine(proto.Attach(engine_id, rank, tp_size, role, tuple(handles), layout))
 
     def engine(self, msg: Any) -> Any:
         """Send one message as the attached engine; returns the last answer, if any."""

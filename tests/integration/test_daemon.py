@@ -258,7 +258,7 @@ def test_bad_input_on_every_endpoint_writes_nothing(pd):
                 msg = proto.decode(reply)
                 assert isinstance(msg, (proto.Error, proto.OpsReply))
         # Wrong protocol version.
-        bad = proto.encode(proto.Heartbeat(1)).replace(b"\xa1v\x01", b"\xa1v\x09")
+        bad = proto.encode(proto.Heartbeat(1)).replace(b"\xa1v" + bytes([proto.PROTOCOL_VERSION]), b"\xa1v\x09")
         assert "version" in proto.decode(_raw(p.cfg.engine_socket, [bad])).message
         # An unauthenticated peer (no Hello) asking for a WRITE into the decode engine's blocks.
         reg = proto.PeerRegister("evil", 0, (0, 1), 20, 0, 1, 1, 5000)
@@ -273,7 +273,7 @@ def test_bad_input_on_every_endpoint_writes_nothing(pd):
         pe.wait_for(lambda m: isinstance(m, proto.Released) and m.transfer_id == "never-seen", 5)
         # Attach with a handle that does not open.
         bad_handle = proto.MemoryHandle("cpu_shm", b"\x80", 1 << 20)
-        reply = _raw(d.cfg.engine_socket, [proto.encode(proto.Attach("x", 0, 1, "decode", bad_handle, lay))])
+        reply = _raw(d.cfg.engine_socket, [proto.encode(proto.Attach("x", 0, 1, "decode", (bad_handle,), lay))])
         assert isinstance(proto.decode(reply), proto.Error)
         time.sleep(0.3)
         assert np.array_equal(de.bytes, before) and np.array_equal(pe.bytes, src_before)

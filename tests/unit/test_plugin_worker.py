@@ -278,3 +278,26 @@ def test_a_persistent_load_failure_is_logged_once_and_counted(stack, caplog) -> 
     said = [r for r in caplog.records if "not received" in r.getMessage()]
     assert len(said) == 1 and "unreachable" in said[0].getMessage()
     assert w.counters.load_failed == 3
+
+
+def test_hybrid_model_is_refused_before_anything_is_attached(stack) -> None:
+    """A hybrid KV cache config (full + sliding-window groups, vLLM's own classes) stops
+    register_kv_caches at once: nothing exported, no Attach sent."""
+    iface = pytest.importorskip("vllm.v1.kv_cache_interface")
+    import torch
+
+    from kvpush.engine_plugin.layouts import LayoutRefused
+
+    w, daemon = stack
+    full = iface.FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.bfloat16)
+    swa = iface.SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.bfloat16,
+                                  sliding_window=64)
+    w.kv_cache_config = iface.KVCacheConfig(num_blocks=4, kv_cache_tensors=[], kv_cache_groups=[
+        iface.KVCacheGroupSpec(["a"], full), iface.KVCacheGroupSpec(["b"], swa)])
+    kv = torch.zeros(2, 4, 1, 16, 16, dtype=torch.bfloat16)
+    with pytest.raises(LayoutRefused, match="hybrid allocator"):
+        w.register_kv_caches({"model.layers.0.self_attn.attn": kv[0], "model.layers.1.self_attn.attn": kv[1]})
+    assert w.layout is None and getattr(w, "handle", None) is None
+    time.sleep(0.05)
+    daemon.serve()
+    assert not any(isinstance(m, proto.Attach) for m in daemon.got)

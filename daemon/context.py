@@ -15,7 +15,9 @@ be driven in a unit test by the in-memory ones of :mod:`kvpush.testing.inmemory`
 from __future__ import annotations
 
 import logging
+import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -46,6 +48,10 @@ class Wire(Protocol):
     def close_producer(self, endpoint: str) -> None:
         """Disconnect from a prefill daemon (drops what is unsent)."""
 
+    def connection_closed(self, endpoint: str, since: float) -> bool:
+        """Did the prefill daemon's end close our connection (its process died: the kernel
+        closed its sockets) at or after ``since`` (CLOCK_MONOTONIC)? A partition closes nothing."""
+
 
 @dataclass
 class Attached:
@@ -57,9 +63,18 @@ class Attached:
     tp_size: int
     role: str
     layout: KVLayout
-    region: Any  # MappedRegion
+    regions: tuple[Any, ...]  # MappedRegion per layout region, in the layout's order
     since: float
-    memory: Any = None  # the MemoryHandle it came from (a repeated Attach is a no-op)
+    memory: Any = None  # the MemoryHandles they came from (a repeated Attach is a no-op)
+
+    @property
+    def bases(self) -> tuple[int, ...]:
+        """This process's address of each region (what plan addresses are relative to)."""
+        return tuple(r.base for r in self.regions)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.size for r in self.regions)
 
 
 @dataclass
@@ -73,6 +88,22 @@ class History:
         self.items.append(item)
         if len(self.items) > self.cap:
             del self.items[: len(self.items) - self.cap]
+
+
+FENCE_EXIT_CODE = 75  # the daemon fenced itself (EX_TEMPFAIL): restart it, nothing is broken
+
+
+def exit_fence(why: str) -> None:
+    """Fence a late WRITE off by ending this process: NIXL cannot recall a WRITE a producer
+    posted (UCX delivers it when a partition heals), and only a closed NIXL agent (its
+    sockets gone with the process) is sure to receive nothing more. The engine hears nothing:
+    it sees its daemon gone, fails its loads (vLLM recomputes) and re-attaches to the
+    restarted daemon (the supervisor's job). Blocks are never handed back before."""
+    log.critical("fencing: %s; this daemon exits (code %d) so that no late WRITE can land in blocks "
+                 "its engine reuses; the supervisor restarts it", why, FENCE_EXIT_CODE)
+    for h in logging.getLogger().handlers:
+        h.flush()
+    os._exit(FENCE_EXIT_CODE)
 
 
 @dataclass(eq=False)
@@ -93,6 +124,7 @@ class DaemonContext:
     draining: bool = False
     errors: int = 0
     started: float = field(default_factory=time.monotonic)
+    fence: Callable[[str], None] = exit_fence  # in-memory tests record it instead
 
     @property
     def rank(self) -> int:

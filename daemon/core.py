@@ -55,7 +55,9 @@ class Cause(enum.StrEnum):
     MISMATCH = "mismatch"  # num_tokens of a registration and of the prefill differ
     TIMEOUT = "timeout"  # a deadline passed while waiting (prefill, notifications)
     LEASE_EXPIRED = "lease_expired"  # prefill side: held blocks waited too long for registrations
+    UNCLAIMED = "unclaimed"  # prefill side: the lease ended and no decode side ever registered
     WRITE_FAILED = "write_failed"  # the transport gave up on a WRITE
+    WRITE_TIMEOUT = "write_timeout"  # a posted WRITE did not finish in time (it may still land)
     PEER_LOST = "peer_lost"  # the peer daemon is gone
     ABORTED = "aborted"  # the local engine or an operator aborted
     CANCELLED = "cancelled"  # the peer cancelled

@@ -8,10 +8,14 @@ abort, ``Release`` (Released: the blocks may be reused).
 
 The rule that shapes it: the engine reuses blocks as soon as it hears Fail or Release,
 so neither is emitted while a producer might still write into them — every producer
-must have notified, failed, or confirmed a cancel first — unless the hard deadline
-passed (a hung producer must not pin blocks forever; the prefill side never starts a
-write after the registration's deadline). A producer failure therefore cancels the
-other producers and fails once they answer, usually within a round trip.
+must have notified, failed, or confirmed a cancel first. A producer failure therefore
+cancels the other producers and fails once they answer, usually within a round trip.
+Where that cannot be known — the hard deadline passed with producers unresolved (a hung
+producer must not pin blocks forever), or a producer was given up with a WRITE possibly
+still on its way (``ProducerFailed.may_land``: its link went silent, or its own WRITE
+timed out; NIXL cannot recall a posted WRITE, and UCX delivers it after a partition
+heals) — the Fail or Release is marked ``unsafe``: the daemon must not hand those blocks
+back while its NIXL agent can still receive; it fences instead (kvpush.daemon.decode_side).
 
 The counter owns the registration: which producers (index ``i``: endpoint, TP rank and
 an opaque per-producer payload the caller forwards on ``Accepted``), since when, until
@@ -78,6 +82,7 @@ class ProducerFailed:
     reason: str
     now: float
     cause: Cause = Cause.PRODUCER_FAILED  # e.g. PEER_LOST when its daemon died
+    may_land: bool = False  # a WRITE of it may still arrive (silent link, its WRITE timed out)
 
 
 @dataclass(frozen=True)
@@ -145,6 +150,7 @@ class Fail:
     attempt: int
     reason: str
     cause: Cause = Cause.INVALID
+    unsafe: bool = False  # a producer's WRITE may still land: fence, do not hand the blocks back
 
 
 @dataclass(frozen=True)
@@ -153,6 +159,7 @@ class Release:
 
     transfer_id: str
     attempt: int
+    unsafe: bool = False  # as Fail.unsafe
 
 
 @dataclass(frozen=True)
@@ -231,6 +238,11 @@ class _Attempt(Record):
     resolved: set[int] = field(default_factory=set)
     reason: str = ""  # the first producer failure
     cause: Cause = Cause.PRODUCER_FAILED
+    may_land: bool = False  # a producer given up on may still write (ProducerFailed.may_land)
+
+    def unsafe(self) -> bool:
+        """May a WRITE still land in these blocks? (unresolved producers, or one given up on)"""
+        return self.may_land or len(self.resolved) < self.producers
 
 
 _Key = tuple[str, int]
@@ -251,8 +263,10 @@ class CompletionCounter(Core[_Key, _Attempt]):
     peek when nothing is due. ``max_attempts`` bounds the live records (None: unbounded).
     """
 
-    def __init__(self, *, tombstone_s: float = 60.0, max_attempts: int | None = None) -> None:
+    def __init__(self, *, tombstone_s: float = 60.0, max_attempts: int | None = None,
+                 cancel_grace_s: float = 0.0) -> None:
         super().__init__(TABLE, TOMBSTONES, DEADLINES, tombstone_s=tombstone_s, max_live=max_attempts)
+        self.cancel_grace_s = cancel_grace_s  # after the hard deadline, for cancels to be answered
         self._current: dict[str, int] = {}  # newest attempt per transfer
 
     # ------------------------------------------------------------------ public API
@@ -441,7 +455,9 @@ def resolve(cc: CompletionCounter, rec: _Attempt, ev: Any, out: list) -> None:
     rec.resolved.add(p)
     if isinstance(ev, Notified):
         rec.notified.add(p)
-    elif not rec.reason:
+    elif isinstance(ev, ProducerFailed) and ev.may_land:
+        rec.may_land = True
+    if not isinstance(ev, Notified) and not rec.reason:
         why = ev.reason if isinstance(ev, ProducerFailed) else "cancelled"
         rec.reason = f"producer {p}: {why}"
         rec.cause = ev.cause if isinstance(ev, ProducerFailed) else Cause.CANCELLED
@@ -470,17 +486,37 @@ def complete(cc: CompletionCounter, rec: _Attempt, ev: Any, out: list) -> None:
 
 
 def fail(cc: CompletionCounter, rec: _Attempt, ev: Any, out: list) -> None:
-    out.append(Fail(rec.transfer_id, rec.attempt, rec.reason, rec.cause))
+    out.append(Fail(rec.transfer_id, rec.attempt, rec.reason, rec.cause, rec.unsafe()))
+
+
+def time_out(cc: CompletionCounter, rec: _Attempt, ev: _Deadline, out: list) -> None:
+    """The hard deadline passed: cancel the producers still out and give them ``cancel_grace_s``
+    to answer (a live one answers within a round trip, once nothing of it is in flight), so
+    that a timeout is a safe Fail; one that stays silent makes it unsafe (FAILING's deadline)."""
+    missing = rec.producers - len(rec.notified)
+    rec.reason = f"timed out waiting for {missing} of {rec.producers} producers"
+    rec.cause = Cause.TIMEOUT
+    rec.deadline = cc.now + cc.cancel_grace_s
+    _cancel_rest(rec, rec.reason, Cause.TIMEOUT, out)
 
 
 def fail_timeout(cc: CompletionCounter, rec: _Attempt, ev: _Deadline, out: list) -> None:
     missing = rec.producers - len(rec.notified)
     why = f"timed out waiting for {missing} of {rec.producers} producers"
-    out.append(Fail(rec.transfer_id, rec.attempt, why, Cause.TIMEOUT))
+    out.append(Fail(rec.transfer_id, rec.attempt, why, Cause.TIMEOUT, rec.unsafe()))
     _cancel_rest(rec, why, Cause.TIMEOUT, out)
 
 
+def graceless(cc: CompletionCounter, rec: _Attempt, ev: _Deadline) -> bool:
+    return cc.cancel_grace_s <= 0
+
+
 def release(cc: CompletionCounter, rec: _Attempt, ev: Any, out: list) -> None:
+    out.append(Release(rec.transfer_id, rec.attempt, rec.unsafe()))
+
+
+def release_settled(cc: CompletionCounter, rec: _Attempt, ev: Abort, out: list) -> None:
+    """The engine heard the outcome already (Received, or a Fail it was safe to hear)."""
     out.append(Release(rec.transfer_id, rec.attempt))
 
 
@@ -519,7 +555,8 @@ TABLE = Table(State, (Expect, *_RESULTS, Abort, _Supersede, _Deadline), [
     *[row(_WT, e, None, _FG, resolve, cancel_failed) for e in _GONE],
     row(_WT, Abort, None, _AB, cancel_aborted),
     row(_WT, _Supersede, None, _SU, cancel_superseded),
-    row(_WT, _Deadline, None, _FD, fail_timeout),
+    row(_WT, _Deadline, graceless, _FD, fail_timeout),
+    row(_WT, _Deadline, None, _FG, time_out),
 
     # --- FAILING: Fail once every producer answered --------------------------------------
     *[row(_FG, e, unresolvable, _FG) for e in _RESULTS],
@@ -547,8 +584,8 @@ TABLE = Table(State, (Expect, *_RESULTS, Abort, _Supersede, _Deadline), [
 
     # --- tombstones -------------------------------------------------------------------
     *[row(s, e, None, s) for s in (_CO, _FD, _RL) for e in _RESULTS],
-    row(_CO, Abort, None, _RL, release),  # all producers notified: nothing in flight
-    row(_FD, Abort, None, _RL, release),  # Fail came only once all answered or at the deadline
+    row(_CO, Abort, None, _RL, release_settled),  # all producers notified: nothing in flight
+    row(_FD, Abort, None, _RL, release_settled),  # its Fail was safe, or the daemon fenced
     row(_RL, Abort, None, _RL),
     *[row(s, _Supersede, None, s) for s in (_CO, _FD, _RL)],
     *[row(s, _Deadline, None, None) for s in (_CO, _FD, _RL)],  # tombstone time is over

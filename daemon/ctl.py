@@ -382,7 +382,8 @@ def _pending_rows(targets: list[Target]) -> list[list[Any]]:
         for r in rep.pending:
             if isinstance(r, PrefillPending):
                 blocks: int | None = r.blocks
-                detail = f"registered {r.registered}/{r.expected}"
+                detail = (f"registered {r.registered}/{r.expected}" if r.attempt >= 0 or not r.blocks
+                          else "held, no decode side registered yet (released at the lease)")
             else:
                 blocks = None
                 detail = f"notified {r.notified}/{r.producers}"

@@ -33,6 +33,7 @@ def _reason(text: str) -> str:
 
 RECV_POLL_MAX_S = 0.0005  # poll cap while a producer said Writing and its notification is missing
 RECV_FALLBACK_S = 0.01  # poll cap while receiving otherwise (no WRITE announced yet)
+CANCEL_GRACE_MAX_S = 3.0  # after a registration's deadline, how long its producers may take to confirm a cancel
 HINT_WINDOW_S = 0.02  # how long a completed WRITE keeps the tight poll if its notification never shows
 
 
@@ -40,7 +41,9 @@ class DecodeSide:
     def __init__(self, ctx: DaemonContext) -> None:
         self.ctx = ctx
         self.cfg = ctx.cfg
-        self.counter = ctr.CompletionCounter()
+        # A timed-out registration's producers get a short grace to confirm a cancel: a live one
+        # answers in a round trip, and only then is a Fail safe (see kvpush.daemon.counter).
+        self.counter = ctr.CompletionCounter(cancel_grace_s=min(CANCEL_GRACE_MAX_S, self.cfg.peer_timeout_s))
         self.producers: dict[str, Producer] = {}  # endpoint -> prefill daemon
         self.hinted: dict[str, float] = {}  # transfer -> poll tightly until (monotonic)
 
@@ -70,7 +73,7 @@ class DecodeSide:
         if msg.prefill_tp_size <= 0 or len(msg.prefill_endpoints) != msg.prefill_tp_size:
             return refuse(f"{len(msg.prefill_endpoints)} prefill endpoints for prefill TP {msg.prefill_tp_size}")
         try:
-            fanout = producer_fanout(a.layout, a.tp_size, msg.prefill_tp_size)
+            fanout = producer_fanout(a.layout, a.tp_size, msg.prefill_tp_size, a.rank)
         except PlanError as exc:
             return refuse(str(exc))
         prev = self.counter.registration(tid) if self.counter.live(tid) else None
@@ -137,7 +140,7 @@ class DecodeSide:
                 self._link(peer, LinkEvent.REFUSED, f"prefill daemon {endpoint}: {why}")
                 return
             peer.agent_name, peer.layout, peer.rank, peer.tp_size = agent, msg.layout, msg.rank, msg.tp_size
-            peer.engine_id, peer.region_base = msg.engine_id, msg.region_base
+            peer.engine_id, peer.region_bases = msg.engine_id, msg.region_bases
             log.info("prefill peer %s (%s rank %d) handshaken", endpoint, msg.engine_id, msg.rank)
             self._link(peer, LinkEvent.HELLO_OK, "")
         elif isinstance(msg, proto.Error):
@@ -152,7 +155,8 @@ class DecodeSide:
         elif isinstance(msg, proto.Writing):
             self._on_writing(msg, now)
         elif isinstance(msg, proto.WriteFailedNotice):
-            self._producer_result(msg.transfer_id, msg.attempt, endpoint, msg.reason, now, failed=True)
+            self._producer_result(msg.transfer_id, msg.attempt, endpoint, msg.reason, now, failed=True,
+                                  may_land=msg.may_land)
         elif isinstance(msg, proto.CancelConfirmed):
             self._producer_result(msg.transfer_id, msg.attempt, endpoint, "", now, failed=False)
 
@@ -170,7 +174,14 @@ class DecodeSide:
             elif act is LinkAction.FAIL_WAITING:
                 peer.error = _reason(why)
                 log.warning("%s", why)
-                self._fail_waiting(peer.endpoint, why)
+                # A ready link gone silent while its connection stayed open (a partition): a
+                # WRITE it posted may arrive when the link heals. A producer whose connection
+                # closed died (its kernel closed the sockets after sending what they held, long
+                # before peer_timeout_s); a refused or timed-out handshake never had a
+                # registration forwarded.
+                may_land = event is LinkEvent.SILENT and not self.ctx.wire.connection_closed(
+                    peer.endpoint, peer.last_seen)
+                self._fail_waiting(peer.endpoint, why, may_land=may_land)
             elif act is LinkAction.CLOSE:
                 self.drop(peer)
 
@@ -192,18 +203,18 @@ class DecodeSide:
         for p in list(self.producers.values()):
             self.drop(p)
 
-    def _fail_waiting(self, endpoint: str, why: str) -> None:
+    def _fail_waiting(self, endpoint: str, why: str, *, may_land: bool = False) -> None:
         now = time.monotonic()
         for tid, attempt, idx in self.counter.waiting_on(endpoint):
-            self.apply(ctr.ProducerFailed(tid, attempt, idx, why, now, ctr.Cause.PEER_LOST))
+            self.apply(ctr.ProducerFailed(tid, attempt, idx, why, now, ctr.Cause.PEER_LOST, may_land))
 
     def _producer_result(self, tid: str, attempt: int, endpoint: str, reason: str, now: float, *,
-                         failed: bool) -> None:
+                         failed: bool, may_land: bool = False) -> None:
         idx = self.counter.producer_index(tid, endpoint, attempt)
         if idx is None:
             return  # answers for superseded attempts resolve through the same endpoints
         if failed:
-            self.apply(ctr.ProducerFailed(tid, attempt, idx, reason, now))
+            self.apply(ctr.ProducerFailed(tid, attempt, idx, reason, now, may_land=may_land))
         else:
             self.apply(ctr.CancelConfirmed(tid, attempt, idx, now))
 
@@ -259,6 +270,12 @@ class DecodeSide:
     def apply(self, event: Any) -> None:
         for act in self.counter.handle(event):
             tid = act.transfer_id
+            if isinstance(act, ctr.Fail | ctr.Release) and act.unsafe:
+                # Blocks a WRITE may still land in must not go back to the engine while our
+                # NIXL agent can receive: fence (the engine then sees its daemon gone).
+                self.ctx.fence(f"transfer {tid} attempt {act.attempt}: "
+                               f"{getattr(act, 'reason', 'aborted')}; a producer's WRITE may still arrive")
+                return
             if isinstance(act, ctr.Accepted):
                 self.ctx.trace.stamp(tid, "d.daemon.register_forwarded")
                 for ep, fwd in zip(act.endpoints, act.forwards, strict=True):

@@ -120,39 +120,74 @@ class EngineSession:
             assert peer is not None
             owner = ShmOwner(peer.pid, peer.uid)
         a = ctx.attached
-        if a is not None and a.memory == msg.memory and a.layout == msg.layout and a.engine_id == msg.engine_id \
+        if a is not None and a.memory == msg.regions and a.layout == msg.layout and a.engine_id == msg.engine_id \
                 and (owner is None or (self.holder is not None and self.holder.pid == owner.pid)):
             # The same engine memory again (a reconnect): keep the mapping, just follow the identity.
             a.identity = ident
             ctx.wire.to_engine(ident, proto.AttachAck(ctx.agent_name, ctx.daemon_id))
             return
-        try:
-            region = self.open_region(msg.memory) if owner is None else self.open_region(msg.memory, owner)
-        except (OSError, RuntimeError, ValueError) as exc:  # RegionError is a ValueError
-            ctx.bad("attach", str(exc))
-            ctx.wire.to_engine(ident, proto.Error(
-                "attach", proto.codec.clip(f"cannot map engine memory: {exc}", proto.codec.REASON_MAX)))
-            return
-        if msg.layout.region_size > region.size:
-            region.close()
-            ctx.bad("attach", "layout larger than memory")
-            ctx.wire.to_engine(ident, proto.Error(
-                "attach", f"layout needs {msg.layout.region_size} bytes, memory has {region.size}"))
+        regions = self._map(ident, msg, owner)
+        if regions is None:
             return
         self.detach("engine re-attached")
-        ctx.transport.register(region)
+        registered: list[Any] = []
+        try:
+            for region in regions:
+                ctx.transport.register(region)
+                registered.append(region)
+        except Exception as exc:  # e.g. mixed memory types: nothing stays registered
+            for region in registered:
+                ctx.transport.deregister(region)
+            for region in regions:
+                region.close()
+            ctx.bad("attach", str(exc))
+            ctx.wire.to_engine(ident, proto.Error(
+                "attach", proto.codec.clip(f"cannot register engine memory: {exc}", proto.codec.REASON_MAX)))
+            return
         ctx.attached = Attached(
-            ident, msg.engine_id, msg.rank, msg.tp_size, msg.role, msg.layout, region, now, msg.memory
+            ident, msg.engine_id, msg.rank, msg.tp_size, msg.role, msg.layout, tuple(regions), now, msg.regions
         )
         self.prefill.on_attach()
         if self.trust is not None and peer is not None and peer_start is not None:
             self.holder = Holder(peer.pid, peer_start, peer.uid)
-            self._record(region)
+            for region in regions:
+                self._record(region)
         log.info(
-            "engine %s rank %d/%d (%s) attached: %d bytes, %d blocks x %d tokens",
-            msg.engine_id, msg.rank, msg.tp_size, msg.role, region.size, msg.layout.num_blocks, msg.layout.block_size,
+            "engine %s rank %d/%d (%s) attached: %d region(s), %d bytes, %d blocks x %d tokens",
+            msg.engine_id, msg.rank, msg.tp_size, msg.role, len(regions), sum(r.size for r in regions),
+            msg.layout.num_blocks, msg.layout.block_size,
         )
         ctx.wire.to_engine(ident, proto.AttachAck(ctx.agent_name, ctx.daemon_id))
+
+    def _map(self, ident: bytes, msg: proto.Attach, owner: Any) -> list[Any] | None:
+        """Map every region of an Attach (all or none), each at least as large as the layout
+        says; None (the engine told why) otherwise."""
+        ctx = self.ctx
+        sizes = msg.layout.regions
+        why = ""
+        if len(msg.regions) != len(sizes):
+            why = f"{len(msg.regions)} memory handles for a layout of {len(sizes)} regions"
+        regions: list[Any] = []
+        for i, handle in enumerate(msg.regions if not why else ()):
+            try:
+                region = self.open_region(handle) if owner is None else self.open_region(handle, owner)
+            except (OSError, RuntimeError, ValueError) as exc:  # RegionError is a ValueError
+                why = f"cannot map engine memory (region {i}): {exc}"
+                break
+            regions.append(region)
+            if sizes[i] > region.size:
+                why = f"layout needs {sizes[i]} bytes in region {i}, memory has {region.size}"
+                break
+            if region.mem_type != regions[0].mem_type or region.device != regions[0].device:
+                why = "every region of one engine rank must be on the same device"
+                break
+        if not why:
+            return regions
+        for region in regions:
+            region.close()
+        ctx.bad("attach", why)
+        ctx.wire.to_engine(ident, proto.Error("attach", proto.codec.clip(why, proto.codec.REASON_MAX)))
+        return None
 
     def _refusal(self, msg: proto.Attach, peer: PeerCred | None, now: float) -> tuple[str | None, int | None]:
         """Why this Attach may not take the rank (None: it may), and the sender's start time."""
@@ -161,9 +196,11 @@ class EngineSession:
             return "no kernel credentials for this connection (engines attach over the ipc socket)", None
         start = self.trust.start_time
         peer_start = start(peer.pid)
-        if msg.memory.kind == "cpu_shm":
+        for handle in msg.regions:
+            if handle.kind != "cpu_shm":
+                continue
             try:
-                info = shm_info(msg.memory)
+                info = shm_info(handle)
             except RegionError as exc:
                 return f"memory handle: {exc}", peer_start
             if info.pid != peer.pid or info.start_time != peer_start:
@@ -212,8 +249,9 @@ class EngineSession:
         self.prefill.on_detach(why)
         # Producers must learn our new memory: drop them so the next Register re-handshakes.
         self.decode.drop_all(why)
-        self.ctx.transport.deregister(old.region)
-        old.region.close()
+        for region in old.regions:
+            self.ctx.transport.deregister(region)
+            region.close()
         self.ctx.attached = None
 
     def on_trace_report(self, msg: proto.TraceReport) -> None:

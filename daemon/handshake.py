@@ -20,8 +20,9 @@ def make_hello(ctx: DaemonContext, *, reply: bool) -> proto.Hello:
     a = ctx.attached
     assert a is not None
     return proto.Hello(
-        ctx.agent_name, ctx.transport.metadata(), a.layout, a.region.base, proto.PROTOCOL_VERSION,
+        ctx.agent_name, ctx.transport.metadata(), a.layout, a.bases, proto.PROTOCOL_VERSION,
         a.layout.compat_key(), a.engine_id, a.rank, a.tp_size, ctx.peer_endpoint, reply,
+        a.regions[0].mem_type, a.regions[0].device,
     )
 
 
@@ -34,6 +35,8 @@ def compat_error(ctx: DaemonContext, msg: proto.Hello) -> str:
         return f"protocol version {msg.version} (this side speaks {proto.PROTOCOL_VERSION})"
     if msg.compat != msg.layout.compat_key():
         return "compatibility hash does not match the layout sent"
+    if len(msg.region_bases) != len(msg.layout.regions):
+        return f"{len(msg.region_bases)} region bases for a layout of {len(msg.layout.regions)} regions"
     try:
         check_compatible(msg.layout, a.layout, ("there", "here"))
     except PlanError as exc:

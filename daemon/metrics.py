@@ -37,6 +37,18 @@ kvpush_peers                        gauge     state                    peer daem
                                                                        (ready, handshaking)
 kvpush_transfers_total              counter   side, result             finished transfers (ok,
                                                                        failed)
+kvpush_held_blocks                  gauge     state                    prefill source blocks held,
+                                                                       by rendezvous state
+                                                                       (wait_register: waiting for
+                                                                       a decode side; read at
+                                                                       scrape time)
+kvpush_unclaimed_oldest_seconds     gauge     -                        age of the oldest hold that
+                                                                       no decode side registered
+                                                                       for (0: none)
+kvpush_lease_expired_total          counter   registered               holds released by their
+                                                                       lease: none (no decode side
+                                                                       ever registered) or partial
+kvpush_lease_expired_blocks_total   counter   -                        source blocks those held
 =================================== ========= ======================== ===========================
 """
 
@@ -87,6 +99,15 @@ class WorkerMetrics:
                            registry=r)
         self.transfers = Counter("kvpush_transfers", "Finished transfers by side and result",
                                  ["device", "side", "result"], registry=r)
+        self.held_blocks = Gauge("kvpush_held_blocks", "Prefill source blocks held, by rendezvous state",
+                                 ["device", "state"], registry=r)
+        self.held_oldest = Gauge("kvpush_unclaimed_oldest_seconds",
+                                 "Age of the oldest hold no decode side registered for (0: none)",
+                                 ["device"], registry=r).labels(device)
+        self.lease_expired = Counter("kvpush_lease_expired", "Holds released by their lease, by registrations seen",
+                                     ["device", "registered"], registry=r)
+        self.lease_expired_blocks = Counter("kvpush_lease_expired_blocks", "Source blocks held until their lease",
+                                            ["device"], registry=r).labels(device)
 
     def set_pending(self, side: str, state: str, n: int) -> None:
         self.pending.labels(self.device, side, state).set(n)
@@ -113,6 +134,15 @@ class WorkerMetrics:
 
     def transfer_finished(self, side: str, result: str) -> None:
         self.transfers.labels(self.device, side, result).inc()
+
+    def set_held(self, blocks_by_state: dict[str, int], oldest_unregistered_s: float) -> None:
+        for state, n in blocks_by_state.items():
+            self.held_blocks.labels(self.device, state).set(n)
+        self.held_oldest.set(oldest_unregistered_s)
+
+    def lease_expiry(self, registered: str, blocks: int) -> None:
+        self.lease_expired.labels(self.device, registered).inc()
+        self.lease_expired_blocks.inc(blocks)
 
     def render(self) -> str:
         """Prometheus text exposition of this worker's registry."""

@@ -37,7 +37,7 @@ def status(w: Worker) -> po.StatusReply:
     if a is not None:
         engine = po.EngineInfo(
             engine_id=a.engine_id, rank=a.rank, tp_size=a.tp_size, role=a.role,
-            memory_bytes=a.region.size, blocks=a.layout.num_blocks,
+            memory_bytes=a.nbytes, blocks=a.layout.num_blocks,
             block_size=a.layout.block_size, attached_s=round(now - a.since, 1),
         )
     return po.StatusReply(
@@ -146,6 +146,7 @@ def handle_ops(w: Worker, req: proto.OpsRequest) -> proto.OpsReply:
     if req.cmd == "trace":
         return _ok(trace(w, req.arg))
     if req.cmd == "metrics":
+        w.prefill.report_held(time.monotonic())
         return _ok(po.MetricsReply(text=w.ctx.metrics.render()))
     if req.cmd == "drain":
         w.ctx.draining = True

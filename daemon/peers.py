@@ -76,7 +76,7 @@ class Producer:
     state: Link = Link.HANDSHAKING
     agent_name: str = ""
     layout: KVLayout | None = None
-    region_base: int = 0
+    region_bases: tuple[int, ...] = ()
     rank: int = 0
     tp_size: int = 1
     engine_id: str = ""
@@ -110,7 +110,7 @@ class Consumer:
     endpoint: str
     agent_name: str
     layout: KVLayout
-    region_base: int
+    region_bases: tuple[int, ...]
     rank: int
     tp_size: int
     engine_id: str
@@ -119,6 +119,8 @@ class Consumer:
     transfers: int = 0
     prepped: Any = None  # (BlockPattern, local dlist, remote dlist) for index WRITEs
     node: str = ""  # its authenticated identity (certificate name); "" with insecure_peers
+    mem_type: str = "DRAM"  # of its regions, as its Hello said (remote descriptors use it)
+    device: int = 0
     state: Link = Link.READY
     error: str = ""
 

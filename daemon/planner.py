@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvpush.proto.layout import KVLayout, LayoutError
+from kvpush.proto.layout import KVLayout, LayoutError, split_address
 
 
 class PlanError(ValueError):
@@ -33,7 +33,8 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True)
 class Plan:
-    """Descriptors for one WRITE: byte offsets relative to each side's region."""
+    """Descriptors for one WRITE: plan addresses ``region << REGION_SHIFT | offset`` on each
+    side (:func:`kvpush.proto.layout.split_address`); with one region they are plain offsets."""
 
     src_off: np.ndarray
     dst_off: np.ndarray
@@ -68,7 +69,7 @@ def check_compatible(
 
     ``sides`` names the two layouts in the message (the handshake says "there" / "here").
     """
-    for name in ("dtype", "head_size", "num_layers", "model_heads", "model"):
+    for name in ("dtype", "head_size", "num_layers", "model_heads", "model", "num_kv", "replicated"):
         a, b = getattr(src, name), getattr(dst, name)
         if a != b:
             raise PlanError(f"incompatible layouts: {name} is {a!r} {sides[0]}, {b!r} {sides[1]}")
@@ -239,8 +240,8 @@ def plan(
         )
 
     s_bi, s_tok, d_bi, d_tok, ntok = _pieces(src, dst, dst_first_token, end)
-    s_layer = np.asarray(src.layer_offsets, dtype=np.int64)
-    d_layer = np.asarray(dst.layer_offsets, dtype=np.int64)
+    s_layer = src.virtual_offsets()
+    d_layer = dst.virtual_offsets()
     head_src = (head0 - src.head_start) * src.head_stride
     head_dst = (head0 - dst.head_start) * dst.head_stride
     whole_blocks = bool(np.all(s_tok == 0) & np.all(d_tok == 0) & np.all(ntok == src.block_size))
@@ -252,7 +253,7 @@ def plan(
     for n in np.unique(ntok):
         sel = ntok == n
         structures = []
-        for kv in (0, 1):
+        for kv in range(src.num_kv):
             sp, dp = src.packing(kv), dst.packing(kv)
             dims = [
                 _Dim(int(n) // sp.granule_tokens, sp.granule_stride, dp.granule_stride),
@@ -264,8 +265,10 @@ def plan(
             piece_dst = db[d_bi[sel]] * dst.block_stride + (d_tok[sel] // dp.granule_tokens) * dp.granule_stride
             structures.append((atom, rest, piece_src, piece_dst))
         k_atom, k_rest, k_ps, k_pd = structures[0]
-        v_atom, v_rest, _, _ = structures[1]
-        if (whole_blocks or same_kv) and k_atom == v_atom and k_rest == v_rest:
+        v_atom, v_rest, _, _ = structures[-1]
+        if src.num_kv == 1:  # MLA: one latent, nothing to pair
+            groups = [(k_atom, k_rest, k_ps, k_pd, 0, 0)]
+        elif (whole_blocks or same_kv) and k_atom == v_atom and k_rest == v_rest:
             atom, rest = _fold(k_atom, [*k_rest, _Dim(2, src.kv_stride, dst.kv_stride)])
             groups = [(atom, rest, k_ps, k_pd, 0, 0)]
         else:
@@ -293,18 +296,30 @@ def plan(
     d = np.concatenate(out_d)
     ln = np.concatenate(out_l)
     result = _merge(s, d, ln)
-    _check_bounds(result, src.region_size, dst.region_size)
+    _check_bounds(result, src.regions, dst.regions)
     return result
 
 
-def _check_bounds(p: Plan, src_size: int, dst_size: int) -> None:
-    """Last line of defence: no descriptor may leave either region."""
+def addresses(plan_addr: np.ndarray, bases: tuple[int, ...] | list[int]) -> np.ndarray:
+    """Absolute addresses of plan addresses, given each region's base in one process."""
+    region, local = split_address(plan_addr)
+    if len(bases) == 1:  # the common CPU case: no gather
+        return local + np.int64(bases[0])
+    return np.asarray(bases, dtype=np.int64)[region] + local
+
+
+def _check_bounds(p: Plan, src_sizes: tuple[int, ...], dst_sizes: tuple[int, ...]) -> None:
+    """Last line of defence: no descriptor may leave its region."""
     if len(p) == 0:
         return
     if p.src_off.min() < 0 or p.dst_off.min() < 0:
         raise PlanError("plan produced a negative offset")
-    if (p.src_off + p.length).max() > src_size or (p.dst_off + p.length).max() > dst_size:
-        raise PlanError("plan produced a descriptor outside a registered region")
+    for off, sizes in ((p.src_off, src_sizes), (p.dst_off, dst_sizes)):
+        region, local = split_address(off)
+        if region.max() >= len(sizes):
+            raise PlanError("plan produced a descriptor in an unknown region")
+        if np.any(local + p.length > np.asarray(sizes, dtype=np.int64)[region]):
+            raise PlanError("plan produced a descriptor outside a registered region")
 
 
 def expected_producers(dst: KVLayout, src_tp_size: int, src_heads_per_rank: int) -> list[int]:
@@ -321,12 +336,20 @@ def expected_producers(dst: KVLayout, src_tp_size: int, src_heads_per_rank: int)
     return ranks
 
 
-def producer_fanout(dst: KVLayout, dst_tp_size: int, src_tp_size: int) -> list[tuple[int, int]]:
+def producer_fanout(dst: KVLayout, dst_tp_size: int, src_tp_size: int,
+                    dst_rank: int = 0) -> list[tuple[int, int]]:
     """For a destination rank: each source rank that writes into it, with the number of
     destination ranks that source writes to (its ``expected_dests``: one notification each).
 
-    Raises PlanError when the model's KV heads do not split over ``src_tp_size``.
+    A replicated layout (MLA: every rank holds the same latent) has one producer per
+    destination, ``dst_rank % src_tp_size``, so the latent is written once, not once per
+    prefill rank. Raises PlanError when the model's KV heads do not split over ``src_tp_size``.
     """
+    if dst.replicated:
+        if src_tp_size <= 0 or not 0 <= dst_rank < dst_tp_size:
+            raise PlanError(f"rank {dst_rank} of TP {dst_tp_size} from prefill TP {src_tp_size}")
+        src = dst_rank % src_tp_size
+        return [(src, sum(1 for d in range(dst_tp_size) if d % src_tp_size == src))]
     total = dst.model_heads
     if src_tp_size <= 0 or (total % src_tp_size and src_tp_size <= total):
         raise PlanError(f"{total} KV heads do not split over prefill TP {src_tp_size}")

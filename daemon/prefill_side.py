@@ -25,7 +25,7 @@ from kvpush.daemon.context import DaemonContext
 from kvpush.daemon.handshake import compat_error, make_hello, refusal
 from kvpush.daemon.peerauth import endpoint_host
 from kvpush.daemon.peers import Consumer
-from kvpush.daemon.planner import PlanError, block_pattern, plan
+from kvpush.daemon.planner import PlanError, addresses, block_pattern, plan
 from kvpush.proto.notif import Notification
 
 log = logging.getLogger("kvpush.worker")
@@ -61,6 +61,7 @@ class PrefillSide:
         self.consumers: dict[bytes, Consumer] = {}  # routing id -> decode daemon
         self.in_flight: dict[int, InFlight] = {}
         self._local_prep: dict[tuple[bytes, bytes], Any] = {}  # pattern -> prepared local dlist
+        self._lease_said: set[rv.Cause] = set()  # lease expiries already logged, by cause
 
     # ------------------------------------------------------------------ engine
 
@@ -145,8 +146,8 @@ class PrefillSide:
             self.ctx.wire.to_consumer(ident, proto.Error("handshake", refusal(str(exc), self._allowed(node))))
             return
         peer = self.consumers[ident] = Consumer(
-            ident, msg.endpoint, name, msg.layout, msg.region_base, msg.rank, msg.tp_size, msg.engine_id,
-            since=now, last_seen=now, node=node,
+            ident, msg.endpoint, name, msg.layout, msg.region_bases, msg.rank, msg.tp_size, msg.engine_id,
+            since=now, last_seen=now, node=node, mem_type=msg.mem_type, device=msg.device,
         )
         log.info("decode peer %s (%s rank %d) handshaken", msg.endpoint, msg.engine_id, msg.rank)
         self.ctx.wire.to_consumer(ident, make_hello(self.ctx, reply=True))
@@ -234,7 +235,7 @@ class PrefillSide:
     # ------------------------------------------------------------------ prepared lists
 
     def _prep(self, peer: Consumer) -> None:
-        """Prepare NIXL descriptor lists for WRITEs to this consumer, once per (region, peer):
+        """Prepare NIXL descriptor lists for WRITEs to this consumer, once per (regions, peer):
         a WRITE is then two index arrays (no descriptors built per transfer). Layouts whose
         plans are not block-periodic (different block sizes) keep the per-transfer path."""
         me = self.ctx.attached
@@ -248,11 +249,12 @@ class PrefillSide:
             local = self._local_prep.get(key)
             if local is None:
                 descs = pattern.src_list()
-                descs[:, 0] += me.region.base
+                descs[:, 0] = addresses(descs[:, 0], me.bases)
                 local = self._local_prep[key] = self.ctx.transport.prep_local(descs)
             descs = pattern.dst_list()
-            descs[:, 0] += peer.region_base
-            peer.prepped = (pattern, local, self.ctx.transport.prep_remote(peer.agent_name, descs))
+            descs[:, 0] = addresses(descs[:, 0], peer.region_bases)
+            peer.prepped = (pattern, local, self.ctx.transport.prep_remote(
+                peer.agent_name, descs, mem_type=peer.mem_type, device=peer.device))
         except Exception as exc:  # the per-transfer path still works
             log.warning("cannot prepare descriptor lists for %s (%s); WRITEs build their own", peer.endpoint, exc)
 
@@ -301,10 +303,11 @@ class PrefillSide:
                     p = plan(me.layout, a.src_block_ids, peer.layout, a.dst_block_ids, a.num_tokens,
                              dst_first_token=a.dst_first_token)
                     nbytes, ndesc = p.nbytes, len(p)
-                    local = np.stack((p.src_off + me.region.base, p.length), axis=1)
-                    remote = np.stack((p.dst_off + peer.region_base, p.length), axis=1)
+                    local = np.stack((addresses(p.src_off, me.bases), p.length), axis=1)
+                    remote = np.stack((addresses(p.dst_off, peer.region_bases), p.length), axis=1)
                     self.ctx.trace.stamp(a.transfer_id, "p.daemon.planned")
-                    h = tr.write(peer.agent_name, local, remote, notif)
+                    h = tr.write(peer.agent_name, local, remote, notif, remote_mem_type=peer.mem_type,
+                                 remote_device=peer.device)
                 self.ctx.trace.stamp(a.transfer_id, "p.daemon.write_posted")
             except PlanError as exc:
                 err = f"plan: {exc}"
@@ -332,7 +335,7 @@ class PrefillSide:
                 if now - f.started > self.cfg.write_timeout_s:
                     self.ctx.metrics.timeout("write")
                     self._finish(key, f, now, f"WRITE timed out after {self.cfg.write_timeout_s:.1f}s",
-                                 rv.Cause.TIMEOUT)
+                                 rv.Cause.WRITE_TIMEOUT)
                     activity = True
                 continue
             activity = True
@@ -389,6 +392,8 @@ class PrefillSide:
                     msg: Any = (proto.Sent(act.transfer_id, 0) if act.ok
                                 else proto.SendFailed(act.transfer_id, 0, _reason(act.reason)))
                     self.ctx.metrics.transfer_finished("prefill", "ok" if act.ok else "failed")
+                    if act.cause in (rv.Cause.LEASE_EXPIRED, rv.Cause.UNCLAIMED):
+                        self._lease_ended(act)
                     # Stamped before it leaves: the timeline stays causal across processes.
                     self.ctx.trace.stamp(act.transfer_id, "p.daemon.sent" if act.ok else "p.daemon.send_failed")
                     self.ctx.to_engine(msg)
@@ -396,12 +401,44 @@ class PrefillSide:
                     peer = self.consumer(act.peer)
                     if peer is not None:
                         self.ctx.wire.to_consumer(peer.routing_id, proto.WriteFailedNotice(
-                            act.transfer_id, act.attempt, self.ctx.rank, _reason(act.reason)))
+                            act.transfer_id, act.attempt, self.ctx.rank, _reason(act.reason),
+                            may_land=act.cause is rv.Cause.WRITE_TIMEOUT))
                 elif isinstance(act, rv.ConfirmCancel):
                     peer = self.consumer(act.peer)
                     if peer is not None:
                         self.ctx.wire.to_consumer(peer.routing_id, proto.CancelConfirmed(
                             act.transfer_id, act.attempt, self.ctx.rank))
+
+    def _lease_ended(self, act: rv.ReleaseBlocks) -> None:
+        """Blocks held for the whole lease: count them, and say so once per cause (a router or
+        decode engine that never registers would otherwise just starve this engine quietly)."""
+        unclaimed = act.cause is rv.Cause.UNCLAIMED
+        self.ctx.metrics.lease_expiry("none" if unclaimed else "partial", len(act.block_ids))
+        if act.cause in self._lease_said:
+            return
+        self._lease_said.add(act.cause)
+        lease = self.cfg.lease_s
+        if unclaimed:
+            log.warning("transfer %s: %d source blocks held for their whole lease (<= %.0f s) and no decode side "
+                        "registered: is the decode engine using kvpush, and does the router send both legs? "
+                        "(further cases: kvpush_lease_expired_total{registered=\"none\"})",
+                        act.transfer_id, len(act.block_ids), lease)
+        else:
+            log.warning("transfer %s: lease ended before every decode rank registered; %d source blocks released "
+                        "(further cases: kvpush_lease_expired_total{registered=\"partial\"})",
+                        act.transfer_id, len(act.block_ids))
+
+    def report_held(self, now: float) -> None:
+        """Held source blocks by state, and the oldest hold nobody registered for (at scrape time:
+        O(transfers), not on the loop)."""
+        by_state = dict.fromkeys((rv.State.WAIT_REGISTER, rv.State.WRITING, rv.State.DRAINING), 0)
+        oldest = 0.0
+        for p in self.rdv.pending(now):
+            if p.blocks:
+                by_state[p.state] = by_state.get(p.state, 0) + p.blocks
+                if p.state is rv.State.WAIT_REGISTER and p.attempt < 0:
+                    oldest = max(oldest, p.age)
+        self.ctx.metrics.set_held({str(k): v for k, v in by_state.items()}, oldest)
 
     # ------------------------------------------------------------------ time, ops, shutdown
 

@@ -356,8 +356,15 @@ def _why_invalid(rv: Rendezvous, ev: Register, rec: _Transfer | None = None) -> 
         return "transfer was registered by another peer"
     if ev.attempt < 0:
         return "negative attempt"
-    if ev.expected_dests < 1 or not 0 <= ev.dest_rank < ev.expected_dests:
-        return f"dest_rank {ev.dest_rank} outside expected_dests {ev.expected_dests}"
+    if ev.expected_dests < 1 or ev.dest_rank < 0:
+        return f"dest_rank {ev.dest_rank} / expected_dests {ev.expected_dests}"
+    # Destination ranks are the consumers' TP ranks (TP 2 -> 4: producer 1 writes ranks 2 and
+    # 3, MLA: rank r of 4 hears from r % 2), so they are not below expected_dests; what must
+    # hold is that no more than expected_dests distinct destinations join one attempt.
+    # (A registration that disagrees on expected_dests is the `inconsistent` row's to end.)
+    if (rec is not None and ev.attempt == rec.attempt and ev.expected_dests == rec.expected
+            and ev.dest_rank not in rec.regs and len(rec.regs) >= rec.expected):
+        return f"dest_rank {ev.dest_rank} would exceed expected_dests {rec.expected}"
     if ev.deadline <= rv.now:
         return "registration deadline already passed"
     return None
@@ -708,7 +715,10 @@ def end_timeout(rv: Rendezvous, rec: _Transfer, ev: _Deadline, out: list) -> Non
 
 
 def fail_lease(rv: Rendezvous, rec: _Transfer, ev: _Deadline, out: list) -> None:
-    _fail(rec, "lease expired", Cause.LEASE_EXPIRED, out)
+    if rec.attempt < 0:  # nobody came: worth telling apart (a router or decode engine not using kvpush)
+        _fail(rec, "lease expired: no decode side registered", Cause.UNCLAIMED, out)
+    else:
+        _fail(rec, "lease expired", Cause.LEASE_EXPIRED, out)
 
 
 # ========================================================================= the table

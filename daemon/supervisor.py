@@ -50,6 +50,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvpush.daemon import opsclient, sdnotify
 from kvpush.daemon.config import DeviceConfig, NodeConfig
+from kvpush.daemon.context import FENCE_EXIT_CODE
 from kvpush.proto.messages import OpsRequest
 from kvpush.proto.ops import MetricsReply
 
@@ -290,8 +291,9 @@ class Supervisor:
                       c.next_start - now)
         else:
             c.state = ChildState.BACKOFF
-            log.warning("%s exited (%s) after %.1fs; restarting in %.2fs", c.cfg.name,
-                        c.last_exit, ran, delay)
+            why = " (it fenced: a WRITE could still arrive)" if c.last_exit == FENCE_EXIT_CODE else ""
+            log.warning("%s exited (%s)%s after %.1fs; restarting in %.2fs", c.cfg.name,
+                        c.last_exit, why, ran, delay)
 
     def step(self) -> None:
         """One supervision pass: reap, promote ready children, restart due ones, sample."""

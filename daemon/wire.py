@@ -10,6 +10,7 @@ failing never takes the loop down.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -49,6 +50,8 @@ class ZmqWire:
         self._monitor: zmq.Socket | None = ep.engine_monitor
         self.dealers: dict[str, zmq.Socket] = {}  # prefill daemon endpoint -> our DEALER
         self._by_sock: dict[zmq.Socket, str] = {}
+        self._monitors: dict[str, zmq.Socket] = {}  # endpoint -> its DEALER's disconnect monitor
+        self._closed_at: dict[str, float] = {}  # endpoint -> when the producer's end closed
         self.poller = zmq.Poller()
         for s in (ep.engine, ep.peer, ep.ops):
             self.poller.register(s, zmq.POLLIN)
@@ -74,7 +77,18 @@ class ZmqWire:
         self.poller.register(sock, zmq.POLLIN)
         self.dealers[endpoint] = sock
         self._by_sock[sock] = endpoint
+        # Disconnect events tell a dead producer (its kernel closed the TCP connection) from a
+        # partition (nothing closes): only the latter can deliver a WRITE late.
+        self._monitors[endpoint] = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         return node
+
+    def connection_closed(self, endpoint: str, since: float) -> bool:
+        mon = self._monitors.get(endpoint)
+        if mon is not None:
+            while mon.poll(0):
+                mon.recv_multipart()  # one event: (event id + value, address)
+                self._closed_at[endpoint] = time.monotonic()
+        return self._closed_at.get(endpoint, -1.0) >= since
 
     def to_producer(self, endpoint: str, msg: Any) -> None:
         sock = self.dealers.get(endpoint)
@@ -87,6 +101,12 @@ class ZmqWire:
 
     def close_producer(self, endpoint: str) -> None:
         sock = self.dealers.pop(endpoint, None)
+        mon = self._monitors.pop(endpoint, None)
+        self._closed_at.pop(endpoint, None)
+        if mon is not None:
+            if sock is not None:
+                sock.disable_monitor()
+            mon.close(0)
         if sock is None:
             return
         self._by_sock.pop(sock, None)

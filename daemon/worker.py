@@ -40,6 +40,7 @@ from kvpush.daemon.peers import Link
 from kvpush.daemon.prefill_side import PrefillSide
 from kvpush.daemon.transport import NixlTransport
 from kvpush.daemon.wire import ZmqWire, frame_cred, frame_node
+from kvpush.proto.card import DaemonCard, card_path, remove_card, write_card
 
 log = logging.getLogger("kvpush.worker")
 
@@ -107,6 +108,7 @@ class Worker:
             self.cfg.name, self.cfg.engine_socket, self.ctx.peer_endpoint, self.cfg.ops_socket,
             self.ctx.agent_name,
         )
+        self._publish_card()
         if ready is not None:
             ready.set()
         while not self.stopping:
@@ -186,8 +188,24 @@ class Worker:
 
     # ------------------------------------------------------------------ shutdown
 
+    def _publish_card(self) -> None:
+        """Tell the node's engines this daemon's peer endpoint (proto.card: a prefill engine
+        behind a serial proxy returns it in its response)."""
+        path = card_path(self.cfg.engine_socket)
+        if path is None:
+            return
+        node = "" if self.ctx.auth is None else self.ctx.auth.me.name
+        try:
+            write_card(path, DaemonCard(self.ctx.peer_endpoint, self.ctx.daemon_id, node),
+                       self.cfg.socket_mode & 0o666)
+        except (OSError, ValueError) as exc:
+            log.warning("cannot write the daemon card %s (serial proxies will not find this daemon): %s", path, exc)
+
     def shutdown(self) -> None:
         log.info("daemon %s stopping", self.cfg.name)
+        path = card_path(self.cfg.engine_socket)
+        if path is not None:
+            remove_card(path)
         self.prefill.fail_all("daemon shutting down")
         self.decode.fail_all("daemon shutting down")
         self.prefill.wait_in_flight(min(self.cfg.write_timeout_s, 5.0))
@@ -198,7 +216,8 @@ class Worker:
         except Exception as exc:
             log.warning("NIXL close: %s", exc)
         if self.ctx.attached is not None:
-            self.ctx.attached.region.close()
+            for region in self.ctx.attached.regions:
+                region.close()
             self.ctx.attached = None
         self.session.shutdown()
         self.wire.close()

@@ -5,7 +5,10 @@ Required:
                     ({rank} = TP rank, {device} = local device index; default index = rank)
 Optional:
   lease_ms          prefill side: how long the daemon may hold finished blocks waiting for a
-                    registration before releasing them (default 30000)
+                    registration before releasing them (default 10000: with a router that sends
+                    both legs at once, or a serial proxy, the decode side registers within its
+                    queueing delay; a decode side that never comes costs at most this long; the
+                    daemon caps it at its lease_s)
   timeout_ms        decode side: how long a registration waits for every producer before the
                     load fails and vLLM recomputes (default 30000)
   device_offset     added to the rank for {device} (several engines on one node; default 0)
@@ -27,7 +30,7 @@ class PluginConfigError(ValueError):
 @dataclass(frozen=True)
 class PluginConfig:
     daemon: str
-    lease_ms: int = 30_000
+    lease_ms: int = 10_000
     timeout_ms: int = 30_000
     device_offset: int = 0
     unavailable_fail: bool = True

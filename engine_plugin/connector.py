@@ -26,7 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvpush.engine_plugin.config import PluginConfig
 from kvpush.engine_plugin.metadata import KVPushMetadata
 from kvpush.engine_plugin.scheduler import KVPushScheduler
-from kvpush.engine_plugin.stats import KVPushStats, StatsDelta
+from kvpush.engine_plugin.stats import KVPushPromMetrics, KVPushStats, StatsDelta
 from kvpush.engine_plugin.worker import KVPushWorker
 
 if TYPE_CHECKING:
@@ -53,7 +53,8 @@ class KVPushConnector(KVConnectorBase_V1):
         self.worker: KVPushWorker | None = None
         self._stats = StatsDelta()
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = KVPushScheduler(self.cfg, self.block_size)
+            self.scheduler = KVPushScheduler(self.cfg, self.block_size,
+                                             vllm_config.parallel_config.tensor_parallel_size)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -67,6 +68,8 @@ class KVPushConnector(KVConnectorBase_V1):
                 tp_size=tp,
                 model=os.path.basename(str(mc.model).rstrip("/")),
                 total_kv_heads=mc.get_total_num_kv_heads(),
+                vllm_config=vllm_config,
+                kv_cache_config=kv_cache_config,
             )
         prefix = os.environ.get("KVPUSH_PROFILE_HOOKS")
         if prefix:  # opt-in: unset, no hook is wrapped and nothing costs anything
@@ -147,11 +150,17 @@ class KVPushConnector(KVConnectorBase_V1):
         ranks' (KVPushStats.aggregate) and logs them once per interval."""
         if self.worker is None:
             return None
-        return self._stats.take(self.worker.stats_totals())
+        return self._stats.take(self.worker.stats_totals(), self.worker.samples.take())
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return KVPushStats(data=dict(data) if data else {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVPushPromMetrics:
+        """``vllm:kvpush_*`` series on the engine's /metrics (vLLM calls this in its API server)."""
+        return KVPushPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.worker is not None:

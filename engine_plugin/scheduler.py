@@ -5,7 +5,10 @@ load; once blocks are allocated it is staged for registration (the worker half
 publishes Register next step, overlapping the prefill engine's compute).
 Prefill side: a request with ``do_remote_decode`` that finished normally keeps
 its blocks ("delay free") and is staged for PrefillDone; the worker half reports
-it finished sending once the daemon says Sent or SendFailed.
+it finished sending once the daemon says Sent or SendFailed. It answers with the
+decode leg's params (its transfer ID and its daemons' endpoints), so that a serial
+proxy, which forwards them verbatim to the decode engine, gets a push too; a serial
+prefill leg carries no transfer ID and the engine names the transfer itself.
 
 Everything here runs on the engine loop and is O(requests touched).
 """
@@ -13,12 +16,14 @@ Everything here runs on the engine loop and is O(requests touched).
 from __future__ import annotations
 
 import logging
+import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvpush.engine_plugin.cards import DaemonCards
 from kvpush.engine_plugin.config import PluginConfig
 from kvpush.engine_plugin.metadata import AbortReq, KVPushMetadata, RegisterReq, SendReq
-from kvpush.proto.params import DO_REMOTE_PREFILL, decode_leg, prefill_leg
+from kvpush.proto.params import DO_REMOTE_PREFILL, DecodeLeg, PrefillLeg, decode_leg, prefill_leg
 from kvpush.proto.trace import now_ns
 
 if TYPE_CHECKING:
@@ -39,9 +44,12 @@ class _Recv:
 
 
 class KVPushScheduler:
-    def __init__(self, cfg: PluginConfig, block_size: int) -> None:
+    def __init__(self, cfg: PluginConfig, block_size: int, tp_size: int = 1) -> None:
         self.cfg = cfg
         self.block_size = block_size
+        self.tp_size = tp_size
+        self.cards = DaemonCards(cfg, tp_size)
+        self._named: dict[str, str] = {}  # prefill: req_id -> transfer ID this engine made (serial leg)
         self._meta = KVPushMetadata()
         self._recv: dict[str, _Recv] = {}  # decode: req_id -> live registration
         self._done_recv: set[str] = set()  # decode: loads finished (ok or failed); never re-claim
@@ -57,11 +65,11 @@ class KVPushScheduler:
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         rid = request.request_id
-        pleg = prefill_leg(request.kv_transfer_params)
-        if pleg is not None and request.max_tokens == 1 and rid not in self._early:
+        tid = self._prefill_tid(request)
+        if tid is not None and request.max_tokens == 1 and rid not in self._early:
             # Its one output token is sampled by the step that ends its prompt: PrefillDone
             # can go out right after that forward instead of a step later.
-            self._candidates[rid] = pleg.transfer_id
+            self._candidates[rid] = tid
         dleg = decode_leg(request.kv_transfer_params)
         if dleg is None:
             self._warn_unusable(request.kv_transfer_params)
@@ -73,6 +81,28 @@ class KVPushScheduler:
             return 0, False
         self._meta.stamps.append((dleg.transfer_id, "d.plugin.claim", now_ns()))
         return count, True
+
+    def _prefill_tid(self, request: Request) -> str | None:
+        """The transfer ID of a prefill leg: the router's, or one made here once per request for
+        a serial proxy's leg (and only while this engine's daemons can be named in the answer:
+        otherwise nothing would come for the blocks, so they are not held)."""
+        leg: PrefillLeg | None = prefill_leg(request.kv_transfer_params)
+        if leg is None:
+            return None
+        if leg.transfer_id is not None:
+            return leg.transfer_id
+        rid = request.request_id
+        tid = self._named.get(rid)
+        if tid is None:
+            if self.cards.endpoints() is None:
+                return None
+            tid = self._named[rid] = f"kvps-{uuid.uuid4().hex}"
+        return tid
+
+    def _answer(self, tid: str) -> dict[str, Any] | None:
+        """The decode leg's params this engine answers with (a serial proxy forwards them)."""
+        eps = self.cards.endpoints()
+        return None if eps is None else DecodeLeg(tid, eps, len(eps)).to_params()
 
     def _warn_unusable(self, params: dict[str, Any] | None) -> None:
         """A decode leg asks for remote prefill but names no usable prefill daemon: its prompt
@@ -125,26 +155,31 @@ class KVPushScheduler:
             return True, None
         self._candidates.pop(rid, None)
         early = self._early.pop(rid, None)
+        named = self._named.pop(rid, None)
+        leg = prefill_leg(request.kv_transfer_params)
+        serial = leg is not None and leg.serial
         ok = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
         if early is not None:
             # PrefillDone is out: the daemon may be reading these blocks. Hold them until it
             # answers; tell the worker how the request ended (it reports them free only then).
             self._held.add(rid)
-            if ok:
+            answer = self._answer(early) if ok else None
+            if ok and (answer is not None or not serial):
                 self._meta.stamps.append((early, "p.plugin.prefill_finished", now_ns()))
                 self._meta.sends.append(SendReq(rid, early, list(block_ids), request.num_prompt_tokens))
-            else:
+            else:  # aborted, or a serial leg nobody will fetch: let go at once
                 self._meta.send_aborts.append(AbortReq(rid, early, 0))
-            return True, None
-        leg = prefill_leg(request.kv_transfer_params)
-        if leg is not None:
-            if not ok or not block_ids:
-                return False, None
-            self._held.add(rid)
-            self._meta.stamps.append((leg.transfer_id, "p.plugin.prefill_finished", now_ns()))
-            self._meta.sends.append(SendReq(rid, leg.transfer_id, list(block_ids), request.num_prompt_tokens))
-            return True, None
-        return False, None
+            return True, answer
+        if leg is None or not ok or not block_ids:
+            return False, None
+        tid = named or leg.transfer_id or f"kvps-{uuid.uuid4().hex}"
+        answer = self._answer(tid)
+        if answer is None and serial:
+            return False, None  # a serial leg nobody can fetch (no daemon card): free the blocks now
+        self._held.add(rid)
+        self._meta.stamps.append((tid, "p.plugin.prefill_finished", now_ns()))
+        self._meta.sends.append(SendReq(rid, tid, list(block_ids), request.num_prompt_tokens))
+        return True, answer
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVPushMetadata:
         meta, self._meta = self._meta, KVPushMetadata()

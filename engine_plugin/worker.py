@@ -23,6 +23,7 @@ from kvpush.engine_plugin.client import DaemonClient
 from kvpush.engine_plugin.config import PluginConfig
 from kvpush.engine_plugin.memory import export_cpu_tensor, unlink_export
 from kvpush.engine_plugin.metadata import KVPushMetadata, SendReq
+from kvpush.engine_plugin.stats import TransferSamples
 from kvpush.proto.layout import KVLayout, vllm_cpu_layout
 from kvpush.proto.trace import TraceRing, now_ns
 
@@ -115,7 +116,9 @@ def _layout(kv_caches: dict[str, torch.Tensor], names: list[str], whole: torch.T
 
 class KVPushWorker:
     def __init__(self, cfg: PluginConfig, *, engine_id: str, role: str, rank: int, tp_size: int,
-                 model: str, total_kv_heads: int) -> None:
+                 model: str, total_kv_heads: int, vllm_config: Any = None, kv_cache_config: Any = None) -> None:
+        self.vllm_config = vllm_config  # read on GPU only: the attention backend and layout
+        self.kv_cache_config = kv_cache_config
         self.cfg = cfg
         self.engine_id = engine_id
         self.role = role
@@ -126,6 +129,10 @@ class KVPushWorker:
         self.endpoint = cfg.socket_for(rank)
         self.client = DaemonClient(self.endpoint)
         self.counters = TransferCounters()
+        self._said: set[tuple[str, str]] = set()  # failure reasons already logged
+        self.samples = TransferSamples()  # latency and bytes of finished transfers (stats hook)
+        self._block_bytes = 0  # this rank's bytes per block (all layers, K and V)
+        self._send_since: dict[str, tuple[float, int]] = {}  # prefill: tid -> (published, blocks)
         self.layout: KVLayout | None = None
         self._recv: dict[str, _Pending] = {}  # transfer_id -> decode registration
         self._send: dict[str, str] = {}  # transfer_id -> req_id (prefill, blocks held)
@@ -152,8 +159,15 @@ class KVPushWorker:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         first = next(iter(kv_caches.values()))
+        if first.device.type == "cuda":
+            self._register_gpu_kv_caches(kv_caches)
+            return
         if first.device.type != "cpu":
-            raise RuntimeError("kvpush: this build's plugin attaches CPU KV caches (CUDA IPC: see engine_plugin/memory.py)")
+            raise RuntimeError(f"kvpush: KV caches on {first.device.type} are not supported (CPU and CUDA are)")
+        if self.kv_cache_config is not None:  # hybrid models: refused at start-up, not wrong KV
+            from kvpush.engine_plugin.layouts import check_kv_cache_config
+
+            check_kv_cache_config(self.kv_cache_config, pages=False)
         heads = first.shape[1]
         whole, _ = describe_cpu_kv(kv_caches, model=self.model, head_start=self.rank * heads,
                                    total_heads=self.total_kv_heads)
@@ -163,10 +177,34 @@ class KVPushWorker:
                                              total_heads=self.total_kv_heads)
         self._whole = whole
         self.handle = handle
+        self._block_bytes = self.layout.block_bytes
         atexit.register(self._unlink_export)  # a normal exit that skips shutdown() too
-        self.client.attach(proto.Attach(self.engine_id, self.rank, self.tp_size, self.role, handle, self.layout))
+        self.client.attach(proto.Attach(self.engine_id, self.rank, self.tp_size, self.role, (handle,), self.layout))
         log.info("kvpush: KV cache (%d bytes, %d layers, %d blocks x %d tokens) attached to %s",
                  whole.numel(), self.layout.num_layers, self.layout.num_blocks, self.layout.block_size, self.endpoint)
+
+    def _register_gpu_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """GPU: the layout from the attention backend in use (engine_plugin.layouts), one
+        CUDA IPC handle per distinct allocation; anything not understood is refused here, at
+        start-up, never attached as a guess."""
+        from kvpush.engine_plugin.layouts import derive_layout, engine_geometry, shape_for_backend
+        from kvpush.engine_plugin.memory import export_cuda_tensor
+
+        geo = engine_geometry(self.vllm_config, self.kv_cache_config)
+        shape = shape_for_backend(geo.backend, geo.layer_view_order)
+        names = sorted(kv_caches, key=_layer_key)
+        regions, self.layout = derive_layout(
+            {n: kv_caches[n] for n in names}, shape, head_size=geo.head_size, num_kv_heads=geo.num_kv_heads,
+            num_blocks=geo.num_blocks, head_start=self.rank * geo.num_kv_heads, total_heads=self.total_kv_heads,
+            model=self.model)
+        self._regions = regions  # keeps every exported allocation alive for the daemon
+        self._block_bytes = self.layout.block_bytes
+        handles = tuple(export_cuda_tensor(r) for r in regions)
+        self.handle = None  # no shm file to unlink
+        self.client.attach(proto.Attach(self.engine_id, self.rank, self.tp_size, self.role, handles, self.layout))
+        log.info("kvpush: GPU KV cache (%s, %d layers in %d allocations, %d blocks x %d tokens) attached to %s",
+                 geo.backend, self.layout.num_layers, len(regions), self.layout.num_blocks,
+                 self.layout.block_size, self.endpoint)
 
     # ------------------------------------------------------------------ per step
 
@@ -217,6 +255,8 @@ class KVPushWorker:
             self._finish_send(s.transfer_id)
         else:
             self.counters.prefill_done += 1
+            if len(self._send_since) < 65536:  # bounded like everything the engine keeps
+                self._send_since[s.transfer_id] = (time.monotonic(), len(s.block_ids))
 
     def after_forward(self) -> None:
         """Right after the step's forward (vLLM's wait_for_save): publish the PrefillDone of
@@ -264,6 +304,7 @@ class KVPushWorker:
         log.debug("kvpush: load of %s failed: %s", tid, why)
 
     def _finish_send(self, tid: str) -> None:
+        self._send_since.pop(tid, None)
         rid = self._send.pop(tid, None)
         if rid is None:
             return
@@ -348,22 +389,26 @@ class KVPushWorker:
                 if p is not None and p.attempt == m.attempt:
                     del self._recv[tid]
                     self.counters.received += 1
+                    self.samples.record("load", time.monotonic() - p.since, len(p.block_ids) * self._block_bytes)
                     self._finished_recving.add(p.req_id)
                     self.trace.stamp(tid, "d.plugin.received_seen")
                     self._reported.append(tid)
             elif isinstance(m, proto.ReceiveFailed):
                 p = self._recv.get(tid)
                 if p is not None and p.attempt == m.attempt:
-                    log.warning("kvpush: KV of %s not received (%s); recomputing", tid, m.reason)
+                    self._say_once("not received", tid, m.reason, "recomputing")
                     self._fail_recv(tid, m.reason)
             elif isinstance(m, (proto.Sent, proto.SendFailed)):
                 if isinstance(m, proto.SendFailed):
                     self.counters.send_failed += 1
-                    log.warning("kvpush: KV of %s not sent: %s", tid, m.reason)
+                    self._say_once("not sent", tid, m.reason, "its blocks are free")
                     self.trace.stamp(tid, "p.plugin.send_failed_seen")
                 else:
                     self.counters.sent += 1
                     self.trace.stamp(tid, "p.plugin.sent_seen")
+                    since = self._send_since.get(tid)
+                    if since is not None:
+                        self.samples.record("send", time.monotonic() - since[0], since[1] * self._block_bytes)
                 self._finish_send(tid)
                 if tid not in self._unconfirmed:  # else once vLLM finished it (_confirm)
                     self._report_trace(tid)
@@ -380,6 +425,18 @@ class KVPushWorker:
                     self._daemon_lost("daemon restarted")
                 self._daemon_id = m.daemon_id
                 self._down_logged = False
+
+    def _say_once(self, what: str, tid: str, reason: str, then: str) -> None:
+        """A failed transfer, logged once per (what, reason): under a persistent fault (an
+        unreachable prefill node) the log says why without a line per request; the counts
+        are in the stats (load_failed, send_failed)."""
+        key = (what, reason)
+        if key in self._said or len(self._said) >= 64:
+            log.debug("kvpush: KV of %s %s: %s", tid, what, reason)
+            return
+        self._said.add(key)
+        log.warning("kvpush: KV of %s %s (%s); %s. Further transfers failing for this reason are counted "
+                    "(vLLM's KV Transfer metrics), not logged", tid, what, reason, then)
 
     def _daemon_lost(self, why: str) -> None:
         for tid in list(self._recv):

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 import msgpack
 
 from kvpush.proto.errors import ProtocolError
+from kvpush.proto.layout import MAX_REGIONS  # memory handles of one Attach, bases of one Hello
 from kvpush.proto.messages import MESSAGE_TYPES, PROTOCOL_VERSION, Message
 
 __all__ = [
@@ -40,6 +41,7 @@ MAX_BLOCK_IDS = 1 << 18  # block IDs of one Register / PeerRegister: 4M tokens a
 MAX_METADATA = 1 << 20  # NIXL agent metadata of one Hello (measured: ~0.5 KiB, UCX, one region)
 MAX_ENDPOINTS = 64  # prefill endpoints of one Register (prefill TP size)
 MAX_LAYERS = 1024  # layer_offsets of one KVLayout
+HANDLE_BYTES = 512  # a legitimate memory handle payload (ShmInfo, CudaIpcInfo: ~200 bytes)
 QUOTE_MAX = 200  # chars of wire input that a reply, a reason or a log line quotes
 REASON_MAX = 1024  # chars of a reason / error text a daemon sends (composed ones included)
 
@@ -207,6 +209,19 @@ class _Field:
 _SCALARS: dict[object, _Converter] = {int: _int, bool: _bool, str: _str, bytes: _bytes}
 
 
+def _nested_tuple(cls: type) -> _Converter:
+    one = _nested(cls)
+
+    def convert(v: Any, lim: Limits, path: str) -> tuple[Any, ...]:
+        if type(v) is not list:
+            raise ProtocolError(f"{path}: expected array of {cls.__name__}, got {_tname(v)}")
+        if len(v) > MAX_REGIONS:
+            raise ProtocolError(f"{path}: {len(v)} entries exceed {MAX_REGIONS}")
+        return tuple(one(item, lim, f"{path}[{i}]") for i, item in enumerate(v))
+
+    return convert
+
+
 def _converter(hint: Any, owner: str) -> tuple[_Converter, type | None]:
     if hint in _SCALARS:
         return _SCALARS[hint], None
@@ -217,6 +232,9 @@ def _converter(hint: Any, owner: str) -> tuple[_Converter, type | None]:
         return _strs, None
     if hint is dict or origin is dict:
         return _json, None
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis and dataclasses.is_dataclass(args[0]):
+        _schema(args[0])
+        return _nested_tuple(args[0]), args[0]
     if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         _schema(hint)  # fail at import, not at first use, on an unsupported nested hint
         return _nested(hint), hint
@@ -262,7 +280,11 @@ def _to_map(obj: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for f in fields:
         v = getattr(obj, f.name)
-        if f.sub is not None:
+        if f.sub is not None and type(v) is tuple:
+            if not all(type(x) is f.sub for x in v):
+                raise ProtocolError(f"{type(obj).__name__}.{f.name}: expected {f.sub.__name__} entries")
+            v = [_to_map(x) for x in v]
+        elif f.sub is not None:
             if type(v) is not f.sub:
                 raise ProtocolError(
                     f"{type(obj).__name__}.{f.name}: expected {f.sub.__name__}, got {_tname(v)}"
@@ -414,7 +436,8 @@ def _worst_layout(lim: Limits) -> Any:
     big = lim.max_int
     pk = Packing(big, big, big, big, big)
     return KVLayout(big, big, big, big, big, "float8_e4m3fn", (big,) * MAX_LAYERS, big, big, big,
-                    pk, pk, big, big, big, "m" * lim.max_str)
+                    pk, pk, big, big, big, "m" * lim.max_str, (big,) * MAX_LAYERS, (big,) * MAX_REGIONS,
+                    big, True)
 
 
 def largest_inbound(lim: Limits = DEFAULT_LIMITS) -> int:
@@ -432,8 +455,9 @@ def largest_inbound(lim: Limits = DEFAULT_LIMITS) -> int:
     worst = (
         m.Register(s, big, ids, big, (s,) * MAX_ENDPOINTS, big, big, big),
         m.PeerRegister(s, big, ids, big, big, big, big, big, big),
-        m.Hello(s, b"\0" * MAX_METADATA, lay, big, big, s, s, big, big, s, True),
-        m.Attach(s, big, big, "prefill", m.MemoryHandle("cpu_shm", b"\0" * 4096, big, big, big), lay),
+        m.Hello(s, b"\0" * MAX_METADATA, lay, (big,) * MAX_REGIONS, big, s, s, big, big, s, True),
+        m.Attach(s, big, big, "prefill",
+                 (m.MemoryHandle("cpu_shm", b"\0" * HANDLE_BYTES, big, big, big),) * MAX_REGIONS, lay),
     )
     return max(len(encode(w)) for w in worst)
 

@@ -15,9 +15,10 @@ from typing import Any, TypeVar
 
 from kvpush.proto.layout import KVLayout
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: Attach carries one MemoryHandle per region, Hello one base per region
 
 MEMORY_KINDS = frozenset({"cpu_shm", "cuda_ipc"})
+MEM_TYPES = frozenset({"DRAM", "VRAM"})  # NIXL memory types of registered regions
 ROLES = frozenset({"prefill", "decode", "both"})
 OPS_COMMANDS = frozenset({"status", "pending", "peers", "transfers", "cancel", "drain", "metrics", "trace"})
 
@@ -60,13 +61,16 @@ class MemoryHandle:
 @message
 @dataclass(frozen=True, slots=True)
 class Attach:
-    """An engine rank hands its daemon the KV memory and how it is laid out."""
+    """An engine rank hands its daemon the KV memory and how it is laid out.
+
+    ``regions``: every distinct allocation of the rank's KV, in the layout's region order
+    (vLLM-cpu: one storage; vLLM on GPU: one per layer or per shared KV tensor)."""
 
     engine_id: str
     rank: int
     tp_size: int
     role: str = choice(ROLES)
-    memory: MemoryHandle
+    regions: tuple[MemoryHandle, ...]
     layout: KVLayout
 
 
@@ -214,7 +218,7 @@ class Hello:
     agent_name: str
     agent_metadata: bytes
     layout: KVLayout
-    region_base: int
+    region_bases: tuple[int, ...]  # address of each registered region, in the layout's order
     version: int
     compat: str
     engine_id: str
@@ -222,6 +226,8 @@ class Hello:
     tp_size: int
     endpoint: str
     reply: bool = False
+    mem_type: str = choice(MEM_TYPES, "DRAM")  # of every region (VRAM: CUDA IPC on GPU)
+    device: int = 0  # the regions' device (the GPU index in NIXL's descriptors)
 
 
 @message
@@ -263,12 +269,15 @@ class CancelConfirmed:
 @message
 @dataclass(frozen=True, slots=True)
 class WriteFailedNotice:
-    """Producer could not post or complete its WRITEs; the consumer stops waiting for it."""
+    """Producer could not post or complete its WRITEs; the consumer stops waiting for it.
+    ``may_land``: a WRITE was posted and did not finish (it timed out): NIXL cannot recall
+    it, so it may still arrive; the consumer must fence before reusing its blocks."""
 
     transfer_id: str
     attempt: int
     producer_rank: int
     reason: str
+    may_land: bool = False
 
 
 @message

@@ -24,16 +24,28 @@ REMOTE_PORT = "remote_port"
 TP_SIZE = "tp_size"
 PP_SIZE = "pp_size"
 MAX_TP = 1024  # a bound on what a request may claim, not a limit of any deployment
+MAX_TRANSFER_ID = 256  # the daemons' own bound on a transfer ID is configured; this one guards parsing
 
 
 @dataclass(frozen=True)
 class PrefillLeg:
-    """What the prefill engine is told: compute, then hand the KV to ``transfer_id``'s decoder."""
+    """What the prefill engine is told: compute, then hand the KV to ``transfer_id``'s decoder.
 
-    transfer_id: str
+    ``transfer_id`` None: a serial proxy's prefill leg (``do_remote_decode`` alone, as vLLM's
+    toy proxy sends it). The prefill engine then names the transfer itself and answers with
+    the decode leg's params (:meth:`DecodeLeg.to_params`), which the proxy forwards to D."""
+
+    transfer_id: str | None
+
+    @property
+    def serial(self) -> bool:
+        return self.transfer_id is None
 
     def to_params(self) -> dict[str, Any]:
-        return {DO_REMOTE_DECODE: True, TRANSFER_ID: self.transfer_id}
+        out: dict[str, Any] = {DO_REMOTE_DECODE: True}
+        if self.transfer_id is not None:
+            out[TRANSFER_ID] = self.transfer_id
+        return out
 
 
 @dataclass(frozen=True)
@@ -47,6 +59,7 @@ class DecodeLeg:
     def to_params(self) -> dict[str, Any]:
         return {
             DO_REMOTE_PREFILL: True,
+            DO_REMOTE_DECODE: False,
             TRANSFER_ID: self.transfer_id,
             PREFILL_ENDPOINTS: list(self.prefill_endpoints),
             PREFILL_TP_SIZE: self.prefill_tp_size,
@@ -55,10 +68,14 @@ class DecodeLeg:
 
 def prefill_leg(params: Mapping[str, Any] | None) -> PrefillLeg | None:
     """The prefill leg these params describe, or None (not a kvpush prefill leg)."""
-    if not params or not params.get(DO_REMOTE_DECODE):
+    if not params or params.get(DO_REMOTE_DECODE) is not True:
         return None
     tid = params.get(TRANSFER_ID)
-    return PrefillLeg(str(tid)) if tid else None
+    if tid is None:
+        return PrefillLeg(None)  # serial proxy: the prefill engine names the transfer
+    if not isinstance(tid, str) or not 0 < len(tid) <= MAX_TRANSFER_ID:
+        return None
+    return PrefillLeg(tid)
 
 
 def _int(v: Any, lo: int, hi: int) -> int | None:

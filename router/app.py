@@ -10,14 +10,12 @@ are built with :mod:`kvpush.proto.params`, the contract the engine plugin parses
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import itertools
 import logging
 import socket
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -25,6 +23,7 @@ from aiohttp import web
 
 from kvpush.proto.params import DecodeLeg, PrefillLeg
 from kvpush.proto.trace import TraceRing
+from kvpush.router.config import Backend, RouterConfig
 from kvpush.router.front import (
     BadRequest,
     LegFailed,
@@ -34,38 +33,9 @@ from kvpush.router.front import (
     front_app,
     json_body,
 )
+from kvpush.router.metrics import RouterMetrics
 
 log = logging.getLogger("kvpush.router")
-
-
-@dataclass
-class Backend:
-    url: str
-    kv_endpoints: list[str] = field(default_factory=list)
-    in_flight: int = 0
-    served: int = 0
-    failed: int = 0
-
-
-@dataclass
-class RouterConfig:
-    prefill: list[Backend]
-    decode: list[Backend]
-    policy: str = "least-loaded"
-    connect_timeout_s: float = 10.0
-    prefill_timeout_s: float = 300.0
-    request_timeout_s: float = 600.0
-    mode: str = "push"  # push: both legs at once; pull-style sequential P then D is not offered
-
-
-def parse_prefill(spec: str) -> Backend:
-    url, _, eps = spec.partition("=")
-    if not url.startswith("http"):
-        raise argparse.ArgumentTypeError(f"--prefill wants URL=tcp://host:port[,...], got {spec!r}")
-    endpoints = [e for e in eps.split(",") if e]
-    if not endpoints:
-        raise argparse.ArgumentTypeError(f"--prefill {url}: name its daemon peer endpoint(s) after '='")
-    return Backend(url.rstrip("/"), endpoints)
 
 
 class Router(Upstreams):
@@ -74,6 +44,8 @@ class Router(Upstreams):
         self.connect_timeout_s = cfg.connect_timeout_s
         self._rr = {"p": itertools.cycle(range(len(cfg.prefill))), "d": itertools.cycle(range(len(cfg.decode)))}
         self.stats = {"requests": 0, "errors": 0}
+        self.metrics = RouterMetrics()
+        self.draining = False
         # Per-request timeline (kvpushctl trace --router URL) and x-request-id -> transfer_id.
         self.trace = TraceRing()
         self.request_ids: dict[str, str] = {}
@@ -93,9 +65,30 @@ class Router(Upstreams):
 
     async def status(self, _req: web.Request) -> web.Response:
         def rows(pool: list[Backend]) -> list[dict[str, Any]]:
-            return [{"url": b.url, "in_flight": b.in_flight, "served": b.served, "failed": b.failed} for b in pool]
+            return [{"url": b.url, "in_flight": b.in_flight, "served": b.served, "failed": b.failed,
+                     **({"kv_endpoints": b.kv_endpoints} if b.kv_endpoints else {})} for b in pool]
 
-        return web.json_response({**self.stats, "prefill": rows(self.cfg.prefill), "decode": rows(self.cfg.decode)})
+        return web.json_response({**self.stats, "draining": self.draining,
+                                  "prefill": rows(self.cfg.prefill), "decode": rows(self.cfg.decode)})
+
+    async def health(self, req: web.Request) -> web.Response:
+        if self.draining:  # load balancers take us out while in-flight requests finish
+            return web.json_response({"status": "draining"}, status=503)
+        return await super().health(req)
+
+    async def metrics_view(self, _req: web.Request) -> web.Response:
+        for pool, backends in (("prefill", self.cfg.prefill), ("decode", self.cfg.decode)):
+            for b in backends:
+                self.metrics.in_flight.labels(pool, b.url).set(b.in_flight)
+        return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
+
+    async def begin_shutdown(self, _app: web.Application) -> None:
+        """SIGTERM: the listening socket is closed already; refuse what still arrives on open
+        connections and let requests in flight finish (up to ``shutdown_grace_s``)."""
+        self.draining = True
+        self.metrics.draining.set(1)
+        busy = sum(b.in_flight for b in self.cfg.decode)
+        log.info("shutting down: %d request(s) in flight get up to %.0f s to finish", busy, self.cfg.shutdown_grace_s)
 
     async def trace_view(self, req: web.Request) -> web.Response:
         """``?transfer_id=`` or ``?request_id=``: this router's stamps of one request."""
@@ -103,10 +96,21 @@ class Router(Upstreams):
         return web.json_response({"host": socket.gethostname(), **self.trace.view(tid)})
 
     async def completions(self, req: web.Request) -> web.StreamResponse:
-        return await self.forward(req, req.path)
+        t0 = time.monotonic()
+        resp = await self.forward(req, req.path, t0)
+        self.metrics.requests.labels(req.path, str(resp.status)).inc()
+        if resp.status == 200:
+            self.metrics.latency.labels(str(self._streamed(resp)).lower()).observe(time.monotonic() - t0)
+        return resp
 
-    async def forward(self, req: web.Request, path: str) -> web.StreamResponse:
+    @staticmethod
+    def _streamed(resp: web.StreamResponse) -> bool:
+        return "event-stream" in resp.headers.get("content-type", "")
+
+    async def forward(self, req: web.Request, path: str, t0: float) -> web.StreamResponse:
         assert self.session is not None
+        if self.draining:
+            return _error(503, "kvpush-router is shutting down")
         try:
             body = await json_body(req)
         except BadRequest as exc:
@@ -152,6 +156,7 @@ class Router(Upstreams):
                     text = await upstream.text()
                     prefill.cancel()
                     d.failed += 1
+                    self.metrics.leg_failed("decode", None)
                     return _error(upstream.status, f"decode engine {d.url}: {text[:500]}")
                 resp = web.StreamResponse(status=200, headers={
                     "content-type": upstream.headers.get("content-type", "application/json"),
@@ -161,6 +166,7 @@ class Router(Upstreams):
                 async for chunk in decode_chunks(upstream, prefill):
                     if first:
                         self.trace.stamp(transfer_id, "router.decode_first_byte")
+                        self.metrics.ttft.labels(str(self._streamed(resp)).lower()).observe(time.monotonic() - t0)
                         first = False
                     await resp.write(chunk)
                 # The decode leg finished; the prefill leg must have succeeded too.
@@ -178,6 +184,7 @@ class Router(Upstreams):
             prefill.cancel()
             d.failed += 1
             self.stats["errors"] += 1
+            self.metrics.leg_failed("decode", exc)
             if resp is None:
                 return _error(502, f"decode engine {d.url}: {type(exc).__name__}: {exc}")
             return resp
@@ -200,9 +207,11 @@ class Router(Upstreams):
                 text = await r.text()
                 if r.status != 200:
                     p.failed += 1
+                    self.metrics.leg_failed("prefill", None)
                     raise LegFailed(f"prefill engine {p.url} answered {r.status}: {text[:500]}")
         except (TimeoutError, aiohttp.ClientError) as exc:
             p.failed += 1
+            self.metrics.leg_failed("prefill", exc)
             raise LegFailed(f"prefill engine {p.url}: {type(exc).__name__}: {exc}") from exc
         p.served += 1
         self.trace.stamp(transfer_id, "router.prefill_answered")
@@ -217,5 +226,7 @@ def build_app(cfg: RouterConfig) -> web.Application:
     r = Router(cfg)
     app = front_app(r, "/router/status")
     app.router.add_get("/router/trace", r.trace_view)
+    app.router.add_get("/metrics", r.metrics_view)
+    app.on_shutdown.append(r.begin_shutdown)
     app["router"] = r
     return app

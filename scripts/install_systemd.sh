@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install kvpushd as a systemd service on this node (run as root, from a checkout):
-#   sudo scripts/install_systemd.sh
+#   sudo scripts/install_systemd.sh            kvpushd (one per node)
+#   sudo scripts/install_systemd.sh --router   also kvpush-router (on the node that fronts the engines)
 # Creates the kvpush system user/group, a virtualenv in /opt/kvpush/venv with this repo
 # installed, the unit in /etc/systemd/system and the example config in
 # /etc/kvpush/kvpushd.toml (an existing config is kept), then reloads systemd.
@@ -17,6 +18,15 @@ PY="${PYTHON:-python3}"
 UNIT_SRC="$ROOT/scripts/systemd/kvpushd.service"
 CONF_SRC="$ROOT/scripts/systemd/kvpushd.toml"
 UNIT_DST=/etc/systemd/system/kvpushd.service
+ROUTER_UNIT_SRC="$ROOT/scripts/systemd/kvpush-router.service"
+ROUTER_CONF_SRC="$ROOT/scripts/systemd/router.toml"
+ROUTER=0
+for arg in "$@"; do
+  case $arg in
+    --router) ROUTER=1 ;;
+    *) echo "install_systemd: unknown argument $arg (known: --router)" >&2; exit 2 ;;
+  esac
+done
 CONF_DIR=/etc/kvpush
 CONF_DST="$CONF_DIR/kvpushd.toml"
 
@@ -92,6 +102,17 @@ fi
 install -m 0644 "$UNIT_SRC" "$UNIT_DST"
 if command -v systemd-analyze >/dev/null; then
   systemd-analyze verify "$UNIT_DST"
+fi
+if [[ $ROUTER == 1 ]]; then
+  if [[ ! -e $CONF_DIR/router.toml ]]; then
+    install -m 0644 "$ROUTER_CONF_SRC" "$CONF_DIR/router.toml"
+    echo "installed example router config $CONF_DIR/router.toml: name your engines"
+  fi
+  install -m 0644 "$ROUTER_UNIT_SRC" /etc/systemd/system/kvpush-router.service
+  if command -v systemd-analyze >/dev/null; then
+    systemd-analyze verify /etc/systemd/system/kvpush-router.service
+  fi
+  echo "kvpush-router installed: systemctl enable --now kvpush-router"
 fi
 systemctl daemon-reload
 

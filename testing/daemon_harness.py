@@ -22,7 +22,7 @@ from kvpush import proto
 from kvpush.daemon import opsclient
 from kvpush.daemon.config import DeviceConfig
 from kvpush.engine_plugin.client import DaemonClient
-from kvpush.engine_plugin.memory import export_cpu_tensor, unlink_export
+from kvpush.engine_plugin.memory import export_cpu_tensor, export_cuda_tensor, unlink_export
 from kvpush.proto import naming
 from kvpush.proto.layout import KVLayout
 from kvpush.proto.memory import shm_info
@@ -117,23 +117,35 @@ class Daemon:
 
 
 class Engine:
-    """An engine rank: KV memory in shared memory plus a client of its daemon."""
+    """An engine rank: KV memory in shared memory plus a client of its daemon.
+
+    ``regions``: the rank's allocations (uint8 tensors over each storage, as
+    :func:`kvpush.engine_plugin.layouts.derive_layout` returns them, e.g. one per layer like
+    vLLM on GPU); each moves into its own shm file in place, so the caller's per-layer views
+    follow. Without it, one region of ``layout.region_size`` bytes (``fill``, ``seed``)."""
 
     def __init__(
         self, daemon: Daemon, layout: KVLayout, role: str, *, rank: int = 0, tp: int = 1,
         engine_id: str = "", fill: str = "random", seed: int = 0,
+        regions: list[torch.Tensor] | None = None,
     ) -> None:
         self.layout = layout
-        if fill == "random":
-            g = torch.Generator().manual_seed(seed)
-            self.kv = torch.randint(0, 256, (layout.region_size,), dtype=torch.uint8, generator=g)
-        else:
-            self.kv = torch.zeros(layout.region_size, dtype=torch.uint8)
-        self.handle = export_cpu_tensor(self.kv)
+        if regions is None:
+            if fill == "random":
+                g = torch.Generator().manual_seed(seed)
+                regions = [torch.randint(0, 256, (layout.region_size,), dtype=torch.uint8, generator=g)]
+            else:
+                regions = [torch.zeros(layout.region_size, dtype=torch.uint8)]
+        self.regions = regions
+        self.kv = regions[0]
+        # CUDA regions (scripts/gpu_check.sh) travel as CUDA IPC handles, CPU ones as shm files.
+        self.handles = tuple(export_cuda_tensor(r) if r.device.type == "cuda" else export_cpu_tensor(r)
+                             for r in regions)
+        self.handle = self.handles[0]
         self.client = DaemonClient(daemon.cfg.engine_socket)
         self.inbox: list[Any] = []
         self.client.attach(
-            proto.Attach(engine_id or f"{role}-{rank}", rank, tp, role, self.handle, layout)
+            proto.Attach(engine_id or f"{role}-{rank}", rank, tp, role, self.handles, layout)
         )
         self.wait_for(lambda m: isinstance(m, proto.AttachAck), 20)
 
@@ -176,8 +188,10 @@ class Engine:
         """Close the link and unlink the KV shm file, as the plugin does at shutdown (our
         mapping, and the daemon's, stay valid)."""
         self.client.close()
-        with contextlib.suppress(FileNotFoundError):
-            unlink_export(self.handle)
+        for h in self.handles:
+            if h.kind == "cpu_shm":
+                with contextlib.suppress(FileNotFoundError):
+                    unlink_export(h)
 
 
 # ---- an engine in its own process (local trust tests: other processes, killed engines) ----
@@ -218,7 +232,7 @@ def _engine_child(socket_path: str, layout: KVLayout, engine_id: str, how: str,
     own = export_cpu_tensor(kv)
     handle, planted = _forge(how, own, victim)
     client = DaemonClient(socket_path)
-    client.attach(proto.Attach(engine_id, 0, 1, "decode", handle, layout))
+    client.attach(proto.Attach(engine_id, 0, 1, "decode", (handle,), layout))
     reply: Any = None
     end = time.monotonic() + 20
     while reply is None and time.monotonic() < end:

@@ -46,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--workdir", default=None, help="logs and sockets (default: a temp dir)")
     ap.add_argument("--ucx-error-handling", choices=("peer", "none"), default="none")
+    ap.add_argument("--gpu", action="store_true",
+                    help="CUDA vLLM: both engines (and the reference) share one GPU, each a third of its memory")
     ap.add_argument("--hosts", action="store_true",
                     help="2P2D across network namespaces as hosts (UCX over TCP, router on its own host; "
                          "needs root): kvpush.testing.labdemo")
@@ -60,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"kvpush demo: logs and sockets in {work}")
     model = ve.ensure_tiny_model(args.model_dir)
     procs: list[Any] = []
-    stack = PDStack(model, work, ucx_error_handling_mode=args.ucx_error_handling)
+    gpu_args = ["--gpu-memory-utilization", "0.3"] if args.gpu else []
+    stack = PDStack(model, work, ucx_error_handling_mode=args.ucx_error_handling, engine_args=gpu_args)
 
     def cleanup() -> None:
         stack.stop()
@@ -79,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         # 1. colocated reference: the same engine flags and one core, like each P/D engine
         port = free_port()
         print("starting the colocated reference engine ...", flush=True)
-        ref = ve.start_engine(model, port, work / "colocated.log", cpu_bind="0")
+        ref = ve.start_engine(model, port, work / "colocated.log", cpu_bind="0", extra_args=gpu_args)
         procs.append(ref)
         ve.wait_healthy(f"http://127.0.0.1:{port}/health", 600, ref)
         url = f"http://127.0.0.1:{port}/v1/completions"

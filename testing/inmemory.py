@@ -68,10 +68,12 @@ class _Xfer:
 
 @dataclass
 class Fabric:
-    """Agents by name; ``fail_writes`` makes every later WRITE end in "error"."""
+    """Agents by name; ``fail_writes`` makes every later WRITE end in "error"; ``hold_writes``
+    keeps them pending (a partition: posted, never delivered, never failed)."""
 
     agents: dict[str, MemTransport] = field(default_factory=dict)
     fail_writes: bool = False
+    hold_writes: bool = False
 
 
 class MemTransport:
@@ -140,7 +142,7 @@ class MemTransport:
         return self.write(peer, ld[np.asarray(local_idx)], rd[np.asarray(remote_idx)], notif)
 
     def state(self, h: _Xfer) -> str:
-        if h.state == "pending":
+        if h.state == "pending" and not self.fabric.hold_writes:
             if self.fabric.fail_writes:
                 h.state = "error"
             else:
@@ -173,6 +175,7 @@ class Net:
         self.nodes: dict[str, MemNode] = {}  # peer endpoint -> node
         self.queue: deque[tuple[str, str, str, bytes]] = deque()  # (kind, to, from, frame)
         self.cut: set[str] = set()  # endpoints whose traffic is dropped (a partition)
+        self.closed: set[str] = set()  # producers whose connections closed (their process died)
 
     def post(self, kind: str, to: str, frm: str, msg: Any) -> None:
         self.queue.append((kind, to, frm, proto.encode(msg)))
@@ -223,6 +226,9 @@ class MemWire:
         if endpoint in self.dialled:
             self.net.post("to_prefill", endpoint, self.endpoint, msg)
 
+    def connection_closed(self, endpoint: str, since: float) -> bool:
+        return endpoint in self.net.closed  # Net.closed: producers whose process "died"
+
     def close_producer(self, endpoint: str) -> None:
         self.dialled.discard(endpoint)
 
@@ -240,6 +246,8 @@ class MemNode:
         self.transport = MemTransport(f"agent-{name}", fabric=fabric)
         self.ctx = DaemonContext(self.cfg, f"id-{name}", self.transport.name, endpoint, self.wire,
                                  self.transport, WorkerMetrics(name))
+        self.fenced: list[str] = []  # a real daemon would have exited (DaemonContext.fence)
+        self.ctx.fence = self.fenced.append
         self.prefill = PrefillSide(self.ctx)
         self.decode = DecodeSide(self.ctx)
         self.regions: dict[bytes, MemRegion] = {}
@@ -253,13 +261,16 @@ class MemNode:
             raise ValueError(f"no such memory {handle.handle!r}")
         return region
 
-    def attach(self, layout: KVLayout, buf: np.ndarray, *, role: str, rank: int = 0, tp_size: int = 1,
-               engine_id: str = "engine") -> Any:
-        """Attach an engine stand-in whose KV is ``buf``; returns the daemon's answer."""
-        key = f"{self.endpoint}/{len(self.regions)}".encode()
-        self.regions[key] = MemRegion(buf)
-        memory = proto.MemoryHandle("cpu_shm", key, buf.nbytes)
-        return self.engine(proto.Attach(engine_id, rank, tp_size, role, memory, layout))
+    def attach(self, layout: KVLayout, buf: np.ndarray | list[np.ndarray], *, role: str, rank: int = 0,
+               tp_size: int = 1, engine_id: str = "engine") -> Any:
+        """Attach an engine stand-in whose KV is ``buf`` (one buffer per region, or one);
+        returns the daemon's answer."""
+        handles = []
+        for b in buf if isinstance(buf, list) else [buf]:
+            key = f"{self.endpoint}/{len(self.regions)}".encode()
+            self.regions[key] = MemRegion(b)
+            handles.append(proto.MemoryHandle("cpu_shm", key, b.nbytes))
+        return self.engine(proto.Attach(engine_id, rank, tp_size, role, tuple(handles), layout))
 
     def engine(self, msg: Any) -> Any:
         """Send one message as the attached engine; returns the last answer, if any."""

@@ -87,3 +87,13 @@ def apply_plan(p, src_buf, dst_buf):
     return out
 
 
+
+
+def apply_plan_regions(p, src_regions: list[np.ndarray], dst_regions: list[np.ndarray]) -> None:
+    """Apply a plan in place between regions (plan addresses: region << REGION_SHIFT | offset)."""
+    from kvpush.proto.layout import split_address
+
+    sr, so = split_address(p.src_off)
+    dr, do = split_address(p.dst_off)
+    for a, b, c, d, n in zip(sr.tolist(), so.tolist(), dr.tolist(), do.tolist(), p.length.tolist(), strict=True):
+        dst_regions[c][d:d + n] = src_regions[a][b:b + n]

@@ -46,6 +46,7 @@ class PDStack:
     with_router: bool = True
     plugin_extra: dict[str, Any] = field(default_factory=dict)
     engine_env: dict[str, str] = field(default_factory=dict)  # extra env for both engines
+    engine_args: list[str] = field(default_factory=list)  # extra flags for both engines (GPU: memory share)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     # Cores: each engine's whole process group on its own core; the daemons and the router
     # share the decode engine's core. On two cores the prefill engine's core is the one the
@@ -101,8 +102,8 @@ class PDStack:
 
     def start(self, timeout: float = 900.0) -> PDStack:
         self.start_daemons()
-        p_args = ["--block-size", str(self.p_block_size)] if self.p_block_size else []
-        d_args = ["--block-size", str(self.d_block_size)] if self.d_block_size else []
+        p_args = [*self.engine_args, *(["--block-size", str(self.p_block_size)] if self.p_block_size else [])]
+        d_args = [*self.engine_args, *(["--block-size", str(self.d_block_size)] if self.d_block_size else [])]
         if not self.d_prefix_caching:
             d_args.append("--no-enable-prefix-caching")
         self.procs["prefill"] = ve.start_engine(
@@ -117,8 +118,8 @@ class PDStack:
                                                       **self.plugin_extra))
         if self.with_router:
             self.procs["router"] = popen(
-                [ve.vllm_python(), "-m", "kvpush.router.cli", "--port", str(self.r_port),
-                 "--prefill", f"{self.p_url}={self.prefill_endpoint}", "--decode", self.d_url],
+                [ve.vllm_python(), "-m", "kvpush.router.cli", "--listen", f"127.0.0.1:{self.r_port}",
+                 "--prefill", f"{self.p_url}=127.0.0.1:{self.base_port},tp=1", "--decode", self.d_url],
                 self.work / "router.log", cpus=self._aux())
         try:
             ve.wait_healthy(f"{self.p_url}/health", timeout, self.procs["prefill"])

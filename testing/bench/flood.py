@@ -119,7 +119,7 @@ class Result:
 
 
 def _peer_hello(lay: KVLayout, transport: Any, base: int, endpoint: str) -> proto.Hello:
-    return proto.Hello(transport.name, transport.metadata(), lay, base, proto.PROTOCOL_VERSION,
+    return proto.Hello(transport.name, transport.metadata(), lay, (base,), proto.PROTOCOL_VERSION,
                        lay.compat_key(), "flood", 0, 1, endpoint, False)
 
 
@@ -218,7 +218,7 @@ def junk_hellos(lay: KVLayout, n: int) -> list[proto.Hello]:
         other = make("amx", num_layers=1 + i % 5, num_blocks=64, block_size=16, num_heads=2,
                      head_size=64 * (1 + i % 2), dtype=("bfloat16", "float16")[i % 2])[0]
         cand = lay if i % 3 == 0 else other
-        out.append(proto.Hello(f"junk-{i}", bytes([i % 256]) * (64 + i % 1000), cand, 0,
+        out.append(proto.Hello(f"junk-{i}", bytes([i % 256]) * (64 + i % 1000), cand, (0,),
                                proto.PROTOCOL_VERSION if i % 4 else 99, cand.compat_key(), "junk", 0, 1,
                                f"tcp://10.9.{i % 250}.1:1", False))
     return out

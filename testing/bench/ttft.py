@@ -7,6 +7,8 @@ whole process group pinned to one core (``vllm_env.start_engine``):
 - ``prefill``: the kvpush stack's prefill engine asked directly (no KV parameters);
 - ``kvpush``: kvpushd + KVPushConnector + the kvpush router (``kvpush.testing.pd_stack.PDStack``);
 - ``kvpush_insecure``: the same stack with ``insecure_peers = true`` (what peer authentication costs);
+- ``kvpush_serial``: the kvpush stack behind the same sequential (serial) proxy as ``pull``
+  (P first; P's answered ``kv_transfer_params`` forwarded to D): a drop-in behind serial proxies;
 - ``pull``: vLLM's NixlConnector behind the sequential proxy (``kvpush.testing.sweep.launchers.start_nixl``).
 
 Per mode: sequential streaming requests (one at a time, greedy, ``--output-len`` tokens) at
@@ -31,6 +33,7 @@ import json
 import math
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -47,7 +50,7 @@ from kvpush.testing.sse import sse_data
 from kvpush.testing.sweep.launchers import start_nixl
 
 ROOT = ve.ROOT
-MODES = ("colocated", "prefill", "kvpush", "kvpush_insecure", "pull")
+MODES = ("colocated", "prefill", "kvpush", "kvpush_insecure", "kvpush_serial", "pull")
 VOCAB = 1000  # token IDs drawn below the tiny model's vocabulary size
 
 
@@ -243,6 +246,22 @@ def main(argv: list[str] | None = None) -> int:
             measure("kvpush_insecure", stack.router_url)
         finally:
             stack.stop()
+    if "kvpush_serial" in modes:  # kvpush behind the serial proxy the pull baseline uses
+        stack = PDStack(model, work / "kvpush_serial", with_router=False)
+        stack.start()
+        px_port = free_port()
+        with open(work / "kvpush_serial" / "proxy.log", "ab") as plog:
+            proxy = subprocess.Popen(
+                [ve.vllm_python(), "-m", "kvpush.testing.baseline_proxy", "--mode", "pull", "--port", str(px_port),
+                 "--prefill", stack.p_url, "--decode", stack.d_url],
+                stdout=plog, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            ve.wait_healthy(f"http://127.0.0.1:{px_port}/health", 120, proxy)
+            measure("kvpush_serial", f"http://127.0.0.1:{px_port}")
+            raw["kvpush_serial"]["decode_prompt_tokens_by_source"] = prompt_tokens_by_source(stack.d_url)
+        finally:
+            ve.stop_group(proxy, grace=5)
+            stack.stop()
     if "pull" in modes:
         logs = work / "pull"
         logs.mkdir(exist_ok=True)
@@ -285,6 +304,13 @@ def main(argv: list[str] | None = None) -> int:
                                        for L, v in k["sequential"].items() if v and i["sequential"].get(L)}
         if k["concurrent"] and i["concurrent"]:
             verdict["auth_cost_concurrent_p50_ratio"] = round(k["concurrent"]["p50"] / i["concurrent"]["p50"], 3)
+    if "pull" in summary and "kvpush_serial" in summary:  # the same serial proxy in front of both
+        ks, pl = summary["kvpush_serial"], summary["pull"]
+        verdict["serial_vs_pull_p50"] = {L: round(ks["sequential"][L]["p50"] / v["p50"], 3)
+                                         for L, v in pl["sequential"].items() if v and ks["sequential"].get(L)}
+        if ks["concurrent"] and pl["concurrent"]:
+            verdict["serial_vs_pull_concurrent_p50"] = round(ks["concurrent"]["p50"] / pl["concurrent"]["p50"], 3)
+        verdict["serial_decode_prompt_tokens_by_source"] = raw["kvpush_serial"].get("decode_prompt_tokens_by_source")
     if "pull" in summary and "kvpush" in summary:
         verdict["vs_pull_p50"] = {L: round(summary["kvpush"]["sequential"][L]["p50"] / v["p50"], 3)
                                   for L, v in summary["pull"]["sequential"].items()

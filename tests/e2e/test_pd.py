@@ -169,6 +169,53 @@ def test_a_client_speaking_vllms_push_proxy_protocol_gets_its_prompt_through_kvp
     ext1, _ = external(pd)
     assert text(got) == want
     assert loaded_all(ext1 - ext0, [len(prompt)])
+    assert prefill_holds(pd) == []
+
+
+def prefill_holds(pd: PDStack, wait_s: float = 5.0) -> list[Any]:
+    """The prefill daemon's pending rendezvous (with held blocks) once ``wait_s`` passed or none is left."""
+    from kvpush.testing.daemon_harness import ops_request
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        rows = [r for r in ops_request(pd.ops_socket(0), "pending").data["pending"]
+                if r["side"] == "prefill" and r["state"] not in ("done", "failed", "expired")]
+        if not rows or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.1)
+
+
+def test_a_client_speaking_the_serial_protocol_gets_its_prompts_through_kvpush(pd: PDStack) -> None:
+    """vLLM's serial (toy) proxy: P first with do_remote_decode alone, then P's answered
+    kv_transfer_params forwarded verbatim to D. P names the transfer and its daemon (from the
+    daemon's card), holds the blocks under the lease, and pushes once D registers."""
+    from kvpush.proto.card import card_path, read_card
+
+    card = read_card(card_path(pd.engine_socket(0)))
+    assert card.peer_endpoint == pd.prefill_endpoint
+    prompts = [ids(300 + 97 * i, seed=71 + i) for i in range(4)]
+    want = run(reference(pd, prompts, 12))
+    serial_p = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+    async def one(s: aiohttp.ClientSession, prompt: list[int]) -> tuple[dict[str, Any], dict[str, Any]]:
+        p = await post(s, f"{pd.p_url}/v1/completions", body(prompt, 1, kv_transfer_params=serial_p))
+        kv = p.get("kv_transfer_params")
+        assert isinstance(kv, dict) and kv.get("do_remote_prefill") is True, p
+        return kv, await post(s, f"{pd.d_url}/v1/completions", body(prompt, 12, kv_transfer_params=kv))
+
+    async def go() -> list[tuple[dict[str, Any], dict[str, Any]]]:
+        async with aiohttp.ClientSession() as s:
+            return list(await asyncio.gather(*(one(s, p) for p in prompts)))
+
+    ext0, _ = external(pd)
+    got = run(go())
+    ext1, _ = external(pd)
+    assert [text(d) for _, d in got] == want
+    assert len({kv["transfer_id"] for kv, _ in got}) == len(prompts)
+    assert all(kv["prefill_endpoints"] == [pd.prefill_endpoint] for kv, _ in got)
+    assert loaded_all(ext1 - ext0, [len(p) for p in prompts]), f"loaded {ext1 - ext0} through kvpush"
+    assert prefill_holds(pd) == []  # nothing held after the last request
 
 
 def test_trace_shows_every_hop_of_a_request_in_order(pd: PDStack) -> None:

@@ -258,7 +258,7 @@ def test_bad_input_on_every_endpoint_writes_nothing(pd):
                 msg = proto.decode(reply)
                 assert isinstance(msg, (proto.Error, proto.OpsReply))
         # Wrong protocol version.
-        bad = proto.encode(proto.Heartbeat(1)).replace(b"\xa1v\x01", b"\xa1v\x09")
+        bad = proto.encode(proto.Heartbeat(1)).replace(b"\xa1v" + bytes([proto.PROTOCOL_VERSION]), b"\xa1v\x09")
         assert "version" in proto.decode(_raw(p.cfg.engine_socket, [bad])).message
         # An unauthenticated peer (no Hello) asking for a WRITE into the decode engine's blocks.
         reg = proto.PeerRegister("evil", 0, (0, 1), 20, 0, 1, 1, 5000)
@@ -273,7 +273,7 @@ def test_bad_input_on_every_endpoint_writes_nothing(pd):
         pe.wait_for(lambda m: isinstance(m, proto.Released) and m.transfer_id == "never-seen", 5)
         # Attach with a handle that does not open.
         bad_handle = proto.MemoryHandle("cpu_shm", b"\x80", 1 << 20)
-        reply = _raw(d.cfg.engine_socket, [proto.encode(proto.Attach("x", 0, 1, "decode", bad_handle, lay))])
+        reply = _raw(d.cfg.engine_socket, [proto.encode(proto.Attach("x", 0, 1, "decode", (bad_handle,), lay))])
         assert isinstance(proto.decode(reply), proto.Error)
         time.sleep(0.3)
         assert np.array_equal(de.bytes, before) and np.array_equal(pe.bytes, src_before)
@@ -380,3 +380,53 @@ def test_restarted_producer_on_the_same_endpoint_is_re_handshaken(tmp_path):
         de.close()
         p.stop()
         d.stop()
+
+
+def test_the_daemon_card_names_its_peer_endpoint_while_it_runs(tmp_path):
+    """Serial proxies depend on it: the prefill engine reads its daemon's peer endpoint from the
+    card next to the engine socket (readable as the socket is), gone when the daemon stops."""
+    from kvpush.proto.card import card_path, read_card
+
+    d = Daemon(device_config(tmp_path, 0))
+    path = card_path(d.cfg.engine_socket)
+    assert path is not None
+    try:
+        card = read_card(path)
+        assert card.peer_endpoint == d.peer_endpoint and card.daemon_id == d.ops("status")["daemon_id"]
+        assert os.stat(path).st_mode & 0o777 == d.cfg.socket_mode & 0o666
+    finally:
+        d.stop()
+    assert not os.path.exists(path)
+
+
+def test_a_frozen_producer_makes_the_decode_daemon_fence_not_hand_blocks_back(tmp_path):
+    """A producer that stops answering with its connection open (frozen, or behind a partition)
+    may still deliver a WRITE it posted. The decode daemon exits (fence) instead of telling its
+    engine the blocks are free; a killed producer (connection closed) is a plain failure
+    (test_prefill_daemon_killed_mid_transfer_fails_decode_within_deadline)."""
+    import signal
+
+    from kvpush.daemon.context import FENCE_EXIT_CODE
+
+    p = Daemon(device_config(tmp_path, 0))
+    d = Daemon(device_config(tmp_path, 1))
+    lay, _ = cpu()
+    pe = Engine(p, lay, "prefill", seed=8)
+    de = Engine(d, lay, "decode", fill="zeros")
+    try:
+        before = de.bytes.copy()
+        t = tid()
+        register(de, [p], t, [1, 2], 20, timeout_ms=30_000)
+        time.sleep(0.5)  # the registration reached the producer
+        os.kill(p.proc.pid, signal.SIGSTOP)
+        d.proc.join(d.cfg.peer_timeout_s + 10)
+        assert d.proc.exitcode == FENCE_EXIT_CODE
+        de.client.poll()
+        assert not [m for m in de.inbox if isinstance(m, (proto.ReceiveFailed, proto.Released))]
+        assert np.array_equal(de.bytes, before)
+    finally:
+        os.kill(p.proc.pid, signal.SIGCONT)
+        pe.close()
+        de.close()
+        d.stop()
+        p.stop()

@@ -211,3 +211,35 @@ def test_metrics_families_and_a_transfer(node: Node) -> None:
     by = {x["device"]: x["data"]["supervisor"] for x in json.loads(out.getvalue())["daemons"]}
     assert by["cpu1"]["restarts"] == 1 and by["cpu1"]["last_exit"] == -signal.SIGKILL
     assert by["cpu0"] == {"state": "up", "up": True, "restarts": 0, "last_exit": None}
+
+
+def test_blocks_held_for_nobody_are_visible_counted_and_said_once(node: Node) -> None:
+    """A prefill whose decode side never registers: its blocks show as held (and how long), the
+    lease releases them, the expiry is counted by cause, and the daemon says so once."""
+    lay, _ = make("amx", num_layers=2, num_blocks=32, block_size=16, num_heads=2, head_size=64,
+                  dtype="bfloat16")
+    p = node.remote(0)
+    pe = Engine(p, lay, "prefill", seed=7)  # type: ignore[arg-type]
+    try:
+        pe.send(proto.PrefillDone("nobody-1", (4, 5, 6), 48, 1500))
+        time.sleep(0.5)
+        fams = node.scrape()
+        assert sample(fams, "kvpush_held_blocks", "kvpush_held_blocks", device="cpu0", state="wait_register") == 3
+        assert 0.3 < sample(fams, "kvpush_unclaimed_oldest_seconds", "kvpush_unclaimed_oldest_seconds",
+                            device="cpu0") < 1.5
+        rows = ops_request(p.cfg.ops_socket, "pending").data["pending"]
+        assert [(r["transfer_id"], r["state"], r["blocks"], r["attempt"]) for r in rows] == \
+            [("nobody-1", "wait_register", 3, -1)] and rows[0]["age"] > 0.3
+        assert isinstance(pe.result("nobody-1"), proto.SendFailed)
+        pe.send(proto.PrefillDone("nobody-2", (7, 8), 32, 200))
+        assert isinstance(pe.result("nobody-2"), proto.SendFailed)
+    finally:
+        pe.close()
+    fams = node.scrape()
+    assert sample(fams, "kvpush_lease_expired", "kvpush_lease_expired_total", device="cpu0", registered="none") == 2
+    assert sample(fams, "kvpush_lease_expired_blocks", "kvpush_lease_expired_blocks_total", device="cpu0") == 5
+    assert sample(fams, "kvpush_held_blocks", "kvpush_held_blocks", device="cpu0", state="wait_register") == 0
+    assert sample(fams, "kvpush_unclaimed_oldest_seconds", "kvpush_unclaimed_oldest_seconds", device="cpu0") == 0
+    node.log.flush()
+    said = Path(node.log.name).read_text().count("no decode side registered: is the decode engine using kvpush")
+    assert said == 1

@@ -330,3 +330,26 @@ def test_example_config_is_what_kvpushd_runs() -> None:
     assert node["runtime_dir"] == "/run/kvpush" and node["metrics_port"] == 9470
     [dev] = node["devices"]
     assert dev["peer_port"] == 17500 and dev["socket_mode"] == 0o660
+
+
+ROUTER_UNIT = ROOT / "scripts" / "systemd" / "kvpush-router.service"
+ROUTER_BIN = "/opt/kvpush/venv/bin/kvpush-router"
+
+
+def test_router_unit_verifies_and_its_example_config_loads(short_tmp: Path) -> None:
+    from kvpush.router.config import load as load_router
+
+    cfg = load_router(str(ROOT / "scripts" / "systemd" / "router.toml"))
+    assert cfg.prefill[0].kv_endpoints == ["tcp://10.0.0.5:17500"] and cfg.shutdown_grace_s == 30
+    text = ROUTER_UNIT.read_text()
+    assert f"ExecStart={ROUTER_BIN} --config /etc/kvpush/router.toml" in text
+    # systemd waits longer than the router's own grace before SIGKILL
+    stop = int(re.search(r"^TimeoutStopSec=(\d+)s$", text, re.M).group(1))  # type: ignore[union-attr]
+    assert stop > cfg.shutdown_grace_s
+    exe = _analyze()
+    if not _can_unshare():
+        pytest.skip("no mount namespace to provide /opt/kvpush for verify")
+    r = _verify(exe, ROUTER_UNIT, setup=(
+        f"mount -t tmpfs -o mode=0755 kvpush-test /opt && mkdir -p {os.path.dirname(ROUTER_BIN)} && "
+        f"ln -s {shlex.quote(str(BIN / 'kvpush-router'))} {ROUTER_BIN}"))
+    assert r.returncode == 0 and not _complaints(r, "kvpush-router"), r.stdout + r.stderr

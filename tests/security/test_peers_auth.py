@@ -99,7 +99,7 @@ def test_no_session_without_an_allowlisted_key(nodes):
     p, d, pe, de, kp, _ = nodes
     before = de.bytes.copy()
     server = PeerAuth.load(kp.secret_file, kp.authorized_dir).me.public
-    hello = proto.Hello("intruder", b"x", lay(), 0, proto.PROTOCOL_VERSION, lay().compat_key(), "X", 0, 1,
+    hello = proto.Hello("intruder", b"x", lay(), (0,), proto.PROTOCOL_VERSION, lay().compat_key(), "X", 0, 1,
                         "tcp://127.0.0.9:1", False)
     stranger = zmq.curve_keypair()
     for keys in (None, stranger):
@@ -126,7 +126,7 @@ def test_an_allowlisted_node_cannot_claim_another_nodes_endpoint(nodes, tmp_path
     server = PeerAuth.load(kp.secret_file, kp.authorized_dir).me.public
     s = curve_client(p.peer_endpoint, server, (x.me.public, x.secret))
     try:
-        hello = proto.Hello("xagent", b"junk", lay(), 0, proto.PROTOCOL_VERSION, lay().compat_key(), "X", 0, 1,
+        hello = proto.Hello("xagent", b"junk", lay(), (0,), proto.PROTOCOL_VERSION, lay().compat_key(), "X", 0, 1,
                             d.peer_endpoint, False)
         reply = ask(s, hello)
         assert isinstance(reply, proto.Error) and "refused" in reply.message

@@ -164,7 +164,7 @@ def make_attach() -> Attach:
         num_layers=2, num_blocks=8, block_size=16, num_heads=2, head_size=64, dtype="float16"
     )
     mem = MemoryHandle("cpu_shm", b"/kvpush-test", layout.region_size)
-    return Attach("engine-0", 0, 1, "decode", mem, layout)
+    return Attach("engine-0", 0, 1, "decode", (mem,), layout)
 
 
 def register(i: int, nblocks: int = 4) -> Register:
@@ -433,7 +433,7 @@ def test_garbage_frames_are_skipped_and_counted(ctx, endpoint, clock) -> None:
     d.send(Sent("a", 0))
     d.send_raw(b"")
     d.send_raw(msgpack.packb({"v": 1, "t": "NoSuchMessage"}))
-    d.send_raw(msgpack.packb({"v": 2, "t": "Sent", "transfer_id": "x", "attempt": 0}))
+    d.send_raw(msgpack.packb({"v": 1, "t": "Sent", "transfer_id": "x", "attempt": 0}))
     d.send_raw(encode(Received("b", 1))[:-1])  # truncated
     d.send(Received("b", 1))
     got = pump(c, [d], lambda: c.decode_errors >= 5 and c.received >= 3)

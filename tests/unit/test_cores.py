@@ -66,7 +66,7 @@ def test_table_rejects_foreign_events() -> None:
 def test_rows_print_as_transitions() -> None:
     text = rz.TABLE.describe()
     assert "WAIT_REGISTER --Register[completes_set]--> WRITING: open_attempt, add_reg, start_reg" in text
-    assert "WAITING --_Deadline--> FAILED: fail_timeout" in cm.TABLE.describe()
+    assert "WAITING --_Deadline[graceless]--> FAILED: fail_timeout" in cm.TABLE.describe()
 
 
 def test_states_are_str_enums_with_the_old_values() -> None:
@@ -170,7 +170,8 @@ def _taken_rows(make: Any, events: Any, seeds: range) -> set[Row]:
             [lambda: rz.Rendezvous(tombstone_s=5.0, max_transfers=2), lambda: rz.Rendezvous(tombstone_s=5.0)],
             rz_events,
         ),
-        (cm.TABLE, [lambda: cm.CompletionCounter(tombstone_s=3.0, max_attempts=3)], cm_events),
+        (cm.TABLE, [lambda: cm.CompletionCounter(tombstone_s=3.0, max_attempts=3),
+                    lambda: cm.CompletionCounter(tombstone_s=3.0, max_attempts=3, cancel_grace_s=2.0)], cm_events),
     ],
     ids=["rendezvous", "counter"],
 )
@@ -208,6 +209,7 @@ _RZ_CAUSES = [  # reason prefix -> cause, as callers matched strings before caus
     ("peer lost", Cause.PEER_LOST),
     ("aborted", Cause.ABORTED),
     ("cancelled by", Cause.CANCELLED),
+    ("lease expired: no decode side registered", Cause.UNCLAIMED),
     ("lease expired", Cause.LEASE_EXPIRED),
     ("prefill did not complete in time", Cause.TIMEOUT),
     ("num_tokens mismatch", Cause.MISMATCH),

@@ -68,8 +68,23 @@ def test_deadline_fails_and_cancels() -> None:
     run(cc, Expect("t", 0, 2, 0.0, 10.0), Notified("t", 0, 1, 1.0))
     out = cc.handle(Tick(10.0))
     why = "timed out waiting for 1 of 2 producers"
-    assert out == [Fail("t", 0, why, Cause.TIMEOUT), SendCancel("t", 0, why, Cause.TIMEOUT)]
+    # a producer never answered: its WRITE may still land, so the Fail says so (the daemon fences)
+    assert out == [Fail("t", 0, why, Cause.TIMEOUT, unsafe=True), SendCancel("t", 0, why, Cause.TIMEOUT)]
     assert run(cc, Notified("t", 0, 0, 11.0)) == []  # too late: never Complete after Fail
+
+
+def test_a_producer_given_up_with_a_write_on_its_way_makes_the_fail_unsafe() -> None:
+    cc = CompletionCounter()
+    run(cc, Expect("t", 0, 2, 0.0, 10.0), Notified("t", 0, 1, 1.0))
+    out = cc.handle(ProducerFailed("t", 0, 0, "silent", 2.0, Cause.PEER_LOST, may_land=True))
+    assert out == [Fail("t", 0, "producer 0: silent", Cause.PEER_LOST, unsafe=True)]
+    cc = CompletionCounter()
+    run(cc, Expect("u", 0, 1, 0.0, 10.0))
+    assert cc.handle(ProducerFailed("u", 0, 0, "ucx error", 2.0)) == [
+        Fail("u", 0, "producer 0: ucx error", Cause.PRODUCER_FAILED)]  # its WRITE is over: safe
+    cc = CompletionCounter()
+    run(cc, Expect("v", 0, 1, 0.0, 10.0), Abort("v", 0, "client gone", 1.0))
+    assert cc.handle(Tick(10.0)) == [Release("v", 0, unsafe=True)]  # aborted, no answer by the deadline
 
 
 def test_producer_failure_cancels_the_rest_and_fails_once_they_answer() -> None:
@@ -103,7 +118,7 @@ def test_abort_releases_at_the_hard_deadline_if_a_producer_hangs() -> None:
     cc = CompletionCounter()
     run(cc, Expect("t", 0, 2, 0.0, 10.0), Abort("t", 0, "x", 1.0))
     assert cc.handle(Tick(9.0)) == []
-    assert cc.handle(Tick(10.0)) == [Release("t", 0)]
+    assert cc.handle(Tick(10.0)) == [Release("t", 0, unsafe=True)]  # hung: the daemon fences
 
 
 def test_abort_after_complete_or_of_unknown_releases_at_once() -> None:
@@ -200,6 +215,7 @@ class _R:
     resolved: set[int] = field(default_factory=set)
     reason: str = ""
     cause: Cause = Cause.PRODUCER_FAILED
+    may_land: bool = False
     until: float = 0.0  # tombstone end
 
 
@@ -246,10 +262,10 @@ class RefCounter:
             self.end(key, r, "completed")
         elif r.state != "waiting" and len(r.resolved) == r.producers:
             if r.state == "failing":
-                out.append(Fail(*key, r.reason, r.cause))
+                out.append(Fail(*key, r.reason, r.cause, r.may_land))
                 self.end(key, r, "failed")
             elif r.state == "aborting":
-                out.append(Release(*key))
+                out.append(Release(*key, r.may_land))
                 self.end(key, r, "released")
             elif r.state == "superseded":
                 self.forget(key)
@@ -266,16 +282,17 @@ class RefCounter:
                 return out
             for _, key in due:
                 r = self.recs[key]
+                # a live record at its deadline has a producer unresolved: unsafe by definition
                 if r.state == "waiting":
                     why = f"timed out waiting for {r.producers - len(r.notified)} of {r.producers} producers"
-                    out.append(Fail(*key, why, Cause.TIMEOUT))
+                    out.append(Fail(*key, why, Cause.TIMEOUT, True))
                     self.cancel(key, r, why, Cause.TIMEOUT, out)
                     self.end(key, r, "failed")
                 elif r.state == "failing":
-                    out.append(Fail(*key, r.reason, r.cause))
+                    out.append(Fail(*key, r.reason, r.cause, True))
                     self.end(key, r, "failed")
                 elif r.state == "aborting":
-                    out.append(Release(*key))
+                    out.append(Release(*key, True))
                     self.end(key, r, "released")
                 else:
                     self.forget(key)
@@ -324,6 +341,7 @@ class RefCounter:
         if isinstance(ev, Notified):
             r.notified.add(p)
         else:
+            r.may_land |= isinstance(ev, ProducerFailed) and ev.may_land
             if not r.reason:
                 why = ev.reason if isinstance(ev, ProducerFailed) else "cancelled"
                 r.reason = f"producer {p}: {why}"
@@ -447,7 +465,7 @@ def _draw_events(data: st.DataObject) -> list[object]:
             evs.append(Notified(tid, attempt, rank, now))
         elif kind == "failed":
             cause = data.draw(st.sampled_from([Cause.PRODUCER_FAILED, Cause.PEER_LOST]))
-            evs.append(ProducerFailed(tid, attempt, rank, "boom", now, cause))
+            evs.append(ProducerFailed(tid, attempt, rank, "boom", now, cause, data.draw(st.booleans())))
         elif kind == "confirmed":
             evs.append(CancelConfirmed(tid, attempt, rank, now))
         else:
@@ -471,3 +489,17 @@ def test_random_sequences_match_reference_and_invariants(data: st.DataObject, to
         assert live == len(cc.pending())
     if tomb > 1e6:  # with tombstones kept, every accepted attempt ended correctly
         chk.final()
+
+
+def test_a_timeout_with_grace_fails_safely_once_the_late_producer_confirms_its_cancel() -> None:
+    cc = CompletionCounter(cancel_grace_s=2.0)
+    run(cc, Expect("t", 0, 2, 0.0, 10.0), Notified("t", 0, 1, 1.0))
+    why = "timed out waiting for 1 of 2 producers"
+    assert cc.handle(Tick(10.0)) == [SendCancel("t", 0, why, Cause.TIMEOUT)]  # no Fail yet
+    assert cc.handle(CancelConfirmed("t", 0, 0, 10.1)) == [Fail("t", 0, why, Cause.TIMEOUT)]  # safe
+    # a producer that stays silent through the grace: unsafe (the daemon fences)
+    cc = CompletionCounter(cancel_grace_s=2.0)
+    run(cc, Expect("u", 0, 1, 0.0, 10.0), Tick(10.0))
+    assert cc.handle(Tick(11.9)) == []
+    assert cc.handle(Tick(12.0)) == [Fail("u", 0, "timed out waiting for 1 of 1 producers", Cause.TIMEOUT,
+                                          unsafe=True)]

@@ -123,6 +123,46 @@ def test_failed_write_fails_both_engines_and_never_reports_received(lab):
     assert kinds(d) == ["ReceiveFailed"] and kinds(p) == ["SendFailed"]
 
 
+def test_a_write_that_may_still_land_fences_the_decode_daemon_instead_of_freeing_blocks(lab):
+    """A WRITE posted into a partition times out at the producer: NIXL cannot recall it and
+    UCX delivers it once the link heals. The decode daemon must not hand the blocks back (its
+    engine would reuse them): it fences (a real daemon exits); the engine hears nothing."""
+    net, fab = lab
+    p, d = pair(net, fab, write_timeout_s=1.0)
+    t = tid()
+    register(d, t, [1, 2], 20, [p])
+    net.run()
+    fab.hold_writes = True
+    prefill_done(p, t, [3, 4], 20)
+    net.run()
+    p.poll()
+    assert p.prefill.in_flight and not d.fenced
+    p.prefill.progress(time.monotonic() + 2.0)  # past write_timeout_s
+    net.run()
+    assert kinds(p) == ["SendFailed"]
+    assert len(d.fenced) == 1 and "may still arrive" in d.fenced[0] and kinds(d) == []
+
+
+def test_a_ready_producer_gone_silent_fences_but_a_failed_handshake_does_not(lab):
+    net, fab = lab
+    p, d = pair(net, fab, peer_timeout_s=2.0)
+    t = tid()
+    register(d, t, [1, 2], 20, [p])
+    net.run()  # the link is ready and the registration forwarded: the producer may write any time
+    net.cut.add(p.endpoint)
+    d.tick(time.monotonic() + 3.0)
+    assert len(d.fenced) == 1 and kinds(d) == []
+    # the same silence after the producer's connection closed (it died): a plain, safe Fail
+    t2 = tid()
+    p2, d2 = pair(net, fab, peer_timeout_s=2.0)
+    register(d2, t2, [1, 2], 20, [p2])
+    net.run()
+    net.cut.add(p2.endpoint)
+    net.closed.add(p2.endpoint)
+    d2.tick(time.monotonic() + 3.0)
+    assert kinds(d2) == ["ReceiveFailed"] and not d2.fenced
+
+
 def test_decode_abort_cancels_at_the_producer_then_releases(lab):
     net, fab = lab
     p, d = pair(net, fab)
@@ -193,9 +233,11 @@ def test_bounds_come_from_config_not_the_wire(lab):
     net.run()
     d.tick(time.monotonic() + 5.0)
     assert kinds(d) == []
-    d.tick(time.monotonic() + 9.0)
-    assert kinds(d) == ["ReceiveFailed"]
-    assert d.decode.counter.registration(t).deadline - d.decode.counter.registration(t).since <= 8.0
+    reg = d.decode.counter.registration(t)
+    assert reg.deadline - reg.since <= 8.0  # the config's bound, not the wire's
+    d.tick(time.monotonic() + 9.0)  # past it: cancel the prefill daemon, which confirms
+    net.run()
+    assert kinds(d) == ["ReceiveFailed"] and not d.fenced  # a confirmed cancel: a safe Fail
 
 
 def test_bad_inputs_are_refused_with_a_reason_and_nothing_is_written(lab):
@@ -260,3 +302,85 @@ def test_a_peer_cannot_register_for_another_rank_or_layout(lab):
     prefill_done(p, t, [3, 4], 20)
     net.run()
     assert p.transport.writes == 0
+
+
+def _per_layer(lay, flat: np.ndarray) -> tuple[object, list[np.ndarray]]:
+    from kvpush.proto.layout import per_layer_regions
+
+    ext = lay.max_extent()
+    return per_layer_regions(lay), [flat[o:o + ext].copy() for o in lay.layer_offsets]
+
+
+@pytest.mark.parametrize("split", ["dst", "both"])
+def test_one_region_per_layer_lands_byte_exact(lab, split):
+    """Multi-region attach: every region mapped and registered, the WRITE's descriptors each
+    inside its own region (the fabric checks), bytes equal the reference."""
+    net, fab = lab
+    lay, meta = cpu()
+    p, d = MemNode(net, fab, "p"), MemNode(net, fab, "d")
+    pflat, dflat = buf(lay, 3), buf(lay, None)
+    p_lay, p_bufs = _per_layer(lay, pflat) if split == "both" else (lay, [pflat])
+    d_lay, d_bufs = _per_layer(lay, dflat)
+    assert isinstance(p.attach(p_lay, p_bufs, role="prefill"), proto.AttachAck)
+    assert isinstance(d.attach(d_lay, d_bufs, role="decode"), proto.AttachAck)
+    assert len(d.transport.regions) == 2
+    t, n, src, dst = tid(), 40, [5, 1, 9], [2, 7, 3]
+    register(d, t, dst, n, [p])
+    prefill_done(p, t, src, n)
+    net.run()
+    assert isinstance(d.answers()[-1], proto.Received), kinds(d)
+    want, dont_care = reference_copy(meta, lay, pflat, src, meta, lay, dflat, dst, n, 0)
+    got = dflat.copy()
+    for o, r in zip(lay.layer_offsets, d_bufs, strict=True):
+        got[o:o + r.shape[0]] = r
+    assert np.array_equal(got[~dont_care], want[~dont_care])
+
+
+def test_attach_with_the_wrong_number_of_regions_is_refused(lab):
+    from kvpush.proto.layout import per_layer_regions
+
+    net, fab = lab
+    lay, _ = cpu()
+    d = MemNode(net, fab, "d")
+    multi = per_layer_regions(lay)
+    reply = d.attach(multi, [np.zeros(multi.regions[0], dtype=np.uint8)], role="decode")
+    assert isinstance(reply, proto.Error) and "1 memory handles for a layout of 2 regions" in reply.message
+    small = [np.zeros(multi.regions[0], dtype=np.uint8), np.zeros(10, dtype=np.uint8)]
+    reply = d.attach(multi, small, role="decode")
+    assert isinstance(reply, proto.Error) and "region 1" in reply.message
+    assert d.ctx.attached is None and d.transport.regions == []
+
+
+def test_tp2_to_tp4_each_producer_writes_two_destination_ranks(lab):
+    """Prefill rank 1 writes decode ranks 2 and 3 (expected_dests 2, destination ranks not
+    below it): both are served, nothing else."""
+    net, fab = lab
+    ps, pbufs = [], []
+    for r in range(2):
+        lay, _ = cpu(2, 2 * r, 4)
+        node = MemNode(net, fab, f"p{r}")
+        pbufs.append(buf(lay, 10 + r))
+        node.attach(lay, pbufs[-1], role="prefill", rank=r, tp_size=2, engine_id="P")
+        ps.append((node, lay))
+    ds = []
+    for r in range(4):
+        lay, meta = cpu(1, r, 4)
+        node = MemNode(net, fab, f"d{r}")
+        b = buf(lay, None)
+        node.attach(lay, b, role="decode", rank=r, tp_size=4, engine_id="D")
+        ds.append((node, lay, meta, b))
+    t, n, src, dst = tid(), 24, [3, 4], [1, 2]
+    for node, *_ in ds:
+        register(node, t, dst, n, [p for p, _ in ps])
+    for p, _ in ps:
+        prefill_done(p, t, src, n)
+    net.run()
+    for (node, lay, meta, b) in ds:
+        assert kinds(node) == ["Received"], kinds(node)
+        p_lay = ps[lay.head_start // 2][1]
+        p_buf = pbufs[lay.head_start // 2]
+        want, dont_care = reference_copy(cpu(2, p_lay.head_start, 4)[1], p_lay, p_buf, src, meta, lay,
+                                         np.zeros_like(b), dst, n, 0)
+        assert np.array_equal(b[~dont_care], want[~dont_care])
+    assert [kinds(p) for p, _ in ps] == [["Sent"], ["Sent"]]
+    assert [p.transport.writes for p, _ in ps] == [2, 2]

@@ -268,3 +268,53 @@ def test_expected_producers_for_tp_ratios():
     assert expected_producers(d1, 4, 1) == [2, 3]
     # P TP 1 -> D TP 2: the single producer serves both destinations.
     assert expected_producers(d1, 1, 4) == [0]
+
+
+def _split_layers(lay, buf):
+    """The same bytes as one region per layer (vLLM on GPU): per-layer copies of ``buf``."""
+    from kvpush.proto.layout import per_layer_regions
+
+    ext = lay.max_extent()
+    return per_layer_regions(lay), [buf[o:o + ext].copy() for o in lay.layer_offsets]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios(), st.integers(0, 2**32 - 1), st.sampled_from(["src", "dst", "both"]))
+def test_one_region_per_layer_plans_the_same_bytes(sc, seed, split):
+    """Multi-region layouts (either side or both): the plan's (region, offset) descriptors,
+    applied region by region, give the reference copy; none crosses a region."""
+    from kvpush.proto.layout import split_address
+    from kvpush.testing.kvref import apply_plan_regions
+
+    (src_lay, src_p), src_blocks, (dst_lay, dst_p), dst_blocks, num_tokens, first = sc
+    rng = np.random.default_rng(seed)
+    src_buf = rng.integers(0, 256, src_lay.region_size, dtype=np.uint8)
+    dst_buf = rng.integers(0, 256, dst_lay.region_size, dtype=np.uint8)
+    want, dont_care = reference_copy(
+        src_p, src_lay, src_buf, src_blocks, dst_p, dst_lay, dst_buf, dst_blocks, num_tokens, first
+    )
+    s_lay, s_regions = _split_layers(src_lay, src_buf) if split in ("src", "both") else (src_lay, [src_buf])
+    d_lay, d_regions = _split_layers(dst_lay, dst_buf) if split in ("dst", "both") else (dst_lay, [dst_buf.copy()])
+    p = plan(s_lay, src_blocks, d_lay, dst_blocks, num_tokens, dst_first_token=first)
+    for off, sizes in ((p.src_off, s_lay.regions), (p.dst_off, d_lay.regions)):
+        region, local = split_address(off)
+        assert np.all(local + p.length <= np.asarray(sizes)[region])
+    apply_plan_regions(p, s_regions, d_regions)
+    got = np.zeros_like(dst_buf)
+    if len(d_regions) == 1:
+        got = d_regions[0]
+    else:
+        got[:] = dst_buf
+        for o, r in zip(dst_lay.layer_offsets, d_regions, strict=True):
+            got[o:o + r.shape[0]] = r
+    assert np.array_equal(got[~dont_care], want[~dont_care])
+
+
+def test_mla_layout_plans_the_latent_once_and_fp8_is_one_byte():
+    from kvpush.proto.layout import mla_layout
+
+    lay = mla_layout(num_layers=4, num_blocks=8, block_size=16, head_size=576, dtype="float8_e4m3fn",
+                     per_layer=True)
+    p = plan(lay, [1, 2, 5], lay, [0, 1, 2], 40)
+    assert p.nbytes == 4 * 3 * 16 * 576  # 4 layers x 3 blocks x 16 tokens x 576 one-byte elements
+    assert len(p) == 4 * 2  # blocks 1, 2 -> 0, 1 merge; 5 -> 2 alone: two runs per layer

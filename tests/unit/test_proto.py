@@ -47,7 +47,14 @@ from kvpush.proto import (
     decode,
     encode,
 )
-from kvpush.proto.layout import DTYPE_SIZES, KVLayout, flash_layout, vllm_cpu_layout
+from kvpush.proto.layout import (
+    DTYPE_SIZES,
+    KVLayout,
+    flash_layout,
+    mla_layout,
+    per_layer_regions,
+    vllm_cpu_layout,
+)
 
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 MORE = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -110,7 +117,21 @@ def flash_layouts(draw: st.DrawFn) -> KVLayout:
     )
 
 
-layouts = st.one_of(cpu_layouts(), flash_layouts())
+def _mla(layers: int, blocks: int, bs: int, d: int, dtype: str, per_layer: bool) -> KVLayout:
+    return mla_layout(num_layers=layers, num_blocks=blocks, block_size=bs, head_size=d, dtype=dtype,
+                      per_layer=per_layer)
+
+
+def _per_layer(lay: KVLayout) -> KVLayout:
+    return per_layer_regions(lay)
+
+
+# One region (vLLM-cpu), one region per layer (vLLM on GPU), MLA's replicated latent.
+layouts = st.one_of(
+    cpu_layouts(), flash_layouts(), flash_layouts().map(_per_layer),
+    st.builds(_mla, st.integers(1, 4), st.integers(1, 64), st.integers(1, 32), st.integers(1, 576), dtypes,
+              st.booleans()),
+)
 handles = st.builds(
     MemoryHandle,
     kind=st.sampled_from(["cpu_shm", "cuda_ipc"]),
@@ -152,7 +173,7 @@ STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
         rank=u63,
         tp_size=u63,
         role=st.sampled_from(["prefill", "decode", "both"]),
-        memory=handles,
+        regions=st.lists(handles, min_size=1, max_size=4).map(tuple),
         layout=layouts,
     ),
     Register: st.builds(Register, text, u63, ids, u63, endpoints, u63, u63),
@@ -174,7 +195,7 @@ STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
         text,
         st.binary(max_size=512),
         layouts,
-        u63,
+        st.lists(u63, max_size=4).map(tuple),
         u63,
         text,
         text,
@@ -228,9 +249,9 @@ def small_layout() -> KVLayout:
 
 
 SAMPLES: list[Any] = [
-    Attach("eng", 1, 2, "both", MemoryHandle("cpu_shm", b"/dev/shm/x", 1 << 20), small_layout()),
+    Attach("eng", 1, 2, "both", (MemoryHandle("cpu_shm", b"/dev/shm/x", 1 << 20),), small_layout()),
     Register("tx-1", 3, (7, 8, 9), 40, ("tcp://10.0.0.1:5555",), 2, 30000),
-    Hello("agent", b"\x00meta\xff", small_layout(), 1 << 40, 1, "abcd", "eng", 0, 1, "tcp://h:1"),
+    Hello("agent", b"\x00meta\xff", small_layout(), (1 << 40,), 2, "abcd", "eng", 0, 1, "tcp://h:1"),
     OpsReply(True, {"a": [1, 2.5, None, {"b": "c"}], "n": -3}, ""),
     OpsRequest("cancel", "tx-1"),
     Heartbeat(5),
@@ -267,7 +288,7 @@ def test_hand_encoded_dicts_decode() -> None:
             "timeout_ms": 500,
             "t": "Register",
             "block_ids": [1, 2, 3],
-            "v": 1,
+            "v": 2,
             "transfer_id": "abc",
             "attempt": 0,
             "num_tokens": 33,
@@ -276,22 +297,22 @@ def test_hand_encoded_dicts_decode() -> None:
         }
     )
     assert decode(reg) == Register("abc", 0, (1, 2, 3), 33, ("tcp://p:1", "tcp://p:2"), 2, 500)
-    assert decode(pack({"v": 1, "t": "OpsRequest", "cmd": "status"})) == OpsRequest("status")
-    assert decode(pack({"v": 1, "t": "Error", "code": "E", "message": "m"})) == Error("E", "m")
+    assert decode(pack({"v": 2, "t": "OpsRequest", "cmd": "status"})) == OpsRequest("status")
+    assert decode(pack({"v": 2, "t": "Error", "code": "E", "message": "m"})) == Error("E", "m")
     lay = small_layout()
     lay_map = dataclasses.asdict(lay)  # nested Packing maps, tuples as arrays
     att = {
-        "v": 1,
+        "v": 2,
         "t": "Attach",
         "engine_id": "e",
         "rank": 0,
         "tp_size": 1,
         "role": "decode",
-        "memory": {"kind": "cuda_ipc", "handle": b"h", "size": 10, "device": 3},
+        "regions": [{"kind": "cuda_ipc", "handle": b"h", "size": 10, "device": 3}],
         "layout": lay_map,
     }
     assert decode(pack(att)) == Attach(
-        "e", 0, 1, "decode", MemoryHandle("cuda_ipc", b"h", 10, 0, 3), lay
+        "e", 0, 1, "decode", (MemoryHandle("cuda_ipc", b"h", 10, 0, 3),), lay
     )
 
 
@@ -320,10 +341,11 @@ def test_block_ids_must_be_ints() -> None:
 
 def test_versions() -> None:
     good = wire(Heartbeat(1))
-    assert good["v"] == PROTOCOL_VERSION == 1
+    assert good["v"] == PROTOCOL_VERSION == 2
     text = rejects(pack({**good, "v": 7}))
-    assert text == "unsupported protocol version 7 (this side speaks 1)"
+    assert text == "unsupported protocol version 7 (this side speaks 2)"
     rejects(pack({**good, "v": 0}), "unsupported protocol version 0")
+    rejects(pack({**good, "v": 1}), "unsupported protocol version 1")  # one region per Attach
     rejects(pack({**good, "v": True}), "'v'", "bool")  # True == 1, but is not the version
     rejects(pack({**good, "v": "1"}), "'v'", "str")
     rejects(pack({k: v for k, v in good.items() if k != "v"}), "missing protocol version")
@@ -347,8 +369,22 @@ def test_envelope_and_top_level() -> None:
 def test_enumerated_fields() -> None:
     att = wire(SAMPLES[0])
     rejects(pack({**att, "role": "router"}), "Attach.role", "'router'", "prefill")
-    rejects(pack({**att, "memory": {**att["memory"], "kind": "tcp"}}), "Attach.memory.kind")
+    rejects(pack({**att, "regions": [{**att["regions"][0], "kind": "tcp"}]}), "Attach.regions[0].kind")
+    rejects(pack({**att, "regions": att["regions"][0]}), "Attach.regions", "expected array")
     rejects(pack({**wire(OpsRequest("status")), "cmd": "reboot"}), "OpsRequest.cmd", "'reboot'")
+
+
+def test_decoded_multi_region_layout_is_validated() -> None:
+    lay = per_layer_regions(small_layout())
+    att = wire(Attach("e", 0, 1, "both", (MemoryHandle("cpu_shm", b"x", 1 << 20),) * 2, lay))
+    m = att["layout"]
+    rejects(pack({**att, "layout": {**m, "layer_regions": [0, 2]}}), "names region 2")
+    rejects(pack({**att, "layout": {**m, "region_sizes": [m["region_sizes"][0], 100],
+                                    "region_size": m["region_sizes"][0] + 100}}), "layer 1", "past the region")
+    rejects(pack({**att, "layout": {**m, "region_size": 5}}), "not the sum of region_sizes")
+    rejects(pack({**att, "layout": {**m, "num_kv": 3}}), "num_kv")
+    rejects(pack({**att, "layout": {**m, "replicated": True, "total_heads": 4}}), "replicated")
+    rejects(pack({**att, "regions": [att["regions"][0]] * 1025}), "exceed 1024")
 
 
 def test_decoded_layout_is_validated() -> None:
@@ -442,14 +478,14 @@ def test_hostile_length_prefixes_do_not_allocate() -> None:
         b"\xdb\xff\xff\xff\xff",
     ):
         rejects(header + b"\x00" * 8)
-        rejects(b"\x83\xa1v\x01\xa1t\xa9Heartbeat\xa3seq" + header)
+        rejects(b"\x83\xa1v\x02\xa1t\xa9Heartbeat\xa3seq" + header)
 
 
 def test_encode_rejects_what_it_cannot_send() -> None:
     with pytest.raises(ProtocolError, match="not a registered message"):
         encode(small_layout())  # type: ignore[arg-type]
     with pytest.raises(ProtocolError, match="Attach.layout"):
-        encode(Attach("e", 0, 1, "both", MemoryHandle("cpu_shm", b"", 0), {"a": 1}))  # type: ignore[arg-type]
+        encode(Attach("e", 0, 1, "both", (MemoryHandle("cpu_shm", b"", 0),), {"a": 1}))  # type: ignore[arg-type]
     with pytest.raises(ProtocolError, match="cannot encode OpsReply"):
         encode(OpsReply(True, {"x": object()}))
 
@@ -488,7 +524,7 @@ def test_random_bytes_raise_only_protocol_error(raw: bytes) -> None:
         pass
 
 
-HEARTBEAT_PREFIX = b"\x83\xa1v\x01\xa1t\xa9Heartbeat\xa3seq"
+HEARTBEAT_PREFIX = b"\x83\xa1v\x02\xa1t\xa9Heartbeat\xa3seq"
 
 
 @MORE
@@ -544,6 +580,8 @@ def _wrong_values(hint: Any) -> list[Any]:
         return ["x", 1, None, [1], ["a", b"b"]]
     if typing.get_origin(hint) is dict:
         return [[], "x", 1, None, {"a": b"x"}]
+    if typing.get_origin(hint) is tuple:  # tuple of a dataclass: an array of its maps
+        return ["x", 1, None, {}, [1], [{"bogus": 1}], [None]]
     assert dataclasses.is_dataclass(hint), hint
     return [1, "x", None, [], {}, {"bogus": 1}]
 

@@ -165,6 +165,14 @@ def test_lease_expiry_without_writes() -> None:
     ]
 
 
+def test_a_lease_nobody_registered_for_ends_unclaimed() -> None:
+    rv = Rendezvous()
+    rv.handle(pf(lease=10.0))
+    assert rv.handle(Tick(10.0)) == [
+        ReleaseBlocks("t", SRC, False, "lease expired: no decode side registered", Cause.UNCLAIMED)
+    ]
+
+
 def test_registration_without_prefill_expires() -> None:
     rv = Rendezvous()
     rv.handle(reg(deadline=5.0))
@@ -279,7 +287,11 @@ def test_register_after_done_and_invalid_registrations() -> None:
     assert rv.handle(reg(now=2.0)) == []  # duplicate of the finished one
     out = rv.handle(reg(attempt=1, now=2.0))
     assert out == [NotifyFailure("t", 1, "d0", 0, "source blocks released", Cause.CLOSED)]
-    assert of(NotifyFailure, rv.handle(reg("v", dest=2, expected=2)))
+    # Destinations are consumer TP ranks (TP 2 -> 4: producer 1 writes ranks 2 and 3) ...
+    assert rv.handle(reg("v", dest=2, expected=2)) == []
+    assert rv.handle(reg("v", dest=3, expected=2)) == []
+    # ... but never more distinct ones than expected_dests.
+    assert of(NotifyFailure, rv.handle(reg("v", dest=0, expected=2)))
     assert of(NotifyFailure, rv.handle(reg("v", now=3.0, deadline=3.0)))
     assert rv.handle(pf("t", now=4.0)) == []  # duplicate PrefillDone
 

@@ -1,0 +1,60 @@
+"""Where this engine's daemons can be reached by peers: their cards (``kvpush.proto.card``).
+
+A prefill engine behind a serial proxy answers with the decode leg's params, which must name
+its daemons' peer endpoints. The scheduler half reads them from the cards the daemons write
+next to their engine sockets: a stat per rank per call, the file read again only when it
+changed (a restarted daemon writes a new card). No socket, no waiting.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from kvpush.engine_plugin.config import PluginConfig
+from kvpush.proto.card import DaemonCard, card_path, read_card
+
+log = logging.getLogger("kvpush.plugin")
+
+
+class DaemonCards:
+    """The peer endpoints of ranks 0..tp_size-1's daemons, or None while one is unknown."""
+
+    def __init__(self, cfg: PluginConfig, tp_size: int) -> None:
+        self.paths = [card_path(cfg.socket_for(r)) for r in range(tp_size)]
+        self._cache: dict[str, tuple[int, DaemonCard]] = {}
+        self._said: set[str] = set()  # why a card is unusable, logged once per (path, reason)
+
+    def endpoints(self) -> tuple[str, ...] | None:
+        out: list[str] = []
+        for path in self.paths:
+            card = self._card(path) if path is not None else None
+            if card is None:
+                return None
+            out.append(card.peer_endpoint)
+        return tuple(out)
+
+    def _card(self, path: str) -> DaemonCard | None:
+        try:
+            mtime = os.stat(path).st_mtime_ns
+        except OSError as exc:
+            self._say(path, f"no daemon card ({exc.strerror}); is kvpushd running for this rank?")
+            return None
+        hit = self._cache.get(path)
+        if hit is not None and hit[0] == mtime:
+            return hit[1]
+        try:
+            card = read_card(path)
+        except (OSError, ValueError) as exc:
+            self._say(path, str(exc))
+            return None
+        self._cache[path] = (mtime, card)
+        return card
+
+    def _say(self, path: str, why: str) -> None:
+        key = f"{path}:{why}"
+        if key in self._said or len(self._said) >= 64:
+            return
+        self._said.add(key)
+        log.warning("kvpush: %s: %s; prefill legs from serial proxies are computed without handing on their "
+                    "KV until it is readable", path, why)

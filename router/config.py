@@ -1,0 +1,176 @@
+"""The router's configuration: data, and one load step (TOML file, then flags).
+
+    # /etc/kvpush/router.toml
+    listen = "0.0.0.0:8000"
+    policy = "least-loaded"          # or "round-robin"
+    prefill_timeout_s = 300
+    request_timeout_s = 600
+    shutdown_grace_s = 30            # SIGTERM: stop taking requests, let these finish
+
+    [[prefill]]
+    url = "http://10.0.0.5:8100"     # the prefill engine's OpenAI server
+    host = "10.0.0.5"                # its node's kvpushd (advertise_host)
+    base_port = 17500                # the peer port of the daemon of its rank 0
+    tp_size = 2                      # rank r's daemon listens at base_port + r
+
+    [[decode]]
+    url = "http://10.0.0.6:8200"
+
+A prefill engine may instead list its daemons' endpoints (``endpoints = ["tcp://h:p", ...]``,
+rank order). On the command line: ``--prefill URL=HOST:BASE_PORT[,tp=N]`` or
+``--prefill URL=tcp://h:p[,tcp://h:p...]``; ``--decode URL``. Flags add to the file's pools
+and override its scalars.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+__all__ = ["Backend", "RouterConfig", "RouterConfigError", "load", "node_endpoints", "parse_prefill"]
+
+POLICIES = ("least-loaded", "round-robin")
+MAX_TP = 1024
+_HOSTPORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]+):(\d{1,5})$")
+
+
+class RouterConfigError(ValueError):
+    """A router setting is missing or malformed: the message names it."""
+
+
+@dataclass
+class Backend:
+    """One engine behind the router (its daemons' endpoints, for a prefill engine), and its load."""
+
+    url: str
+    kv_endpoints: list[str] = field(default_factory=list)
+    in_flight: int = 0
+    served: int = 0
+    failed: int = 0
+
+
+@dataclass
+class RouterConfig:
+    prefill: list[Backend]
+    decode: list[Backend]
+    policy: str = "least-loaded"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    connect_timeout_s: float = 10.0
+    prefill_timeout_s: float = 300.0
+    request_timeout_s: float = 600.0
+    shutdown_grace_s: float = 30.0
+
+    def validate(self) -> None:
+        if not self.prefill or not self.decode:
+            raise RouterConfigError("the router needs at least one prefill and one decode engine")
+        if self.policy not in POLICIES:
+            raise RouterConfigError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        for name in ("connect_timeout_s", "prefill_timeout_s", "request_timeout_s", "shutdown_grace_s"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
+                raise RouterConfigError(f"{name} must be a non-negative number, got {v!r}")
+        if not 0 <= self.port < 65536:
+            raise RouterConfigError(f"port {self.port} out of range")
+        for b in [*self.prefill, *self.decode]:
+            if not b.url.startswith(("http://", "https://")):
+                raise RouterConfigError(f"engine url must be http(s)://..., got {b.url!r}")
+        for b in self.prefill:
+            if not b.kv_endpoints:
+                raise RouterConfigError(f"prefill engine {b.url}: name its node (host, base_port, tp_size) "
+                                        "or its daemons' endpoints")
+
+
+def node_endpoints(host: str, base_port: int, tp_size: int) -> list[str]:
+    """The peer endpoints of a prefill engine's daemons: rank r at ``base_port + r``."""
+    if not isinstance(host, str) or not host or any(c in host for c in "/ "):
+        raise RouterConfigError(f"bad kvpushd host {host!r}")
+    if not isinstance(tp_size, int) or isinstance(tp_size, bool) or not 1 <= tp_size <= MAX_TP:
+        raise RouterConfigError(f"tp_size must be 1..{MAX_TP}, got {tp_size!r}")
+    if not isinstance(base_port, int) or isinstance(base_port, bool) or not 0 < base_port <= 65536 - tp_size:
+        raise RouterConfigError(f"base_port {base_port!r} out of range for tp_size {tp_size}")
+    h = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    return [f"tcp://{h}:{base_port + r}" for r in range(tp_size)]
+
+
+def _endpoint(ep: str) -> str:
+    m = _HOSTPORT.match(ep.removeprefix("tcp://")) if ep.startswith("tcp://") else None
+    if m is None or not 0 < int(m.group(2)) < 65536:
+        raise RouterConfigError(f"bad daemon endpoint {ep!r} (want tcp://host:port)")
+    return ep
+
+
+def parse_prefill(spec: str) -> Backend:
+    """``URL=HOST:BASE_PORT[,tp=N]`` or ``URL=tcp://h:p[,tcp://h:p...]``."""
+    url, sep, rest = spec.partition("=")
+    if not sep or not url.startswith(("http://", "https://")) or not rest:
+        raise RouterConfigError(f"--prefill wants URL=HOST:BASE_PORT[,tp=N] or URL=tcp://host:port[,...], "
+                                f"got {spec!r}")
+    parts = [p for p in rest.split(",") if p]
+    if parts[0].startswith("tcp://"):
+        return Backend(url.rstrip("/"), [_endpoint(p) for p in parts])
+    m = _HOSTPORT.match(parts[0])
+    if m is None:
+        raise RouterConfigError(f"--prefill {url}: {parts[0]!r} is not HOST:BASE_PORT")
+    tp = 1
+    for opt in parts[1:]:
+        k, _, v = opt.partition("=")
+        if k != "tp" or not v.isdigit():
+            raise RouterConfigError(f"--prefill {url}: unknown option {opt!r} (known: tp=N)")
+        tp = int(v)
+    return Backend(url.rstrip("/"), node_endpoints(m.group(1).strip("[]"), int(m.group(2)), tp))
+
+
+def _prefill_entry(i: int, d: Any) -> Backend:
+    if not isinstance(d, dict) or not isinstance(d.get("url"), str):
+        raise RouterConfigError(f"[[prefill]] #{i + 1}: needs url")
+    unknown = set(d) - {"url", "host", "base_port", "tp_size", "endpoints"}
+    if unknown:
+        raise RouterConfigError(f"[[prefill]] {d['url']}: unknown key(s) {sorted(unknown)}")
+    if "endpoints" in d:
+        if {"host", "base_port", "tp_size"} & set(d):
+            raise RouterConfigError(f"[[prefill]] {d['url']}: endpoints or host/base_port/tp_size, not both")
+        eps = d["endpoints"]
+        if not isinstance(eps, list) or not eps or not all(isinstance(e, str) for e in eps):
+            raise RouterConfigError(f"[[prefill]] {d['url']}: endpoints must be a list of tcp://host:port")
+        return Backend(d["url"].rstrip("/"), [_endpoint(e) for e in eps])
+    if "host" not in d or "base_port" not in d:
+        raise RouterConfigError(f"[[prefill]] {d['url']}: needs host and base_port (and tp_size, default 1)")
+    return Backend(d["url"].rstrip("/"), node_endpoints(d["host"], d["base_port"], d.get("tp_size", 1)))
+
+
+def _decode_entry(i: int, d: Any) -> Backend:
+    if not isinstance(d, dict) or not isinstance(d.get("url"), str) or set(d) - {"url"}:
+        raise RouterConfigError(f"[[decode]] #{i + 1}: wants exactly url")
+    return Backend(d["url"].rstrip("/"))
+
+
+def load(path: str | None = None, overrides: dict[str, Any] | None = None) -> RouterConfig:
+    """File first, then ``overrides`` (flags): pools are added, scalars replaced; validated."""
+    raw: dict[str, Any] = {}
+    if path:
+        try:
+            with open(path, "rb") as f:
+                raw = tomllib.load(f)
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise RouterConfigError(f"{path}: {exc}") from exc
+    o = dict(overrides or {})
+    scalars = {f.name for f in fields(RouterConfig)} - {"prefill", "decode", "host", "port"}
+    unknown = set(raw) - scalars - {"prefill", "decode", "listen"}
+    if unknown:
+        raise RouterConfigError(f"{path}: unknown key(s) {sorted(unknown)}")
+    prefill = [_prefill_entry(i, d) for i, d in enumerate(raw.get("prefill", []))] + list(o.pop("prefill", []))
+    decode = [_decode_entry(i, d) for i, d in enumerate(raw.get("decode", []))] + list(o.pop("decode", []))
+    kw: dict[str, Any] = {k: raw[k] for k in scalars if k in raw}
+    listen = o.pop("listen", None) or raw.get("listen")
+    if listen is not None:
+        m = _HOSTPORT.match(str(listen))
+        if m is None:
+            raise RouterConfigError(f"listen must be HOST:PORT, got {listen!r}")
+        kw.update(host=m.group(1).strip("[]"), port=int(m.group(2)))
+    kw.update({k: v for k, v in o.items() if v is not None})
+    cfg = RouterConfig(prefill=prefill, decode=decode, **kw)
+    cfg.validate()
+    return cfg

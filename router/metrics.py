@@ -1,0 +1,61 @@
+"""The router's Prometheus metrics (``GET /metrics``): one private registry per router.
+
+=================================== ========= ======================== ===========================
+name                                type      labels                   meaning
+=================================== ========= ======================== ===========================
+kvpush_router_requests_total        counter   path, code               requests answered (code:
+                                                                       the HTTP status sent)
+kvpush_router_legs_failed_total     counter   leg, cause               prefill / decode legs that
+                                                                       failed: status (engine
+                                                                       answered non-200), timeout,
+                                                                       connect, other
+kvpush_router_in_flight             gauge     pool, url                legs in progress per engine
+kvpush_router_ttft_seconds          histogram stream                   request in -> first byte of
+                                                                       the decode leg's answer
+kvpush_router_request_seconds       histogram stream                   request in -> last byte
+kvpush_router_draining              gauge     -                        1 once shutdown began
+=================================== ========= ======================== ===========================
+"""
+
+from __future__ import annotations
+
+import aiohttp
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+CAUSES = ("status", "timeout", "connect", "other")
+
+
+def cause_of(exc: BaseException | None) -> str:
+    """A leg failure's cause label (a closed vocabulary: labels never come from the wire)."""
+    if exc is None:
+        return "status"
+    if isinstance(exc, TimeoutError | aiohttp.ServerTimeoutError):
+        return "timeout"
+    if isinstance(exc, aiohttp.ClientConnectionError):
+        return "connect"
+    return "other"
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("kvpush_router_requests", "Requests answered", ["path", "code"], registry=r)
+        self.legs_failed = Counter("kvpush_router_legs_failed", "Legs that failed, by cause", ["leg", "cause"],
+                                   registry=r)
+        for leg in ("prefill", "decode"):
+            for c in CAUSES:
+                self.legs_failed.labels(leg, c)
+        self.in_flight = Gauge("kvpush_router_in_flight", "Legs in progress per engine", ["pool", "url"],
+                               registry=r)
+        self.ttft = Histogram("kvpush_router_ttft_seconds", "Request in to first byte of the answer",
+                              ["stream"], buckets=LATENCY_BUCKETS, registry=r)
+        self.latency = Histogram("kvpush_router_request_seconds", "Request in to last byte", ["stream"],
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.draining = Gauge("kvpush_router_draining", "1 once shutdown began", registry=r)
+
+    def leg_failed(self, leg: str, exc: BaseException | None) -> None:
+        self.legs_failed.labels(leg, cause_of(exc)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,221 @@
+"""The GPU path on a machine with a GPU, in one command (``scripts/gpu_check.sh``).
+
+Steps, each printed as one line, then one verdict line ``gpu_check: PASS`` / ``FAIL ...``:
+
+1. ``cuda``: a CUDA device is visible to torch. None: ``gpu_check: NO GPU ...`` and exit
+   :data:`EXIT_NO_GPU` (77, the "skipped" code of automake and CTest) without trying more.
+2. ``ipc``: two processes: a child exports a CUDA tensor by CUDA IPC, this process opens it
+   (``daemon.memory.CudaIpcRegion``), registers it with NIXL as VRAM and reads the child's bytes.
+3. ``daemon``: two real kvpushd processes and two engine stand-ins in this process whose KV is
+   per-layer CUDA allocations in FlashAttention's shape (one region per layer, CUDA IPC); a
+   Register and a PrefillDone make the prefill daemon WRITE into the decode engine's GPU
+   memory; the decode caches, read back and compared through the backend's views, must equal
+   the reference copy byte for byte (equal block sizes, then a block-size mismatch).
+4. ``vllm``: if vLLM with CUDA imports, a 1P1D pair on this one GPU (two engines sharing its
+   memory) through kvpush, whose greedy output must equal a colocated engine's. Otherwise the
+   step says why it was skipped (the verdict does not depend on it).
+
+Exit codes: 0 PASS, 1 FAIL, :data:`EXIT_NO_GPU` no GPU, 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_NO_GPU = 0, 1, 2, 77
+
+
+def say(step: str, ok: bool | None, detail: str) -> None:
+    mark = {True: "ok", False: "FAIL", None: "skip"}[ok]
+    print(f"gpu_check: {step:7s} {mark:4s} {detail}", flush=True)
+
+
+def cuda_visible() -> str:
+    """"" if a CUDA device is usable, else why not."""
+    try:
+        import torch
+    except Exception as exc:  # torch missing entirely
+        return f"torch does not import ({exc})"
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        return f"no CUDA device visible (torch {torch.__version__}, CUDA build {torch.version.cuda})"
+    return ""
+
+
+def _ipc_child(conn: Any) -> None:
+    import torch
+
+    from kvpush.engine_plugin.memory import export_cuda_tensor
+
+    t = torch.arange(1 << 20, dtype=torch.int32, device="cuda:0").view(torch.uint8)
+    torch.cuda.synchronize()
+    conn.send(export_cuda_tensor(t))
+    conn.recv()  # keep the allocation alive until the parent is done
+
+
+def step_ipc() -> str:
+    import numpy as np
+    import torch
+
+    from kvpush.daemon.memory import CudaIpcRegion
+    from kvpush.daemon.transport import NixlTransport
+
+    ctx = mp.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    child = ctx.Process(target=_ipc_child, args=(child_conn,), daemon=True)
+    child.start()
+    try:
+        if not conn.poll(120):
+            raise RuntimeError("the exporting child did not answer")
+        region = CudaIpcRegion(conn.recv())
+        got = region.view(torch.int32)[:8].cpu().numpy()
+        if not np.array_equal(got, np.arange(8, dtype=np.int32)):
+            raise RuntimeError(f"opened handle reads {got}, expected 0..7")
+        t = NixlTransport("gpu-check-ipc")
+        t.register(region)
+        t.close()
+        region.close()
+        return f"CUDA IPC export (pid {child.pid}) -> open here, bytes equal, NIXL VRAM registration ok"
+    finally:
+        conn.send("done")
+        child.join(30)
+        if child.is_alive():
+            child.kill()
+
+
+def step_daemon(device: str = "cuda") -> str:
+    """The daemon WRITE between per-layer caches on ``device`` ("cpu": the same check with shm
+    regions, which the test suite runs where there is no GPU)."""
+    import torch
+
+    from kvpush import proto
+    from kvpush.engine_plugin.layouts import BACKENDS, derive_layout
+    from kvpush.testing.daemon_harness import Daemon, Engine, device_config
+    from kvpush.testing.vllm_layouts import (
+        caches_equal,
+        clone_caches,
+        ignore_tail,
+        legacy_caches,
+        reference_copy,
+    )
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    fa = BACKENDS["FLASH_ATTN@legacy"]
+    geom = dict(num_layers=4, num_blocks=64, num_heads=2, head_size=128, dtype="bfloat16")
+    lines = []
+    with tempfile.TemporaryDirectory(prefix="kvpush-gpu-check-") as tmp:
+        p_d, d_d = Daemon(device_config(Path(tmp), 0)), Daemon(device_config(Path(tmp), 1))
+        try:
+            for case, (sbs, dbs) in (("equal block sizes", (16, 16)), ("block size 16 -> 8", (16, 8))):
+                src = {k: v.to(device) for k, v in legacy_caches(fa, block_size=sbs, seed=1, **geom).items()}
+                dst = {k: v.to(device) for k, v in legacy_caches(fa, block_size=dbs, fill="zeros", **geom).items()}
+                sync()
+                s_regions, s_lay = derive_layout(src, fa, head_size=128, num_kv_heads=2)
+                d_regions, d_lay = derive_layout(dst, fa, head_size=128, num_kv_heads=2)
+                pe = Engine(p_d, s_lay, "prefill", regions=s_regions, engine_id="P")
+                de = Engine(d_d, d_lay, "decode", regions=d_regions, engine_id="D")
+                try:
+                    n = 3 * 16 + 5
+                    sb, db = [9, 3, 40, 41], [5, 6, 7, 20, 21, 22, 30]
+                    t = f"gpu-check-{time.monotonic_ns()}"
+                    want = clone_caches({k: v.cpu() for k, v in dst.items()})  # a copy on CPU too
+                    src_cpu = {k: v.cpu() for k, v in src.items()}
+                    reference_copy(src_cpu, fa, s_lay, sb, want, fa, d_lay, db[: -(-n // dbs)], n)
+                    de.send(proto.Register(t, 0, tuple(db[: -(-n // dbs)]), n, (p_d.peer_endpoint,), 1, 10_000))
+                    pe.send(proto.PrefillDone(t, tuple(sb), n, 10_000))
+                    got = de.result(t)
+                    if not isinstance(got, proto.Received):
+                        raise RuntimeError(f"{case}: decode side got {got}")
+                    if not isinstance(pe.result(t), proto.Sent):
+                        raise RuntimeError(f"{case}: prefill side did not hear Sent")
+                    sync()
+                    after = {k: v.cpu() for k, v in dst.items()}
+                    ignore_tail(want, after, fa, d_lay, db[: -(-n // dbs)], n)
+                    if not caches_equal(after, fa, want, fa, 128):
+                        raise RuntimeError(f"{case}: decode GPU bytes differ from the reference copy")
+                    status = p_d.ops("status")
+                    lines.append(f"{case}: {len(s_regions)}+{len(d_regions)} {device} regions, "
+                                 f"{status['engine']['memory_bytes']} bytes, bytes equal")
+                finally:
+                    pe.close()
+                    de.close()
+        finally:
+            p_d.stop()
+            d_d.stop()
+    return "; ".join(lines)
+
+
+def vllm_cuda_reason() -> str:
+    """"" when vLLM with CUDA imports here, else why the 1P1D step is skipped."""
+    try:
+        import vllm  # noqa: F401
+        from vllm.platforms import current_platform
+    except Exception as exc:
+        return f"vLLM does not import ({type(exc).__name__}: {exc})"
+    if not current_platform.is_cuda():
+        return f"the installed vLLM is not a CUDA build (platform {type(current_platform).__name__})"
+    return ""
+
+
+def step_vllm(model: str) -> tuple[bool | None, str]:
+    why = vllm_cuda_reason()
+    if why:
+        return None, why
+    from kvpush.testing.demo import main as demo_main
+
+    rc = demo_main(["--model-dir", model, "--gpu"])
+    return rc == 0, f"1P1D on one GPU through kvpush (demo --gpu): exit {rc}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=".models/tiny", help="model for the vLLM 1P1D step")
+    ap.add_argument("--skip-vllm", action="store_true", help="do not run the vLLM 1P1D step")
+    try:
+        args = ap.parse_args(argv)
+    except SystemExit as exc:
+        return EXIT_USAGE if exc.code else EXIT_PASS
+    why = cuda_visible()
+    if why:
+        say("cuda", None, why)
+        print(f"gpu_check: NO GPU ({why}); nothing was run (exit {EXIT_NO_GPU})", flush=True)
+        return EXIT_NO_GPU
+    import torch
+
+    say("cuda", True, f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}")
+    failed = []
+    for name, fn in (("ipc", step_ipc), ("daemon", step_daemon)):
+        try:
+            say(name, True, fn())
+        except Exception as exc:
+            failed.append(name)
+            say(name, False, f"{type(exc).__name__}: {exc}")
+            traceback.print_exc(file=sys.stderr)
+    if args.skip_vllm:
+        say("vllm", None, "--skip-vllm")
+    else:
+        try:
+            ok, detail = step_vllm(args.model)
+        except Exception as exc:
+            ok, detail = False, f"{type(exc).__name__}: {exc}"
+        say("vllm", ok, detail)
+        if ok is False:
+            failed.append("vllm")
+    if failed:
+        print(f"gpu_check: FAIL ({', '.join(failed)})", flush=True)
+        return EXIT_FAIL
+    print("gpu_check: PASS", flush=True)
+    return EXIT_PASS
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,69 @@
+"""kvpush-router's configuration: file + flags in one load step, clear errors for bad input."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpush.router.cli import main as router_main
+from kvpush.router.config import Backend, RouterConfigError, load, node_endpoints, parse_prefill
+
+
+def test_a_node_is_host_base_port_and_tp():
+    assert node_endpoints("10.0.0.5", 17500, 3) == ["tcp://10.0.0.5:17500", "tcp://10.0.0.5:17501",
+                                                    "tcp://10.0.0.5:17502"]
+    assert node_endpoints("fd00::5", 17500, 1) == ["tcp://[fd00::5]:17500"]
+
+
+@pytest.mark.parametrize("spec,eps", [
+    ("http://p:8100=p:17500", ["tcp://p:17500"]),
+    ("http://p:8100/=p:17500,tp=2", ["tcp://p:17500", "tcp://p:17501"]),
+    ("http://p:8100=tcp://a:1,tcp://b:2", ["tcp://a:1", "tcp://b:2"]),
+])
+def test_prefill_flags(spec, eps):
+    b = parse_prefill(spec)
+    assert b.url == "http://p:8100" and b.kv_endpoints == eps
+
+
+@pytest.mark.parametrize("spec", ["p:17500", "http://p:8100", "http://p:8100=p", "http://p:8100=p:17500,tq=2",
+                                  "http://p:8100=p:70000", "http://p:8100=tcp://a", "http://p:8100=p:65535,tp=2",
+                                  "http://p:8100=p:17500,tp=0"])
+def test_bad_prefill_flags_say_what_is_wrong(spec):
+    with pytest.raises(RouterConfigError):
+        parse_prefill(spec)
+
+
+def test_file_then_flags(tmp_path):
+    f = tmp_path / "r.toml"
+    f.write_text('listen = "0.0.0.0:9000"\npolicy = "round-robin"\nshutdown_grace_s = 5\n'
+                 '[[prefill]]\nurl = "http://p1:8100"\nhost = "p1"\nbase_port = 17500\ntp_size = 2\n'
+                 '[[prefill]]\nurl = "http://p2:8100"\nendpoints = ["tcp://p2:18000"]\n'
+                 '[[decode]]\nurl = "http://d1:8200/"\n')
+    cfg = load(str(f), {"decode": [Backend("http://d2:8200")], "policy": None, "shutdown_grace_s": 1.5})
+    assert (cfg.host, cfg.port, cfg.policy, cfg.shutdown_grace_s) == ("0.0.0.0", 9000, "round-robin", 1.5)
+    assert [b.kv_endpoints for b in cfg.prefill] == [["tcp://p1:17500", "tcp://p1:17501"], ["tcp://p2:18000"]]
+    assert [b.url for b in cfg.decode] == ["http://d1:8200", "http://d2:8200"]
+
+
+@pytest.mark.parametrize("text,words", [
+    ('[[decode]]\nurl = "http://d:1"\n', "at least one prefill"),
+    ('[[prefill]]\nurl = "http://p:1"\nhost = "p"\n[[decode]]\nurl = "http://d:1"\n', "base_port"),
+    ('[[prefill]]\nurl = "http://p:1"\nhost = "p"\nbase_port = 1\nendpoints = ["tcp://p:1"]\n', "not both"),
+    ('lisen = "x"\n', "unknown key"),
+    ('policy = "random"\n[[prefill]]\nurl = "http://p:1"\nendpoints = ["tcp://p:1"]\n[[decode]]\nurl = "http://d:1"\n',
+     "policy"),
+    ('[[prefill]]\nurl = "http://p:1"\nendpoints = ["tcp://p:1"]\n[[decode]]\nurl = "http://d:1"\nport = 1\n',
+     "wants exactly url"),
+    ("not toml [", "r.toml"),
+])
+def test_bad_files_say_what_is_wrong(tmp_path, text, words):
+    f = tmp_path / "r.toml"
+    f.write_text(text)
+    with pytest.raises(RouterConfigError, match=words):
+        load(str(f))
+
+
+def test_the_cli_refuses_a_bad_config_with_exit_2(tmp_path, capsys):
+    f = tmp_path / "r.toml"
+    f.write_text('[[decode]]\nurl = "http://d:1"\n')
+    assert router_main(["--config", str(f)]) == 2
+    assert "at least one prefill" in capsys.readouterr().err

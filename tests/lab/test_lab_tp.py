@@ -95,12 +95,12 @@ TP2_DECODE_BUG = pytest.mark.xfail(strict=False, reason=(
     "silent ('unavailable (silent for more than 3.0 s)') when a batch arrives after an idle "
     "spell, so every load of that batch fails and is recomputed (engine log: link_unavailable=2, "
     "load_failed=12); the daemons were up and handshaken. TP=1 decode engines do not show it; "
-    "the daemon-level TP1 -> TP2 test (test_lab_daemons) passes. Failed 5 of 5 runs. The same "
+    "the daemon-level TP1 -> TP2 test (test_lab_daemons) passes. Failed 5 of 6 runs. The same "
     "'silent' line also shows on the prefill engines of this stack (4 engines, two of them TP=2, "
     "on 2 cores, every daemon on core 1), never in the TP=1 2P2D stack: CPU oversubscription "
     "starving the daemons is not ruled out."))
 TP2_PREFILL_FLAKE = pytest.mark.xfail(strict=False, reason=(
-    "known flake, likely the same TP=2 plugin link issue on the prefill side: in 1 of 5 runs, "
+    "known flake, likely the same TP=2 plugin link issue on the prefill side: in 2 of 6 runs, "
     "after a local batch on the TP=2 prefill engine, every pair load failed with 'producer 1: "
     "prefill did not complete in time' (rank 1's daemon never got PrefillDone); the other runs "
     "passed with tokens equal. The daemon-level TP2 -> TP1 test (test_lab_daemons) passes."))

@@ -6,14 +6,15 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-if ! command -v systemd-analyze >/dev/null || ! command -v shellcheck >/dev/null; then
-  # systemd-analyze verifies the unit file; shellcheck lints the install script.
+if ! command -v systemd-analyze >/dev/null || ! command -v shellcheck >/dev/null || ! command -v nft >/dev/null; then
+  # systemd-analyze verifies the unit file; shellcheck lints the install script; nft injects
+  # loss and partitions in the multi-host lab (tests/lab).
   if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
     apt-get update -qq >/dev/null && \
-      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends systemd shellcheck >/dev/null \
-      || echo "warning: could not install systemd/shellcheck; their tests will skip"
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends systemd shellcheck nftables >/dev/null \
+      || echo "warning: could not install systemd/shellcheck/nftables; their tests will skip"
   else
-    echo "note: install systemd-analyze and shellcheck to run the unit-file tests (they skip without)"
+    echo "note: install systemd-analyze, shellcheck and nftables to run the unit-file and lab tests (they skip without)"
   fi
 fi
 bash scripts/setup_env.sh "${KVPUSH_SETUP_ARGS:---vllm}"

@@ -51,7 +51,13 @@ def device_config(tmp: Path, index: int, **kw: Any) -> DeviceConfig:
     return replace(cfg, **kw)
 
 
-def _run(cfg: DeviceConfig, ready: Any) -> None:
+def _run(cfg: DeviceConfig, ready: Any, netns: str | None = None, env: dict[str, str] | None = None) -> None:
+    if netns:  # a lab host (kvpush.testing.netlab): before any socket or NIXL agent exists
+        from kvpush.testing.netlab import enter_netns
+
+        enter_netns(netns)
+    if env:  # e.g. UCX_TLS: read when the NIXL agent starts
+        os.environ.update(env)
     from kvpush.daemon.worker import run_worker
 
     raise SystemExit(run_worker(cfg, ready))
@@ -75,13 +81,15 @@ def dump_all_daemons() -> None:
 
 
 class Daemon:
-    """One per-accelerator daemon process."""
+    """One per-accelerator daemon process; ``netns`` runs it inside a lab host (its engine
+    and ops sockets are files, so engines and ops reach it from any namespace)."""
 
-    def __init__(self, cfg: DeviceConfig) -> None:
+    def __init__(self, cfg: DeviceConfig, *, netns: str | None = None, env: dict[str, str] | None = None) -> None:
         self.cfg = cfg
+        self.netns = netns
         ctx = mp.get_context("spawn")
         self.ready = ctx.Event()
-        self.proc = ctx.Process(target=_run, args=(cfg, self.ready), daemon=True)
+        self.proc = ctx.Process(target=_run, args=(cfg, self.ready, netns, env), daemon=True)
         self.proc.start()
         if not self.ready.wait(60):
             self.proc.kill()

@@ -48,7 +48,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ucx-error-handling", choices=("peer", "none"), default="none")
     ap.add_argument("--gpu", action="store_true",
                     help="CUDA vLLM: both engines (and the reference) share one GPU, each a third of its memory")
+    ap.add_argument("--hosts", action="store_true",
+                    help="2P2D across network namespaces as hosts (UCX over TCP, router on its own host; "
+                         "needs root): kvpush.testing.labdemo")
     args = ap.parse_args(argv)
+    if args.hosts:
+        from kvpush.testing import labdemo
+
+        return labdemo.main(args, prompts(args.extra_prompts))
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="kvpush-demo-"))
     work.mkdir(parents=True, exist_ok=True)

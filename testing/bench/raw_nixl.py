@@ -146,15 +146,29 @@ def raw_nixl_write_gbps(size: int, scattered: bool, iters: int,
     return _raw(size, scattered, iters, backend_params or {}, target_poll_s)[0]
 
 
+def _placed(netns: str | None, env: dict[str, str] | None, fn: Any, *args: Any) -> None:
+    """Run ``fn`` inside a lab host (network namespace) with extra env, e.g. UCX_TLS."""
+    if netns:
+        from kvpush.testing.netlab import enter_netns
+
+        enter_netns(netns)
+    if env:
+        os.environ.update(env)
+    fn(*args)
+
+
 def _raw(size: int, scattered: bool, iters: int, params: dict[str, str],
-         target_poll_s: float | None = None) -> tuple[float, int]:
+         target_poll_s: float | None = None, where: tuple[str | None, str | None] = (None, None),
+         env: dict[str, str] | None = None) -> tuple[float, int]:
+    """``where``: (target's, initiator's) network namespace (the multi-host lab), or None."""
     if target_poll_s is None:
         target_poll_s = 0.001 if params.get("ucx_error_handling_mode") == "none" else 0.0
     ctx = mp.get_context("spawn")
     t_conn, t_child = ctx.Pipe()
     i_conn, i_child = ctx.Pipe()
-    tgt = ctx.Process(target=_target, args=(t_child, size, params, target_poll_s), daemon=True)
-    ini = ctx.Process(target=_initiator, args=(i_child, size, scattered, iters, params),
+    tgt = ctx.Process(target=_placed, args=(where[0], env, _target, t_child, size, params, target_poll_s),
+                      daemon=True)
+    ini = ctx.Process(target=_placed, args=(where[1], env, _initiator, i_child, size, scattered, iters, params),
                       daemon=True)
     tgt.start()
     ini.start()

@@ -186,6 +186,13 @@ class PrefillSide:
         else:
             why = (check_blocks(peer.layout, msg.block_ids, msg.num_tokens, "peer register", msg.first_token)
                    or self._over_quota(peer, msg))
+        # The decode side gives up at its deadline even with a WRITE in flight, so the last
+        # WRITE must start early enough to finish (or time out) before then.
+        margin = self.cfg.write_timeout_s + 1.0
+        deadline = bounded_s(msg.deadline_ms, self.cfg.register_timeout_s)
+        if not why and deadline <= margin:  # it could never be written: say so, not silence
+            why = (f"registration timeout {deadline:.1f}s leaves no time to write: it must exceed this "
+                   f"prefill daemon's write_timeout_s + 1 ({margin:.1f}s); raise the decode engine's timeout_ms")
         if why:
             self.ctx.bad("register", why)
             self.ctx.wire.to_consumer(
@@ -193,10 +200,6 @@ class PrefillSide:
             return
         peer.transfers += 1
         self.ctx.trace.stamp(msg.transfer_id, "p.daemon.register_in")
-        # The decode side gives up at its deadline even with a WRITE in flight, so the last
-        # WRITE must start early enough to finish (or time out) before then.
-        margin = self.cfg.write_timeout_s + 1.0
-        deadline = bounded_s(msg.deadline_ms, self.cfg.register_timeout_s)
         self.apply(rv.Register(
             msg.transfer_id, msg.attempt, peer.key, msg.dest_rank, msg.expected_dests, msg.block_ids,
             msg.num_tokens, now, now + max(0.0, deadline - margin), msg.first_token, peer.node,

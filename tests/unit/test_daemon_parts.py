@@ -384,3 +384,14 @@ def test_tp2_to_tp4_each_producer_writes_two_destination_ranks(lab):
         assert np.array_equal(b[~dont_care], want[~dont_care])
     assert [kinds(p) for p, _ in ps] == [["Sent"], ["Sent"]]
     assert [p.transport.writes for p, _ in ps] == [2, 2]
+
+
+def test_a_registration_too_short_to_write_is_refused_with_the_reason(lab):
+    """A decode timeout at or below the prefill daemon's write_timeout_s + 1 could never be
+    written: the decode engine hears why at once instead of recomputing silently."""
+    net, fab = lab
+    p, d = pair(net, fab, write_timeout_s=5.0)
+    t = tid()
+    register(d, t, [1, 2], 20, [p], timeout_ms=5_500)
+    net.run()
+    assert kinds(d) == ["ReceiveFailed"] and "write_timeout_s" in d.answers()[-1].reason and not d.fenced

@@ -192,13 +192,8 @@ class LabStack:
         return sorted(p for p in mapped if os.path.exists(p))  # what is still there (should be none)
 
     def _stop(self) -> None:
-        for name in ["router", *(e.host for e in self.engines), *(f"kvpushd-{e.host}" for e in self.engines)]:
-            p = self.procs.pop(name, None)
-            if p is not None:
-                try:
-                    ve.stop_group(p, grace=10)
-                except Exception as exc:  # keep cleaning the others
-                    print(f"warning: stopping {name}: {exc}")
+        ve.stop_groups(self.procs, ["router", *(e.host for e in self.engines),
+                                    *(f"kvpushd-{e.host}" for e in self.engines)])
 
     # ---------------------------------------------------------------- what the engines say
     def tokens_by_source(self, host: str) -> dict[str, float]:

@@ -135,13 +135,7 @@ class PDStack:
         return ve.parse_cpus(self.aux_cpus) if self.aux_cpus else None
 
     def stop(self) -> None:
-        for name in ("router", "decode", "prefill", "kvpushd"):
-            p = self.procs.pop(name, None)
-            if p is not None:
-                try:
-                    ve.stop_group(p, grace=10)
-                except Exception as exc:  # keep cleaning the others
-                    print(f"warning: stopping {name}: {exc}")
+        ve.stop_groups(self.procs, ("router", "decode", "prefill", "kvpushd"))
 
     def pids(self) -> dict[str, int]:
         return {k: v.pid for k, v in self.procs.items()}

@@ -16,7 +16,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -202,6 +202,18 @@ def stop_group(proc: subprocess.Popen[bytes], grace: float = 15.0) -> int:
         except ProcessLookupError:
             pass
     return proc.wait()
+
+
+def stop_groups(procs: dict[str, subprocess.Popen[bytes]], names: Iterable[str], grace: float = 10.0) -> None:
+    """Stop (``stop_group``) and forget each named process of ``procs`` that is there, in that
+    order; a failure is reported and the rest are still stopped."""
+    for name in names:
+        p = procs.pop(name, None)
+        if p is not None:
+            try:
+                stop_group(p, grace=grace)
+            except Exception as exc:  # keep cleaning the others
+                print(f"warning: stopping {name}: {exc}", flush=True)
 
 
 def _group_alive(pgid: int) -> bool:

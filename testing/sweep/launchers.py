@@ -80,12 +80,7 @@ def start_nixl(mode: str, model: Path, logs: Path, startup_timeout: float, reque
     procs: dict[str, subprocess.Popen[bytes]] = {}
 
     def stop() -> None:
-        for name in ("proxy", "decode", "prefill"):
-            if (p := procs.pop(name, None)) is not None:
-                try:
-                    ve.stop_group(p, grace=10)
-                except Exception as exc:  # keep cleaning the others
-                    print(f"warning: stopping {name}: {exc}", flush=True)
+        ve.stop_groups(procs, ("proxy", "decode", "prefill"))
 
     side = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
     try:

@@ -12,6 +12,7 @@ import logging
 import os
 
 from kvpush.engine_plugin.config import PluginConfig
+from kvpush.engine_plugin.logonce import OncePer
 from kvpush.proto.card import DaemonCard, card_path, read_card
 
 log = logging.getLogger("kvpush.plugin")
@@ -23,7 +24,7 @@ class DaemonCards:
     def __init__(self, cfg: PluginConfig, tp_size: int) -> None:
         self.paths = [card_path(cfg.socket_for(r)) for r in range(tp_size)]
         self._cache: dict[str, tuple[int, DaemonCard]] = {}
-        self._said: set[str] = set()  # why a card is unusable, logged once per (path, reason)
+        self._said = OncePer(64)  # why a card is unusable, logged once per (path, reason)
 
     def endpoints(self) -> tuple[str, ...] | None:
         out: list[str] = []
@@ -52,9 +53,7 @@ class DaemonCards:
         return card
 
     def _say(self, path: str, why: str) -> None:
-        key = f"{path}:{why}"
-        if key in self._said or len(self._said) >= 64:
+        if not self._said.first((path, why)):
             return
-        self._said.add(key)
         log.warning("kvpush: %s: %s; prefill legs from serial proxies are computed without handing on their "
                     "KV until it is readable", path, why)

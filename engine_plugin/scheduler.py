@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvpush.engine_plugin.cards import DaemonCards
 from kvpush.engine_plugin.config import PluginConfig
+from kvpush.engine_plugin.logonce import OncePer
 from kvpush.engine_plugin.metadata import AbortReq, KVPushMetadata, RegisterReq, SendReq
 from kvpush.proto.params import DO_REMOTE_PREFILL, DecodeLeg, PrefillLeg, decode_leg, prefill_leg
 from kvpush.proto.trace import now_ns
@@ -47,7 +48,6 @@ class KVPushScheduler:
     def __init__(self, cfg: PluginConfig, block_size: int, tp_size: int = 1) -> None:
         self.cfg = cfg
         self.block_size = block_size
-        self.tp_size = tp_size
         self.cards = DaemonCards(cfg, tp_size)
         self._named: dict[str, str] = {}  # prefill: req_id -> transfer ID this engine made (serial leg)
         self._meta = KVPushMetadata()
@@ -59,7 +59,7 @@ class KVPushScheduler:
         self._first_step: dict[str, str] = {}  # decode: req_id -> transfer_id, load done, not yet stepped
         self._candidates: dict[str, str] = {}  # prefill: req_id -> transfer_id, may publish early
         self._early: dict[str, str] = {}  # prefill: req_id -> transfer_id published early
-        self._warned: set[tuple[str, ...]] = set()  # key sets of unusable decode legs already logged
+        self._warned = OncePer(WARN_KEY_SETS)  # key sets of unusable decode legs already logged
 
     # ------------------------------------------------------------------ decode side
 
@@ -110,9 +110,8 @@ class KVPushScheduler:
         if not params or not params.get(DO_REMOTE_PREFILL):
             return
         keys = tuple(sorted(params))
-        if keys in self._warned or len(self._warned) >= WARN_KEY_SETS:
+        if not self._warned.first(keys):
             return  # said already (the set is bounded: clients choose the keys)
-        self._warned.add(keys)
         log.warning("kvpush: a request asks for remote prefill but its kv_transfer_params (keys %s) name no "
                     "usable prefill daemon (kvpush needs transfer_id and prefill_endpoints, or remote_host, "
                     "remote_port and tp_size with pp_size 1): computing its prompt locally; further requests "

@@ -21,6 +21,7 @@ import torch
 from kvpush import proto
 from kvpush.engine_plugin.client import DaemonClient
 from kvpush.engine_plugin.config import PluginConfig
+from kvpush.engine_plugin.logonce import OncePer
 from kvpush.engine_plugin.memory import export_cpu_tensor, unlink_export
 from kvpush.engine_plugin.metadata import KVPushMetadata, SendReq
 from kvpush.engine_plugin.stats import TransferSamples
@@ -129,9 +130,8 @@ class KVPushWorker:
         self.endpoint = cfg.socket_for(rank)
         self.client = DaemonClient(self.endpoint)
         self.counters = TransferCounters()
-        self._said: set[tuple[str, str]] = set()  # failure reasons already logged
+        self._said = OncePer(64)  # failure reasons already logged
         self.samples = TransferSamples()  # latency and bytes of finished transfers (stats hook)
-        self._block_bytes = 0  # this rank's bytes per block (all layers, K and V)
         self._send_since: dict[str, tuple[float, int]] = {}  # prefill: tid -> (published, blocks)
         self.layout: KVLayout | None = None
         self._recv: dict[str, _Pending] = {}  # transfer_id -> decode registration
@@ -177,7 +177,6 @@ class KVPushWorker:
                                              total_heads=self.total_kv_heads)
         self._whole = whole
         self.handle = handle
-        self._block_bytes = self.layout.block_bytes
         atexit.register(self._unlink_export)  # a normal exit that skips shutdown() too
         self.client.attach(proto.Attach(self.engine_id, self.rank, self.tp_size, self.role, (handle,), self.layout))
         log.info("kvpush: KV cache (%d bytes, %d layers, %d blocks x %d tokens) attached to %s",
@@ -198,7 +197,6 @@ class KVPushWorker:
             num_blocks=geo.num_blocks, head_start=self.rank * geo.num_kv_heads, total_heads=self.total_kv_heads,
             model=self.model)
         self._regions = regions  # keeps every exported allocation alive for the daemon
-        self._block_bytes = self.layout.block_bytes
         handles = tuple(export_cuda_tensor(r) for r in regions)
         self.handle = None  # no shm file to unlink
         self.client.attach(proto.Attach(self.engine_id, self.rank, self.tp_size, self.role, handles, self.layout))
@@ -426,15 +424,18 @@ class KVPushWorker:
                 self._daemon_id = m.daemon_id
                 self._down_logged = False
 
+    @property
+    def _block_bytes(self) -> int:
+        """This rank's bytes per block, all layers (0 before the KV is attached)."""
+        return self.layout.block_bytes if self.layout is not None else 0
+
     def _say_once(self, what: str, tid: str, reason: str, then: str) -> None:
         """A failed transfer, logged once per (what, reason): under a persistent fault (an
         unreachable prefill node) the log says why without a line per request; the counts
         are in the stats (load_failed, send_failed)."""
-        key = (what, reason)
-        if key in self._said or len(self._said) >= 64:
+        if not self._said.first((what, reason)):
             log.debug("kvpush: KV of %s %s: %s", tid, what, reason)
             return
-        self._said.add(key)
         log.warning("kvpush: KV of %s %s (%s); %s. Further transfers failing for this reason are counted "
                     "(vLLM's KV Transfer metrics), not logged", tid, what, reason, then)
 

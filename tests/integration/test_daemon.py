@@ -7,9 +7,11 @@ and no other destination byte changed.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -290,10 +292,13 @@ def test_bad_input_on_every_endpoint_writes_nothing(pd):
         de.close()
 
 
-def test_prefill_daemon_killed_mid_transfer_fails_decode_within_deadline(tmp_path):
+@contextlib.contextmanager
+def registered_at_producer(tmp_path) -> Iterator[tuple[Daemon, Daemon, Engine, str, np.ndarray]]:
+    """A prefill and a decode daemon, and a registration that has reached the producer with no
+    prefill yet: (producer, consumer, decode engine, transfer, the decode KV bytes before)."""
     p = Daemon(device_config(tmp_path, 0))
     d = Daemon(device_config(tmp_path, 1))
-    lay, meta = cpu()
+    lay, _ = cpu()
     pe = Engine(p, lay, "prefill", seed=8)
     de = Engine(d, lay, "decode", fill="zeros")
     try:
@@ -301,17 +306,22 @@ def test_prefill_daemon_killed_mid_transfer_fails_decode_within_deadline(tmp_pat
         t = tid()
         register(de, [p], t, [1, 2], 20, timeout_ms=30_000)
         time.sleep(0.5)  # the registration reached the producer
+        yield p, d, de, t, before
+    finally:
+        pe.close()
+        de.close()
+        d.stop()
+        p.stop()
+
+
+def test_prefill_daemon_killed_mid_transfer_fails_decode_within_deadline(tmp_path):
+    with registered_at_producer(tmp_path) as (p, d, de, t, before):
         p.kill()
         t0 = time.monotonic()
         res = de.result(t, timeout=15)
         assert isinstance(res, proto.ReceiveFailed), res
         assert time.monotonic() - t0 < d.cfg.peer_timeout_s + 3
         assert np.array_equal(de.bytes, before)
-    finally:
-        pe.close()
-        de.close()
-        d.stop()
-        p.stop()
 
 
 def test_curve_peer_endpoint_refuses_unauthorised_peers(tmp_path):
@@ -408,25 +418,13 @@ def test_a_frozen_producer_makes_the_decode_daemon_fence_not_hand_blocks_back(tm
 
     from kvpush.daemon.context import FENCE_EXIT_CODE
 
-    p = Daemon(device_config(tmp_path, 0))
-    d = Daemon(device_config(tmp_path, 1))
-    lay, _ = cpu()
-    pe = Engine(p, lay, "prefill", seed=8)
-    de = Engine(d, lay, "decode", fill="zeros")
-    try:
-        before = de.bytes.copy()
-        t = tid()
-        register(de, [p], t, [1, 2], 20, timeout_ms=30_000)
-        time.sleep(0.5)  # the registration reached the producer
+    with registered_at_producer(tmp_path) as (p, d, de, t, before):
         os.kill(p.proc.pid, signal.SIGSTOP)
-        d.proc.join(d.cfg.peer_timeout_s + 10)
-        assert d.proc.exitcode == FENCE_EXIT_CODE
-        de.client.poll()
-        assert not [m for m in de.inbox if isinstance(m, (proto.ReceiveFailed, proto.Released))]
-        assert np.array_equal(de.bytes, before)
-    finally:
-        os.kill(p.proc.pid, signal.SIGCONT)
-        pe.close()
-        de.close()
-        d.stop()
-        p.stop()
+        try:
+            d.proc.join(d.cfg.peer_timeout_s + 10)
+            assert d.proc.exitcode == FENCE_EXIT_CODE
+            de.client.poll()
+            assert not [m for m in de.inbox if isinstance(m, (proto.ReceiveFailed, proto.Released))]
+            assert np.array_equal(de.bytes, before)
+        finally:
+            os.kill(p.proc.pid, signal.SIGCONT)

@@ -31,7 +31,7 @@ def _reason(text: str) -> str:
     a WriteFailedNotice, an abort), so it is clipped to stay decodable."""
     return proto.codec.clip(text, proto.codec.REASON_MAX)
 
-RECV_POLL_MAX_S = 0.0005  # poll cap while a producer said Writing and its notification is missing
+RECV_POLL_MAX_S = 0.0001  # poll cap while a producer said Writing and its notification is missing
 RECV_FALLBACK_S = 0.01  # poll cap while receiving otherwise (no WRITE announced yet)
 CANCEL_GRACE_MAX_S = 3.0  # after a registration's deadline, how long its producers may take to confirm a cancel
 HINT_WINDOW_S = 0.02  # how long a completed WRITE keeps the tight poll if its notification never shows
@@ -76,6 +76,12 @@ class DecodeSide:
             fanout = producer_fanout(a.layout, a.tp_size, msg.prefill_tp_size, a.rank)
         except PlanError as exc:
             return refuse(str(exc))
+        ended = self.counter.registration(tid, msg.attempt)
+        if ended is not None and not ended.live:
+            # Its outcome was told: silence would leave the engine waiting out its timeout,
+            # and repeating the outcome could vouch for blocks nobody wrote.
+            return refuse(f"attempt {msg.attempt} of this transfer already ended "
+                          f"({ended.state.name.lower()}); register a new attempt")
         prev = self.counter.registration(tid) if self.counter.live(tid) else None
         if prev is not None and prev.attempt > msg.attempt:
             return refuse(f"attempt {msg.attempt} is older than attempt {prev.attempt}")

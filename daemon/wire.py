@@ -118,8 +118,20 @@ class ZmqWire:
 
     # ------------------------------------------------------------------ receiving
 
-    def poll(self, timeout_ms: int) -> set[Any]:
-        ready = {s for s, _ in self.poller.poll(max(timeout_ms, 0))}
+    def poll(self, timeout_s: float) -> set[Any]:
+        """The sockets with input, waiting up to ``timeout_s``. ZeroMQ waits in whole
+        milliseconds; a shorter wait (a WRITE in flight, whose bytes move only while NIXL is
+        polled) checks, sleeps, and checks again, so that the loop neither spins (on a small
+        host a spinning daemon starves the kernel's network work and the other daemon) nor
+        sleeps a whole millisecond."""
+        if timeout_s >= 0.001:
+            events = self.poller.poll(int(timeout_s * 1000))
+        else:
+            events = self.poller.poll(0)
+            if not events and timeout_s > 0:
+                time.sleep(timeout_s)
+                events = self.poller.poll(0)
+        ready = {s for s, _ in events}
         if self._monitor is not None and self._monitor in ready:
             ready.discard(self._monitor)
             self.drain_monitor()

@@ -98,7 +98,10 @@ def _target(conn: Any, size: int, params: dict[str, str], poll_s: float) -> None
     a.deregister_memory(reg)
 
 
-def _initiator(conn: Any, size: int, scattered: bool, iters: int, params: dict[str, str]) -> None:
+def _initiator(conn: Any, size: int, scattered: bool, iters: int, params: dict[str, str],
+               gap_s: float = 0.0) -> None:
+    """``gap_s``: idle time before each timed WRITE (isolated transfers, as one request at a
+    time sees them; the rate is then over the WRITEs' own time)."""
     a = _agent("bench-initiator", params)
     buf = _buffer(size)
     reg = _register(a, buf)
@@ -114,19 +117,26 @@ def _initiator(conn: Any, size: int, scattered: bool, iters: int, params: dict[s
     h = a.initialize_xfer("WRITE", a.get_xfer_descs(loc, "DRAM"), a.get_xfer_descs(rem, "DRAM"),
                           peer, b"w")
 
-    def once(i: int) -> None:
+    def once(i: int) -> float:
+        if gap_s:
+            time.sleep(gap_s)
+        t = time.perf_counter()
         st = a.transfer(h, f"w{i}".encode())
         while st == "PROC":
             st = a.check_xfer_state(h)
         if st != "DONE":
             raise RuntimeError(f"WRITE failed: {st}")
+        return time.perf_counter() - t
 
     for i in range(min(3, iters)):
         once(i)
-    t0 = time.perf_counter()
-    for i in range(iters):
-        once(i)
-    dt = time.perf_counter() - t0
+    if gap_s:
+        dt = sum(once(i) for i in range(iters))
+    else:
+        t0 = time.perf_counter()
+        for i in range(iters):
+            once(i)
+        dt = time.perf_counter() - t0
     a.release_xfer_handle(h)
     a.remove_remote_agent(peer)
     a.deregister_memory(reg)
@@ -159,7 +169,7 @@ def _placed(netns: str | None, env: dict[str, str] | None, fn: Any, *args: Any) 
 
 def _raw(size: int, scattered: bool, iters: int, params: dict[str, str],
          target_poll_s: float | None = None, where: tuple[str | None, str | None] = (None, None),
-         env: dict[str, str] | None = None) -> tuple[float, int]:
+         env: dict[str, str] | None = None, gap_s: float = 0.0) -> tuple[float, int]:
     """``where``: (target's, initiator's) network namespace (the multi-host lab), or None."""
     if target_poll_s is None:
         target_poll_s = 0.001 if params.get("ucx_error_handling_mode") == "none" else 0.0
@@ -168,7 +178,7 @@ def _raw(size: int, scattered: bool, iters: int, params: dict[str, str],
     i_conn, i_child = ctx.Pipe()
     tgt = ctx.Process(target=_placed, args=(where[0], env, _target, t_child, size, params, target_poll_s),
                       daemon=True)
-    ini = ctx.Process(target=_placed, args=(where[1], env, _initiator, i_child, size, scattered, iters, params),
+    ini = ctx.Process(target=_placed, args=(where[1], env, _initiator, i_child, size, scattered, iters, params, gap_s),
                       daemon=True)
     tgt.start()
     ini.start()

@@ -193,6 +193,23 @@ def test_a_newer_attempt_supersedes_and_only_it_is_received(lab):
     assert isinstance(register(d, t, [1, 2], 20, [p], attempt=0), proto.ReceiveFailed)  # older: refused
 
 
+def test_a_repeated_registration_of_an_ended_attempt_is_refused_not_ignored(lab):
+    """Once the outcome is told, the same (transfer, attempt) registered again gets a reason at
+    once: silence would leave the engine waiting out its timeout, and a repeated Received would
+    vouch for blocks nobody wrote for it."""
+    net, fab = lab
+    p, d = pair(net, fab)
+    t = tid()
+    register(d, t, [1, 2], 20, [p])
+    prefill_done(p, t, [3, 4], 20)
+    net.run()
+    assert kinds(d) == ["Received"]
+    again = register(d, t, [5, 6], 20, [p])
+    assert isinstance(again, proto.ReceiveFailed) and "already ended (completed)" in again.reason, again
+    net.run()
+    assert p.transport.writes == 1 and kinds(d) == ["Received", "ReceiveFailed"]  # nothing forwarded
+
+
 def test_unreachable_producer_fails_the_registration_at_the_handshake_timeout(lab):
     net, fab = lab
     p, d = pair(net, fab, peer_timeout_s=2.0)

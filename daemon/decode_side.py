@@ -48,6 +48,11 @@ class DecodeSide:
         self.hinted: dict[str, float] = {}  # transfer -> poll tightly until (monotonic)
 
     @property
+    def handshaking(self) -> bool:
+        """A producer link is being set up: our NIXL connection to it needs our progress."""
+        return any(p.state is Link.HANDSHAKING for p in self.producers.values())
+
+    @property
     def receiving(self) -> int:
         """Live registrations (the loop polls NIXL while there are any): the counter's own count."""
         return self.counter.live_count()

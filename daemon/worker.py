@@ -23,6 +23,7 @@ import signal
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -48,6 +49,7 @@ TICK_S = 0.05  # timers (deadlines, leases, peer silence) resolve to this
 PR_SET_TIMERSLACK = 29  # <linux/prctl.h>
 TIMER_SLACK_NS = 1000
 IDLE_POLL_S = 0.25  # how long the loop blocks on ZeroMQ with nothing in flight
+STALL_WARN_S = 0.5  # a loop step this long is logged (and counted as failure{cause="loop_stall"})
 AUTH_REFRESH_S = 1.0  # how often the allowlist directory is checked for changes
 
 
@@ -58,6 +60,29 @@ def nixl_turn(prefill: PrefillSide, decode: DecodeSide, now: float) -> bool:
     if decode.receiving:
         activity |= decode.take_notifications(now)
     return activity
+
+
+class _Laps:
+    """Where one loop step spent its time (for the stall warning)."""
+
+    __slots__ = ("clock", "t0", "last", "parts")
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.t0 = self.last = clock()
+        self.parts: list[tuple[float, str]] = []
+
+    def __call__(self, what: str) -> None:
+        t = self.clock()
+        self.parts.append((t - self.last, what))
+        self.last = t
+
+    def total(self) -> float:
+        return self.last - self.t0
+
+    def slowest(self) -> str:
+        dt, what = max(self.parts)
+        return f"{what}: {dt:.2f} s"
 
 
 class Worker:
@@ -101,8 +126,7 @@ class Worker:
     # ------------------------------------------------------------------ loop
 
     def busy(self) -> bool:
-        return bool(self.prefill.in_flight or self.decode.receiving
-                    or any(p.state is Link.HANDSHAKING for p in self.decode.producers.values()))
+        return bool(self.prefill.in_flight or self.decode.receiving or self.decode.handshaking)
 
     def run(self, ready: Any = None) -> int:
         log.info(
@@ -127,19 +151,31 @@ class Worker:
         ready = self.wire.poll(self.poll_s if self.busy() else IDLE_POLL_S)
         engine, peer, ops = self.wire.bound()
         activity = False
+        lap = _Laps()
         if engine in ready:
             activity |= self.wire.drain_router(engine, self._on_engine, meta=frame_cred)
+            lap("engine messages")
         if peer in ready:
             activity |= self.wire.drain_router(peer, self._on_peer, meta=frame_node)
+            lap("peer messages")
         if ops in ready:
             self.wire.drain_router(ops, self._on_ops)
+            lap("ops requests")
         for sock in ready - {engine, peer, ops}:
             activity |= self.wire.drain_dealer(sock, self._on_producer)
+        lap("producer messages")
         now = time.monotonic()
         activity |= nixl_turn(self.prefill, self.decode, now)
+        lap("NIXL polls")
         if now - self.last_tick >= TICK_S:
             self.last_tick = now
             self.tick(now)
+            lap("timers")
+        if lap.total() >= STALL_WARN_S:
+            # Nothing here may block: a stalled loop leaves engines' heartbeats unanswered
+            # (their plugins then fail every transfer after dead_after_s) and WRITEs unpolled.
+            self.ctx.metrics.failure("loop_stall")
+            log.warning("daemon loop stalled %.2f s (%s)", lap.total(), lap.slowest())
         # A notification waits in NIXL until we poll. Producers say Writing over ZeroMQ when
         # they post a WRITE (poll tightly until its notification shows) and when it completed
         # (wakes this loop at once); with no WRITE announced, poll only as a slow fallback.

@@ -267,8 +267,8 @@ class DaemonClient:
         elif a is Act.LOG_LOST:
             log.warning("kvpush: daemon at %s unavailable (connection lost)", self.endpoint)
         elif a is Act.LOG_SILENT:
-            log.warning("kvpush: daemon at %s unavailable (silent for more than %.1f s)",
-                        self.endpoint, self.dead_after_s)
+            log.warning("kvpush: daemon at %s unavailable (silent for more than %.1f s: %s)",
+                        self.endpoint, self.dead_after_s, link.silence_detail(self._clock()))
         elif a is Act.LOG_NEVER_ANSWERED:
             log.warning("kvpush: daemon at %s has not answered for %.1f s",
                         self.endpoint, link.never_answered_s(self._clock()))

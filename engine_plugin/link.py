@@ -17,8 +17,9 @@ The rules the table encodes (see TABLE):
   daemon answers again after it was declared silent (it may have lost what it knew of us).
 * An unsent Attach (EAGAIN) is retried on every poll (``Tick``).
 * Liveness: available = link up and heard recently, where silence is only proven by a
-  heartbeat left unanswered for ``dead_after_s`` (an idle engine does not poll, so a long gap
-  says nothing). A dropped link is unavailable at once. Each transition is logged once.
+  heartbeat sent after the daemon was last heard and left unanswered for ``dead_after_s`` (an
+  idle engine does not poll, so a long gap says nothing). A dropped link is unavailable at
+  once. Each transition is logged once.
 
 Data path: the machine owns the bounded queue of encoded frames; :meth:`Link.route` says what
 ``send()`` does with the next message (refuse, queue, or hand it to zmq directly).
@@ -346,6 +347,10 @@ class Link:
             sent_at = self._hb_sent_at.pop(ev.seq, None)
             if sent_at is not None:
                 self.rtt_s = ev.now - sent_at
+            # Acks come in order on a link: an older heartbeat still unanswered lost its ack
+            # (or the daemon dropped it) and says nothing any more.
+            for seq in [s for s in self._hb_sent_at if s < ev.seq]:
+                del self._hb_sent_at[seq]
             # This link's id only: a new link to a restarted daemon was attached by its
             # handshake already, and its first ack must not re-attach a second time.
             restarted = self._link_daemon_id is not None and ev.daemon_id != self._link_daemon_id
@@ -424,16 +429,19 @@ class Link:
     # ---- liveness ----------------------------------------------------------------------
 
     def _heard_recently(self, now: float) -> bool:
-        """Silence is only proven by a heartbeat left unanswered for ``dead_after_s``.
+        """Silence is only proven by a heartbeat, sent after the daemon was last heard, left
+        unanswered for ``dead_after_s``.
 
         An idle engine does not step, so it neither polls nor sends heartbeats; a long
         gap since the last message then says nothing about the daemon.
         """
-        if self._last_heard is None:
+        last = self._last_heard
+        if last is None:
             return False
-        if now - self._last_heard <= self.dead_after_s:
+        if now - last <= self.dead_after_s:
             return True
-        oldest = min(self._hb_sent_at.values(), default=None)
+        # Only a heartbeat sent after the daemon was last heard can prove it silent.
+        oldest = min((t for t in self._hb_sent_at.values() if t > last), default=None)
         return oldest is None or now - oldest <= self.dead_after_s
 
     def _liveness(self, now: float) -> tuple[Act, ...]:
@@ -456,6 +464,16 @@ class Link:
         if self.state not in LINK_UP:
             return (A.LOG_LOST,)  # the link's drop already reset it (DOWN)
         return (A.LOG_SILENT, *self._step(E.SILENCE))
+
+    def silence_detail(self, now: float) -> str:
+        """What proved the silence, for the log line: when the daemon was last heard and the
+        oldest heartbeat sent since then."""
+        last = self._last_heard
+        if last is None:
+            return "never heard on this link"
+        since = [(t, q) for q, t in self._hb_sent_at.items() if t > last]
+        hb = f"; heartbeat {min(since)[1]} unanswered for {now - min(since)[0]:.1f} s" if since else ""
+        return f"last heard {now - last:.1f} s ago{hb}"
 
     def never_answered_s(self, now: float) -> float:
         return now - self._started

@@ -11,6 +11,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -192,6 +193,84 @@ class Engine:
             if h.kind == "cpu_shm":
                 with contextlib.suppress(FileNotFoundError):
                     unlink_export(h)
+
+
+# ---- the engine messages and TP scenarios the daemon tests share ----------------------------
+
+def amx_layout(heads: int = 2, head_start: int = 0, total_heads: int = 0, *, num_blocks: int = 64,
+               block_size: int = 16) -> tuple[KVLayout, dict]:
+    """A small vLLM-cpu AMX layout (2 layers, head size 64) and its reference metadata."""
+    from kvpush.testing.kvref import make
+
+    return make("amx", num_layers=2, num_blocks=num_blocks, block_size=block_size, num_heads=heads,
+                head_size=64, dtype="bfloat16", head_start=head_start, total_heads=total_heads)
+
+
+def register(de: Engine, producers: Sequence[Daemon | str], t: str, blocks: Sequence[int], n: int, *,
+             attempt: int = 0, timeout_ms: int = 10_000) -> None:
+    """The decode engine registers ``blocks`` for ``t``, naming its producers (daemons or
+    peer endpoints, one per prefill rank)."""
+    eps = tuple(p if isinstance(p, str) else p.peer_endpoint for p in producers)
+    de.send(proto.Register(t, attempt, tuple(blocks), n, eps, len(eps), timeout_ms))
+
+
+def prefill_done(pe: Engine, t: str, blocks: Sequence[int], n: int, lease_ms: int = 10_000) -> None:
+    pe.send(proto.PrefillDone(t, tuple(blocks), n, lease_ms))
+
+
+def check_tp2_to_tp1(p0: Daemon, p1: Daemon, d: Daemon, t: str) -> None:
+    """A TP=2 prefill engine (one rank per daemon, one KV head each) feeds a TP=1 decode
+    engine: Received only after both producers, and each head lands where the reference says."""
+    from kvpush.testing.kvref import reference_copy
+
+    (l0, m0), (l1, m1) = amx_layout(1, 0, 2), amx_layout(1, 1, 2)
+    ld, md = amx_layout(2, total_heads=2)
+    pe0 = Engine(p0, l0, "prefill", rank=0, tp=2, engine_id="P2", seed=4)
+    pe1 = Engine(p1, l1, "prefill", rank=1, tp=2, engine_id="P2", seed=5)
+    de = Engine(d, ld, "decode", fill="zeros", engine_id="D1")
+    try:
+        before = de.bytes.copy()
+        n, src0, src1, dst = 70, [1, 2, 3, 4, 5], [9, 8, 7, 6, 5], [20, 22, 24, 26, 28]
+        register(de, [p0, p1], t, dst, n)
+        prefill_done(pe0, t, src0, n)
+        prefill_done(pe1, t, src1, n)
+        assert isinstance(de.result(t), proto.Received)
+        assert isinstance(pe0.result(t), proto.Sent) and isinstance(pe1.result(t), proto.Sent)
+        w, dc0 = reference_copy(m0, l0, pe0.bytes, src0, md, ld, before, dst, n, 0)
+        w, dc1 = reference_copy(m1, l1, pe1.bytes, src1, md, ld, w, dst, n, 0)
+        care = ~(dc0 | dc1)
+        assert np.array_equal(de.bytes[care], w[care]), "destination bytes differ from the reference copy"
+    finally:
+        for e in (pe0, pe1, de):
+            e.close()
+
+
+def check_tp1_to_tp2(p: Daemon, d0: Daemon, d1: Daemon, t: str) -> None:
+    """A TP=1 prefill engine feeds a TP=2 decode engine: the producer waits for both
+    destination ranks' registrations (prefill first here), then each rank gets its head."""
+    from kvpush.testing.kvref import reference_copy
+
+    lp, mp_ = amx_layout(2, total_heads=2)
+    (l0, m0), (l1, m1) = amx_layout(1, 0, 2), amx_layout(1, 1, 2)
+    pe = Engine(p, lp, "prefill", seed=6, engine_id="P1")
+    de0 = Engine(d0, l0, "decode", rank=0, tp=2, fill="zeros", engine_id="D2")
+    de1 = Engine(d1, l1, "decode", rank=1, tp=2, fill="zeros", engine_id="D2")
+    try:
+        b0, b1 = de0.bytes.copy(), de1.bytes.copy()
+        n, src, dst = 33, [10, 11, 12], [3, 1, 2]
+        prefill_done(pe, t, src, n)
+        register(de0, [p], t, dst, n)
+        time.sleep(0.2)
+        assert not any(isinstance(m, proto.Sent) for m in pe.pump()), "Sent before both destinations registered"
+        register(de1, [p], t, dst, n)
+        assert isinstance(de0.result(t), proto.Received) and isinstance(de1.result(t), proto.Received)
+        assert isinstance(pe.result(t), proto.Sent)
+        for de, m, b in ((de0, m0, b0), (de1, m1, b1)):
+            want, dc = reference_copy(mp_, lp, pe.bytes, src, m, de.layout, b, dst, n, 0)
+            assert np.array_equal(de.bytes[~dc], want[~dc]), "destination bytes differ from the reference copy"
+    finally:
+        for e in (pe, de0, de1):
+            e.close()
 
 
 # ---- an engine in its own process (local trust tests: other processes, killed engines) ----

@@ -19,8 +19,17 @@ import zmq
 
 from kvpush import proto
 from kvpush.proto.layout import KVLayout
-from kvpush.testing.daemon_harness import Daemon, Engine, device_config
-from kvpush.testing.kvref import make, reference_copy
+from kvpush.testing.daemon_harness import (
+    Daemon,
+    Engine,
+    amx_layout,
+    check_tp1_to_tp2,
+    check_tp2_to_tp1,
+    device_config,
+    prefill_done,
+    register,
+)
+from kvpush.testing.kvref import reference_copy
 
 pytestmark = pytest.mark.integration
 
@@ -33,8 +42,7 @@ def tid() -> str:
 
 def cpu(block_size: int = 16, num_blocks: int = 64, heads: int = 2, head_start: int = 0,
         total_heads: int = 0) -> tuple[KVLayout, dict]:
-    return make("amx", num_layers=2, num_blocks=num_blocks, block_size=block_size, num_heads=heads,
-                head_size=64, dtype="bfloat16", head_start=head_start, total_heads=total_heads)
+    return amx_layout(heads, head_start, total_heads, num_blocks=num_blocks, block_size=block_size)
 
 
 @pytest.fixture(scope="module")
@@ -55,16 +63,6 @@ def check_transfer(p_eng: Engine, p_meta: dict, src_blocks, d_eng: Engine, d_met
     )
     got = d_eng.bytes
     assert np.array_equal(got[~dont_care], want[~dont_care]), "destination bytes differ from the reference copy"
-
-
-def register(d_eng: Engine, p_daemons: list[Daemon], t: str, blocks, num_tokens: int, attempt: int = 0,
-             timeout_ms: int = 10_000) -> None:
-    d_eng.send(proto.Register(t, attempt, tuple(blocks), num_tokens,
-                                     tuple(p.peer_endpoint for p in p_daemons), len(p_daemons), timeout_ms))
-
-
-def prefill_done(p_eng: Engine, t: str, blocks, num_tokens: int, lease_ms: int = 10_000) -> None:
-    p_eng.send(proto.PrefillDone(t, tuple(blocks), num_tokens, lease_ms))
 
 
 @pytest.mark.parametrize("order", ["register_first", "prefill_first"])
@@ -165,30 +163,9 @@ def test_different_block_sizes(pd, sbs, dbs):
 def test_tp2_to_tp1_two_producers(tmp_path):
     p0, p1 = Daemon(device_config(tmp_path, 0)), Daemon(device_config(tmp_path, 1))
     d = Daemon(device_config(tmp_path, 2))
-    engines = []
     try:
-        l0, m0 = cpu(heads=1, head_start=0, total_heads=2)
-        l1, m1 = cpu(heads=1, head_start=1, total_heads=2)
-        ld, md = cpu(heads=2, total_heads=2)
-        pe0 = Engine(p0, l0, "prefill", rank=0, tp=2, engine_id="P", seed=4)
-        pe1 = Engine(p1, l1, "prefill", rank=1, tp=2, engine_id="P", seed=5)
-        de = Engine(d, ld, "decode", fill="zeros", engine_id="D")
-        engines = [pe0, pe1, de]
-        before = de.bytes.copy()
-        t, n = tid(), 70
-        src0, src1, dst = [1, 2, 3, 4, 5], [9, 8, 7, 6, 5], [20, 22, 24, 26, 28]
-        register(de, [p0, p1], t, dst, n)
-        prefill_done(pe0, t, src0, n)
-        prefill_done(pe1, t, src1, n)
-        assert isinstance(de.result(t), proto.Received)
-        assert isinstance(pe0.result(t), proto.Sent) and isinstance(pe1.result(t), proto.Sent)
-        w, dc0 = reference_copy(m0, l0, pe0.bytes, src0, md, ld, before, dst, n, 0)
-        w, dc1 = reference_copy(m1, l1, pe1.bytes, src1, md, ld, w, dst, n, 0)
-        care = ~(dc0 | dc1)
-        assert np.array_equal(de.bytes[care], w[care])
+        check_tp2_to_tp1(p0, p1, d, tid())
     finally:
-        for e in engines:
-            e.close()
         for x in (p0, p1, d):
             x.stop()
 
@@ -196,30 +173,9 @@ def test_tp2_to_tp1_two_producers(tmp_path):
 def test_tp1_to_tp2_one_producer_two_destinations(tmp_path):
     p = Daemon(device_config(tmp_path, 0))
     d0, d1 = Daemon(device_config(tmp_path, 1)), Daemon(device_config(tmp_path, 2))
-    engines = []
     try:
-        lp, mp_ = cpu(heads=2, total_heads=2)
-        l0, m0 = cpu(heads=1, head_start=0, total_heads=2)
-        l1, m1 = cpu(heads=1, head_start=1, total_heads=2)
-        pe = Engine(p, lp, "prefill", seed=6, engine_id="P")
-        de0 = Engine(d0, l0, "decode", rank=0, tp=2, fill="zeros", engine_id="D")
-        de1 = Engine(d1, l1, "decode", rank=1, tp=2, fill="zeros", engine_id="D")
-        engines = [pe, de0, de1]
-        b0, b1 = de0.bytes.copy(), de1.bytes.copy()
-        t, n = tid(), 33
-        src, dst = [10, 11, 12], [3, 1, 2]
-        prefill_done(pe, t, src, n)
-        register(de0, [p], t, dst, n)
-        time.sleep(0.2)
-        assert not any(isinstance(m, proto.Sent) for m in pe.pump())  # waits for both destinations
-        register(de1, [p], t, dst, n)
-        assert isinstance(de0.result(t), proto.Received) and isinstance(de1.result(t), proto.Received)
-        assert isinstance(pe.result(t), proto.Sent)
-        check_transfer(pe, mp_, src, de0, m0, dst, n, b0)
-        check_transfer(pe, mp_, src, de1, m1, dst, n, b1)
+        check_tp1_to_tp2(p, d0, d1, tid())
     finally:
-        for e in engines:
-            e.close()
         for x in (p, d0, d1):
             x.stop()
 

@@ -20,8 +20,16 @@ import numpy as np
 import pytest
 
 from kvpush import proto
-from kvpush.testing.daemon_harness import Daemon, Engine
-from kvpush.testing.kvref import make, reference_copy
+from kvpush.testing import daemon_harness as harness
+from kvpush.testing.daemon_harness import (
+    Daemon,
+    Engine,
+    amx_layout,
+    check_tp1_to_tp2,
+    check_tp2_to_tp1,
+    prefill_done,
+)
+from kvpush.testing.kvref import reference_copy
 from kvpush.testing.labstack import UCX_NETWORK_ENV, host_keys, lab_device_config, ucx_transports
 from kvpush.testing.netlab import Lab, sweep_stale
 
@@ -41,8 +49,7 @@ def tid() -> str:
 
 
 def cpu(heads: int = 2, head_start: int = 0, total_heads: int = 0, num_blocks: int = 64):
-    return make("amx", num_layers=2, num_blocks=num_blocks, block_size=16, num_heads=heads, head_size=64,
-                dtype="bfloat16", head_start=head_start, total_heads=total_heads)
+    return amx_layout(heads, head_start, total_heads, num_blocks=num_blocks)
 
 
 class Net:
@@ -124,11 +131,8 @@ def reattached(de: Engine) -> None:
 
 
 def register(de: Engine, producers: list[str], t: str, blocks, n: int, timeout_ms: int = REGISTER_TIMEOUT_MS) -> None:
-    de.send(proto.Register(t, 0, tuple(blocks), n, tuple(producers), len(producers), timeout_ms))
-
-
-def prefill_done(pe: Engine, t: str, blocks, n: int) -> None:
-    pe.send(proto.PrefillDone(t, tuple(blocks), n, 10_000))
+    """The harness's register, with this module's registration timeout by default."""
+    harness.register(de, producers, t, blocks, n, timeout_ms=timeout_ms)
 
 
 def transfer(net: Net, pe: Engine, de: Engine, meta: dict, *, src=(1, 2, 3), dst=(7, 8, 9), n: int = 40,
@@ -270,52 +274,11 @@ def test_ucx_says_tcp_between_hosts(net, tmp_path):
 
 
 def test_tp2_prefill_host_to_tp1_decode_host(net):
-    l0, m0 = cpu(heads=1, head_start=0, total_heads=2)
-    l1, m1 = cpu(heads=1, head_start=1, total_heads=2)
-    ld, md = cpu(heads=2, total_heads=2)
-    pe0 = Engine(net["p0"], l0, "prefill", rank=0, tp=2, engine_id="P2", seed=4)
-    pe1 = Engine(net["p0b"], l1, "prefill", rank=1, tp=2, engine_id="P2", seed=5)
-    de = Engine(net["d0"], ld, "decode", fill="zeros", engine_id="D1")
-    try:
-        before = de.bytes.copy()
-        t, n = tid(), 70
-        src0, src1, dst = [1, 2, 3, 4, 5], [9, 8, 7, 6, 5], [20, 22, 24, 26, 28]
-        register(de, [net["p0"].peer_endpoint, net["p0b"].peer_endpoint], t, dst, n)
-        prefill_done(pe0, t, src0, n)
-        prefill_done(pe1, t, src1, n)
-        assert isinstance(de.result(t), proto.Received)
-        assert isinstance(pe0.result(t), proto.Sent) and isinstance(pe1.result(t), proto.Sent)
-        w, dc0 = reference_copy(m0, l0, pe0.bytes, src0, md, ld, before, dst, n, 0)
-        w, dc1 = reference_copy(m1, l1, pe1.bytes, src1, md, ld, w, dst, n, 0)
-        care = ~(dc0 | dc1)
-        assert np.array_equal(de.bytes[care], w[care])
-    finally:
-        for e in (pe0, pe1, de):
-            e.close()
+    check_tp2_to_tp1(net["p0"], net["p0b"], net["d0"], tid())
 
 
 def test_tp1_prefill_host_to_tp2_decode_host(net):
-    lp, mp_ = cpu(heads=2, total_heads=2)
-    l0, m0 = cpu(heads=1, head_start=0, total_heads=2)
-    l1, m1 = cpu(heads=1, head_start=1, total_heads=2)
-    pe = Engine(net["p1"], lp, "prefill", seed=6, engine_id="P1")
-    de0 = Engine(net["d0"], l0, "decode", rank=0, tp=2, fill="zeros", engine_id="D2")
-    de1 = Engine(net["d0b"], l1, "decode", rank=1, tp=2, fill="zeros", engine_id="D2")
-    try:
-        b0, b1 = de0.bytes.copy(), de1.bytes.copy()
-        t, n = tid(), 33
-        src, dst = [10, 11, 12], [3, 1, 2]
-        prefill_done(pe, t, src, n)
-        register(de0, [net["p1"].peer_endpoint], t, dst, n)
-        register(de1, [net["p1"].peer_endpoint], t, dst, n)
-        assert isinstance(de0.result(t), proto.Received) and isinstance(de1.result(t), proto.Received)
-        assert isinstance(pe.result(t), proto.Sent)
-        for de, m, b in ((de0, m0, b0), (de1, m1, b1)):
-            want, dc = reference_copy(mp_, lp, pe.bytes, src, m, de.layout, b, dst, n, 0)
-            assert np.array_equal(de.bytes[~dc], want[~dc])
-    finally:
-        for e in (pe, de0, de1):
-            e.close()
+    check_tp1_to_tp2(net["p1"], net["d0"], net["d0b"], tid())
 
 
 # ------------------------------------------------------------------------ faults

@@ -412,3 +412,15 @@ def test_a_registration_too_short_to_write_is_refused_with_the_reason(lab):
     register(d, t, [1, 2], 20, [p], timeout_ms=5_500)
     net.run()
     assert kinds(d) == ["ReceiveFailed"] and "write_timeout_s" in d.answers()[-1].reason and not d.fenced
+
+
+def test_a_loop_step_names_the_phase_that_stalled_it():
+    """The daemon's stall warning (a step over STALL_WARN_S) says which phase took the time:
+    the only way to tell a blocking NIXL call from a slow handler in an operator's log."""
+    from kvpush.daemon.worker import _Laps
+
+    lap = _Laps(iter((10.0, 10.1, 14.1, 14.2)).__next__)
+    for what in ("engine messages", "peer messages", "NIXL polls"):
+        lap(what)
+    assert abs(lap.total() - 4.2) < 1e-9
+    assert lap.slowest() == "peer messages: 4.00 s"

@@ -263,6 +263,26 @@ def test_idle_gap_is_not_silence() -> None:
     assert link.handle(Drained(30.0)) == () and link.available
 
 
+def test_a_heartbeat_never_answered_does_not_make_a_later_idle_gap_silence() -> None:
+    """Silence is proven only by a heartbeat sent after the daemon was last heard: one whose
+    ack was lost while later ones were answered says nothing about the daemon. (Seen on TP=2
+    engines: both rank daemons declared silent at the first poll after an idle spell.)"""
+    link = Link(0.0, max_queue=1, heartbeat_s=HB, dead_after_s=DEAD)
+    link.handle(Connected(0.0))
+    link.handle(HeartbeatSent(0.0))  # its ack never comes
+    assert Act.SEND_HEARTBEAT in link.handle(Tick(HB))
+    link.handle(HeartbeatSent(HB))
+    link.handle(HeartbeatAcked(link.hb_seq, "d1", HB))
+    assert link.handle(Drained(HB)) == (Act.LOG_AVAILABLE,)
+    t = HB + 30.0  # an idle spell, then the next batch's first poll
+    assert Act.SEND_HEARTBEAT in link.handle(Tick(t))
+    link.handle(HeartbeatSent(t))
+    assert link.handle(Drained(t)) == () and link.available
+    # A heartbeat sent after the last answer and left unanswered past DEAD still is silence.
+    assert Act.LOG_SILENT in link.handle(Drained(t + DEAD + 0.1)) and not link.available
+    assert link.silence_detail(t + DEAD + 0.1).endswith(f"heartbeat {link.hb_seq} unanswered for 3.1 s")
+
+
 def test_queue_is_bounded_and_closing_drops_it() -> None:
     link = Link(0.0, max_queue=2, heartbeat_s=HB, dead_after_s=DEAD)
     routes = [link.route() for _ in range(2)]

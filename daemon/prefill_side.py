@@ -296,11 +296,6 @@ class PrefillSide:
             err = "decode peer is gone"
         if not err:
             assert me is not None and peer is not None
-            # Tell the consumer first, before planning and posting: it must poll NIXL tightly
-            # while the bytes flow (over TCP a WRITE lands only as the receiver progresses, and
-            # with UCX error handling "peer" completes only then), and a hint sent after the
-            # post queues behind the WRITE's own traffic (measured: 2-4 ms late at 16 MiB).
-            self.ctx.wire.to_consumer(peer.routing_id, proto.Writing(a.transfer_id, a.attempt, me.rank, False))
             notif = Notification(a.transfer_id, a.attempt, me.rank).encode()
             tr = self.ctx.transport
             try:
@@ -329,6 +324,11 @@ class PrefillSide:
                 err = f"NIXL: {exc}"
                 self.ctx.metrics.failure("nixl")
             else:
+                # The consumer polls NIXL tightly while this is in flight (over TCP a WRITE lands
+                # only as the receiver progresses). Sent after the post: sent before it, the
+                # hint woke the consumer while we still planned, and on a small host the two
+                # daemons' CPU then cost the small transfers' TTFT more than it saved.
+                self.ctx.wire.to_consumer(peer.routing_id, proto.Writing(a.transfer_id, a.attempt, me.rank, False))
                 self.in_flight[id(h)] = InFlight(
                     a.transfer_id, a.attempt, a.dest_rank, a.peer, h, nbytes, ndesc, now, peer.prepped is not None
                 )

@@ -283,8 +283,7 @@ class WriteFailedNotice:
 @message
 @dataclass(frozen=True, slots=True)
 class Writing:
-    """Producer is posting (``done`` false, sent just before the post) or completed (``done``
-    true) its WRITE of this attempt.
+    """Producer posted (``done`` false) or completed (``done`` true) its WRITE of this attempt.
 
     Wake-ups, not proofs: only the NIXL notification, which NIXL delivers after the data,
     completes a transfer. A posted WRITE makes the consumer poll NIXL tightly until the

@@ -98,7 +98,9 @@ def external(stack: LabStack, host: str) -> float:
 # heartbeats go unanswered for more than dead_after_s (3 s), their plugins declare the daemons
 # silent, and that batch's transfers fail and are recomputed (never wrong tokens). Not
 # reproduced with raw NIXL agents doing the same calls across the same namespaces, nor with the
-# daemons alone under CPU hogs; a nice -15 on the daemons moved, not removed, it.
+# daemons alone under CPU hogs; a nice -15 on the daemons moved, not removed, it. A bystander
+# probe (a sysfs read and a fork of `ip`, every 100 ms) blocked 3-4 s in the same windows, so
+# the whole machine stalls then (four engines, six vLLM workers, on two cores).
 _TP_STALL = ("known: a ~4 s NIXL/UCX endpoint-creation stall in a daemon linking to a TP=2 host's "
              "two daemons makes the engines' plugins declare their daemons silent (> 3 s), so a "
              "batch is recomputed; see the comment above")

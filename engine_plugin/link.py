@@ -347,10 +347,6 @@ class Link:
             sent_at = self._hb_sent_at.pop(ev.seq, None)
             if sent_at is not None:
                 self.rtt_s = ev.now - sent_at
-            # Acks come in order on a link: an older heartbeat still unanswered lost its ack
-            # (or the daemon dropped it) and says nothing any more.
-            for seq in [s for s in self._hb_sent_at if s < ev.seq]:
-                del self._hb_sent_at[seq]
             # This link's id only: a new link to a restarted daemon was attached by its
             # handshake already, and its first ack must not re-attach a second time.
             restarted = self._link_daemon_id is not None and ev.daemon_id != self._link_daemon_id

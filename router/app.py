@@ -11,6 +11,7 @@ are built with :mod:`kvpush.proto.params`, the contract the engine plugin parses
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import socket
@@ -32,6 +33,7 @@ from kvpush.router.front import (
     error_response,
     front_app,
     json_body,
+    sse_error,
 )
 from kvpush.router.metrics import RouterMetrics
 
@@ -107,6 +109,14 @@ class Router(Upstreams):
     def _streamed(resp: web.StreamResponse) -> bool:
         return "event-stream" in resp.headers.get("content-type", "")
 
+    async def _fail_stream(self, resp: web.StreamResponse, message: str) -> web.StreamResponse:
+        """A leg failed after the 200 went out: a streaming client gets the error as its last
+        event (a non-streaming body is cut short, which its JSON parser reports)."""
+        if self._streamed(resp):
+            with contextlib.suppress(ConnectionError, RuntimeError):  # the client may be gone
+                await resp.write(sse_error(502, message))
+        return resp
+
     async def forward(self, req: web.Request, path: str, t0: float) -> web.StreamResponse:
         assert self.session is not None
         if self.draining:
@@ -179,15 +189,16 @@ class Router(Upstreams):
             self.stats["errors"] += 1
             if resp is None:
                 return _error(502, str(exc))
-            return resp  # headers already sent: the stream just ends
+            return await self._fail_stream(resp, str(exc))
         except (TimeoutError, aiohttp.ClientError) as exc:
             prefill.cancel()
             d.failed += 1
             self.stats["errors"] += 1
             self.metrics.leg_failed("decode", exc)
+            message = f"decode engine {d.url}: {type(exc).__name__}: {exc}"
             if resp is None:
-                return _error(502, f"decode engine {d.url}: {type(exc).__name__}: {exc}")
-            return resp
+                return _error(502, message)
+            return await self._fail_stream(resp, message)
         finally:
             for task in (prefill, decode):
                 if not task.done():

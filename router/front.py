@@ -93,9 +93,20 @@ async def decode_chunks(up: aiohttp.ClientResponse, prefill: asyncio.Task[Any] |
             nxt.cancel()
 
 
+def _error_body(status: int, message: str, kind: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "code": status}}
+
+
 def error_response(status: int, message: str, kind: str = "kvpush_router_error") -> web.Response:
     """An OpenAI-style error body, so clients show the message."""
-    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+    return web.json_response(_error_body(status, message, kind), status=status)
+
+
+def sse_error(status: int, message: str, kind: str = "kvpush_router_error") -> bytes:
+    """The same error as a server-sent event, for a stream whose 200 is already out (as vLLM
+    reports an error in the middle of a stream): ending the stream silently would hand the
+    client an empty or cut answer that looks complete."""
+    return b"data: " + json.dumps(_error_body(status, message, kind)).encode() + b"\n\n"
 
 
 class BadRequest(ValueError):

@@ -62,3 +62,52 @@ def test_health_names_the_engine_that_is_down_and_models_come_from_decode():
     assert health["down"] == [DOWN[0]]  # the decode stand-in answers 503; prefill is fine
     assert ms == 200 and models["data"][0]["id"] == "tiny"
     assert BAD == [(400, "request body is not JSON"), (400, "request body must be a JSON object")]
+
+
+async def _streaming_decode_then_failing_prefill() -> list[str]:
+    """The decode engine's stream is open (200 and a first event sent) when the prefill leg
+    fails: the client must be told, not handed a stream that just ends."""
+    async def decode(req: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(status=200, headers={"content-type": "text/event-stream"})
+        await resp.prepare(req)
+        await resp.write(b'data: {"choices": [{"text": ""}]}\n\n')
+        await asyncio.sleep(3)  # waits for the KV, which never comes
+        return resp
+
+    async def prefill(_req: web.Request) -> web.Response:
+        await asyncio.sleep(0.3)
+        return web.json_response({"error": {"message": "boom"}}, status=500)
+
+    runners = []
+    urls = []
+    for handler in (prefill, decode):
+        app = web.Application()
+        app.router.add_post("/v1/completions", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = _port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        runners.append(runner)
+        urls.append(f"http://127.0.0.1:{port}")
+    cfg = RouterConfig(prefill=[Backend(urls[0], ["tcp://127.0.0.1:1"])], decode=[Backend(urls[1], [])])
+    router = web.AppRunner(build_app(cfg))
+    await router.setup()
+    port = _port()
+    await web.TCPSite(router, "127.0.0.1", port).start()
+    try:
+        async with aiohttp.ClientSession() as s:
+            body = {"model": "tiny", "prompt": "x", "max_tokens": 4, "stream": True}
+            async with s.post(f"http://127.0.0.1:{port}/v1/completions", json=body,
+                              timeout=aiohttp.ClientTimeout(total=20)) as r:
+                assert r.status == 200
+                return [line.decode().strip() async for line in r.content if line.strip()]
+    finally:
+        for x in (router, *runners):
+            await x.cleanup()
+
+
+def test_a_prefill_leg_failing_after_the_stream_started_ends_it_with_an_error_event():
+    lines = asyncio.run(_streaming_decode_then_failing_prefill())
+    assert lines[0] == 'data: {"choices": [{"text": ""}]}'
+    last = lines[-1]
+    assert last.startswith("data: {\"error\"") and "prefill engine" in last and "500" in last, lines

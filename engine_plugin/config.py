@@ -15,12 +15,19 @@ Optional:
   unavailable_fail  fail loads at once while the daemon is unreachable (default true)
   idle_wait_ms      on a step with no forward and transfers pending, wait up to this long
                     for the daemon's answer instead of letting vLLM spin (default 2; 0 = never)
+  dead_after_ms     how long the daemon may leave heartbeats unanswered before the plugin
+                    treats it as unavailable (default 3000, 1500..60000): lower fails the
+                    transfers of a dead daemon sooner, higher rides out longer stalls of the
+                    daemon or of the engine's own threads (the plugin cannot tell them apart)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+DEAD_AFTER_MS = 3000
+DEAD_AFTER_RANGE_MS = (1500, 60_000)  # above the 1 s heartbeat; below any sane load timeout
 
 
 class PluginConfigError(ValueError):
@@ -35,6 +42,7 @@ class PluginConfig:
     device_offset: int = 0
     unavailable_fail: bool = True
     idle_wait_ms: int = 2
+    dead_after_ms: int = DEAD_AFTER_MS
 
     def socket_for(self, rank: int) -> str:
         return self.daemon.format(rank=rank, device=rank + self.device_offset)
@@ -42,7 +50,8 @@ class PluginConfig:
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> PluginConfig:
         extra = dict(extra or {})
-        known = {"daemon", "lease_ms", "timeout_ms", "device_offset", "unavailable_fail", "idle_wait_ms"}
+        known = {"daemon", "lease_ms", "timeout_ms", "device_offset", "unavailable_fail", "idle_wait_ms",
+                 "dead_after_ms"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise PluginConfigError(f"unknown kv_connector_extra_config key(s) {unknown}; known: {sorted(known)}")
@@ -57,6 +66,11 @@ class PluginConfig:
                 if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                     raise PluginConfigError(f"{key} must be a non-negative integer, got {v!r}")
                 out[key] = v
+        if "dead_after_ms" in extra:
+            v, (lo, hi) = extra["dead_after_ms"], DEAD_AFTER_RANGE_MS
+            if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+                raise PluginConfigError(f"dead_after_ms must be an integer in [{lo}, {hi}], got {v!r}")
+            out["dead_after_ms"] = v
         if "unavailable_fail" in extra:
             out["unavailable_fail"] = bool(extra["unavailable_fail"])
         return cls(**out)

@@ -30,6 +30,7 @@ from kvpush.testing.prom import by_label, fetch_text, parse
 UCX_NETWORK_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0"}
 UCX_LOG_ENV = {"UCX_LOG_LEVEL": "info"}
 ENGINE_PORT = 8000
+DAEMON_NICE = -10  # as scripts/systemd/kvpushd.service's Nice=: engines must not starve their daemons
 ROUTER_PORT = 8000
 BASE_PORT = 17500
 
@@ -130,7 +131,8 @@ class LabStack:
             + "".join(f'{k} = "{v}"\n' for k, v in self.keys[host].config().items()) + extra)
         self.procs[f"kvpushd-{host}"] = self.lab.popen(
             host, [ve.vllm_python(), "-m", "kvpush.daemon.cli", "--config", str(cfg)],
-            self.work / host / "kvpushd.log", env=self.daemon_env(), cpus=ve.parse_cpus(self.aux_cpus))
+            self.work / host / "kvpushd.log", env=self.daemon_env(), cpus=ve.parse_cpus(self.aux_cpus),
+            nice=DAEMON_NICE)
 
     def start_engine(self, host: str) -> None:
         spec = self.spec(host)

@@ -245,8 +245,9 @@ class Lab:
 
     # ---------------------------------------------------------------- running things
     def popen(self, host: str, argv: list[str], log: Path, env: dict[str, str] | None = None,
-              cpus: set[int] | None = None) -> subprocess.Popen[bytes]:
-        """``argv`` inside ``host``'s namespace, in its own process group, output to ``log``."""
+              cpus: set[int] | None = None, nice: int = 0) -> subprocess.Popen[bytes]:
+        """``argv`` inside ``host``'s namespace, in its own process group, output to ``log``;
+        ``nice`` is added to its niceness (inherited by its children and threads)."""
         ns = self.ns(host)
         pin = pin_to(cpus)
 
@@ -254,6 +255,8 @@ class Lab:
             enter_netns(ns)
             if pin is not None:
                 pin()
+            if nice:
+                os.nice(nice)
 
         proc = subprocess.Popen(argv, stdout=open(log, "ab"), stderr=subprocess.STDOUT,  # noqa: SIM115
                                 stdin=subprocess.DEVNULL, start_new_session=True,

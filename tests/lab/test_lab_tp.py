@@ -76,18 +76,20 @@ async def _local(stack: LabStack, host: str, prompts: list[list[int]]) -> list[s
 # 40-60 threads were runnable on the two cores and a daemon waited 7.4 s of an 8.5 s spell in
 # the run queue (schedstat). The lab's daemons also run at nice -10, as kvpushd.service does.
 #
-# Still a known, non-strict failure on this machine: while a TP=2 engine holds a pending
-# transfer, every daemon on the machine blocks 3-12 s at once, in whatever it is doing (NIXL
-# add_remote_agent during a handshake, an engine message, a NIXL poll). A bystander probe's
-# thread creation blocked 8.3 s in the same window, so it is machine-wide, not the daemons'.
-# The block ends about 1 s after the TP=2 engine's plugin declares its daemons silent and
-# releases the transfer (~4 s with dead_after_ms = 3000, ~11-12 s with 10000), i.e. when that
-# engine stops stepping. Not CPU steal (0.04 s), not memory, io or rtnl (PSI, sysfs reads
-# unaffected), no cgroup migrations (perf tracepoints), RCU kthread priority made no
-# difference. The batch is then recomputed: never wrong tokens, which the test checks too.
-_TP_STALL = ("known: while a TP=2 engine holds a pending transfer, the machine blocks its daemons "
-             "(and a bystander's thread creation) for 3-12 s, until that engine's plugin declares "
-             "them silent; the batch is recomputed; see the comment above")
+# The machine-wide stall this test found, and its fix: while a TP=2 engine held a pending
+# transfer it stepped flat out (vLLM steps without pause while a request waits on its
+# connector; every rank and its gloo threads with it), and every daemon on the machine blocked
+# 3-12 s at once in whatever it was doing (NIXL add_remote_agent, an engine message, a NIXL
+# poll), a bystander probe's thread creation too (8.3 s). It ended about 1 s after that
+# engine's plugin declared its daemons silent and released the transfer (~4 s with
+# dead_after_ms 3000, ~11-12 s with 10000). Not CPU steal, memory, io, rtnl, cgroup
+# migrations, nor the RCU or DAMON kthreads' priority. The plugin now waits up to
+# idle_wait_ms on idle steps while a send is pending, as it did for loads: 3 of 3 runs passed
+# with no daemon silent (stalls left: 0.5-2.3 s, under dead_after_ms), against about half
+# failing before. Should a batch still be recomputed, that is the xfail below; wrong tokens
+# never are.
+_TP_STALL = ("known: on two cores a TP=2 engine's stepping can still stall the machine's daemons "
+             "past dead_after_ms, and the batch is recomputed; see the comment above")
 
 
 PAIRINGS = {

@@ -145,14 +145,24 @@ def test_early_send_waits_for_the_forward(stack) -> None:
     settle(w, daemon, lambda d: len(prefill_dones(d)) == 1)
 
 
-def test_idle_wait_only_while_a_load_is_pending(stack) -> None:
+def test_idle_wait_only_while_a_transfer_is_pending(stack) -> None:
+    """An idle step (no forward) waits for the daemon while a send or a load is pending, and
+    the daemon's answer ends the wait at once; with nothing pending it never waits."""
     w, daemon = stack
     w.cfg = PluginConfig(daemon=w.cfg.daemon, idle_wait_ms=1000)
+    w.idle_step = True
+    t0 = time.monotonic()
+    w.collect()  # nothing pending: no wait
+    assert time.monotonic() - t0 < 0.5
     step(w, KVPushMetadata(sends=[SendReq("r4", "t4", [3], 10)], idle=True), forward=False)
     settle(w, daemon, lambda d: len(prefill_dones(d)) == 1)
     t0 = time.monotonic()
-    w.collect()  # a held prefill block only: no wait
-    assert time.monotonic() - t0 < 0.5
+    w.collect()  # a held prefill block: waits (up to 1 s) for the daemon's Sent
+    assert time.monotonic() - t0 >= 0.9
+    daemon.send(proto.Sent("t4", 0))
+    t0 = time.monotonic()
+    fs, _ = settle(w, daemon, lambda d: "t4" not in w._send)
+    assert "r4" in fs and time.monotonic() - t0 < 0.9  # the answer ends the wait at once
     step(w, KVPushMetadata(registers=[RegisterReq("r5", "t5", 0, [7], 10, 0, ["tcp://p:1"], 1)], idle=True),
          forward=False)
     t0 = time.monotonic()
@@ -162,7 +172,7 @@ def test_idle_wait_only_while_a_load_is_pending(stack) -> None:
     daemon.send(proto.Received("t5", 0))
     t0 = time.monotonic()
     _, fr = settle(w, daemon, lambda d: "r5" not in {p.req_id for p in w._recv.values()})
-    assert "r5" in fr and time.monotonic() - t0 < 0.9  # the answer ends the wait at once
+    assert "r5" in fr and time.monotonic() - t0 < 0.9
 
 
 # ---- counters through vLLM's KV-connector stats hook -------------------------------------

@@ -314,18 +314,19 @@ class KVPushWorker:
     def collect(self) -> tuple[set[str], set[str]]:
         """Poll the daemon and return (finished_sending, finished_recving).
 
-        Zero timeout, except on an idle step (no forward scheduled) while a transfer is
-        pending: then we wait up to ``idle_wait_ms`` for the daemon (an answer ends the wait
-        at once), so that a Received reaches vLLM the moment it arrives, and so that an engine
-        holding blocks until Sent does not step flat out. vLLM steps without pause while any
-        request waits on its connector; with TP=2 on a small host that stepping (every rank,
-        and the gloo threads of each) blocked every daemon on the machine for seconds, and a
-        bystander's thread creation with them (the lab's TP test). The cost: a request that
-        arrives during such a wait starts up to ``idle_wait_ms`` later.
+        Zero timeout, except on an idle step (no forward scheduled) while a load is pending,
+        or a send on a TP > 1 engine: then we wait up to ``idle_wait_ms`` for the daemon (an
+        answer ends the wait at once). For a load, so that its Received reaches vLLM the moment
+        it arrives. For a send, because vLLM steps without pause while a request waits on its
+        connector: on a TP=2 engine every rank and its gloo threads step with it, and on a
+        small host that blocked every daemon on the machine for seconds, a bystander's thread
+        creation with them (the lab's TP test). Not on a TP=1 prefill engine: there EngineCore
+        spins on the worker's reply anyway, and the wait cost low-load TTFT (about +5 ms at
+        1024-token prompts, scripts/bench_ttft.py), a new request arriving during it waiting too.
         """
         msgs = self.client.poll()
         if (not msgs and self.idle_step and self.cfg.idle_wait_ms
-                and (self._recv or self._send) and self.client.available):
+                and (self._recv or (self._send and self.tp_size > 1)) and self.client.available):
             if self.client.wait(self.cfg.idle_wait_ms / 1000.0):
                 msgs = self.client.poll()
         self._handle(msgs)

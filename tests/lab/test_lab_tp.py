@@ -83,11 +83,12 @@ async def _local(stack: LabStack, host: str, prompts: list[list[int]]) -> list[s
 # poll), a bystander probe's thread creation too (8.3 s). It ended about 1 s after that
 # engine's plugin declared its daemons silent and released the transfer (~4 s with
 # dead_after_ms 3000, ~11-12 s with 10000). Not CPU steal, memory, io, rtnl, cgroup
-# migrations, nor the RCU or DAMON kthreads' priority. The plugin now waits up to
-# idle_wait_ms on idle steps while a send is pending, as it did for loads: 3 of 3 runs passed
-# with no daemon silent (stalls left: 0.5-2.3 s, under dead_after_ms), against about half
-# failing before. Should a batch still be recomputed, that is the xfail below; wrong tokens
-# never are.
+# migrations, nor the RCU or DAMON kthreads' priority. On a TP > 1 engine the plugin now
+# waits up to idle_wait_ms on idle steps while a send is pending, as it did for loads. Waiting
+# on every engine passed 3 of 3 runs with no daemon silent (stalls left: 0.5-2.3 s), against
+# about half failing before, but cost TP=1 TTFT, so a TP=1 prefill engine does not wait and
+# TP=1 -> TP=2 can still hit it. Should a batch be recomputed, that is the xfail below; wrong
+# tokens never are.
 _TP_STALL = ("known: on two cores a TP=2 engine's stepping can still stall the machine's daemons "
              "past dead_after_ms, and the batch is recomputed; see the comment above")
 

@@ -146,8 +146,8 @@ def test_early_send_waits_for_the_forward(stack) -> None:
 
 
 def test_idle_wait_only_while_a_transfer_is_pending(stack) -> None:
-    """An idle step (no forward) waits for the daemon while a send or a load is pending, and
-    the daemon's answer ends the wait at once; with nothing pending it never waits."""
+    """An idle step (no forward) waits for the daemon while a load is pending, or a send on a
+    TP > 1 engine, and the daemon's answer ends the wait at once; otherwise it never waits."""
     w, daemon = stack
     w.cfg = PluginConfig(daemon=w.cfg.daemon, idle_wait_ms=1000)
     w.idle_step = True
@@ -157,14 +157,20 @@ def test_idle_wait_only_while_a_transfer_is_pending(stack) -> None:
     step(w, KVPushMetadata(sends=[SendReq("r4", "t4", [3], 10)], idle=True), forward=False)
     settle(w, daemon, lambda d: len(prefill_dones(d)) == 1)
     t0 = time.monotonic()
-    w.collect()  # a held prefill block: waits (up to 1 s) for the daemon's Sent
+    w.collect()  # a held prefill block on a TP=1 engine: no wait (TTFT)
+    assert time.monotonic() - t0 < 0.5
+    w.tp_size = 2
+    t0 = time.monotonic()
+    w.collect()  # the same on a TP=2 engine: waits (up to 1 s) for the daemon's Sent
     assert time.monotonic() - t0 >= 0.9
     daemon.send(proto.Sent("t4", 0))
     t0 = time.monotonic()
     fs, _ = settle(w, daemon, lambda d: "t4" not in w._send)
     assert "r4" in fs and time.monotonic() - t0 < 0.9  # the answer ends the wait at once
+    w.tp_size = 1
     step(w, KVPushMetadata(registers=[RegisterReq("r5", "t5", 0, [7], 10, 0, ["tcp://p:1"], 1)], idle=True),
          forward=False)
+    settle(w, daemon, lambda d: any(isinstance(m, proto.Register) for m in d.got))
     t0 = time.monotonic()
     w.collect()  # a pending load: waits (up to 1 s) for the daemon
     assert time.monotonic() - t0 >= 0.9

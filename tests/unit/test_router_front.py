@@ -17,15 +17,26 @@ def _port() -> int:
         return int(s.getsockname()[1])
 
 
-async def _engine(healthy: bool) -> tuple[web.AppRunner, str]:
-    app = web.Application()
-    app.router.add_get("/health", lambda _r: web.Response(status=200 if healthy else 503))
-    app.router.add_get("/v1/models", lambda _r: web.json_response({"data": [{"id": "tiny"}]}))
+async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
+    """Serve ``app`` on a free loopback port; the runner (to clean up) and its base URL."""
     runner = web.AppRunner(app)
     await runner.setup()
     port = _port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     return runner, f"http://127.0.0.1:{port}"
+
+
+async def _router(p_url: str, d_url: str) -> tuple[web.AppRunner, str]:
+    """The router in front of one prefill and one decode engine stand-in."""
+    cfg = RouterConfig(prefill=[Backend(p_url, ["tcp://127.0.0.1:1"])], decode=[Backend(d_url, [])])
+    return await _serve(build_app(cfg))
+
+
+async def _engine(healthy: bool) -> tuple[web.AppRunner, str]:
+    app = web.Application()
+    app.router.add_get("/health", lambda _r: web.Response(status=200 if healthy else 503))
+    app.router.add_get("/v1/models", lambda _r: web.json_response({"data": [{"id": "tiny"}]}))
+    return await _serve(app)
 
 
 DOWN: list[str] = []
@@ -35,19 +46,15 @@ BAD: list[tuple[int, str]] = []
 async def _scenario() -> tuple[int, dict, int, dict]:
     (pr, p_url), (dr, d_url) = await _engine(True), await _engine(False)
     DOWN[:] = [d_url]
-    cfg = RouterConfig(prefill=[Backend(p_url, ["tcp://127.0.0.1:1"])], decode=[Backend(d_url, [])])
-    runner = web.AppRunner(build_app(cfg))
-    await runner.setup()
-    port = _port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    runner, url = await _router(p_url, d_url)
     try:
         async with aiohttp.ClientSession() as s:
-            async with s.get(f"http://127.0.0.1:{port}/health") as r:
+            async with s.get(f"{url}/health") as r:
                 health = (r.status, await r.json())
-            async with s.get(f"http://127.0.0.1:{port}/v1/models") as r:
+            async with s.get(f"{url}/v1/models") as r:
                 models = (r.status, await r.json())
             for data in (b"{not json", b"[1, 2]"):
-                async with s.post(f"http://127.0.0.1:{port}/v1/completions", data=data) as r:
+                async with s.post(f"{url}/v1/completions", data=data) as r:
                     BAD.append((r.status, (await r.json())["error"]["message"]))
         return (*health, *models)
     finally:
@@ -78,31 +85,22 @@ async def _streaming_decode_then_failing_prefill() -> list[str]:
         await asyncio.sleep(0.3)
         return web.json_response({"error": {"message": "boom"}}, status=500)
 
-    runners = []
-    urls = []
+    servers = []
     for handler in (prefill, decode):
         app = web.Application()
         app.router.add_post("/v1/completions", handler)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        port = _port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        runners.append(runner)
-        urls.append(f"http://127.0.0.1:{port}")
-    cfg = RouterConfig(prefill=[Backend(urls[0], ["tcp://127.0.0.1:1"])], decode=[Backend(urls[1], [])])
-    router = web.AppRunner(build_app(cfg))
-    await router.setup()
-    port = _port()
-    await web.TCPSite(router, "127.0.0.1", port).start()
+        servers.append(await _serve(app))
+    (_, p_url), (_, d_url) = servers
+    router, url = await _router(p_url, d_url)
     try:
         async with aiohttp.ClientSession() as s:
             body = {"model": "tiny", "prompt": "x", "max_tokens": 4, "stream": True}
-            async with s.post(f"http://127.0.0.1:{port}/v1/completions", json=body,
+            async with s.post(f"{url}/v1/completions", json=body,
                               timeout=aiohttp.ClientTimeout(total=20)) as r:
                 assert r.status == 200
                 return [line.decode().strip() async for line in r.content if line.strip()]
     finally:
-        for x in (router, *runners):
+        for x in (router, *(runner for runner, _ in servers)):
             await x.cleanup()
 
 

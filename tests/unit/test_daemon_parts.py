@@ -424,3 +424,30 @@ def test_a_loop_step_names_the_phase_that_stalled_it():
         lap(what)
     assert abs(lap.total() - 4.2) < 1e-9
     assert lap.slowest() == "peer messages: 4.00 s"
+
+
+@pytest.mark.parametrize("large", [False, True])
+def test_a_large_write_is_announced_before_it_is_posted_a_small_one_after(lab, monkeypatch, large):
+    """The consumer must be polling while a large post fills the socket; a small post is over
+    before the hint lands, so its hint follows it (EARLY_HINT_MIN_BYTES)."""
+    from kvpush.daemon import prefill_side
+
+    net, fab = lab
+    p, d = pair(net, fab)
+    t, n, blocks = tid(), 40, [1, 2, 3]
+    monkeypatch.setattr(prefill_side, "EARLY_HINT_MIN_BYTES", 1 if large else 1 << 40)
+    sent = []  # (message kind, WRITEs posted when it left)
+    to_consumer = p.wire.to_consumer
+
+    def spy(routing_id, msg):
+        sent.append((type(msg).__name__, getattr(msg, "done", None), p.transport.writes))
+        to_consumer(routing_id, msg)
+
+    p.wire.to_consumer = spy
+    register(d, t, blocks, n, [p])
+    net.run()
+    prefill_done(p, t, blocks, n)
+    net.run()
+    assert kinds(d) == ["Received"] and kinds(p) == ["Sent"]
+    hint = [w for kind, done, w in sent if kind == "Writing" and done is False]
+    assert hint == [0 if large else 1], sent

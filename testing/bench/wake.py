@@ -1,0 +1,143 @@
+"""What one local hop costs between two idle processes: a ZeroMQ ipc round trip (the engine
+link's transport) against a plain Unix datagram round trip, measured in the same run.
+
+Why: at low load every transfer crosses the engine link twice on its critical path
+(PrefillDone in, Received out), each after the processes slept. libzmq moves a frame through
+an I/O thread on each side, so a hop wakes three threads instead of one; on a small VM a wake
+of an idle vCPU is the expensive part. The ratio says what a transport without I/O threads
+would save per hop.
+
+    python scripts/bench_wake.py --json [--gaps-ms 0,2,50] [--n 60]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+STOP = b"q"
+
+
+def _zmq_echo(endpoint: str) -> None:
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.ROUTER)
+    s.bind(endpoint)
+    while True:
+        frames = s.recv_multipart()
+        if frames[1] == STOP:
+            break
+        s.send_multipart(frames)
+    s.close(0)
+    ctx.term()
+
+
+def _unix_echo(path: str) -> None:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    s.bind(path)
+    while True:
+        data, addr = s.recvfrom(64)
+        if data == STOP:
+            break
+        s.sendto(data, addr)
+    s.close()
+
+
+def _rtts(ping: Callable[[], None], n: int, gap_s: float) -> list[float]:
+    for _ in range(3):  # connection set-up and first wake-ups
+        ping()
+    out = []
+    for _ in range(n):
+        time.sleep(gap_s)  # both processes idle, as between a quiet server's requests
+        t = time.perf_counter()
+        ping()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def zmq_rtts(tmp: Path, n: int, gap_s: float) -> list[float]:
+    endpoint = f"ipc://{tmp}/wake-zmq.sock"
+    proc = mp.get_context("spawn").Process(target=_zmq_echo, args=(endpoint,), daemon=True)
+    proc.start()
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.connect(endpoint)
+
+    def ping() -> None:
+        s.send(b"x")
+        if not s.poll(5000):
+            raise TimeoutError("zmq echo did not answer")
+        s.recv()
+
+    try:
+        return _rtts(ping, n, gap_s)
+    finally:
+        s.send(STOP)
+        proc.join(10)
+        s.close(0)
+        ctx.term()
+
+
+def unix_rtts(tmp: Path, n: int, gap_s: float) -> list[float]:
+    server, client = str(tmp / "wake-u1.sock"), str(tmp / "wake-u2.sock")
+    proc = mp.get_context("spawn").Process(target=_unix_echo, args=(server,), daemon=True)
+    proc.start()
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    s.bind(client)
+    s.settimeout(5)
+    end = time.monotonic() + 30
+    while not os.path.exists(server) and time.monotonic() < end:
+        time.sleep(0.01)
+
+    def ping() -> None:
+        s.sendto(b"x", server)
+        s.recv(64)
+
+    try:
+        return _rtts(ping, n, gap_s)
+    finally:
+        s.sendto(STOP, server)
+        proc.join(10)
+        s.close()
+        for path in (server, client):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
+def _us(xs: list[float], q: float) -> float:
+    return round(sorted(xs)[min(len(xs) - 1, int(q * len(xs)))] * 1e6, 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="bench_wake.py", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gaps-ms", default="0,2,50", help="idle time before each round trip")
+    ap.add_argument("--n", type=int, default=60, help="round trips per gap and transport")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="kvpush-wake-") as d:
+        for gap in (float(g) / 1e3 for g in args.gaps_ms.split(",")):
+            z, u = zmq_rtts(Path(d), args.n, gap), unix_rtts(Path(d), args.n, gap)
+            out[f"{gap * 1e3:g}ms"] = {
+                "zmq_ipc_rtt_us": {"p50": _us(z, 0.5), "p90": _us(z, 0.9)},
+                "unix_dgram_rtt_us": {"p50": _us(u, 0.5), "p90": _us(u, 0.9)},
+                "zmq_over_unix_p50": round(statistics.median(z) / statistics.median(u), 2),
+            }
+    print(json.dumps(out, indent=None if args.json else 2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

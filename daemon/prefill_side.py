@@ -313,19 +313,28 @@ class PrefillSide:
                                                  a.dst_first_token)
                     li, ri = pattern.indices(sb, db)
                     nbytes, ndesc = int(pattern.length.sum()) * int(sb.shape[0]), int(li.shape[0])
-                    self.ctx.trace.stamp(a.transfer_id, "p.daemon.planned")
-                    early = self._hint_early(a, peer, nbytes)
-                    h = tr.write_prepped(peer.agent_name, local_h, li, remote_h, ri, notif, nbytes=nbytes)
+
+                    def post() -> Any:
+                        return tr.write_prepped(peer.agent_name, local_h, li, remote_h, ri, notif, nbytes=nbytes)
                 else:
                     p = plan(me.layout, a.src_block_ids, peer.layout, a.dst_block_ids, a.num_tokens,
                              dst_first_token=a.dst_first_token)
                     nbytes, ndesc = p.nbytes, len(p)
                     local = np.stack((addresses(p.src_off, me.bases), p.length), axis=1)
                     remote = np.stack((addresses(p.dst_off, peer.region_bases), p.length), axis=1)
-                    self.ctx.trace.stamp(a.transfer_id, "p.daemon.planned")
-                    early = self._hint_early(a, peer, nbytes)
-                    h = tr.write(peer.agent_name, local, remote, notif, remote_mem_type=peer.mem_type,
-                                 remote_device=peer.device)
+
+                    def post() -> Any:
+                        return tr.write(peer.agent_name, local, remote, notif, remote_mem_type=peer.mem_type,
+                                        remote_device=peer.device)
+                self.ctx.trace.stamp(a.transfer_id, "p.daemon.planned")
+                # The consumer polls NIXL tightly while this is in flight (over TCP a WRITE lands
+                # only as the receiver progresses): told after the post, or before a large one
+                # (EARLY_HINT_MIN_BYTES says why).
+                hint = proto.Writing(a.transfer_id, a.attempt, me.rank, False)
+                early = nbytes >= EARLY_HINT_MIN_BYTES
+                if early:
+                    self.ctx.wire.to_consumer(peer.routing_id, hint)
+                h = post()
                 self.ctx.trace.stamp(a.transfer_id, "p.daemon.write_posted")
             except PlanError as exc:
                 err = f"plan: {exc}"
@@ -334,27 +343,14 @@ class PrefillSide:
                 err = f"NIXL: {exc}"
                 self.ctx.metrics.failure("nixl")
             else:
-                # The consumer polls NIXL tightly while this is in flight (over TCP a WRITE lands
-                # only as the receiver progresses): told after the post, unless it was told
-                # before (EARLY_HINT_MIN_BYTES says why).
                 if not early:
-                    self._hint(a, peer)
+                    self.ctx.wire.to_consumer(peer.routing_id, hint)
                 self.in_flight[id(h)] = InFlight(
                     a.transfer_id, a.attempt, a.dest_rank, a.peer, h, nbytes, ndesc, now, peer.prepped is not None
                 )
                 self.ctx.metrics.set_in_flight(len(self.in_flight))
                 return
         self.apply(rv.WriteFailed(a.transfer_id, a.attempt, a.dest_rank, err, now))
-
-    def _hint(self, a: rv.StartWrite, peer: Consumer) -> None:
-        self.ctx.wire.to_consumer(peer.routing_id, proto.Writing(a.transfer_id, a.attempt, self.ctx.rank, False))
-
-    def _hint_early(self, a: rv.StartWrite, peer: Consumer, nbytes: int) -> bool:
-        """Announce a large WRITE before posting it; True if it was announced."""
-        if nbytes < EARLY_HINT_MIN_BYTES:
-            return False
-        self._hint(a, peer)
-        return True
 
     def poll_cap(self) -> float:
         """How long the loop may sleep between NIXL polls (our WRITEs in flight poll tightly)."""

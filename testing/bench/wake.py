@@ -27,6 +27,8 @@ from typing import Any
 
 import zmq
 
+from kvpush.testing.bench.ttft import pct
+
 STOP = b"q"
 
 
@@ -116,7 +118,7 @@ def unix_rtts(tmp: Path, n: int, gap_s: float) -> list[float]:
 
 
 def _us(xs: list[float], q: float) -> float:
-    return round(sorted(xs)[min(len(xs) - 1, int(q * len(xs)))] * 1e6, 1)
+    return round(pct(xs, q) * 1e6, 1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,8 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         for gap in (float(g) / 1e3 for g in args.gaps_ms.split(",")):
             z, u = zmq_rtts(Path(d), args.n, gap), unix_rtts(Path(d), args.n, gap)
             out[f"{gap * 1e3:g}ms"] = {
-                "zmq_ipc_rtt_us": {"p50": _us(z, 0.5), "p90": _us(z, 0.9)},
-                "unix_dgram_rtt_us": {"p50": _us(u, 0.5), "p90": _us(u, 0.9)},
+                "zmq_ipc_rtt_us": {"p50": _us(z, 50), "p90": _us(z, 90)},
+                "unix_dgram_rtt_us": {"p50": _us(u, 50), "p90": _us(u, 90)},
                 "zmq_over_unix_p50": round(statistics.median(z) / statistics.median(u), 2),
             }
     print(json.dumps(out, indent=None if args.json else 2))

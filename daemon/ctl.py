@@ -136,7 +136,7 @@ class Target:
     timeline: list[dict[str, Any]] | None = None  # trace: the merged node timeline
 
     def label(self) -> str:
-        return self.device or _ipc_path(self.socket) or self.socket
+        return self.device or naming.ipc_path(self.socket) or self.socket
 
     @property
     def data(self) -> dict[str, Any] | None:
@@ -171,10 +171,6 @@ class Node:
     health_url: str | None = None
 
 
-def _ipc_path(endpoint: str) -> str | None:
-    return endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else None
-
-
 def _cuda_count_from_dev() -> int:
     """/dev/nvidiaN count: devices = "all" without importing torch (seconds, maybe CUDA)."""
     return len(glob.glob("/dev/nvidia[0-9]*"))
@@ -203,7 +199,7 @@ def load_node(config: str | None, runtime_dir: str | None) -> Node:
 
 
 def _norm(endpoint: str) -> str:
-    path = _ipc_path(endpoint)
+    path = naming.ipc_path(endpoint)
     return "ipc://" + os.path.realpath(path) if path else endpoint
 
 

@@ -1,4 +1,4 @@
-"""ZeroMQ sockets of one accelerator's daemon: engine (ipc), peer (tcp), ops (ipc).
+"""Sockets of one accelerator's daemon: engine (unix stream), peer (ZeroMQ tcp), ops (ZeroMQ ipc).
 
 Why here and not in the worker: socket options, file permissions and CURVE
 authentication are security decisions; keeping them in one small module makes
@@ -10,21 +10,20 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 import stat
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import zmq
 
 from kvpush.daemon.config import DEFAULT_MAX_MESSAGE, OPS_MAX_MESSAGE
+from kvpush.daemon.enginelink import EngineListener
 from kvpush.daemon.peerauth import PeerAuth
+from kvpush.proto.naming import ipc_path
 
 log = logging.getLogger(__name__)
 
 HEARTBEATS = 3  # a TCP peer that misses this many ZMTP heartbeats (PINGs) in a row is closed
-
-
-def ipc_path(endpoint: str) -> str | None:
-    return endpoint[len("ipc://") :] if endpoint.startswith("ipc://") else None
 
 
 class RuntimeDirError(RuntimeError):
@@ -78,25 +77,33 @@ def ensure_private_dir(path: str, mode: int = 0o700) -> None:
     check_private_dir(path, mode)
 
 
-def bind_private(sock: zmq.Socket, endpoint: str, mode: int) -> None:
-    """Bind, creating an ipc socket file with ``mode`` from the start (no window).
-
-    A stale file left by a killed daemon is replaced; the parent directory must be
-    private to us (created so if missing, refused otherwise: :func:`ensure_private_dir`).
-    """
-    path = ipc_path(endpoint)
-    if path is None:
-        sock.bind(endpoint)
-        return
+def _bind_with_mode(path: str, mode: int, bind: Callable[[], None]) -> None:
+    """Bind a socket file with ``mode`` from the start (no window): a stale file left by a
+    killed daemon is replaced; the parent directory must be private to us (created so if
+    missing, refused otherwise: :func:`ensure_private_dir`)."""
     ensure_private_dir(os.path.dirname(path), runtime_dir_mode([mode]))
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
     old = os.umask(0o777 & ~mode)
     try:
-        sock.bind(endpoint)
+        bind()
     finally:
         os.umask(old)
     os.chmod(path, mode)
+
+
+def bind_private(sock: zmq.Socket, endpoint: str, mode: int) -> None:
+    """Bind a ZeroMQ socket; an ipc one as :func:`_bind_with_mode` does."""
+    path = ipc_path(endpoint)
+    if path is None:
+        sock.bind(endpoint)
+        return
+    _bind_with_mode(path, mode, lambda: sock.bind(endpoint))
+
+
+def bind_private_unix(mode: int) -> Callable[[socket.socket, str], None]:
+    """The engine listener's bind: a unix socket at ``path``, as :func:`_bind_with_mode`."""
+    return lambda sock, path: _bind_with_mode(path, mode, lambda: sock.bind(path))
 
 
 def remove_ipc(endpoint: str) -> None:
@@ -128,12 +135,10 @@ class Endpoints:
         # handshake_ms is closed; on TCP, one that stops answering heartbeats is closed too.
         self.max_message, self.handshake_ms = max_message, handshake_ms
         self.auth = auth
-        self.engine_ep, self.ops_ep = engine, ops
-        self.engine = self._router()
-        # Before bind: every accepted engine connection (its fd) and its end are reported
-        # here; the wire keeps the live local peers from them (kvpush.daemon.peercred).
-        self.engine_monitor = self.engine.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
-        bind_private(self.engine, engine, socket_mode)
+        self.ops_ep = ops
+        # The engine link is no ZeroMQ socket (kvpush.proto.stream says why); it knows its
+        # peers' kernel credentials itself (kvpush.daemon.peercred).
+        self.engine = EngineListener(engine, bind=bind_private_unix(socket_mode), max_message=max_message)
         self.ops = self._router(min(max_message, OPS_MAX_MESSAGE))
         bind_private(self.ops, ops, socket_mode)
         self.peer = self._router(heartbeat=True)
@@ -184,12 +189,9 @@ class Endpoints:
         return s, node
 
     def close(self) -> None:
-        with contextlib.suppress(zmq.ZMQError):
-            self.engine.disable_monitor()
-        self.engine_monitor.close(0)
-        for s in (self.engine, self.ops, self.peer):
+        self.engine.close()  # and its socket file
+        for s in (self.ops, self.peer):
             s.close(0)
         if self.auth is not None:
             self.auth.close()
-        remove_ipc(self.engine_ep)
         remove_ipc(self.ops_ep)

@@ -20,6 +20,7 @@ from typing import Any
 import zmq
 
 from kvpush import proto
+from kvpush.proto.naming import ipc_path
 from kvpush.proto.ops import OpsData, OpsDataError, parse_reply
 
 OUTCOMES = ("ok", "down", "denied", "refused")
@@ -51,14 +52,10 @@ class Answer:
         return {} if self.outcome == "refused" else None
 
 
-def _ipc_path(endpoint: str) -> str | None:
-    return endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else None
-
-
 def probe(endpoint: str) -> Answer | None:
     """Cheap local checks before ZeroMQ (which would only time out): missing or stale
     socket file -> down, no access -> denied. None if the daemon is worth asking."""
-    path = _ipc_path(endpoint)
+    path = ipc_path(endpoint)
     if path is None:
         return None
     try:

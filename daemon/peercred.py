@@ -1,27 +1,25 @@
 """Who is on the other end of the engine socket: kernel credentials of local peers.
 
-Why this exists: the engine socket is an ipc (unix) socket, and any local process that may
-open it could otherwise send an Attach and take the rank over, or name memory that is not
-its own. The kernel tells us who connected (``SO_PEERCRED``: pid, uid, gid at connect time):
+Why this exists: the engine socket is a unix socket, and any local process that may open it
+could otherwise send an Attach and take the rank over, or name memory that is not its own.
+The kernel tells us who connected (``SO_PEERCRED``: pid, uid, gid at connect time):
 
-* per message: libzmq puts ``<host>:<uid>:<gid>:<pid>`` of the connection a frame arrived on
-  into the frame's ``Peer-Address`` property (ipc transport, SO_PEERCRED builds);
-  :func:`parse_peer_address` reads it, so an Attach is bound to the process that sent it;
-* per connection: the engine socket's monitor reports ``EVENT_ACCEPTED`` / ``EVENT_DISCONNECTED``
-  with the connection's fd as value; :class:`PeerTable` keeps the live ones, so the daemon
-  knows whether the attached engine still has a connection.
+* per connection: :func:`peercred_of` reads it once at accept
+  (:mod:`kvpush.daemon.enginelink`), and every frame of that connection carries it, so an
+  Attach is bound to the process that sent it;
+* :class:`PeerTable` keeps the live connections, so the daemon knows whether the attached
+  engine still has one.
 
 :func:`attach_refusal` is the pure rule that decides whether an Attach may take the rank.
 """
 
 from __future__ import annotations
 
-import os
 import socket
 import struct
 from dataclasses import dataclass, field
 
-__all__ = ["Holder", "PeerCred", "PeerTable", "attach_refusal", "parse_peer_address", "peercred_of_fd"]
+__all__ = ["Holder", "PeerCred", "PeerTable", "attach_refusal", "peercred_of"]
 
 _UCRED = struct.Struct("3i")  # struct ucred {pid_t pid; uid_t uid; gid_t gid;}
 
@@ -35,32 +33,10 @@ class PeerCred:
     gid: int
 
 
-def parse_peer_address(value: str | None) -> PeerCred | None:
-    """``"<host>:<uid>:<gid>:<pid>"`` (libzmq's ipc Peer-Address) -> PeerCred; None if the
-    property is missing or not in that form (a tcp peer, a libzmq without SO_PEERCRED)."""
-    if not value:
-        return None
-    parts = value.rsplit(":", 3)
-    if len(parts) != 4:
-        return None
+def peercred_of(sock: socket.socket) -> PeerCred | None:
+    """SO_PEERCRED of a connected unix socket; None if the kernel will not say."""
     try:
-        uid, gid, pid = (int(p) for p in parts[1:])
-    except ValueError:
-        return None
-    if pid <= 0 or uid < 0 or gid < 0:
-        return None
-    return PeerCred(pid=pid, uid=uid, gid=gid)
-
-
-def peercred_of_fd(fd: int) -> PeerCred | None:
-    """SO_PEERCRED of a connected unix socket fd (libzmq's; we query a dup, never close it)."""
-    try:
-        dup = os.dup(fd)
-    except OSError:
-        return None
-    try:
-        with socket.socket(fileno=dup) as s:
-            pid, uid, gid = _UCRED.unpack(s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+        pid, uid, gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
     except OSError:
         return None
     return PeerCred(pid, uid, gid) if pid > 0 else None
@@ -68,11 +44,9 @@ def peercred_of_fd(fd: int) -> PeerCred | None:
 
 @dataclass
 class PeerTable:
-    """Live connections of the engine socket, fed by its monitor (fd -> credentials).
-
-    An fd is reused by the kernel once libzmq closes it; the monitor's events come in order
-    (accepted, disconnected, accepted again), so applying them in order keeps the table right.
-    """
+    """Live connections of the engine socket (fd -> credentials), kept by the listener:
+    a connection leaves the table before its fd is closed, so a reused fd is never confused
+    with the connection that had it before."""
 
     by_fd: dict[int, PeerCred] = field(default_factory=dict)
 

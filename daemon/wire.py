@@ -1,7 +1,8 @@
-"""The ZeroMQ shell of one daemon: frames in, decoded messages to handlers, messages out.
+"""The socket shell of one daemon: frames in, decoded messages to handlers, messages out.
 
-Implements the :class:`kvpush.daemon.context.Wire` port over :class:`Endpoints` (the bound
-engine, peer and ops sockets) plus one DEALER per prefill daemon we dial. Every frame is
+Implements the :class:`kvpush.daemon.context.Wire` port over :class:`Endpoints` (the engine
+listener, a unix stream socket; the bound ZeroMQ peer and ops sockets) plus one ZeroMQ DEALER
+per prefill daemon we dial. Every frame is
 decoded and validated by :mod:`kvpush.proto` here, before any part of the daemon sees it;
 a malformed one is answered with a clear Error and counted, and one message's handler
 failing never takes the loop down.
@@ -18,7 +19,7 @@ import zmq
 
 from kvpush import proto
 from kvpush.daemon.endpoints import Endpoints
-from kvpush.daemon.peercred import PeerCred, PeerTable, parse_peer_address, peercred_of_fd
+from kvpush.daemon.enginelink import EngineListener
 
 log = logging.getLogger("kvpush.worker")
 
@@ -34,34 +35,26 @@ def frame_node(frame: zmq.Frame) -> str:
         return ""
 
 
-def frame_cred(frame: zmq.Frame) -> PeerCred | None:
-    """The kernel's credentials of the ipc connection this frame arrived on."""
-    try:
-        return parse_peer_address(frame.get("Peer-Address"))
-    except zmq.ZMQError:
-        return None
-
-
-class ZmqWire:
+class DaemonWire:
     def __init__(self, ep: Endpoints, bad: Bad) -> None:
         self.ep = ep
         self.bad = bad
-        self.engine_peers = PeerTable()  # live connections of the engine socket
-        self._monitor: zmq.Socket | None = ep.engine_monitor
+        ep.engine.bad = bad
+        self.engine_peers = ep.engine.peers  # live connections of the engine socket
+        self._engine_fd = ep.engine.fileno()
         self.dealers: dict[str, zmq.Socket] = {}  # prefill daemon endpoint -> our DEALER
         self._by_sock: dict[zmq.Socket, str] = {}
         self._monitors: dict[str, zmq.Socket] = {}  # endpoint -> its DEALER's disconnect monitor
         self._closed_at: dict[str, float] = {}  # endpoint -> when the producer's end closed
         self.poller = zmq.Poller()
-        for s in (ep.engine, ep.peer, ep.ops):
+        for s in (ep.peer, ep.ops):
             self.poller.register(s, zmq.POLLIN)
-        if self._monitor is not None:
-            self.poller.register(self._monitor, zmq.POLLIN)
+        self.poller.register(self._engine_fd, zmq.POLLIN)
 
     # ------------------------------------------------------------------ the Wire port
 
     def to_engine(self, identity: bytes, msg: Any) -> None:
-        self._reply(self.ep.engine, identity, msg)
+        self.ep.engine.send(identity, proto.encode(msg))  # False: that engine is gone
 
     def to_consumer(self, routing_id: bytes, msg: Any) -> None:
         self._reply(self.ep.peer, routing_id, msg)
@@ -131,38 +124,29 @@ class ZmqWire:
             if not events and timeout_s > 0:
                 time.sleep(timeout_s)
                 events = self.poller.poll(0)
-        ready = {s for s, _ in events}
-        if self._monitor is not None and self._monitor in ready:
-            ready.discard(self._monitor)
-            self.drain_monitor()
+        ready: set[Any] = {s for s, _ in events}
+        if self._engine_fd in ready:
+            ready.discard(self._engine_fd)
+            ready.add(self.ep.engine)
         return ready
 
-    def drain_monitor(self) -> None:
-        """Apply the engine socket's connection events to :attr:`engine_peers` (in order:
-        an fd the kernel reuses shows up as disconnected, then accepted again)."""
-        from zmq.utils.monitor import recv_monitor_message
-
-        assert self._monitor is not None
-        for _ in range(DRAIN_MAX):
-            try:
-                ev = recv_monitor_message(self._monitor, zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            except (zmq.ZMQError, ValueError) as exc:
-                log.warning("engine socket monitor: %s", exc)
-                return
-            fd = int(ev["value"])
-            if ev["event"] == zmq.EVENT_ACCEPTED:
-                self.engine_peers.accepted(fd, peercred_of_fd(fd))
-            elif ev["event"] == zmq.EVENT_DISCONNECTED:
-                self.engine_peers.disconnected(fd)
+    def drain_engine(self, handler: Callable[[bytes, Any, Any], None]) -> bool:
+        """Hand every decoded frame from the local engines to ``handler(identity, msg, cred)``:
+        ``cred`` is the kernel's credentials of the connection that carried it."""
+        engine: EngineListener = self.ep.engine
+        got = False
+        for inc in engine.receive():
+            got = True
+            self._dispatch(lambda m, ident=inc.ident: self.to_engine(ident, m), inc.ident,
+                           inc.payload, handler, (inc.cred,))
+        return got
 
     def drain_router(self, sock: zmq.Socket, handler: Callable[..., None], *,
                      meta: Callable[[zmq.Frame], Any] | None = None) -> bool:
         """Hand every decoded frame waiting on a bound socket to ``handler(identity, msg)``, or
         with ``meta`` to ``handler(identity, msg, meta(frame))``: what ZeroMQ knows of the
-        connection that carried it — :func:`frame_node` (the ZAP identity of an authenticated
-        peer session) or :func:`frame_cred` (the kernel credentials of a local engine)."""
+        connection that carried it: :func:`frame_node`, the ZAP identity of an authenticated
+        peer session."""
         got = False
         for _ in range(DRAIN_MAX):
             try:
@@ -174,23 +158,28 @@ class ZmqWire:
                 self.bad("frames", f"{len(raw)} frames")
                 continue
             ident, payload = raw[0].bytes, raw[1].bytes
-            try:
-                msg = proto.decode(payload)
-            except proto.ProtocolError as exc:
-                self.bad("protocol", str(exc))
-                self._reply(sock, ident, proto.Error("protocol", str(exc)))
-                continue
-            try:
-                if meta is None:
-                    handler(ident, msg)
-                else:
-                    handler(ident, msg, meta(raw[1]))
-            except Exception as exc:  # never let one message kill the daemon
-                log.exception("handling %s failed", type(msg).__name__)
-                self.bad("internal", f"{type(exc).__name__}: {exc}")
-                why = proto.codec.clip(f"{type(exc).__name__}: {exc}", proto.codec.REASON_MAX)
-                self._reply(sock, ident, proto.Error("internal", why))
+            extra = () if meta is None else (meta(raw[1]),)
+            self._dispatch(lambda m, ident=ident: self._reply(sock, ident, m), ident, payload,
+                           handler, extra)
         return got
+
+    def _dispatch(self, reply: Callable[[Any], None], ident: bytes, payload: bytes,
+                  handler: Callable[..., None], extra: tuple[Any, ...]) -> None:
+        """Decode one frame and hand it to ``handler(ident, msg, *extra)``; a bad frame or a
+        failing handler is answered with an Error (``reply``) and counted, never raised."""
+        try:
+            msg = proto.decode(payload)
+        except proto.ProtocolError as exc:
+            self.bad("protocol", str(exc))
+            reply(proto.Error("protocol", str(exc)))
+            return
+        try:
+            handler(ident, msg, *extra)
+        except Exception as exc:  # never let one message kill the daemon
+            log.exception("handling %s failed", type(msg).__name__)
+            self.bad("internal", f"{type(exc).__name__}: {exc}")
+            why = proto.codec.clip(f"{type(exc).__name__}: {exc}", proto.codec.REASON_MAX)
+            reply(proto.Error("internal", why))
 
     def drain_dealer(self, sock: zmq.Socket, handler: Callable[[str, Any], None]) -> bool:
         """Hand every decoded frame from a prefill daemon to ``handler(endpoint, msg)``."""

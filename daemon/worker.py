@@ -9,8 +9,8 @@ The parts (each its own module, each unit-tested through the in-memory ports of
 * :mod:`kvpush.daemon.ops` — ``kvpushctl``'s view and commands.
 
 They share a :class:`DaemonContext` (identity, ports, records). This module builds them,
-wires the ZeroMQ shell (:class:`ZmqWire`) and NIXL (:class:`NixlTransport`) in, and runs
-the loop: one thread that blocks on ZeroMQ while idle (no NIXL progress thread, no busy
+wires the socket shell (:class:`DaemonWire`) and NIXL (:class:`NixlTransport`) in, and runs
+the loop: one thread that blocks on its sockets while idle (no NIXL progress thread, no busy
 polling), polls NIXL with a short adaptive interval only while WRITEs are in flight or
 notifications are expected, and ticks the cores' timers every 50 ms.
 """
@@ -40,7 +40,7 @@ from kvpush.daemon.peerauth import PeerAuth
 from kvpush.daemon.peers import Link
 from kvpush.daemon.prefill_side import PrefillSide
 from kvpush.daemon.transport import NixlTransport
-from kvpush.daemon.wire import ZmqWire, frame_cred, frame_node
+from kvpush.daemon.wire import DaemonWire, frame_node
 from kvpush.proto.card import DaemonCard, card_path, remove_card, write_card
 
 log = logging.getLogger("kvpush.worker")
@@ -106,7 +106,7 @@ class Worker:
             ops=cfg.ops_socket, socket_mode=cfg.socket_mode, auth=auth,
         )
         self.ctx: DaemonContext
-        self.wire = ZmqWire(ep, lambda cause, detail: self.ctx.bad(cause, detail))
+        self.wire = DaemonWire(ep, lambda cause, detail: self.ctx.bad(cause, detail))
         params = {"ucx_error_handling_mode": cfg.ucx_error_handling_mode} if cfg.backend == "UCX" else {}
         adv = cfg.advertise_host or cfg.peer_host
         self.ctx = DaemonContext(
@@ -153,7 +153,7 @@ class Worker:
         activity = False
         lap = _Laps()
         if engine in ready:
-            activity |= self.wire.drain_router(engine, self._on_engine, meta=frame_cred)
+            activity |= self.wire.drain_engine(self._on_engine)
             lap("engine messages")
         if peer in ready:
             activity |= self.wire.drain_router(peer, self._on_peer, meta=frame_node)

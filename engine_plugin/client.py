@@ -1,30 +1,26 @@
 """Non-blocking client from a vLLM engine to its local daemon (kvpushd, one per accelerator).
 
 It runs on vLLM's engine loop, so nothing here may block or raise for transport reasons:
-every send is ``zmq.NOBLOCK`` with a bounded local queue behind it, every receive is a
-zero-timeout drain inside :meth:`DaemonClient.poll`, and there are no threads (libzmq's own
-I/O thread does the socket work).
+the socket is a non-blocking AF_UNIX stream (frames of :mod:`kvpush.proto.stream`), a frame
+the kernel buffer cannot take waits in a bounded output buffer and then in the link's bounded
+queue, every receive is a zero-timeout drain inside :meth:`DaemonClient.poll`, and there are
+no threads, not even a transport library's (a hop costs one wake-up of each process).
 
 This is the I/O shell of :mod:`kvpush.engine_plugin.link`, which decides everything about the
 link (when the Attach goes out, what waits in the queue, liveness, re-attach): the shell turns
-the socket monitor's events (the one source of truth for whether a link exists), decoded
-frames and polls into the machine's events and carries out its actions.
-
-Why the socket is told to process its commands right after the handshake event: libzmq
-attaches the new pipe to the socket by a command queued just before it emits the event, and a
-``NOBLOCK`` send only looks at pending commands about once a millisecond (command
-throttling), so a send right after the event could fail with EAGAIN and the link's first
-Attach and Heartbeat would never go out. An unsent Attach is also retried on every poll.
+connects (``Connected``), end-of-stream or socket errors (``Disconnected``), decoded frames
+and polls into the machine's events and carries out its actions. A lost link is dialled again
+every RECONNECT_S from :meth:`DaemonClient.poll` (a daemon restarting under its supervisor).
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import select
+import socket
 import time
 from collections.abc import Callable, Iterable
-
-import zmq
 
 from kvpush.engine_plugin.link import (
     Act,
@@ -54,20 +50,23 @@ from kvpush.proto import (
     decode,
     encode,
 )
+from kvpush.proto.naming import ipc_path
+from kvpush.proto.stream import Deframer, FrameTooLarge, frame
 
 __all__ = ["DaemonClient"]
 
 log = logging.getLogger(__name__)
 
-SNDHWM = 1024  # messages in zmq's pipe; the bounded local deque takes the overflow
-RCVHWM = 100_000  # a slow engine loop must not make the daemon's ROUTER drop our replies
-RECONNECT_IVL_MS = 100
+OUT_MAX = 4 << 20  # bytes of frames the kernel has not taken yet; beyond, the link's queue
+MAX_FRAME = 64 << 20  # largest frame accepted from the daemon (its replies are small)
+READ_CHUNK = 256 << 10
+RECONNECT_S = 0.1
 MAX_DRAIN = 10_000  # frames read per poll(), so one poll() stays bounded in time
-_MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+_TRANSIENT = frozenset({errno.ENOENT, errno.ECONNREFUSED, errno.EAGAIN, errno.EINTR})
 
 
 class DaemonClient:
-    """One engine rank's (or scheduler's) link to its daemon: DEALER to the daemon's ROUTER."""
+    """One engine rank's (or scheduler's) link to its daemon's engine socket."""
 
     def __init__(
         self,
@@ -77,7 +76,6 @@ class DaemonClient:
         heartbeat_s: float = 1.0,
         dead_after_s: float = 3.0,
         clock: Callable[[], float] = time.monotonic,
-        context: zmq.Context | None = None,
     ) -> None:
         if max_queue < 0 or heartbeat_s <= 0 or dead_after_s <= 0:
             raise ValueError("max_queue >= 0, heartbeat_s > 0 and dead_after_s > 0 required")
@@ -90,29 +88,19 @@ class DaemonClient:
                           dead_after_s=dead_after_s)
         self._attach_frame = b""
 
-        ctx = context if context is not None else zmq.Context.instance()
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, SNDHWM)
-        sock.setsockopt(zmq.RCVHWM, RCVHWM)
-        sock.setsockopt(zmq.IMMEDIATE, 1)  # no pipe (and no queueing) until a peer is there
-        sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
-        self._mon = sock.get_monitor_socket(_MONITOR_EVENTS)
-        self._mon.setsockopt(zmq.LINGER, 0)
-        sock.connect(endpoint)
-        self._sock = sock
-        # Readiness without paying ~2 us per zmq getsockopt(EVENTS): a zmq socket's FD is
-        # edge-triggered, so EVENTS is re-read only when its FD fired or after our own
-        # send/recv on that socket (which may have consumed the edge): the "dirty" flags.
-        self._sock_fd: int = sock.get(zmq.FD)
-        self._mon_fd: int = self._mon.get(zmq.FD)
-        self._fds = select.poll()
-        self._fds.register(self._sock_fd, select.POLLIN)
-        self._fds.register(self._mon_fd, select.POLLIN)
-        self._mon_fds = select.poll()
-        self._mon_fds.register(self._mon_fd, select.POLLIN)
-        self._sock_dirty = True
-        self._mon_dirty = True
+        path = ipc_path(endpoint)
+        if path is None:
+            raise ValueError(f"daemon endpoint must be ipc://<path>, got {endpoint!r}")
+        self._path = path
+        self._sock: socket.socket | None = None
+        self._fds = select.poll()  # the socket's readability, without a recv that fails
+        self._out = bytearray()  # the tail of frames the kernel did not take yet
+        self._reader = Deframer(MAX_FRAME)
+        self._broken = False  # a send failed: the connection is dropped at the next poll()
+        # Dialling is paced in real time (time.monotonic), not by ``clock``: that one judges
+        # liveness (and a test may stop it); how often we knock is the socket's business.
+        # The first dial is the first poll()'s: an Attach given before it is the link's first frame.
+        self._retry_at = 0.0
 
     # ---- state (the link machine's) ------------------------------------------------------
 
@@ -179,7 +167,7 @@ class DaemonClient:
 
     @property
     def queued(self) -> int:
-        """Messages waiting in the local queue (not yet handed to zmq)."""
+        """Messages waiting in the local queue (not yet handed to the socket)."""
         return len(self._link.queue)
 
     def send(self, msg: Message) -> bool:
@@ -189,10 +177,8 @@ class DaemonClient:
         caller's bug and raises ProtocolError.
         """
         link = self._link
-        if link.state is not State.CLOSED:
-            self._maybe_check_monitor()  # a pending "daemon gone / back" event applies first
-            if link.queue:
-                self._flush()  # keep order: nothing overtakes what is queued
+        if link.state is not State.CLOSED and link.queue:
+            self._flush()  # keep order: nothing overtakes what is queued
         route = link.route()
         if route is Route.REFUSE:
             return False
@@ -218,18 +204,46 @@ class DaemonClient:
         if self._link.state is State.CLOSED:
             return
         self._run(self._link.handle(AttachRequested()))
-        self._maybe_check_monitor()  # a fresh link's handshake sends it first
 
     def _raw_send(self, data: bytes) -> bool:
-        self._sock_dirty = True
-        try:
-            self._sock.send(data, zmq.NOBLOCK)
-        except zmq.ZMQError:  # Again (no peer / HWM) or a dying socket: never the caller's
+        """Hand one message to the socket (or its output buffer); False if it cannot take it
+        now (no link, or OUT_MAX reached): the caller queues or retries."""
+        sock = self._sock
+        if sock is None or self._broken or not self._push_out():
             return False
+        data = frame(data)
+        if self._out:
+            if len(self._out) + len(data) > OUT_MAX:
+                return False
+            self._out += data
+            return True
+        try:
+            n = sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            n = 0
+        except OSError:
+            self._broken = True
+            return False
+        if n < len(data):
+            self._out += memoryview(data)[n:]
+        return True
+
+    def _push_out(self) -> bool:
+        """Send what the output buffer holds; False if the link died doing so."""
+        out = self._out
+        while out:
+            try:
+                n = self._sock.send(out)  # type: ignore[union-attr]
+            except (BlockingIOError, InterruptedError):
+                return True
+            except OSError:
+                self._broken = True
+                return False
+            del out[:n]
         return True
 
     def _flush(self) -> None:
-        """Hand queued frames to zmq while it takes them, if the link lets messages flow."""
+        """Hand queued frames to the socket while it takes them, if the link lets messages flow."""
         link = self._link
         if not link.flows:
             return
@@ -252,7 +266,7 @@ class DaemonClient:
                 if self._raw_send(encode(Heartbeat(link.hb_seq))):
                     self._run(link.handle(HeartbeatSent(self._clock())))
             elif a is Act.RECHECK_LINK:
-                self._mon_dirty = True  # safety net: re-read the monitor's EVENTS once per period
+                self._retry_at = 0.0  # no link yet: dial at the next poll
             elif a is Act.DROP_QUEUE:
                 link.queue.clear()
             else:
@@ -283,16 +297,15 @@ class DaemonClient:
         """
         if self._link.state is State.CLOSED:
             return False
-        ready = bool(self._sock.poll(max(0, int(timeout_s * 1000)), zmq.POLLIN))
-        # zmq_poll read EVENTS and so consumed the FD's edge: without this, the next poll()
-        # would see a quiet FD, skip the drain, and leave the frame unread until some later
-        # send happened to mark the socket dirty (the next heartbeat, up to heartbeat_s
-        # away), while every wait() in between returned at once (a busy spin).
-        self._sock_dirty = True
-        return ready
+        ms = max(0, int(timeout_s * 1000))
+        if self._sock is None:
+            time.sleep(ms / 1000)  # no link: the bounded sleep, not a spin
+            return False
+        return bool(self._fds.poll(ms))
 
     def poll(self) -> list[Message]:
-        """Zero-timeout step: flush, heartbeat, drain replies; returns daemon->engine messages.
+        """Zero-timeout step: dial, flush, heartbeat, drain replies; returns daemon->engine
+        messages.
 
         HeartbeatAck is consumed here; everything else (AttachAck, Sent, SendFailed, Received,
         ReceiveFailed, Released, Error) comes back in arrival order.
@@ -301,18 +314,18 @@ class DaemonClient:
         if link.state is State.CLOSED:
             return []
         now = self._clock()
-        if self._fds.poll(0):
-            self._sock_dirty = self._mon_dirty = True
-        if self._mon_dirty:
-            self._check_monitor()
+        if self._broken:
+            self._lost()
+        if self._sock is None and time.monotonic() >= self._retry_at:
+            self._dial()
+        if self._out:
+            self._push_out()
         acts = link.tick(now)  # handle(Tick(now)), the hot path without the event object
         if acts:
             self._run(acts)
         out: list[Message] = []
-        if self._sock_dirty:
-            self._sock_dirty = False
-            if self._sock.get(zmq.EVENTS) & zmq.POLLIN:
-                self._drain(now, out)
+        if self._sock is not None and self._fds.poll(0):
+            self._drain(now, out)
         acts = link.drained(now)  # handle(Drained(now))
         if acts:
             self._run(acts)
@@ -321,14 +334,27 @@ class DaemonClient:
     def _drain(self, now: float, out: list[Message]) -> None:
         sock = self._sock
         link = self._link
-        self._sock_dirty = True  # recv may consume the FD edge; also set if MAX_DRAIN stops us
-        for _ in range(MAX_DRAIN):
+        frames: list[bytes] = []
+        while sock is not None and len(frames) < MAX_DRAIN:
             try:
-                frame = sock.recv(zmq.NOBLOCK)
-            except zmq.ZMQError:
-                return
+                data = sock.recv(READ_CHUNK)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                data = b""
+            if not data:
+                self._broken = True
+                break
             try:
-                msg = decode(frame)
+                frames += self._reader.feed(data)
+            except FrameTooLarge as e:
+                link.counters.decode_errors += 1
+                log.warning("kvpush: daemon %s sent %s; reconnecting", self.endpoint, e)
+                self._broken = True
+                break
+        for raw in frames:
+            try:
+                msg = decode(raw)
             except ProtocolError as e:
                 link.counters.decode_errors += 1
                 if link.counters.decode_errors == 1:
@@ -343,45 +369,53 @@ class DaemonClient:
             else:
                 link.handle(Heard(now))  # no state changes with it: never an action
             out.append(msg)
+        if self._broken:  # after what arrived before the end of the stream
+            self._lost()
 
-    def _maybe_check_monitor(self) -> None:
-        if self._mon_dirty or self._mon_fds.poll(0):
-            self._check_monitor()
+    # ---- the connection ------------------------------------------------------------------
 
-    def _check_monitor(self) -> None:
-        """Apply pending connect/disconnect events (only call when _mon_dirty or FD fired)."""
-        mon = self._mon
-        self._mon_dirty = False
-        if not mon.get(zmq.EVENTS) & zmq.POLLIN:
+    def _dial(self) -> None:
+        """Connect once, without blocking (a unix connect completes or fails at once); on
+        success the link machine hears Connected, else the next try is RECONNECT_S away."""
+        self._retry_at = time.monotonic() + RECONNECT_S
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        err = sock.connect_ex(self._path)
+        if err:
+            sock.close()
+            if err not in _TRANSIENT:
+                log.debug("kvpush: connect to %s: %s", self.endpoint, errno.errorcode.get(err, err))
             return
-        while True:
-            try:
-                frames = mon.recv_multipart(zmq.NOBLOCK)
-            except zmq.ZMQError:
-                return
-            event = int.from_bytes(frames[0][:2], "little")
-            if event == zmq.EVENT_DISCONNECTED:
-                self._run(self._link.handle(Disconnected(self._clock())))
-            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                # Unthrottled command processing attaches the new pipe (queued before the
-                # event), so the sends it triggers cannot fail for want of it; see module doc.
-                self._sock.get(zmq.EVENTS)
-                self._sock_dirty = True
-                self._run(self._link.handle(Connected(self._clock())))
+        self._sock = sock
+        self._fds.register(sock, select.POLLIN)
+        self._run(self._link.handle(Connected(self._clock())))
+
+    def _lost(self) -> None:
+        """End of stream or a socket error: drop the connection (frames in it are lost, as
+        any transport loses what it had not delivered) and tell the link machine."""
+        sock = self._sock
+        if sock is None:
+            return
+        self._sock = None
+        self._broken = False
+        self._fds.unregister(sock)
+        sock.close()
+        self._out.clear()
+        self._reader = Deframer(MAX_FRAME)
+        self._retry_at = time.monotonic() + RECONNECT_S
+        self._run(self._link.handle(Disconnected(self._clock())))
 
     # ---- teardown ------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Close both sockets at once (LINGER 0); later sends are refused, polls return []."""
+        """Close the connection; later sends are refused, polls return []."""
         if self._link.state is State.CLOSED:
             return
         self._run(self._link.handle(Close()))
-        try:
-            self._sock.disable_monitor()
-        except zmq.ZMQError:
-            pass
-        self._mon.close(linger=0)
-        self._sock.close(linger=0)
+        if self._sock is not None:
+            self._fds.unregister(self._sock)
+            self._sock.close()
+            self._sock = None
 
     def __enter__(self) -> DaemonClient:
         return self

@@ -20,3 +20,8 @@ def engine_socket(runtime_dir: str, index: int) -> str:
 def ops_socket(runtime_dir: str, index: int) -> str:
     """The default ops socket of device ``index`` (kvpushctl talks to it)."""
     return OPS_SOCKET_TEMPLATE.format(runtime_dir=runtime_dir, index=index)
+
+
+def ipc_path(endpoint: str) -> str | None:
+    """The filesystem path of an ``ipc://`` endpoint; None for any other scheme."""
+    return endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else None

@@ -1,11 +1,12 @@
-"""What one local hop costs between two idle processes: a ZeroMQ ipc round trip (the engine
-link's transport) against a plain Unix datagram round trip, measured in the same run.
+"""What one local hop costs between two idle processes, three ways in the same run: a ZeroMQ
+ipc round trip (the engine link's transport until 2026-12-02), the engine link itself (the
+plugin's DaemonClient against the daemon's EngineListener, a unix stream socket: an Abort
+out, its Released back), and a plain Unix datagram round trip (the floor).
 
 Why: at low load every transfer crosses the engine link twice on its critical path
 (PrefillDone in, Received out), each after the processes slept. libzmq moves a frame through
 an I/O thread on each side, so a hop wakes three threads instead of one; on a small VM a wake
-of an idle vCPU is the expensive part. The ratio says what a transport without I/O threads
-would save per hop.
+of an idle vCPU is the expensive part.
 
     python scripts/bench_wake.py --json [--gaps-ms 0,2,50] [--n 60]
 """
@@ -27,6 +28,10 @@ from typing import Any
 
 import zmq
 
+from kvpush import proto
+from kvpush.daemon.endpoints import bind_private_unix
+from kvpush.daemon.enginelink import EngineListener
+from kvpush.engine_plugin.client import DaemonClient
 from kvpush.testing.bench.ttft import pct
 
 STOP = b"q"
@@ -54,6 +59,25 @@ def _unix_echo(path: str) -> None:
             break
         s.sendto(data, addr)
     s.close()
+
+
+def _link_echo(endpoint: str) -> None:
+    """The daemon's side of the engine link, answering as the daemon does: Heartbeat with
+    HeartbeatAck, an Abort of nothing known with Released; an Abort "stop" ends it."""
+    lst = EngineListener(endpoint, bind=bind_private_unix(0o600), max_message=1 << 20)
+    try:
+        while True:
+            lst.wait(1.0)
+            for inc in lst.receive():
+                msg = proto.decode(inc.payload)
+                if isinstance(msg, proto.Heartbeat):
+                    lst.send(inc.ident, proto.encode(proto.HeartbeatAck(msg.seq, "wake")))
+                elif isinstance(msg, proto.Abort):
+                    if msg.reason == "stop":
+                        return
+                    lst.send(inc.ident, proto.encode(proto.Released(msg.transfer_id, msg.attempt)))
+    finally:
+        lst.close()
 
 
 def _rtts(ping: Callable[[], None], n: int, gap_s: float) -> list[float]:
@@ -89,6 +113,35 @@ def zmq_rtts(tmp: Path, n: int, gap_s: float) -> list[float]:
         proc.join(10)
         s.close(0)
         ctx.term()
+
+
+def link_rtts(tmp: Path, n: int, gap_s: float) -> list[float]:
+    endpoint = f"ipc://{tmp}/wake-link.sock"
+    proc = mp.get_context("spawn").Process(target=_link_echo, args=(endpoint,), daemon=True)
+    proc.start()
+    c = DaemonClient(endpoint)
+    end = time.monotonic() + 30
+    while not c.available:  # the listener is up and answered a heartbeat
+        if time.monotonic() > end:
+            raise TimeoutError("engine link echo did not come up")
+        c.poll()
+        c.wait(0.01)
+
+    def ping() -> None:
+        assert c.send(proto.Abort("wake", 0, "ping"))
+        end = time.monotonic() + 5
+        while not any(isinstance(m, proto.Released) for m in c.poll()):
+            if time.monotonic() > end:
+                raise TimeoutError("engine link echo did not answer")
+            c.wait(1.0)
+
+    try:
+        return _rtts(ping, n, gap_s)
+    finally:
+        c.send(proto.Abort("wake", 0, "stop"))
+        c.poll()
+        proc.join(10)
+        c.close()
 
 
 def unix_rtts(tmp: Path, n: int, gap_s: float) -> list[float]:
@@ -131,11 +184,13 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="kvpush-wake-") as d:
         for gap in (float(g) / 1e3 for g in args.gaps_ms.split(",")):
-            z, u = zmq_rtts(Path(d), args.n, gap), unix_rtts(Path(d), args.n, gap)
+            z, lk, u = (f(Path(d), args.n, gap) for f in (zmq_rtts, link_rtts, unix_rtts))
             out[f"{gap * 1e3:g}ms"] = {
                 "zmq_ipc_rtt_us": {"p50": _us(z, 50), "p90": _us(z, 90)},
+                "engine_link_rtt_us": {"p50": _us(lk, 50), "p90": _us(lk, 90)},
                 "unix_dgram_rtt_us": {"p50": _us(u, 50), "p90": _us(u, 90)},
                 "zmq_over_unix_p50": round(statistics.median(z) / statistics.median(u), 2),
+                "zmq_over_engine_link_p50": round(statistics.median(z) / statistics.median(lk), 2),
             }
     print(json.dumps(out, indent=None if args.json else 2))
     return 0

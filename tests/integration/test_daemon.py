@@ -29,6 +29,7 @@ from kvpush.testing.daemon_harness import (
     prefill_done,
     register,
 )
+from kvpush.testing.engine_peer import raw_request
 from kvpush.testing.kvref import reference_copy
 
 pytestmark = pytest.mark.integration
@@ -207,8 +208,8 @@ def test_bad_input_on_every_endpoint_writes_nothing(pd):
         src_before = pe.bytes.copy()
         peer_ep = p.peer_endpoint
         for ep in (p.cfg.engine_socket, p.cfg.ops_socket, peer_ep):
-            for junk in (b"\x00garbage", b"\x81\xa1v\x07", proto.encode(proto.Heartbeat(1))[:-1]):
-                reply = _raw(ep, [junk])
+            for junk in (b"\x00garbage", b"\x81\xa1v\x07", proto.encode(proto.Heartbeat(1))[:-1], b""):
+                reply = raw_request(ep, junk) if ep == p.cfg.engine_socket else _raw(ep, [junk])
                 if ep == peer_ep:  # authenticated by default: a keyless client gets no session
                     assert reply is None
                     continue
@@ -217,7 +218,10 @@ def test_bad_input_on_every_endpoint_writes_nothing(pd):
                 assert isinstance(msg, (proto.Error, proto.OpsReply))
         # Wrong protocol version.
         bad = proto.encode(proto.Heartbeat(1)).replace(b"\xa1v" + bytes([proto.PROTOCOL_VERSION]), b"\xa1v\x09")
-        assert "version" in proto.decode(_raw(p.cfg.engine_socket, [bad])).message
+        assert "version" in proto.decode(raw_request(p.cfg.engine_socket, bad)).message
+        # A frame announced over max_message_bytes: the connection is closed, nothing buffered.
+        with pytest.raises(EOFError):
+            raw_request(p.cfg.engine_socket, b"\0" * 64, announce=p.cfg.max_message_bytes + 1)
         # An unauthenticated peer (no Hello) asking for a WRITE into the decode engine's blocks.
         reg = proto.PeerRegister("evil", 0, (0, 1), 20, 0, 1, 1, 5000)
         assert _raw(peer_ep, [proto.encode(reg)]) is None
@@ -231,7 +235,7 @@ def test_bad_input_on_every_endpoint_writes_nothing(pd):
         pe.wait_for(lambda m: isinstance(m, proto.Released) and m.transfer_id == "never-seen", 5)
         # Attach with a handle that does not open.
         bad_handle = proto.MemoryHandle("cpu_shm", b"\x80", 1 << 20)
-        reply = _raw(d.cfg.engine_socket, [proto.encode(proto.Attach("x", 0, 1, "decode", (bad_handle,), lay))])
+        reply = raw_request(d.cfg.engine_socket, proto.encode(proto.Attach("x", 0, 1, "decode", (bad_handle,), lay)))
         assert isinstance(proto.decode(reply), proto.Error)
         time.sleep(0.3)
         assert np.array_equal(de.bytes, before) and np.array_equal(pe.bytes, src_before)

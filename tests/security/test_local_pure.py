@@ -18,20 +18,10 @@ from kvpush.daemon.endpoints import (
     runtime_dir_mode,
 )
 from kvpush.daemon.memory import ShmLedger, ShmRecord, torch_shm_name_ok
-from kvpush.daemon.peercred import Holder, PeerCred, PeerTable, attach_refusal, parse_peer_address
+from kvpush.daemon.peercred import Holder, PeerCred, PeerTable, attach_refusal
 
 ids = st.integers(min_value=0, max_value=2**31 - 1)
 pids = st.integers(min_value=1, max_value=2**22)
-
-
-@given(st.sampled_from(["localhost", "", "host:with:colons"]), ids, ids, pids)
-def test_peer_address_round_trip(host: str, uid: int, gid: int, pid: int) -> None:
-    assert parse_peer_address(f"{host}:{uid}:{gid}:{pid}") == PeerCred(pid, uid, gid)
-
-
-@pytest.mark.parametrize("value", [None, "", "127.0.0.1:5555", "localhost:0:0", "a:b:c:d", "h:0:0:0", "h:-1:0:5"])
-def test_peer_address_without_credentials(value: str | None) -> None:
-    assert parse_peer_address(value) is None
 
 
 events = st.lists(st.tuples(st.booleans(), st.integers(0, 6), pids), max_size=40)

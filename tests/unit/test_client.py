@@ -1,7 +1,8 @@
-"""DaemonClient against a real ZeroMQ ROUTER that the test binds and plays the daemon with.
+"""DaemonClient against the daemon's real engine listener, which the test binds and plays
+the daemon with (kvpush.testing.engine_peer).
 
 Time is a fake clock wherever liveness is judged, so nothing waits for heartbeat periods; the
-only real waits are for libzmq to connect, hand over frames or notice a closed peer. Those
+only real waits are for the client to dial again or notice a closed peer. Those
 waits poll for a condition with a generous real-time bound (the CI machine is small and
 loaded): the bound only limits how long success may take, it never decides a result.
 """
@@ -19,7 +20,6 @@ from contextlib import contextmanager
 
 import msgpack
 import pytest
-import zmq
 
 from kvpush.engine_plugin.client import DaemonClient
 from kvpush.proto import (
@@ -27,7 +27,6 @@ from kvpush.proto import (
     Attach,
     AttachAck,
     Error,
-    Heartbeat,
     HeartbeatAck,
     MemoryHandle,
     Message,
@@ -38,10 +37,10 @@ from kvpush.proto import (
     Released,
     SendFailed,
     Sent,
-    decode,
     encode,
 )
 from kvpush.proto.layout import flash_layout
+from kvpush.testing.engine_peer import FakeDaemon
 
 LOGGER = "kvpush.engine_plugin.client"
 
@@ -59,54 +58,6 @@ class FakeClock:
         self.t += dt
 
 
-class FakeDaemon:
-    """A ROUTER on the engine endpoint that answers Heartbeat and (optionally) Attach."""
-
-    def __init__(self, ctx: zmq.Context, endpoint: str, daemon_id: str) -> None:
-        self.sock = ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind(endpoint)
-        self.daemon_id = daemon_id
-        self.answer_heartbeats = True
-        self.answer_attach = True
-        self.got: list[Message] = []  # everything but heartbeats, in arrival order
-        self.heartbeats = 0
-        self.kinds: list[str] = []  # type names of everything received, heartbeats included
-        self.peer: bytes | None = None
-
-    def serve(self) -> None:
-        while self.sock.poll(0):
-            ident, frame = self.sock.recv_multipart()
-            self.peer = ident
-            msg = decode(frame)
-            self.kinds.append(type(msg).__name__)
-            if type(msg) is Heartbeat:
-                self.heartbeats += 1
-                if self.answer_heartbeats:
-                    self.send(HeartbeatAck(msg.seq, self.daemon_id))
-                continue
-            self.got.append(msg)
-            if type(msg) is Attach and self.answer_attach:
-                self.send(AttachAck("agent-" + self.daemon_id, self.daemon_id))
-
-    def send(self, msg: Message) -> None:
-        self.send_raw(encode(msg))
-
-    def send_raw(self, frame: bytes) -> None:
-        assert self.peer is not None, "no client has spoken yet"
-        self.sock.send_multipart([self.peer, frame])
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
-
-
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context]:
-    c = zmq.Context()
-    yield c
-    c.destroy(linger=0)
-
-
 @pytest.fixture
 def endpoint() -> Iterator[str]:
     d = tempfile.mkdtemp(prefix="kvc-", dir="/tmp")  # ipc paths must stay < 107 chars
@@ -121,7 +72,7 @@ def clock() -> FakeClock:
 
 @contextmanager
 def deadline(seconds: float) -> Iterator[None]:
-    """Turn a call that blocks (a zmq send waiting for a peer) into a failure, not a hang."""
+    """Turn a call that blocks (a send waiting for a peer) into a failure, not a hang."""
 
     def expired(*_: object) -> None:
         raise TimeoutError(f"blocked for more than {seconds} s")
@@ -155,8 +106,8 @@ def pump(
         time.sleep(0.002)
 
 
-def make_client(ctx: zmq.Context, endpoint: str, clock: FakeClock, **kw: object) -> DaemonClient:
-    return DaemonClient(endpoint, clock=clock, context=ctx, **kw)  # type: ignore[arg-type]
+def make_client(endpoint: str, clock: FakeClock, **kw: object) -> DaemonClient:
+    return DaemonClient(endpoint, clock=clock, **kw)  # type: ignore[arg-type]
 
 
 def make_attach() -> Attach:
@@ -174,9 +125,9 @@ def register(i: int, nblocks: int = 4) -> Register:
 # ---- tests --------------------------------------------------------------------------------
 
 
-def test_messages_arrive_decoded_and_in_order(ctx, endpoint, clock) -> None:
-    d = FakeDaemon(ctx, endpoint, "d1")
-    c = make_client(ctx, endpoint, clock)
+def test_messages_arrive_decoded_and_in_order(endpoint, clock) -> None:
+    d = FakeDaemon(endpoint, "d1")
+    c = make_client(endpoint, clock)
     assert not c.available
     pump(c, [d], lambda: c.available)
     assert c.daemon_id == "d1" and c.unavailable_since is None and c.rtt_s is not None
@@ -218,8 +169,8 @@ def test_messages_arrive_decoded_and_in_order(ctx, endpoint, clock) -> None:
     d.close()
 
 
-def test_send_without_daemon_never_blocks_and_is_bounded(ctx, endpoint, clock) -> None:
-    c = make_client(ctx, endpoint, clock)  # nothing bound at endpoint
+def test_send_without_daemon_never_blocks_and_is_bounded(endpoint, clock) -> None:
+    c = make_client(endpoint, clock)  # nothing bound at endpoint
     msg = Abort("t" * 32, 0, "r")
     results: list[bool] = []
     with deadline(5.0):  # a blocking send never returns: the alarm fails the test
@@ -239,13 +190,13 @@ def test_send_without_daemon_never_blocks_and_is_bounded(ctx, endpoint, clock) -
     c.close()  # idempotent
 
 
-def test_queued_messages_flush_when_daemon_comes_up(ctx, endpoint, clock) -> None:
-    c = make_client(ctx, endpoint, clock, max_queue=50)
+def test_queued_messages_flush_when_daemon_comes_up(endpoint, clock) -> None:
+    c = make_client(endpoint, clock, max_queue=50)
     msgs = [register(i) for i in range(60)]
     accepted = [c.send(m) for m in msgs]
     assert accepted == [True] * 50 + [False] * 10 and c.queued == 50
     c.poll()
-    d = FakeDaemon(ctx, endpoint, "d1")
+    d = FakeDaemon(endpoint, "d1")
     pump(c, [d], lambda: len(d.got) >= 50 and c.available)
     assert d.got == msgs[:50]
     assert c.queued == 0 and c.sent == 50
@@ -253,13 +204,13 @@ def test_queued_messages_flush_when_daemon_comes_up(ctx, endpoint, clock) -> Non
     d.close()
 
 
-def test_attach_gates_queued_messages_until_ack(ctx, endpoint, clock) -> None:
-    c = make_client(ctx, endpoint, clock)
+def test_attach_gates_queued_messages_until_ack(endpoint, clock) -> None:
+    c = make_client(endpoint, clock)
     att = make_attach()
     c.attach(att)  # no daemon yet: remembered, sent when it appears
     regs = [register(i) for i in range(20)]
     assert all(c.send(m) for m in regs)
-    d = FakeDaemon(ctx, endpoint, "d1")
+    d = FakeDaemon(endpoint, "d1")
     d.answer_attach = False
     pump(c, [d], lambda: len(d.got) >= 1 and c.available)
     time.sleep(0.05)
@@ -275,9 +226,9 @@ def test_attach_gates_queued_messages_until_ack(ctx, endpoint, clock) -> None:
     d.close()
 
 
-def test_silent_daemon_goes_unavailable_after_dead_after_s(ctx, endpoint, clock, caplog) -> None:
-    d = FakeDaemon(ctx, endpoint, "d1")
-    c = make_client(ctx, endpoint, clock, heartbeat_s=1.0, dead_after_s=3.0)
+def test_silent_daemon_goes_unavailable_after_dead_after_s(endpoint, clock, caplog) -> None:
+    d = FakeDaemon(endpoint, "d1")
+    c = make_client(endpoint, clock, heartbeat_s=1.0, dead_after_s=3.0)
     att = make_attach()
     c.attach(att)
     # Wait for the link's heartbeat ack as well: arriving late, it would move "last heard".
@@ -314,11 +265,11 @@ def test_silent_daemon_goes_unavailable_after_dead_after_s(ctx, endpoint, clock,
     d.close()
 
 
-def _fresh_client_round(ctx: zmq.Context, ep: str, order: str, label: str) -> None:
+def _fresh_client_round(ep: str, order: str, label: str) -> None:
     clock = FakeClock()
     att = make_attach()
-    d = FakeDaemon(ctx, ep, "d1") if order != "client_first" else None
-    c = make_client(ctx, ep, clock, heartbeat_s=0.01, dead_after_s=60.0)
+    d = FakeDaemon(ep, "d1") if order != "client_first" else None
+    c = make_client(ep, clock, heartbeat_s=0.01, dead_after_s=60.0)
 
     def step() -> None:
         clock.advance(0.01)
@@ -332,7 +283,7 @@ def _fresh_client_round(ctx: zmq.Context, ep: str, order: str, label: str) -> No
     if d is None:
         for _ in range(5):
             step()  # heartbeats fall due while no daemon is there
-        d = FakeDaemon(ctx, ep, "d1")
+        d = FakeDaemon(ep, "d1")
     end = time.monotonic() + 15.0
     while not (c.attached and c.available and d.heartbeats >= 5):
         assert time.monotonic() < end, f"{label}: not attached ({d.kinds[:5]})"
@@ -349,21 +300,21 @@ def _fresh_client_round(ctx: zmq.Context, ep: str, order: str, label: str) -> No
 
 
 @pytest.mark.parametrize("order", ["daemon_first", "client_first", "link_up_then_attach"])
-def test_fresh_client_sends_exactly_one_attach_and_it_goes_first(ctx, endpoint, order) -> None:
+def test_fresh_client_sends_exactly_one_attach_and_it_goes_first(endpoint, order) -> None:
     """One Attach per link, before any other frame, with heartbeats flowing all along.
 
     The fake clock moves one heartbeat period per step, so a heartbeat is due on every poll:
-    that is what made a send right after the handshake event fail with EAGAIN (libzmq
-    throttles command processing) and let a Heartbeat go out before the Attach, or no Attach
-    at all. Many fresh clients per order, as the races live in a link's first milliseconds.
+    a link that came up before the Attach was known, or an Attach lost to a failed send, would
+    let a Heartbeat go out first or no Attach at all. Many fresh clients per order, as the
+    races live in a link's first milliseconds.
     """
     for i in range(15):
-        _fresh_client_round(ctx, f"{endpoint}.{i}", order, f"round {i}")
+        _fresh_client_round(f"{endpoint}.{i}", order, f"round {i}")
 
 
-def test_closed_router_makes_daemon_unavailable(ctx, endpoint, clock, caplog) -> None:
-    d = FakeDaemon(ctx, endpoint, "d1")
-    c = make_client(ctx, endpoint, clock, dead_after_s=3.0)
+def test_closed_router_makes_daemon_unavailable(endpoint, clock, caplog) -> None:
+    d = FakeDaemon(endpoint, "d1")
+    c = make_client(endpoint, clock, dead_after_s=3.0)
     c.attach(make_attach())
     pump(c, [d], lambda: c.available and c.attached)
     caplog.set_level(logging.WARNING, logger=LOGGER)
@@ -382,10 +333,10 @@ def test_closed_router_makes_daemon_unavailable(ctx, endpoint, clock, caplog) ->
     c.close()
 
 
-def test_restarted_daemon_gets_attach_first(ctx, endpoint, clock) -> None:
+def test_restarted_daemon_gets_attach_first(endpoint, clock) -> None:
     att = make_attach()
-    d1 = FakeDaemon(ctx, endpoint, "d1")
-    c = make_client(ctx, endpoint, clock)
+    d1 = FakeDaemon(endpoint, "d1")
+    c = make_client(endpoint, clock)
     c.attach(att)
     pump(c, [d1], lambda: c.attached)
     assert c.daemon_id == "d1" and d1.got == [att]
@@ -393,7 +344,7 @@ def test_restarted_daemon_gets_attach_first(ctx, endpoint, clock) -> None:
     pump(c, [], lambda: not c.available)
     r = register(5)
     assert c.send(r) and c.queued == 1
-    d2 = FakeDaemon(ctx, endpoint, "d2")  # same path: a supervisor respawn
+    d2 = FakeDaemon(endpoint, "d2")  # same path: a supervisor respawn
     got = pump(c, [d2], lambda: c.attached and c.available and len(d2.got) >= 2)
     assert d2.got == [att, r]
     assert d2.kinds[:2] == ["Attach", "Heartbeat"]  # the new link starts with Attach
@@ -402,11 +353,11 @@ def test_restarted_daemon_gets_attach_first(ctx, endpoint, clock) -> None:
     d2.close()
 
 
-def test_new_daemon_id_in_heartbeat_ack_resends_attach(ctx, endpoint, clock) -> None:
+def test_new_daemon_id_in_heartbeat_ack_resends_attach(endpoint, clock) -> None:
     """A restart the socket monitor cannot see (same connection): only daemon_id tells."""
     att = make_attach()
-    d = FakeDaemon(ctx, endpoint, "d1")
-    c = make_client(ctx, endpoint, clock, heartbeat_s=1.0)
+    d = FakeDaemon(endpoint, "d1")
+    c = make_client(endpoint, clock, heartbeat_s=1.0)
     c.attach(att)
     pump(c, [d], lambda: c.attached and c.rtt_s is not None)  # the link's ack came from d1
     d.daemon_id = "d9"
@@ -425,9 +376,9 @@ def test_new_daemon_id_in_heartbeat_ack_resends_attach(ctx, endpoint, clock) -> 
     d.close()
 
 
-def test_garbage_frames_are_skipped_and_counted(ctx, endpoint, clock) -> None:
-    d = FakeDaemon(ctx, endpoint, "d1")
-    c = make_client(ctx, endpoint, clock)
+def test_garbage_frames_are_skipped_and_counted(endpoint, clock) -> None:
+    d = FakeDaemon(endpoint, "d1")
+    c = make_client(endpoint, clock)
     pump(c, [d], lambda: c.available)
     d.send_raw(b"\xc1")  # never-used msgpack byte
     d.send(Sent("a", 0))
@@ -443,10 +394,10 @@ def test_garbage_frames_are_skipped_and_counted(ctx, endpoint, clock) -> None:
     d.close()
 
 
-def test_poll_and_send_cost(ctx, endpoint, clock) -> None:
+def test_poll_and_send_cost(endpoint, clock) -> None:
     """The engine-loop budget: poll() with nothing pending stays in single-digit µs."""
-    d = FakeDaemon(ctx, endpoint, "d1")
-    c = make_client(ctx, endpoint, clock)
+    d = FakeDaemon(endpoint, "d1")
+    c = make_client(endpoint, clock)
     pump(c, [d], lambda: c.available)
     polls = []
     for _ in range(3000):
@@ -473,11 +424,11 @@ def test_poll_and_send_cost(ctx, endpoint, clock) -> None:
     d.close()
 
 
-def test_idle_engine_gap_is_not_silence(ctx, endpoint, clock) -> None:
+def test_idle_engine_gap_is_not_silence(endpoint, clock) -> None:
     """An idle engine does not step, so it does not poll: a long gap without polls must not
     make the daemon unavailable (that would fail the next request's load for nothing)."""
-    d = FakeDaemon(ctx, endpoint, "d1")
-    c = make_client(ctx, endpoint, clock, heartbeat_s=1.0, dead_after_s=3.0)
+    d = FakeDaemon(endpoint, "d1")
+    c = make_client(endpoint, clock, heartbeat_s=1.0, dead_after_s=3.0)
     c.attach(make_attach())
     pump(c, [d], lambda: c.available and c.attached and c.rtt_s is not None)
     d.send(AttachAck("agent-d1", "d1"))
@@ -490,11 +441,12 @@ def test_idle_engine_gap_is_not_silence(ctx, endpoint, clock) -> None:
     d.close()
 
 
-def test_wait_then_poll_returns_the_frame_that_ended_the_wait(ctx, endpoint, clock) -> None:
-    """wait() must not swallow the FD edge: the frame that woke it comes out of the very next
-    poll(), not one heartbeat later (it did: D's first token waited up to heartbeat_s)."""
-    d = FakeDaemon(ctx, endpoint, "d1")
-    c = make_client(ctx, endpoint, clock, heartbeat_s=3600.0)  # no heartbeat can rescue it
+def test_wait_then_poll_returns_the_frame_that_ended_the_wait(endpoint, clock) -> None:
+    """The frame that ended a wait() comes out of the very next poll(), not one heartbeat
+    later (over ZeroMQ's edge-triggered FD it once did: D's first token waited up to
+    heartbeat_s), and a wait() with nothing pending does not return at once."""
+    d = FakeDaemon(endpoint, "d1")
+    c = make_client(endpoint, clock, heartbeat_s=3600.0)  # no heartbeat can rescue it
     c.attach(make_attach())
     pump(c, [d], lambda: c.available and c.attached)
     for i in range(20):

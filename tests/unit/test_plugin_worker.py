@@ -15,7 +15,6 @@ import time
 from collections.abc import Iterator
 
 import pytest
-import zmq
 
 pytest.importorskip("vllm")
 
@@ -23,40 +22,14 @@ from kvpush import proto  # noqa: E402
 from kvpush.engine_plugin.config import PluginConfig  # noqa: E402
 from kvpush.engine_plugin.metadata import AbortReq, KVPushMetadata, RegisterReq, SendReq  # noqa: E402
 from kvpush.engine_plugin.worker import KVPushWorker  # noqa: E402
-
-
-class Daemon:
-    def __init__(self, ctx: zmq.Context, endpoint: str) -> None:
-        self.sock = ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind(endpoint)
-        self.peer: bytes | None = None
-        self.got: list[proto.Message] = []
-
-    def serve(self) -> None:
-        while self.sock.poll(0):
-            ident, frame = self.sock.recv_multipart()
-            self.peer = ident
-            msg = proto.decode(frame)
-            if isinstance(msg, proto.Heartbeat):
-                self.send(proto.HeartbeatAck(msg.seq, "d1"))
-            elif isinstance(msg, proto.Attach):
-                self.got.append(msg)
-                self.send(proto.AttachAck("agent", "d1"))
-            else:
-                self.got.append(msg)
-
-    def send(self, msg: proto.Message) -> None:
-        assert self.peer is not None
-        self.sock.send_multipart([self.peer, proto.encode(msg)])
+from kvpush.testing.engine_peer import FakeDaemon  # noqa: E402
 
 
 @pytest.fixture
-def stack() -> Iterator[tuple[KVPushWorker, Daemon]]:
+def stack() -> Iterator[tuple[KVPushWorker, FakeDaemon]]:
     d = tempfile.mkdtemp(prefix="kvw-", dir="/tmp")
     ep = f"ipc://{d}/engine.sock"
-    ctx = zmq.Context()
-    daemon = Daemon(ctx, ep)
+    daemon = FakeDaemon(ep, "d1")
     w = KVPushWorker(PluginConfig(daemon=ep), engine_id="e", role="prefill", rank=0, tp_size=1,
                      model="m", total_kv_heads=1)
     end = time.monotonic() + 10
@@ -69,11 +42,11 @@ def stack() -> Iterator[tuple[KVPushWorker, Daemon]]:
         yield w, daemon
     finally:
         w.shutdown()
-        ctx.destroy(linger=0)
+        daemon.close()
         shutil.rmtree(d, ignore_errors=True)
 
 
-def settle(w: KVPushWorker, daemon: Daemon, cond, timeout: float = 5.0) -> tuple[set[str], set[str]]:
+def settle(w: KVPushWorker, daemon: FakeDaemon, cond, timeout: float = 5.0) -> tuple[set[str], set[str]]:
     """Step the worker (collect) until cond(daemon) holds; returns everything it reported."""
     sending: set[str] = set()
     recving: set[str] = set()
@@ -96,7 +69,7 @@ def step(w: KVPushWorker, meta: KVPushMetadata, forward: bool = True) -> None:
         w.after_forward()
 
 
-def prefill_dones(d: Daemon) -> list[proto.PrefillDone]:
+def prefill_dones(d: FakeDaemon) -> list[proto.PrefillDone]:
     return [m for m in d.got if isinstance(m, proto.PrefillDone)]
 
 

@@ -99,8 +99,12 @@ class DaemonClient:
         self._broken = False  # a send failed: the connection is dropped at the next poll()
         # Dialling is paced in real time (time.monotonic), not by ``clock``: that one judges
         # liveness (and a test may stop it); how often we knock is the socket's business.
-        # The first dial is the first poll()'s: an Attach given before it is the link's first frame.
         self._retry_at = 0.0
+        # Dial now, so that the link is up (and the Attach out) long before the engine's first
+        # step, but tell the link machine at the next attach(), send() or poll(): an Attach
+        # given right after construction is then the link's first frame, not a Heartbeat.
+        self._unannounced = False
+        self._dial()
 
     # ---- state (the link machine's) ------------------------------------------------------
 
@@ -177,6 +181,8 @@ class DaemonClient:
         caller's bug and raises ProtocolError.
         """
         link = self._link
+        if self._unannounced:
+            self._announce()
         if link.state is not State.CLOSED and link.queue:
             self._flush()  # keep order: nothing overtakes what is queued
         route = link.route()
@@ -204,6 +210,8 @@ class DaemonClient:
         if self._link.state is State.CLOSED:
             return
         self._run(self._link.handle(AttachRequested()))
+        if self._unannounced:
+            self._announce()  # a link already dialled: the Attach is its first frame, now
 
     def _raw_send(self, data: bytes) -> bool:
         """Hand one message to the socket (or its output buffer); False if it cannot take it
@@ -318,6 +326,8 @@ class DaemonClient:
             self._lost()
         if self._sock is None and time.monotonic() >= self._retry_at:
             self._dial()
+        if self._unannounced:
+            self._announce()
         if self._out:
             self._push_out()
         acts = link.tick(now)  # handle(Tick(now)), the hot path without the event object
@@ -376,7 +386,8 @@ class DaemonClient:
 
     def _dial(self) -> None:
         """Connect once, without blocking (a unix connect completes or fails at once); on
-        success the link machine hears Connected, else the next try is RECONNECT_S away."""
+        success the link machine is to hear Connected (:meth:`_announce`), else the next try
+        is RECONNECT_S away."""
         self._retry_at = time.monotonic() + RECONNECT_S
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.setblocking(False)
@@ -388,7 +399,12 @@ class DaemonClient:
             return
         self._sock = sock
         self._fds.register(sock, select.POLLIN)
-        self._run(self._link.handle(Connected(self._clock())))
+        self._unannounced = True
+
+    def _announce(self) -> None:
+        self._unannounced = False
+        if self._sock is not None and self._link.state is not State.CLOSED:
+            self._run(self._link.handle(Connected(self._clock())))
 
     def _lost(self) -> None:
         """End of stream or a socket error: drop the connection (frames in it are lost, as
@@ -398,6 +414,7 @@ class DaemonClient:
             return
         self._sock = None
         self._broken = False
+        self._unannounced = False
         self._fds.unregister(sock)
         sock.close()
         self._out.clear()

@@ -1,7 +1,8 @@
 """What one local hop costs between two idle processes, three ways in the same run: a ZeroMQ
 ipc round trip (the engine link's transport until 2026-12-02), the engine link itself (the
-plugin's DaemonClient against the daemon's EngineListener, a unix stream socket: an Abort
-out, its Released back), and a plain Unix datagram round trip (the floor).
+plugin's DaemonClient against the daemon's EngineListener, a unix stream socket), and a bare
+Unix datagram round trip (the floor). Each carries an Abort out and its Released back
+through the codec, so they differ only in transport and shell.
 
 Why: at low load every transfer crosses the engine link twice on its critical path
 (PrefillDone in, Received out), each after the processes slept. libzmq moves a frame through
@@ -35,6 +36,13 @@ from kvpush.engine_plugin.client import DaemonClient
 from kvpush.testing.bench.ttft import pct
 
 STOP = b"q"
+PING = proto.Abort("wake", 0, "ping")  # every variant carries these, through the codec
+
+
+def _answer(payload: bytes) -> bytes:
+    """The echo's work in every variant: decode the request, encode the daemon's answer."""
+    msg = proto.decode(payload)
+    return proto.encode(proto.Released(msg.transfer_id, msg.attempt))
 
 
 def _zmq_echo(endpoint: str) -> None:
@@ -42,10 +50,10 @@ def _zmq_echo(endpoint: str) -> None:
     s = ctx.socket(zmq.ROUTER)
     s.bind(endpoint)
     while True:
-        frames = s.recv_multipart()
-        if frames[1] == STOP:
+        ident, payload = s.recv_multipart()
+        if payload == STOP:
             break
-        s.send_multipart(frames)
+        s.send_multipart([ident, _answer(payload)])
     s.close(0)
     ctx.term()
 
@@ -54,10 +62,10 @@ def _unix_echo(path: str) -> None:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     s.bind(path)
     while True:
-        data, addr = s.recvfrom(64)
+        data, addr = s.recvfrom(4096)
         if data == STOP:
             break
-        s.sendto(data, addr)
+        s.sendto(_answer(data), addr)
     s.close()
 
 
@@ -101,10 +109,10 @@ def zmq_rtts(tmp: Path, n: int, gap_s: float) -> list[float]:
     s.connect(endpoint)
 
     def ping() -> None:
-        s.send(b"x")
+        s.send(proto.encode(PING))
         if not s.poll(5000):
             raise TimeoutError("zmq echo did not answer")
-        s.recv()
+        proto.decode(s.recv())
 
     try:
         return _rtts(ping, n, gap_s)
@@ -128,7 +136,7 @@ def link_rtts(tmp: Path, n: int, gap_s: float) -> list[float]:
         c.wait(0.01)
 
     def ping() -> None:
-        assert c.send(proto.Abort("wake", 0, "ping"))
+        assert c.send(PING)
         end = time.monotonic() + 5
         while not any(isinstance(m, proto.Released) for m in c.poll()):
             if time.monotonic() > end:
@@ -156,8 +164,8 @@ def unix_rtts(tmp: Path, n: int, gap_s: float) -> list[float]:
         time.sleep(0.01)
 
     def ping() -> None:
-        s.sendto(b"x", server)
-        s.recv(64)
+        s.sendto(proto.encode(PING), server)
+        proto.decode(s.recv(4096))
 
     try:
         return _rtts(ping, n, gap_s)

@@ -457,3 +457,22 @@ def test_wait_then_poll_returns_the_frame_that_ended_the_wait(endpoint, clock) -
         assert not c.wait(0.0)  # nothing else pending: wait() must not return at once again
     c.close()
     d.close()
+
+
+def test_the_attach_goes_out_at_attach_without_waiting_for_a_poll(endpoint, clock) -> None:
+    """An engine attaches at start-up and may not poll again until its first request, many
+    seconds later; by then its daemon must know it (else the plugin counts the daemon as
+    never answered and fails that request's transfer): the link is dialled at construction
+    and the Attach leaves in attach() itself, as the link's first frame."""
+    d = FakeDaemon(endpoint, "d1")
+    c = make_client(endpoint, clock)
+    c.attach(make_attach())
+    end = time.monotonic() + 15
+    while not d.kinds:
+        assert time.monotonic() < end, "the Attach waited for a poll()"
+        d.serve()
+        time.sleep(0.002)
+    assert d.kinds[0] == "Attach"
+    pump(c, [d], lambda: c.attached and c.available)  # the first poll finds it all answered
+    c.close()
+    d.close()

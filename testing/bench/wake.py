@@ -2,7 +2,9 @@
 ipc round trip (the engine link's transport until 2026-12-02), the engine link itself (the
 plugin's DaemonClient against the daemon's EngineListener, a unix stream socket), and a bare
 Unix datagram round trip (the floor). Each carries an Abort out and its Released back
-through the codec, so they differ only in transport and shell.
+through the codec, so they differ only in transport and shell. A fourth, ``daemon``, is the
+whole product path: the plugin's client against a real kvpushd (its loop, the engine
+session answering an Abort of nothing with Released).
 
 Why: at low load every transfer crosses the engine link twice on its critical path
 (PrefillDone in, Received out), each after the processes slept. libzmq moves a frame through
@@ -152,6 +154,28 @@ def link_rtts(tmp: Path, n: int, gap_s: float) -> list[float]:
         c.close()
 
 
+def daemon_rtts(tmp: Path, n: int, gap_s: float) -> list[float]:
+    from kvpush.testing.daemon_harness import Daemon, Engine, device_config
+    from kvpush.testing.kvref import make
+
+    lay, _ = make("amx", num_layers=2, num_blocks=32, block_size=16, num_heads=2, head_size=64,
+                  dtype="bfloat16")
+    d = Daemon(device_config(tmp, 0))
+    e = Engine(d, lay, "decode", fill="zeros")
+    seq = iter(range(1 << 30))
+
+    def ping() -> None:
+        tid = f"wake-{next(seq)}"
+        assert e.client.send(proto.Abort(tid, 0, "ping"))
+        e.wait_for(lambda m: isinstance(m, proto.Released) and m.transfer_id == tid, 5)
+
+    try:
+        return _rtts(ping, n, gap_s)
+    finally:
+        e.close()
+        d.stop()
+
+
 def unix_rtts(tmp: Path, n: int, gap_s: float) -> list[float]:
     server, client = str(tmp / "wake-u1.sock"), str(tmp / "wake-u2.sock")
     proc = mp.get_context("spawn").Process(target=_unix_echo, args=(server,), daemon=True)
@@ -192,10 +216,11 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="kvpush-wake-") as d:
         for gap in (float(g) / 1e3 for g in args.gaps_ms.split(",")):
-            z, lk, u = (f(Path(d), args.n, gap) for f in (zmq_rtts, link_rtts, unix_rtts))
+            z, lk, dm, u = (f(Path(d), args.n, gap) for f in (zmq_rtts, link_rtts, daemon_rtts, unix_rtts))
             out[f"{gap * 1e3:g}ms"] = {
                 "zmq_ipc_rtt_us": {"p50": _us(z, 50), "p90": _us(z, 90)},
                 "engine_link_rtt_us": {"p50": _us(lk, 50), "p90": _us(lk, 90)},
+                "daemon_rtt_us": {"p50": _us(dm, 50), "p90": _us(dm, 90)},
                 "unix_dgram_rtt_us": {"p50": _us(u, 50), "p90": _us(u, 90)},
                 "zmq_over_unix_p50": round(statistics.median(z) / statistics.median(u), 2),
                 "zmq_over_engine_link_p50": round(statistics.median(z) / statistics.median(lk), 2),

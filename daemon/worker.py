@@ -48,7 +48,7 @@ log = logging.getLogger("kvpush.worker")
 TICK_S = 0.05  # timers (deadlines, leases, peer silence) resolve to this
 PR_SET_TIMERSLACK = 29  # <linux/prctl.h>
 TIMER_SLACK_NS = 1000
-IDLE_POLL_S = 0.25  # how long the loop blocks on ZeroMQ with nothing in flight
+IDLE_POLL_S = 0.25  # how long the loop blocks on its sockets with nothing in flight
 STALL_WARN_S = 0.5  # a loop step this long is logged (and counted as failure{cause="loop_stall"})
 AUTH_REFRESH_S = 1.0  # how often the allowlist directory is checked for changes
 

@@ -1,19 +1,19 @@
 """The engine's link to its daemon as a sans-IO state machine: one table of transitions.
 
 No sockets and no clock here (events carry ``now``), so every rule of the link can be tested
-exhaustively and at random (tests/unit/test_link.py). The ZeroMQ shell
-(:class:`kvpush.engine_plugin.client.DaemonClient`) turns socket-monitor events, decoded
+exhaustively and at random (tests/unit/test_link.py). The socket shell
+(:class:`kvpush.engine_plugin.client.DaemonClient`) turns connects, ends of stream, decoded
 frames and polls into events, feeds them to :meth:`Link.handle`, and carries out the actions
 it returns, in order; the outcome of a send it was told to make comes back as an event
-(``AttachSent``, ``HeartbeatSent``), since a NOBLOCK send may fail (EAGAIN).
+(``AttachSent``, ``HeartbeatSent``), since a non-blocking send may find no room.
 
 The rules the table encodes (see TABLE):
 
-* Nothing goes out before a link exists (the monitor's handshake: ``Connected``); a link of a
+* Nothing goes out before a link exists (the shell's connect: ``Connected``); a link of a
   client that has an Attach starts with it, and ordinary messages wait in the local queue
   until its ``AttachAck`` (only OPEN and ATTACHED let messages flow).
 * The Attach goes out once per link, and again on the same link only when a HeartbeatAck
-  names another daemon_id than this link's (a restart the monitor could not see) or when the
+  names another daemon_id than this link's (a restart the shell could not see) or when the
   daemon answers again after it was declared silent (it may have lost what it knew of us).
 * An unsent Attach (EAGAIN) is retried on every poll (``Tick``).
 * Liveness: available = link up and heard recently, where silence is only proven by a
@@ -22,7 +22,7 @@ The rules the table encodes (see TABLE):
   once. Each transition is logged once.
 
 Data path: the machine owns the bounded queue of encoded frames; :meth:`Link.route` says what
-``send()`` does with the next message (refuse, queue, or hand it to zmq directly).
+``send()`` does with the next message (refuse, queue, or hand it to the socket directly).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ HB_TRACKED = 64  # heartbeats awaiting an ack that are remembered (acks lost wit
 class State(StrEnum):
     PLAIN_DOWN = "plain_down"  # no Attach remembered, no link
     PLAIN_UP = "plain_up"  # no Attach remembered, link up: a plain client, messages flow
-    DOWN = "down"  # Attach remembered, no link (libzmq reconnects by itself)
+    DOWN = "down"  # Attach remembered, no link (the shell dials again)
     ATTACH_DUE = "attach_due"  # link up, the Attach must go out first and has not yet
     ATTACHING = "attaching"  # Attach out on this link, AttachAck awaited
     ATTACHED = "attached"  # acknowledged: messages flow
@@ -74,10 +74,10 @@ class State(StrEnum):
 class Ev(StrEnum):
     """Table keys; :meth:`Link.handle` derives them from the event objects below."""
 
-    CONNECTED = "connected"  # the monitor's HANDSHAKE_SUCCEEDED
-    DISCONNECTED = "disconnected"  # the monitor's DISCONNECTED
+    CONNECTED = "connected"  # the shell's connect succeeded
+    DISCONNECTED = "disconnected"  # end of stream or a socket error
     ATTACH_SET = "attach_set"  # attach(): a (new) Attach to remember
-    ATTACH_SENT = "attach_sent"  # the shell handed the Attach to zmq
+    ATTACH_SENT = "attach_sent"  # the shell handed the Attach to the socket
     ATTACH_ACKED = "attach_acked"
     HEARTBEAT_ACKED = "heartbeat_acked"  # from the daemon this link has heard so far
     RESTART_SEEN = "restart_seen"  # a HeartbeatAck naming another daemon_id than this link's
@@ -90,11 +90,11 @@ class Ev(StrEnum):
 
 
 class Act(StrEnum):
-    SEND_ATTACH = "send_attach"  # report AttachSent() if zmq took it
+    SEND_ATTACH = "send_attach"  # report AttachSent() if the socket took it
     SEND_HEARTBEAT = "send_heartbeat"  # Heartbeat(link.hb_seq); report HeartbeatSent(now)
-    FLUSH = "flush"  # hand queued frames to zmq while it takes them (call link.sent_one())
+    FLUSH = "flush"  # hand queued frames to the socket while it takes them (call link.sent_one())
     DROP_QUEUE = "drop_queue"  # discard the queued frames (closing: they fail)
-    RECHECK_LINK = "recheck_link"  # re-read the monitor (safety net for a missed FD edge)
+    RECHECK_LINK = "recheck_link"  # without a connection: dial now (beside the shell's own pacing)
     LOG_RESTART = "log_restart"
     LOG_AVAILABLE = "log_available"
     LOG_LOST = "log_lost"  # unavailable: connection lost
@@ -107,7 +107,7 @@ class Route(StrEnum):
 
     REFUSE = "refuse"  # closed or queue full (counted in dropped)
     QUEUE = "queue"  # encode and queue: the gate is closed or others wait before it
-    DIRECT = "direct"  # encode and hand to zmq; queue it if zmq refuses
+    DIRECT = "direct"  # encode and hand to the socket; queue it if it has no room
 
 
 class LinkError(RuntimeError):
@@ -153,7 +153,7 @@ TABLE: Final[dict[tuple[State, Ev], tuple[State, tuple[Act, ...]]]] = {
     (S.SILENT, E.HEARTBEAT_ACKED): _REATTACH,
     **{(s, E.RESTART_SEEN): (s, ()) for s in (S.PLAIN_DOWN, S.PLAIN_UP, S.DOWN)},
     **{(s, E.RESTART_SEEN): _RESTART for s in _WITH_ATTACH_UP},
-    # Time: heartbeats only on a link (RECHECK_LINK in case the handshake's edge was missed).
+    # Time: heartbeats only on a link (RECHECK_LINK: a shell without a connection dials now).
     **{(s, E.HEARTBEAT_DUE): (s, (A.RECHECK_LINK,)) for s in (S.PLAIN_DOWN, S.DOWN)},
     **{(s, E.HEARTBEAT_DUE): (s, (A.RECHECK_LINK, A.SEND_HEARTBEAT)) for s in LINK_UP},
     **{(s, E.HEARTBEAT_SENT): (s, ()) for s in LINK_UP},
@@ -250,7 +250,7 @@ Event = (Connected | Disconnected | AttachRequested | AttachSent | AttachAcked |
 class LinkCounters:
     """Cumulative; exported through vLLM's KV-connector stats (engine_plugin/stats.py)."""
 
-    sent: int = 0  # frames handed to zmq (engine messages; heartbeats excluded)
+    sent: int = 0  # frames handed to the socket (engine messages; heartbeats excluded)
     enqueued: int = 0  # messages that waited in the local queue
     dropped: int = 0  # send() refusals: local queue full or client closed
     received: int = 0

@@ -111,15 +111,18 @@ def ask(endpoints: Sequence[str], req: proto.OpsRequest, timeout_s: float,
             if answers[i] is not None:
                 continue
             s = ctx.socket(zmq.DEALER)
+            # Owned by the finally from here on: a Ctrl-C (kvpushctl --watch) between here and
+            # the poll must not leave a socket open, or the context's term() at exit waits on it.
+            socks[s] = i
             s.setsockopt(zmq.LINGER, 0)
             try:
                 s.connect(ep)
                 s.send(payload, zmq.NOBLOCK)
             except zmq.ZMQError as e:
+                del socks[s]
                 s.close(0)
                 answers[i] = Answer(ep, "down", f"cannot send to {ep}: {e}")
                 continue
-            socks[s] = i
         poller = zmq.Poller()
         for s in socks:
             poller.register(s, zmq.POLLIN)

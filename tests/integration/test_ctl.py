@@ -250,9 +250,13 @@ def test_status_all_daemons_from_config(pair: Pair) -> None:
 
 
 def test_watch_refreshes_until_ctrl_c(pair: Pair) -> None:
+    # SIGINT at its default in the child: a suite started in the background by a
+    # non-interactive shell inherits it ignored, and a process that starts with SIGINT
+    # ignored never sees a Ctrl-C (that is the caller's choice, not kvpushctl's to undo).
     proc = subprocess.Popen([*kvpushctl_cmd(), "--watch", "0.2", "status", "--socket",
                              pair.p.cfg.ops_socket], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stdout is not None
         seen = 0

@@ -3,7 +3,8 @@ is a ratio against a baseline measured in the same run.
 
 - ``write``: daemon end-to-end WRITE (Register first, then PrefillDone -> Received) between
   two hosts against raw two-process NIXL WRITEs between the same two hosts, same UCX
-  settings, paced two ways (back to back, and isolated after an idle gap; target: >= 0.8x).
+  settings, paced three ways (back to back one at a time, isolated after an idle gap, and
+  pipelined: several in flight at once, the throughput figure; target: >= 0.8x).
 - ``serve``: 1P1D across two hosts (P, D, router on three namespaces) against 1P1D in one
   host (the PDStack on loopback): TTFT p50 / p99 and TPOT p50 at one load point; and 2P2D
   across four hosts against 1P1D across two hosts: requests/s and TTFT p99 at the same
@@ -48,12 +49,19 @@ MiB = 1 << 20
 RAW_TARGET_POLL_S = {"spin": 0.0, "sleep_100us": 0.0001}
 ISOLATED_GAP_S = 0.05  # the daemon run's idle time between a registration and its push
 
-# How the transfers follow each other, and the raw run that matches each:
+PIPELINE_DEPTH = 4  # pushes in flight at once in the "pipelined" pacing
+
+# How the transfers follow each other, as (back to back, idle gap, pushes at once), and the
+# raw run that matches each:
 # - "back_to_back": the daemon's registrations are all made first and the pushes follow one
-#   another (a loaded server), against raw WRITEs back to back;
+#   another, each awaited before the next, against raw WRITEs the same way;
 # - "isolated": each push follows its registration after an idle 50 ms (a quiet server),
-#   against raw WRITEs each after the same idle time (the veth's TCP is no longer warm).
-PACINGS = {"back_to_back": (True, 0.0), "isolated": (False, ISOLATED_GAP_S)}
+#   against raw WRITEs each after the same idle time (the veth's TCP is no longer warm);
+# - "pipelined": PIPELINE_DEPTH pushes at once, each on its own blocks, the batch awaited
+#   before the next (a loaded server, whose transfers overlap: the throughput figure),
+#   against the same number of raw WRITEs posted together.
+PACINGS = {"back_to_back": (True, 0.0, 1), "isolated": (False, ISOLATED_GAP_S, 1),
+           "pipelined": (True, 0.0, PIPELINE_DEPTH)}
 
 
 def _write_row(ours: list[float], raws: dict[str, list[float]]) -> dict[str, Any]:
@@ -78,7 +86,7 @@ def bench_write(sizes: list[int], mode: str, rounds: int = 3) -> dict[str, Any]:
     where = (lab.ns("d0"), lab.ns("p0"))
     try:
         keys = host_keys(lab, tmp)
-        blocks = max(sizes) // (64 << 10)
+        blocks = max(sizes) // (64 << 10) * PIPELINE_DEPTH
         p = Daemon(lab_device_config(lab, "p0", tmp, 0, keys, ucx_error_handling_mode=mode),
                    netns=lab.ns("p0"), env=UCX_NETWORK_ENV)
         d = Daemon(lab_device_config(lab, "d0", tmp, 1, keys, ucx_error_handling_mode=mode),
@@ -89,16 +97,16 @@ def bench_write(sizes: list[int], mode: str, rounds: int = 3) -> dict[str, Any]:
             for size in sizes:
                 iters = 10 if size <= 16 * MiB else 4
                 row: dict[str, Any] = {}
-                for pacing, (b2b, gap) in PACINGS.items():
+                for pacing, (b2b, gap, depth) in PACINGS.items():
                     ours: list[float] = []
                     raws: dict[str, list[float]] = {name: [] for name in RAW_TARGET_POLL_S}
                     for r in range(rounds):
                         ours.append(daemon_e2e_gbps(p, d, pe, de, size, False, iters, seed=size + r,
-                                                    back_to_back=b2b)["gbps"])
+                                                    back_to_back=b2b, depth=depth)["gbps"])
                         for name, poll_s in RAW_TARGET_POLL_S.items():
                             raws[name].append(_raw(size, False, iters, {"ucx_error_handling_mode": mode},
                                                    target_poll_s=poll_s, where=where,
-                                                   env=UCX_NETWORK_ENV, gap_s=gap)[0])
+                                                   env=UCX_NETWORK_ENV, gap_s=gap, depth=depth)[0])
                     row[pacing] = _write_row(ours, raws)
                 out["sizes"][f"{size // MiB}MiB"] = row
         finally:

@@ -99,11 +99,13 @@ def _target(conn: Any, size: int, params: dict[str, str], poll_s: float) -> None
 
 
 def _initiator(conn: Any, size: int, scattered: bool, iters: int, params: dict[str, str],
-               gap_s: float = 0.0) -> None:
+               gap_s: float = 0.0, depth: int = 1) -> None:
     """``gap_s``: idle time before each timed WRITE (isolated transfers, as one request at a
-    time sees them; the rate is then over the WRITEs' own time)."""
+    time sees them; the rate is then over the WRITEs' own time). ``depth``: WRITEs posted
+    together, each to its own ``size`` bytes of the target (a loaded server's transfers
+    overlap), all awaited before the next batch; the rate counts every byte of a batch."""
     a = _agent("bench-initiator", params)
-    buf = _buffer(size)
+    buf = _buffer(size * depth)
     reg = _register(a, buf)
     md, remote_base = conn.recv()
     peer = a.add_remote_agent(md)
@@ -112,20 +114,22 @@ def _initiator(conn: Any, size: int, scattered: bool, iters: int, params: dict[s
     else:
         src_off, dst_off, lens = np.array([0]), np.array([0]), np.array([size])
     n = len(lens)
-    loc = np.stack([buf.ctypes.data + src_off, lens, np.zeros(n)], axis=1).astype(np.uint64)
-    rem = np.stack([remote_base + dst_off, lens, np.zeros(n)], axis=1).astype(np.uint64)
-    h = a.initialize_xfer("WRITE", a.get_xfer_descs(loc, "DRAM"), a.get_xfer_descs(rem, "DRAM"),
-                          peer, b"w")
+    hs = []
+    for j in range(depth):
+        loc = np.stack([buf.ctypes.data + j * size + src_off, lens, np.zeros(n)], axis=1).astype(np.uint64)
+        rem = np.stack([remote_base + j * size + dst_off, lens, np.zeros(n)], axis=1).astype(np.uint64)
+        hs.append(a.initialize_xfer("WRITE", a.get_xfer_descs(loc, "DRAM"), a.get_xfer_descs(rem, "DRAM"),
+                                    peer, b"w"))
 
     def once(i: int) -> float:
         if gap_s:
             time.sleep(gap_s)
         t = time.perf_counter()
-        st = a.transfer(h, f"w{i}".encode())
-        while st == "PROC":
-            st = a.check_xfer_state(h)
-        if st != "DONE":
-            raise RuntimeError(f"WRITE failed: {st}")
+        states = [a.transfer(h, f"w{i}.{j}".encode()) for j, h in enumerate(hs)]
+        while "PROC" in states:
+            states = [st if st != "PROC" else a.check_xfer_state(h) for h, st in zip(hs, states, strict=True)]
+        if any(st != "DONE" for st in states):
+            raise RuntimeError(f"WRITE failed: {states}")
         return time.perf_counter() - t
 
     for i in range(min(3, iters)):
@@ -137,10 +141,11 @@ def _initiator(conn: Any, size: int, scattered: bool, iters: int, params: dict[s
         for i in range(iters):
             once(i)
         dt = time.perf_counter() - t0
-    a.release_xfer_handle(h)
+    for h in hs:
+        a.release_xfer_handle(h)
     a.remove_remote_agent(peer)
     a.deregister_memory(reg)
-    conn.send((size * iters / dt / 1e9, n))
+    conn.send((size * depth * iters / dt / 1e9, n))
 
 
 def raw_nixl_write_gbps(size: int, scattered: bool, iters: int,
@@ -169,17 +174,18 @@ def _placed(netns: str | None, env: dict[str, str] | None, fn: Any, *args: Any) 
 
 def _raw(size: int, scattered: bool, iters: int, params: dict[str, str],
          target_poll_s: float | None = None, where: tuple[str | None, str | None] = (None, None),
-         env: dict[str, str] | None = None, gap_s: float = 0.0) -> tuple[float, int]:
-    """``where``: (target's, initiator's) network namespace (the multi-host lab), or None."""
+         env: dict[str, str] | None = None, gap_s: float = 0.0, depth: int = 1) -> tuple[float, int]:
+    """``where``: (target's, initiator's) network namespace (the multi-host lab), or None.
+    ``gap_s`` and ``depth``: as :func:`_initiator` takes them."""
     if target_poll_s is None:
         target_poll_s = 0.001 if params.get("ucx_error_handling_mode") == "none" else 0.0
     ctx = mp.get_context("spawn")
     t_conn, t_child = ctx.Pipe()
     i_conn, i_child = ctx.Pipe()
-    tgt = ctx.Process(target=_placed, args=(where[0], env, _target, t_child, size, params, target_poll_s),
+    tgt = ctx.Process(target=_placed, args=(where[0], env, _target, t_child, size * depth, params, target_poll_s),
                       daemon=True)
-    ini = ctx.Process(target=_placed, args=(where[1], env, _initiator, i_child, size, scattered, iters, params, gap_s),
-                      daemon=True)
+    ini = ctx.Process(target=_placed, args=(where[1], env, _initiator, i_child, size, scattered, iters, params, gap_s,
+                                            depth), daemon=True)
     tgt.start()
     ini.start()
     try:

@@ -46,41 +46,57 @@ def layout(num_blocks: int):  # type: ignore[no-untyped-def]
 
 
 def daemon_e2e_gbps(p: Daemon, d: Daemon, pe: Engine, de: Engine, size: int, scattered: bool,
-                    iters: int, seed: int, back_to_back: bool = False) -> dict[str, float]:
+                    iters: int, seed: int, back_to_back: bool = False, depth: int = 1) -> dict[str, float]:
     """Median GB/s of PrefillDone -> Received, the registration already at the producer.
 
     ``back_to_back``: every registration is made first, then the pushes run one after the
     other (as under load, when decode sides register ahead), like a raw baseline's
     back-to-back WRITEs; otherwise each push follows its own registration after an idle
-    50 ms (a quiet server's one request at a time)."""
+    50 ms (a quiet server's one request at a time). ``depth`` > 1 (implies back to back):
+    that many pushes at once, each on its own blocks on both sides (the layouts must hold
+    ``depth`` times the blocks), timed until the last one's Received; the rate counts
+    every byte of the batch."""
     nb = size // BLOCK_BYTES
+    back_to_back = back_to_back or depth > 1
+    if nb * depth > min(pe.layout.num_blocks, de.layout.num_blocks):
+        raise ValueError(f"layouts of {pe.layout.num_blocks} / {de.layout.num_blocks} blocks cannot hold "
+                         f"{depth} x {nb} blocks")
     rng = np.random.default_rng(seed)
     if scattered:
-        src = rng.permutation(pe.layout.num_blocks)[:nb].tolist()
-        dst = rng.permutation(de.layout.num_blocks)[:nb].tolist()
+        src = rng.permutation(pe.layout.num_blocks)[:nb * depth].tolist()
+        dst = rng.permutation(de.layout.num_blocks)[:nb * depth].tolist()
     else:
-        src, dst = list(range(nb)), list(range(nb))
+        src, dst = list(range(nb * depth)), list(range(nb * depth))
     n_tok = nb * 16
     times = []
-    tids = [f"bench-{size}-{int(scattered)}-{int(back_to_back)}-{seed}-{i}" for i in range(iters + 1)]
+    batches = [[f"bench-{size}-{int(scattered)}-{int(back_to_back)}-{depth}-{seed}-{i}.{j}" for j in range(depth)]
+               for i in range(iters + 1)]
+
+    def blocks(ids: list[int], j: int) -> tuple[int, ...]:
+        return tuple(ids[j * nb:(j + 1) * nb])
+
     if back_to_back:  # distinct transfers may share destination blocks: they run one at a time
-        for tid in tids:
-            de.send(proto.Register(tid, 0, tuple(dst), n_tok, (p.peer_endpoint,), 1, 60_000))
+        for batch in batches:
+            for j, tid in enumerate(batch):
+                de.send(proto.Register(tid, 0, blocks(dst, j), n_tok, (p.peer_endpoint,), 1, 60_000))
         time.sleep(0.2)
-    for i, tid in enumerate(tids):
+    for i, batch in enumerate(batches):
         if not back_to_back:
-            de.send(proto.Register(tid, 0, tuple(dst), n_tok, (p.peer_endpoint,), 1, 60_000))
+            de.send(proto.Register(batch[0], 0, blocks(dst, 0), n_tok, (p.peer_endpoint,), 1, 60_000))
             time.sleep(0.05)  # the registration reached the producer: measure the push alone
         t0 = time.perf_counter()
-        pe.send(proto.PrefillDone(tid, tuple(src), n_tok, 60_000))
-        res = de.result(tid, timeout=120)
+        for j, tid in enumerate(batch):
+            pe.send(proto.PrefillDone(tid, blocks(src, j), n_tok, 60_000))
+        for tid in batch:
+            res = de.result(tid, timeout=120)
+            assert isinstance(res, proto.Received), res
         dt = time.perf_counter() - t0
-        assert isinstance(res, proto.Received), res
-        assert isinstance(pe.result(tid, timeout=60), proto.Sent)
+        for tid in batch:
+            assert isinstance(pe.result(tid, timeout=60), proto.Sent)
         if i:  # the first one pays connection set-up
             times.append(dt)
     med = statistics.median(times)
-    return {"gbps": size / med / 1e9, "median_ms": med * 1e3}
+    return {"gbps": size * depth / med / 1e9, "median_ms": med * 1e3}
 
 
 def idle_cpu(pid: int, seconds: float) -> float:

@@ -346,8 +346,9 @@ class DeviceConfig:
         "and dialled by host; re-read when it changes (add, rotate, revoke a node)")
     peer_handshake_s: float = key(5.0, "a connection that has not finished ZeroMQ's greeting "
                                   "(and CURVE handshake) by then is closed (ZMQ_HANDSHAKE_IVL on "
-                                  "every daemon socket): half-open connections do not pile up",
-                                  check=_check_positive)
+                                  "the peer and ops sockets; on the engine socket, one that has "
+                                  "not sent a whole first frame): half-open connections do not "
+                                  "pile up", check=_check_positive)
     max_message_bytes: int = key(
         DEFAULT_MAX_MESSAGE, "largest frame the engine and peer sockets and our DEALERs take "
         "(ZMQ_MAXMSGSIZE; the ops socket takes at most the largest OpsRequest): a larger one "

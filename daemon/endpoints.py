@@ -137,8 +137,10 @@ class Endpoints:
         self.auth = auth
         self.ops_ep = ops
         # The engine link is no ZeroMQ socket (kvpush.proto.stream says why); it knows its
-        # peers' kernel credentials itself (kvpush.daemon.peercred).
-        self.engine = EngineListener(engine, bind=bind_private_unix(socket_mode), max_message=max_message)
+        # peers' kernel credentials itself (kvpush.daemon.peercred), and closes a connection
+        # that sent no whole frame within handshake_ms as ZeroMQ closes one that never greeted.
+        self.engine = EngineListener(engine, bind=bind_private_unix(socket_mode), max_message=max_message,
+                                     first_frame_s=handshake_ms / 1000)
         self.ops = self._router(min(max_message, OPS_MAX_MESSAGE))
         bind_private(self.ops, ops, socket_mode)
         self.peer = self._router(heartbeat=True)

@@ -12,7 +12,12 @@ configuration:
 * replies a slow engine has not read yet wait in a per-connection buffer of at most
   ``backlog_bytes``; an engine that lets it overflow is disconnected (it reconnects and
   re-attaches), so one stuck engine costs a bounded amount of memory;
-* at most ``max_conns`` connections; more are closed at accept.
+* at most ``max_conns`` connections, and at most ``max_conns_per_uid`` of one user; more are
+  closed at accept;
+* a connection that has not delivered a whole first frame within ``first_frame_s`` is closed
+  (:meth:`EngineListener.expire`), as ZeroMQ closed one that never finished its greeting: an
+  engine dials only when it has something to say (its Attach), so a silent connection holds
+  a slot for nothing.
 
 The listener is one pollable object: its connections sit in an epoll set whose fd the worker's
 poller watches, so the wire sees a single "engine" readiness however many engines connect.
@@ -26,19 +31,23 @@ import logging
 import os
 import select
 import socket
+import time
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvpush.daemon.peercred import PeerCred, PeerTable, peercred_of
 from kvpush.proto.naming import ipc_path
-from kvpush.proto.stream import Deframer, FrameTooLarge, frame
+from kvpush.proto.stream import Deframer, FrameTooLarge, Outbox, Put, frame
 
-__all__ = ["BACKLOG_BYTES", "MAX_CONNS", "EngineListener", "Incoming"]
+__all__ = ["BACKLOG_BYTES", "MAX_CONNS", "MAX_CONNS_PER_UID", "EngineListener", "Incoming"]
 
 log = logging.getLogger(__name__)
 
 BACKLOG_BYTES = 64 << 20  # unread replies per engine connection before it is dropped
 MAX_CONNS = 256  # engine connections per daemon (one per rank is the norm)
+MAX_CONNS_PER_UID = 64  # of them, one user's: another user allowed in cannot take them all
+FIRST_FRAME_S = 5.0
 READ_CHUNK = 256 << 10  # one recv; at most READ_TURN bytes per connection per receive() call
 READ_TURN = 4 << 20
 LISTEN_BACKLOG = 64
@@ -61,7 +70,12 @@ class _Conn:
     ident: bytes
     cred: PeerCred | None
     reader: Deframer
-    out: bytearray = field(default_factory=bytearray)
+    out: Outbox
+    deadline: float  # for its first whole frame; 0.0 once one arrived
+
+    @property
+    def uid(self) -> int | None:
+        return None if self.cred is None else self.cred.uid
 
     @property
     def fd(self) -> int:
@@ -77,7 +91,8 @@ class EngineListener:
 
     def __init__(self, endpoint: str, *, bind: Callable[[socket.socket, str], None],
                  max_message: int, backlog_bytes: int = BACKLOG_BYTES, max_conns: int = MAX_CONNS,
-                 bad: Bad | None = None) -> None:
+                 max_conns_per_uid: int = MAX_CONNS_PER_UID, first_frame_s: float = FIRST_FRAME_S,
+                 bad: Bad | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         """``bind(sock, path)`` binds the listening socket (file mode, private directory:
         :func:`kvpush.daemon.endpoints.bind_private_unix`)."""
         path = ipc_path(endpoint)
@@ -85,7 +100,11 @@ class EngineListener:
             raise ValueError(f"engine socket must be an ipc:// endpoint, got {endpoint!r}")
         self.endpoint, self.path = endpoint, path
         self.max_message, self.backlog_bytes, self.max_conns = max_message, backlog_bytes, max_conns
+        self.max_conns_per_uid, self.first_frame_s = max_conns_per_uid, first_frame_s
         self.bad: Bad = bad or (lambda cause, detail: None)
+        self._clock = clock
+        self._per_uid: Counter[int | None] = Counter()
+        self._unframed: dict[int, _Conn] = {}  # fd -> connection still owing its first frame
         self.peers = PeerTable()
         self._serial = itertools.count(1)
         self._by_fd: dict[int, _Conn] = {}
@@ -149,11 +168,28 @@ class EngineListener:
                 continue
             sock.setblocking(False)
             cred = peercred_of(sock)
-            conn = _Conn(sock, b"e%d" % next(self._serial), cred, Deframer(self.max_message))
+            conn = _Conn(sock, b"e%d" % next(self._serial), cred, Deframer(self.max_message),
+                         Outbox(self.backlog_bytes), self._clock() + self.first_frame_s)
+            if self._per_uid[conn.uid] >= self.max_conns_per_uid:
+                self.bad("connections", f"more than {self.max_conns_per_uid} engine connections of "
+                         f"uid {conn.uid}; closed one")
+                sock.close()
+                continue
+            self._per_uid[conn.uid] += 1
             self._by_fd[conn.fd] = conn
             self._by_ident[conn.ident] = conn
+            self._unframed[conn.fd] = conn
             self.peers.accepted(conn.fd, cred)
             self._ep.register(conn.fd, select.EPOLLIN)
+
+    def expire(self, now: float) -> int:
+        """Close connections that owe their first whole frame past ``first_frame_s``; how many."""
+        late = [c for c in self._unframed.values() if c.deadline <= now]
+        for conn in late:
+            self.bad("handshake", f"engine connection {conn.ident.decode()} (uid {conn.uid}) sent no "
+                     f"whole frame within {self.first_frame_s:g} s; closed")
+            self._drop(conn)
+        return len(late)
 
     def _read(self, conn: _Conn, out: list[Incoming]) -> None:
         got = 0
@@ -175,6 +211,9 @@ class EngineListener:
                 self.bad("frames", f"engine connection {conn.ident.decode()}: {exc}; closed")
                 self._drop(conn)
                 return
+            if frames and conn.deadline:
+                conn.deadline = 0.0
+                del self._unframed[conn.fd]
             out.extend(Incoming(conn.ident, conn.cred, f) for f in frames)
 
     # ------------------------------------------------------------------ sending
@@ -185,38 +224,24 @@ class EngineListener:
         conn = self._by_ident.get(ident)
         if conn is None:
             return False
-        data = frame(payload)
-        if conn.out:
-            if len(conn.out) + len(data) > self.backlog_bytes:
-                return self._overflow(conn)
-            conn.out += data
-            return True
-        try:
-            n = conn.sock.send(data)
-        except (BlockingIOError, InterruptedError):
-            n = 0
-        except OSError:
+        waited = len(conn.out)
+        put = conn.out.put(conn.sock, frame(payload))
+        if put is Put.DEAD:
             self._drop(conn)
             return False
-        if n < len(data):
-            if len(data) - n > self.backlog_bytes:
-                return self._overflow(conn)
-            conn.out += memoryview(data)[n:]
+        if put is Put.FULL:
+            return self._overflow(conn)
+        if conn.out and not waited:  # the kernel left a tail: send it when writable
             self._ep.modify(conn.fd, select.EPOLLIN | select.EPOLLOUT)
         return True
 
     def _flush(self, conn: _Conn) -> bool:
         """Send what waits; False if the connection died doing so."""
-        while conn.out:
-            try:
-                n = conn.sock.send(conn.out)
-            except (BlockingIOError, InterruptedError):
-                return True
-            except OSError:
-                self._drop(conn)
-                return False
-            del conn.out[:n]
-        self._ep.modify(conn.fd, select.EPOLLIN)
+        if not conn.out.flush(conn.sock):
+            self._drop(conn)
+            return False
+        if not conn.out:
+            self._ep.modify(conn.fd, select.EPOLLIN)
         return True
 
     def _overflow(self, conn: _Conn) -> bool:
@@ -229,11 +254,16 @@ class EngineListener:
 
     def _drop(self, conn: _Conn) -> None:
         fd = conn.fd
-        self._by_fd.pop(fd, None)
-        self._by_ident.pop(conn.ident, None)
-        self.peers.disconnected(fd)
-        with contextlib.suppress(OSError, ValueError):
-            self._ep.unregister(fd)
+        if self._by_fd.get(fd) is conn:
+            del self._by_fd[fd]
+            self._by_ident.pop(conn.ident, None)
+            self._unframed.pop(fd, None)
+            self._per_uid[conn.uid] -= 1
+            if self._per_uid[conn.uid] <= 0:
+                del self._per_uid[conn.uid]
+            self.peers.disconnected(fd)
+            with contextlib.suppress(OSError, ValueError):
+                self._ep.unregister(fd)
         conn.sock.close()
 
     def close(self) -> None:

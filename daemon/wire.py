@@ -130,6 +130,10 @@ class DaemonWire:
             ready.add(self.ep.engine)
         return ready
 
+    def expire(self, now: float) -> None:
+        """Timers of the wire itself: engine connections that never sent a whole frame."""
+        self.ep.engine.expire(now)
+
     def drain_engine(self, handler: Callable[[bytes, Any, Any], None]) -> bool:
         """Hand every decoded frame from the local engines to ``handler(identity, msg, cred)``:
         ``cred`` is the kernel's credentials of the connection that carried it."""

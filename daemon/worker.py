@@ -203,6 +203,7 @@ class Worker:
         self.wire.to_ops(ident, handle_ops(self, msg))
 
     def tick(self, now: float) -> None:
+        self.wire.expire(now)
         self.prefill.tick(now)
         self.decode.tick(now)
         self.session.tick(now)

@@ -9,8 +9,11 @@ no threads, not even a transport library's (a hop costs one wake-up of each proc
 This is the I/O shell of :mod:`kvpush.engine_plugin.link`, which decides everything about the
 link (when the Attach goes out, what waits in the queue, liveness, re-attach): the shell turns
 connects (``Connected``), end-of-stream or socket errors (``Disconnected``), decoded frames
-and polls into the machine's events and carries out its actions. A lost link is dialled again
-every RECONNECT_S from :meth:`DaemonClient.poll` (a daemon restarting under its supervisor).
+and polls into the machine's events and carries out its actions. The first dial is at the
+first :meth:`DaemonClient.attach`, ``send`` or ``poll`` (the daemon closes a connection that
+stays silent past its handshake bound, and vLLM builds the worker long before its KV cache
+exists); a lost link is dialled again every RECONNECT_S from :meth:`DaemonClient.poll` (a
+daemon restarting under its supervisor).
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ from kvpush.proto import (
     encode,
 )
 from kvpush.proto.naming import ipc_path
-from kvpush.proto.stream import Deframer, FrameTooLarge, frame
+from kvpush.proto.stream import Deframer, FrameTooLarge, Outbox, Put, frame
 
 __all__ = ["DaemonClient"]
 
@@ -94,17 +97,15 @@ class DaemonClient:
         self._path = path
         self._sock: socket.socket | None = None
         self._fds = select.poll()  # the socket's readability, without a recv that fails
-        self._out = bytearray()  # the tail of frames the kernel did not take yet
+        self._out = Outbox(OUT_MAX)  # the tail of frames the kernel did not take yet
         self._reader = Deframer(MAX_FRAME)
         self._broken = False  # a send failed: the connection is dropped at the next poll()
         # Dialling is paced in real time (time.monotonic), not by ``clock``: that one judges
         # liveness (and a test may stop it); how often we knock is the socket's business.
         self._retry_at = 0.0
-        # Dial now, so that the link is up (and the Attach out) long before the engine's first
-        # step, but tell the link machine at the next attach(), send() or poll(): an Attach
-        # given right after construction is then the link's first frame, not a Heartbeat.
+        # A connection the link machine has not heard of yet (Connected): told at once by
+        # attach(), send() and poll(), so that an Attach is the link's first frame.
         self._unannounced = False
-        self._dial()
 
     # ---- state (the link machine's) ------------------------------------------------------
 
@@ -181,8 +182,7 @@ class DaemonClient:
         caller's bug and raises ProtocolError.
         """
         link = self._link
-        if self._unannounced:
-            self._announce()
+        self._connect()
         if link.state is not State.CLOSED and link.queue:
             self._flush()  # keep order: nothing overtakes what is queued
         route = link.route()
@@ -209,9 +209,11 @@ class DaemonClient:
         self._attach_frame = encode(msg)
         if self._link.state is State.CLOSED:
             return
+        if self._sock is None:
+            self._dial()  # now, not at the next poll: the engine's first step may be far off
         self._run(self._link.handle(AttachRequested()))
         if self._unannounced:
-            self._announce()  # a link already dialled: the Attach is its first frame, now
+            self._announce()  # the Attach is the new link's first frame, out now
 
     def _raw_send(self, data: bytes) -> bool:
         """Hand one message to the socket (or its output buffer); False if it cannot take it
@@ -219,36 +221,17 @@ class DaemonClient:
         sock = self._sock
         if sock is None or self._broken or not self._push_out():
             return False
-        data = frame(data)
-        if self._out:
-            if len(self._out) + len(data) > OUT_MAX:
-                return False
-            self._out += data
-            return True
-        try:
-            n = sock.send(data)
-        except (BlockingIOError, InterruptedError):
-            n = 0
-        except OSError:
+        put = self._out.put(sock, frame(data))
+        if put is Put.DEAD:
             self._broken = True
-            return False
-        if n < len(data):
-            self._out += memoryview(data)[n:]
-        return True
+        return put is Put.TAKEN
 
     def _push_out(self) -> bool:
         """Send what the output buffer holds; False if the link died doing so."""
-        out = self._out
-        while out:
-            try:
-                n = self._sock.send(out)  # type: ignore[union-attr]
-            except (BlockingIOError, InterruptedError):
-                return True
-            except OSError:
-                self._broken = True
-                return False
-            del out[:n]
-        return True
+        if self._out.flush(self._sock):  # type: ignore[arg-type]
+            return True
+        self._broken = True
+        return False
 
     def _flush(self) -> None:
         """Hand queued frames to the socket while it takes them, if the link lets messages flow."""
@@ -324,10 +307,7 @@ class DaemonClient:
         now = self._clock()
         if self._broken:
             self._lost()
-        if self._sock is None and time.monotonic() >= self._retry_at:
-            self._dial()
-        if self._unannounced:
-            self._announce()
+        self._connect()
         if self._out:
             self._push_out()
         acts = link.tick(now)  # handle(Tick(now)), the hot path without the event object
@@ -383,6 +363,16 @@ class DaemonClient:
             self._lost()
 
     # ---- the connection ------------------------------------------------------------------
+
+    def _connect(self) -> None:
+        """Dial if there is no connection and the pacing allows; tell the link machine of a
+        connection it has not heard of."""
+        if self._link.state is State.CLOSED:
+            return
+        if self._sock is None and time.monotonic() >= self._retry_at:
+            self._dial()
+        if self._unannounced:
+            self._announce()
 
     def _dial(self) -> None:
         """Connect once, without blocking (a unix connect completes or fails at once); on

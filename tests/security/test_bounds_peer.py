@@ -21,6 +21,7 @@ from kvpush.daemon.ctl import main as ctl_main
 from kvpush.proto import codec
 from kvpush.testing.bench import flood
 from kvpush.testing.daemon_harness import Daemon, Engine, device_config
+from kvpush.testing.engine_peer import raw_request
 
 pytestmark = pytest.mark.integration
 
@@ -81,6 +82,30 @@ def test_half_open_connections_are_closed_after_the_handshake_interval(lab):
     t = r.detail["closed_after_s"]
     assert t is not None and 0.5 < t < p.cfg.peer_handshake_s + 2, r.line()
     assert r.detail["still_open"] == 0 and r.grew < RSS_BOUND, r.line()
+
+
+def test_silent_engine_socket_connections_are_closed_and_engines_keep_working(lab):
+    """A local process that opens engine connections and never says anything holds them for
+    the handshake interval at most (ZeroMQ did the same for this socket before the link left
+    it); beyond the per-user share they are closed at once. The attached engines keep
+    transferring, and a new engine connection is answered afterwards."""
+    p, d, pe, de, lay = lab
+    path = p.cfg.engine_socket.removeprefix("ipc://")
+    socks = []
+    for _ in range(100):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(path)
+        socks.append(s)
+    try:
+        times = [flood.closed_within(s, p.cfg.peer_handshake_s + 3) for s in socks]
+        assert all(t is not None for t in times), f"{times.count(None)} silent connections stayed open"
+        assert max(times) < p.cfg.peer_handshake_s + 2, max(times)
+    finally:
+        for s in socks:
+            s.close()
+    transfers_still(p, pe, de, (9, 10))
+    reply = raw_request(p.cfg.engine_socket, proto.encode(proto.Heartbeat(7)))
+    assert reply is not None and isinstance(proto.decode(reply), proto.HeartbeatAck)
 
 
 def test_half_open_connections_time_out_with_curve_too(tmp_path):

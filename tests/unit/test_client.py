@@ -462,10 +462,15 @@ def test_wait_then_poll_returns_the_frame_that_ended_the_wait(endpoint, clock) -
 def test_the_attach_goes_out_at_attach_without_waiting_for_a_poll(endpoint, clock) -> None:
     """An engine attaches at start-up and may not poll again until its first request, many
     seconds later; by then its daemon must know it (else the plugin counts the daemon as
-    never answered and fails that request's transfer): the link is dialled at construction
-    and the Attach leaves in attach() itself, as the link's first frame."""
+    never answered and fails that request's transfer): the link is dialled in attach() and
+    the Attach leaves there, as the link's first frame. Before that the client holds no
+    connection (vLLM builds the worker long before its KV cache exists, and the daemon
+    closes a connection that stays silent past its handshake bound)."""
     d = FakeDaemon(endpoint, "d1")
     c = make_client(endpoint, clock)
+    time.sleep(0.05)
+    d.serve()
+    assert d.listener.connections == 0, "the client dialled before it had anything to say"
     c.attach(make_attach())
     end = time.monotonic() + 15
     while not d.kinds:

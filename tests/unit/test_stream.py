@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from kvpush.daemon.endpoints import bind_private_unix
 from kvpush.daemon.enginelink import EngineListener, Incoming
-from kvpush.proto.stream import HEADER, Deframer, FrameTooLarge, frame
+from kvpush.proto.stream import HEADER, Deframer, FrameTooLarge, Outbox, Put, frame
 
 payloads = st.lists(st.binary(max_size=300), max_size=20)
 
@@ -186,5 +186,128 @@ def test_connections_over_the_bound_are_closed_at_accept(path: str) -> None:
             lst.receive()
         assert lst.connections == 2 and bad[0][0] == "connections"
         assert closed(socks[2])
+    finally:
+        lst.close()
+
+
+# ---- Outbox: what a non-blocking socket did not take, never half a frame ------------------
+
+def small_pair() -> tuple[socket.socket, socket.socket]:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    a.setblocking(False)
+    b.settimeout(5)
+    return a, b
+
+
+def read_frames(b: socket.socket, d: Deframer) -> list[bytes]:
+    b.setblocking(False)
+    got: list[bytes] = []
+    try:
+        while True:
+            data = b.recv(1 << 16)
+            if not data:
+                break
+            got += d.feed(data)
+    except BlockingIOError:
+        pass
+    return got
+
+
+@given(st.lists(st.binary(min_size=1, max_size=20_000), min_size=1, max_size=12))
+def test_outbox_frames_arrive_whole_and_in_order_through_a_small_socket_buffer(msgs: list[bytes]) -> None:
+    a, b = small_pair()
+    out, d = Outbox(1 << 20), Deframer(1 << 20)
+    got: list[bytes] = []
+    try:
+        for m in msgs:
+            assert out.put(a, frame(m)) is Put.TAKEN
+            got += read_frames(b, d)  # the reader drains now and then, as an engine does
+            assert out.flush(a)
+        end = time.monotonic() + 5
+        while len(got) < len(msgs):
+            assert time.monotonic() < end
+            assert out.flush(a)
+            got += read_frames(b, d)
+        assert got == msgs and len(out) == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_outbox_full_refuses_a_frame_whole_and_a_dead_socket_says_so() -> None:
+    a, b = small_pair()
+    try:
+        out = Outbox(64 << 10)
+        big = frame(b"x" * (1 << 20))
+        assert out.put(a, big) is Put.TAKEN  # the first tail is always kept whole
+        assert len(out) > 64 << 10
+        assert out.put(a, frame(b"late")) is Put.FULL  # refused: not a byte of it queued
+        waiting = len(out)
+        d, got = Deframer(2 << 20), []
+        end = time.monotonic() + 5
+        while not got:
+            assert time.monotonic() < end
+            assert out.flush(a)
+            got += read_frames(b, d)
+        assert got == [b"x" * (1 << 20)] and len(out) == 0 and waiting > 0
+        assert out.put(a, frame(b"next")) is Put.TAKEN
+        assert read_frames(b, d) == [b"next"]
+        b.close()
+        put = out.put(a, frame(b"to nobody"))
+        if put is Put.TAKEN:  # a closed peer may take one send before the error shows
+            put = out.put(a, frame(b"again"))
+        assert put is Put.DEAD
+    finally:
+        a.close()
+
+
+# ---- the listener's per-connection bounds over time and per user --------------------------
+
+def test_a_connection_without_a_whole_first_frame_is_closed_after_the_handshake_bound(path: str) -> None:
+    now = [100.0]
+    lst, bad = listener(path, first_frame_s=5.0, clock=lambda: now[0])
+    try:
+        silent, half, good = connect(path), connect(path), connect(path)
+        half.sendall(frame(b"hello")[:3])  # a header begun, never finished
+        good.sendall(frame(b"hello"))
+        (inc,) = receive_until(lst, 1)
+        assert inc.payload == b"hello" and lst.connections == 3
+        now[0] += 4.9
+        assert lst.expire(now[0]) == 0 and lst.connections == 3
+        now[0] += 0.2
+        assert lst.expire(now[0]) == 2
+        assert [c for c, _ in bad] == ["handshake", "handshake"] and "within 5 s" in bad[0][1]
+        assert closed(silent) and closed(half)
+        assert lst.connections == 1 and lst.peers.connected(os.getpid())
+        assert lst.send(inc.ident, b"still here")  # the one that spoke keeps its link
+        good.settimeout(5)
+        assert Deframer(1 << 16).feed(good.recv(1 << 16)) == [b"still here"]
+        now[0] += 1000
+        assert lst.expire(now[0]) == 0
+    finally:
+        lst.close()
+
+
+def test_one_user_cannot_hold_more_than_its_share_of_connections(path: str) -> None:
+    lst, bad = listener(path, max_conns=8, max_conns_per_uid=2)
+    try:
+        socks = [connect(path) for _ in range(3)]
+        end = time.monotonic() + 5
+        while not bad:
+            assert time.monotonic() < end
+            lst.wait(0.05)
+            lst.receive()
+        assert lst.connections == 2 and bad[0][0] == "connections" and f"uid {os.getuid()}" in bad[0][1]
+        assert closed(socks[2])
+        socks[0].close()  # a slot of that user frees when one of its connections ends
+        end = time.monotonic() + 5
+        while lst.connections != 1:
+            assert time.monotonic() < end
+            lst.wait(0.05)
+            lst.receive()
+        again = connect(path)
+        again.sendall(frame(b"back"))
+        assert [i.payload for i in receive_until(lst, 1)] == [b"back"] and lst.connections == 2
     finally:
         lst.close()

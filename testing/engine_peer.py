@@ -8,7 +8,17 @@ import time
 
 from kvpush.daemon.endpoints import bind_private_unix
 from kvpush.daemon.enginelink import EngineListener
-from kvpush.proto import Attach, AttachAck, Heartbeat, HeartbeatAck, Message, decode, encode
+from kvpush.proto import (
+    Abort,
+    Attach,
+    AttachAck,
+    Heartbeat,
+    HeartbeatAck,
+    Message,
+    Released,
+    decode,
+    encode,
+)
 from kvpush.proto.naming import ipc_path
 from kvpush.proto.stream import HEADER, Deframer, frame
 
@@ -17,19 +27,23 @@ __all__ = ["FakeDaemon", "raw_request"]
 
 class FakeDaemon:
     """The engine endpoint served by the daemon's own listener, answering Heartbeat and
-    (optionally) Attach; what else arrives is kept in order."""
+    (optionally) Attach, and (``answer_aborts``) an Abort with Released as a daemon does for
+    a transfer it does not hold; what else arrives is kept in order."""
 
-    def __init__(self, endpoint: str, daemon_id: str) -> None:
-        self.listener = EngineListener(endpoint, bind=bind_private_unix(0o600), max_message=64 << 20)
+    def __init__(self, endpoint: str, daemon_id: str, *, max_message: int = 64 << 20) -> None:
+        self.listener = EngineListener(endpoint, bind=bind_private_unix(0o600), max_message=max_message)
         self.daemon_id = daemon_id
         self.answer_heartbeats = True
         self.answer_attach = True
+        self.answer_aborts = False
         self.got: list[Message] = []  # everything but heartbeats, in arrival order
         self.heartbeats = 0
         self.kinds: list[str] = []  # type names of everything received, heartbeats included
         self.peer: bytes | None = None
 
-    def serve(self) -> None:
+    def serve(self) -> list[Message]:
+        """Answer what has arrived; the messages other than heartbeats, in order."""
+        new: list[Message] = []
         for inc in self.listener.receive():
             self.peer = inc.ident
             msg = decode(inc.payload)
@@ -39,9 +53,13 @@ class FakeDaemon:
                 if self.answer_heartbeats:
                     self.send(HeartbeatAck(msg.seq, self.daemon_id))
                 continue
-            self.got.append(msg)
+            new.append(msg)
             if type(msg) is Attach and self.answer_attach:
                 self.send(AttachAck("agent-" + self.daemon_id, self.daemon_id))
+            elif type(msg) is Abort and self.answer_aborts:
+                self.send(Released(msg.transfer_id, msg.attempt))
+        self.got += new
+        return new
 
     def send(self, msg: Message) -> None:
         self.send_raw(encode(msg))

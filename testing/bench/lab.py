@@ -29,6 +29,7 @@ from typing import Any
 from kvpush.testing import vllm_env as ve
 from kvpush.testing.bench.raw_nixl import _raw
 from kvpush.testing.bench.transfer import daemon_e2e_gbps, layout
+from kvpush.testing.bench.ttft import pct
 from kvpush.testing.labstack import (
     UCX_NETWORK_ENV,
     EngineSpec,
@@ -130,11 +131,6 @@ def _prompts(n: int, words: int, seed: int) -> list[str]:
     return [f"{i} " + " ".join(rng.choice(vocab) for _ in range(words)) for i in range(n)]
 
 
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
-
-
 def _point(call: Any, url: str, n: int, words: int, conc: int, seed: int, max_tokens: int) -> dict[str, Any]:
     from kvpush.testing.sse import run_prompts
 
@@ -146,7 +142,8 @@ def _point(call: Any, url: str, n: int, words: int, conc: int, seed: int, max_to
     ttft = [r["ttft_ms"] for r in ok]
     tpot = [r["tpot_ms"] for r in ok if r["tpot_ms"] is not None]
     return {"concurrency": conc, "requests": n, "failed": n - len(ok), "req_per_s": round(len(ok) / wall, 2),
-            "ttft_p50_ms": round(_pct(ttft, 0.5), 1), "ttft_p99_ms": round(_pct(ttft, 0.99), 1),
+            "ttft_p50_ms": round(pct(ttft, 50), 1) if ttft else float("nan"),
+            "ttft_p99_ms": round(pct(ttft, 99), 1) if ttft else float("nan"),
             "tpot_p50_ms": round(statistics.median(tpot), 2) if tpot else None}
 
 

@@ -32,10 +32,9 @@ from typing import Any
 import zmq
 
 from kvpush import proto
-from kvpush.daemon.endpoints import bind_private_unix
-from kvpush.daemon.enginelink import EngineListener
 from kvpush.engine_plugin.client import DaemonClient
 from kvpush.testing.bench.ttft import pct
+from kvpush.testing.engine_peer import FakeDaemon
 
 STOP = b"q"
 PING = proto.Abort("wake", 0, "ping")  # every variant carries these, through the codec
@@ -74,20 +73,15 @@ def _unix_echo(path: str) -> None:
 def _link_echo(endpoint: str) -> None:
     """The daemon's side of the engine link, answering as the daemon does: Heartbeat with
     HeartbeatAck, an Abort of nothing known with Released; an Abort "stop" ends it."""
-    lst = EngineListener(endpoint, bind=bind_private_unix(0o600), max_message=1 << 20)
+    d = FakeDaemon(endpoint, "wake", max_message=1 << 20)
+    d.answer_aborts = True
     try:
         while True:
-            lst.wait(1.0)
-            for inc in lst.receive():
-                msg = proto.decode(inc.payload)
-                if isinstance(msg, proto.Heartbeat):
-                    lst.send(inc.ident, proto.encode(proto.HeartbeatAck(msg.seq, "wake")))
-                elif isinstance(msg, proto.Abort):
-                    if msg.reason == "stop":
-                        return
-                    lst.send(inc.ident, proto.encode(proto.Released(msg.transfer_id, msg.attempt)))
+            d.listener.wait(1.0)
+            if any(isinstance(m, proto.Abort) and m.reason == "stop" for m in d.serve()):
+                return
     finally:
-        lst.close()
+        d.close()
 
 
 def _rtts(ping: Callable[[], None], n: int, gap_s: float) -> list[float]:

@@ -32,7 +32,6 @@ import os
 import select
 import socket
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -71,7 +70,7 @@ class _Conn:
     cred: PeerCred | None
     reader: Deframer
     out: Outbox
-    deadline: float  # for its first whole frame; 0.0 once one arrived
+    deadline: float  # for its first whole frame (kept while in the listener's _unframed)
 
     @property
     def uid(self) -> int | None:
@@ -103,7 +102,6 @@ class EngineListener:
         self.max_conns_per_uid, self.first_frame_s = max_conns_per_uid, first_frame_s
         self.bad: Bad = bad or (lambda cause, detail: None)
         self._clock = clock
-        self._per_uid: Counter[int | None] = Counter()
         self._unframed: dict[int, _Conn] = {}  # fd -> connection still owing its first frame
         self.peers = PeerTable()
         self._serial = itertools.count(1)
@@ -168,14 +166,14 @@ class EngineListener:
                 continue
             sock.setblocking(False)
             cred = peercred_of(sock)
-            conn = _Conn(sock, b"e%d" % next(self._serial), cred, Deframer(self.max_message),
-                         Outbox(self.backlog_bytes), self._clock() + self.first_frame_s)
-            if self._per_uid[conn.uid] >= self.max_conns_per_uid:
+            uid = None if cred is None else cred.uid
+            if sum(c.uid == uid for c in self._by_fd.values()) >= self.max_conns_per_uid:
                 self.bad("connections", f"more than {self.max_conns_per_uid} engine connections of "
-                         f"uid {conn.uid}; closed one")
+                         f"uid {uid}; closed one")
                 sock.close()
                 continue
-            self._per_uid[conn.uid] += 1
+            conn = _Conn(sock, b"e%d" % next(self._serial), cred, Deframer(self.max_message),
+                         Outbox(self.backlog_bytes), self._clock() + self.first_frame_s)
             self._by_fd[conn.fd] = conn
             self._by_ident[conn.ident] = conn
             self._unframed[conn.fd] = conn
@@ -211,9 +209,8 @@ class EngineListener:
                 self.bad("frames", f"engine connection {conn.ident.decode()}: {exc}; closed")
                 self._drop(conn)
                 return
-            if frames and conn.deadline:
-                conn.deadline = 0.0
-                del self._unframed[conn.fd]
+            if frames:
+                self._unframed.pop(conn.fd, None)
             out.extend(Incoming(conn.ident, conn.cred, f) for f in frames)
 
     # ------------------------------------------------------------------ sending
@@ -254,16 +251,12 @@ class EngineListener:
 
     def _drop(self, conn: _Conn) -> None:
         fd = conn.fd
-        if self._by_fd.get(fd) is conn:
-            del self._by_fd[fd]
-            self._by_ident.pop(conn.ident, None)
-            self._unframed.pop(fd, None)
-            self._per_uid[conn.uid] -= 1
-            if self._per_uid[conn.uid] <= 0:
-                del self._per_uid[conn.uid]
-            self.peers.disconnected(fd)
-            with contextlib.suppress(OSError, ValueError):
-                self._ep.unregister(fd)
+        self._by_fd.pop(fd, None)
+        self._by_ident.pop(conn.ident, None)
+        self._unframed.pop(fd, None)
+        self.peers.disconnected(fd)
+        with contextlib.suppress(OSError, ValueError):
+            self._ep.unregister(fd)
         conn.sock.close()
 
     def close(self) -> None:

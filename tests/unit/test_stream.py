@@ -9,7 +9,7 @@ import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 from hypothesis import given
@@ -75,6 +75,15 @@ def receive_until(lst: EngineListener, n: int, timeout: float = 5.0) -> list[Inc
         lst.wait(0.05)
         out += lst.receive()
     return out
+
+
+def serve_until(lst: EngineListener, done: Callable[[], object], timeout: float = 5.0) -> None:
+    """Let the listener accept and read until ``done()`` holds."""
+    end = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < end, "the listener never got there"
+        lst.wait(0.05)
+        lst.receive()
 
 
 def closed(s: socket.socket, timeout: float = 5.0) -> bool:
@@ -179,11 +188,7 @@ def test_connections_over_the_bound_are_closed_at_accept(path: str) -> None:
     lst, bad = listener(path, max_conns=2)
     try:
         socks = [connect(path) for _ in range(3)]
-        end = time.monotonic() + 5
-        while not bad:
-            assert time.monotonic() < end
-            lst.wait(0.05)
-            lst.receive()
+        serve_until(lst, lambda: bad)
         assert lst.connections == 2 and bad[0][0] == "connections"
         assert closed(socks[2])
     finally:
@@ -293,19 +298,11 @@ def test_one_user_cannot_hold_more_than_its_share_of_connections(path: str) -> N
     lst, bad = listener(path, max_conns=8, max_conns_per_uid=2)
     try:
         socks = [connect(path) for _ in range(3)]
-        end = time.monotonic() + 5
-        while not bad:
-            assert time.monotonic() < end
-            lst.wait(0.05)
-            lst.receive()
+        serve_until(lst, lambda: bad)
         assert lst.connections == 2 and bad[0][0] == "connections" and f"uid {os.getuid()}" in bad[0][1]
         assert closed(socks[2])
         socks[0].close()  # a slot of that user frees when one of its connections ends
-        end = time.monotonic() + 5
-        while lst.connections != 1:
-            assert time.monotonic() < end
-            lst.wait(0.05)
-            lst.receive()
+        serve_until(lst, lambda: lst.connections == 1)
         again = connect(path)
         again.sendall(frame(b"back"))
         assert [i.payload for i in receive_until(lst, 1)] == [b"back"] and lst.connections == 2

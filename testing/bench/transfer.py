@@ -48,7 +48,7 @@ def layout(num_blocks: int):  # type: ignore[no-untyped-def]
 def daemon_e2e_gbps(p: Daemon, d: Daemon, pe: Engine, de: Engine, size: int, scattered: bool,
                     iters: int, seed: int, back_to_back: bool = False, depth: int = 1) -> dict[str, float]:
     """Median GB/s of PrefillDone -> Received, the registration already at the producer
-(``gbps``), and of the prefill daemon's own span of the same pushes (``write_gbps``).
+    (``gbps``), and of the prefill daemon's own span of the same pushes (``write_gbps``).
 
     ``write_gbps`` is timed as a raw NIXL WRITE is (post -> DONE at the initiator), from the
     daemon's trace: from its ``p.daemon.prefill_done_in`` (so the rendezvous, the plan and

@@ -6,7 +6,7 @@
     kvpushd print-config [--format toml|json] [same flags]
     kvpushd keygen --dir /etc/kvpush --host 10.0.0.5 [--host ...] [--name NODE]
 
-Flags beat ``KVPUSH_*`` environment variables, which beat the TOML file (see config.py).
+Flags beat ``KVPUSH_*`` environment variables, which beat the TOML file (see daemon_config.py).
 Exit codes: 0 clean stop, 1 runtime failure, 2 usage or configuration error.
 """
 
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvpush.daemon import sdnotify
-from kvpush.daemon.config import (
+from kvpush.daemon.daemon_config import (
     BACKENDS,
     DEVICE_KINDS,
     KEY_DOCS,
@@ -31,7 +31,7 @@ from kvpush.daemon.config import (
     load_config,
 )
 
-log = logging.getLogger("kvpush.cli")
+log = logging.getLogger(__name__)
 
 # flag dest -> config key (same names: the flags are the top-level config keys)
 FLAG_KEYS = ("config", "devices", "count", "device_kind", "runtime_dir", "base_port",
@@ -152,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             cfg = node.devices[0]
             configure_logging(cfg.log_level)
             ensure_runtime_dir(cfg.runtime_dir, cfg.socket_mode)
-            from kvpush.daemon.worker import run_worker
+            from kvpush.daemon.device_daemon import run_worker
 
             return run_worker(cfg, ready_event=_ForegroundReady(cfg.name))
         return Supervisor(node).run()

@@ -1,6 +1,6 @@
 """What every part of one device's daemon shares: its identity, its ports and its records.
 
-The daemon is a composition (see :mod:`kvpush.daemon.worker`): an engine session, a prefill
+The daemon is a composition (see :mod:`kvpush.daemon.device_daemon`): an engine session, a prefill
 side, a decode side and ops, driven by one loop. They do not reach into each other's state;
 what they all need lives here, each fact with one owner:
 
@@ -21,12 +21,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvpush.daemon.config import DeviceConfig
+from kvpush.daemon.daemon_config import DeviceConfig
 from kvpush.daemon.metrics import WorkerMetrics
 from kvpush.proto.layout import KVLayout
 from kvpush.proto.trace import TraceRing
 
-log = logging.getLogger("kvpush.worker")
+log = logging.getLogger(__name__)
 
 
 class Wire(Protocol):

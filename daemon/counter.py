@@ -24,7 +24,7 @@ when. The daemon loop asks it (``registration``, ``producer_index``, ``waiting_o
 
 Every transition is one row of ``TABLE`` at the end of this module,
 ``(state, event type, guard) -> (new state, steps)``; ``None`` = no record for that
-(transfer, attempt). See :mod:`kvpush.daemon.core` for how rows are picked.
+(transfer, attempt). See :mod:`kvpush.machine.core` for how rows are picked.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpush.daemon.core import Cause, Core, Record, Table, _Deadline, row
+from kvpush.daemon.causes import Cause
+from kvpush.machine.core import Core, Record, Table, _Deadline, row
 
 __all__ = [
     "Abort", "Accepted", "Action", "CancelConfirmed", "Cause", "Complete", "CompletionCounter",

@@ -73,7 +73,7 @@ import zmq
 
 from kvpush import proto
 from kvpush.daemon import opsclient
-from kvpush.daemon.config import ConfigError, NodeConfig, load_config, parse_device_name
+from kvpush.daemon.daemon_config import ConfigError, NodeConfig, load_config, parse_device_name
 from kvpush.proto import naming
 from kvpush.proto.ops import (
     CancelReply,

@@ -23,7 +23,7 @@ from kvpush.daemon.peers import Link, LinkAction, LinkEvent, Producer, link_step
 from kvpush.daemon.planner import PlanError, producer_fanout
 from kvpush.proto.notif import Notification
 
-log = logging.getLogger("kvpush.worker")
+log = logging.getLogger(__name__)
 
 
 def _reason(text: str) -> str:

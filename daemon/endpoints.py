@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 
 import zmq
 
-from kvpush.daemon.config import DEFAULT_MAX_MESSAGE, OPS_MAX_MESSAGE
+from kvpush.daemon.daemon_config import DEFAULT_MAX_MESSAGE, OPS_MAX_MESSAGE
 from kvpush.daemon.enginelink import EngineListener
 from kvpush.daemon.peerauth import PeerAuth
 from kvpush.proto.naming import ipc_path

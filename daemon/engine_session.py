@@ -7,7 +7,7 @@ go back through :meth:`DaemonContext.to_engine`. This module alone writes
 
 The local trust boundary (:class:`LocalTrust`, given by the worker): an Attach is bound to
 the process whose ipc connection carried it (kernel credentials, :mod:`.peercred`). That
-process must be the memory's exporter, the file must be its own (``daemon.memory``), and it
+process must be the memory's exporter, the file must be its own (``daemon.kv_mapping``), and it
 takes the rank only if no other live, connected process holds it (one engine per rank). The
 mapped shm files are recorded (:class:`ShmLedger`) and unlinked once their exporter is gone.
 """
@@ -25,10 +25,10 @@ from kvpush.daemon.context import Attached, DaemonContext
 from kvpush.daemon.decode_side import DecodeSide
 from kvpush.daemon.peercred import Holder, PeerCred, PeerTable, attach_refusal
 from kvpush.daemon.prefill_side import PrefillSide
-from kvpush.proto.memory import RegionError, process_start_time, shm_info
+from kvpush.proto.handles import RegionError, process_start_time, shm_info
 from kvpush.proto.trace import HOP_SET
 
-log = logging.getLogger("kvpush.worker")
+log = logging.getLogger(__name__)
 
 RegionOpener = Callable[..., Any]  # (MemoryHandle[, ShmOwner]) -> MappedRegion
 
@@ -37,7 +37,7 @@ REAP_EVERY_S = 1.0  # how often exited engines' memory is looked for
 
 
 def _open_region(memory: proto.MemoryHandle, owner: Any = None) -> Any:
-    from kvpush.daemon.memory import open_region
+    from kvpush.daemon.kv_mapping import open_region
 
     return open_region(memory, owner)
 
@@ -49,7 +49,7 @@ class LocalTrust:
     taken as it comes."""
 
     peers: PeerTable
-    ledger: Any = None  # kvpush.daemon.memory.ShmLedger (None: nothing recorded)
+    ledger: Any = None  # kvpush.daemon.kv_mapping.ShmLedger (None: nothing recorded)
     start_time: Callable[[int], int | None] = process_start_time
     restart_grace_s: float = RESTART_GRACE_S
 
@@ -115,7 +115,7 @@ class EngineSession:
                 ctx.bad("attach_refused", f"engine {msg.engine_id!r}: {refusal}")
                 ctx.wire.to_engine(ident, proto.Error("attach_refused", refusal))
                 return
-            from kvpush.daemon.memory import ShmOwner
+            from kvpush.daemon.kv_mapping import ShmOwner
 
             assert peer is not None
             owner = ShmOwner(peer.pid, peer.uid)
@@ -212,7 +212,7 @@ class EngineSession:
         return held, peer_start
 
     def _record(self, region: Any) -> None:
-        from kvpush.daemon.memory import ShmRecord, ShmRegion
+        from kvpush.daemon.kv_mapping import ShmRecord, ShmRegion
 
         ledger = self.trust.ledger if self.trust is not None else None
         if ledger is not None and isinstance(region, ShmRegion):

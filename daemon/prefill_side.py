@@ -28,7 +28,7 @@ from kvpush.daemon.peers import Consumer
 from kvpush.daemon.planner import PlanError, addresses, block_pattern, plan
 from kvpush.proto.notif import Notification
 
-log = logging.getLogger("kvpush.worker")
+log = logging.getLogger(__name__)
 
 # Poll cap while one of our WRITEs is in flight. NIXL runs without UCX's progress thread, so a
 # WRITE over TCP moves bytes only while we poll it: backing off like an idle loop would cap a

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvpush.daemon.core import Held
+from kvpush.machine.core import Held
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ out the actions it returns.
 
 Every transition is one row of ``TABLE`` at the end of this module,
 ``(state, event type, guard) -> (new state, steps)`` (``None`` = no record for that
-transfer); see :mod:`kvpush.daemon.core` for how rows are picked. Guards are named pure
+transfer); see :mod:`kvpush.machine.core` for how rows are picked. Guards are named pure
 predicates over the record's facts and the event; steps only change those facts and emit
 actions, so the legal transitions, and the actions each one carries, read off the table.
 
@@ -29,7 +29,8 @@ import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from kvpush.daemon.core import Cause, Core, Held, Record, Table, _Deadline, row
+from kvpush.daemon.causes import Cause
+from kvpush.machine.core import Core, Held, Record, Table, _Deadline, row
 
 __all__ = [
     "Abort", "Action", "Cause", "ConfirmCancel", "Event", "NotifyFailure", "PeerLost",

@@ -5,7 +5,7 @@ one device; its engines re-attach after the restart while the other devices keep
 systemd sees one ``Type=notify`` service and gets ``READY=1`` only once every child is up.
 
 Child contract (``target(cfg, ready_event) -> int``, the default being
-``kvpush.daemon.worker.run_worker(cfg, ready_event=...)``):
+``kvpush.daemon.device_daemon.run_worker(cfg, ready_event=...)``):
 
 * called in a fresh spawned interpreter, in its own process group (a terminal's Ctrl-C
   reaches only the supervisor), with logging configured at ``cfg.log_level``, NOTIFY_SOCKET
@@ -49,12 +49,12 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpush.daemon import opsclient, sdnotify
-from kvpush.daemon.config import DeviceConfig, NodeConfig
 from kvpush.daemon.context import FENCE_EXIT_CODE
+from kvpush.daemon.daemon_config import DeviceConfig, NodeConfig
 from kvpush.proto.messages import OpsRequest
 from kvpush.proto.ops import MetricsReply
 
-log = logging.getLogger("kvpush.supervisor")
+log = logging.getLogger(__name__)
 
 LOG_FORMAT = "%(asctime)s %(levelname)-7s %(processName)s[%(process)d] %(name)s: %(message)s"
 WINDOW_S = 60.0  # restart-rate window
@@ -80,7 +80,7 @@ def ensure_runtime_dir(path: str, *socket_modes: int) -> None:
 
 def run_worker_entry(cfg: DeviceConfig, ready_event: Any) -> int:
     """Default child target; imports the worker only inside the child."""
-    from kvpush.daemon.worker import run_worker
+    from kvpush.daemon.device_daemon import run_worker
 
     return run_worker(cfg, ready_event=ready_event)
 
@@ -110,7 +110,7 @@ def _child_main(target: WorkerTarget, cfg: DeviceConfig, ready: Any, parent_pid:
     try:
         code = target(cfg, ready)
     except Exception:
-        logging.getLogger("kvpush.worker").exception("worker %s crashed", cfg.name)
+        logging.getLogger("kvpush.daemon.device_daemon").exception("worker %s crashed", cfg.name)
         code = 1
     sys.exit(code if isinstance(code, int) else 0)
 

@@ -27,7 +27,7 @@ import numpy as np
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from kvpush.daemon.memory import MappedRegion
+    from kvpush.daemon.kv_mapping import MappedRegion
 
 DEFAULT_LOCK_PATH = "/tmp/kvpush-nixl.lock"
 BACKENDS = ("UCX", "LIBFABRIC")

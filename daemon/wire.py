@@ -21,7 +21,7 @@ from kvpush import proto
 from kvpush.daemon.endpoints import Endpoints
 from kvpush.daemon.enginelink import EngineListener
 
-log = logging.getLogger("kvpush.worker")
+log = logging.getLogger(__name__)
 
 DRAIN_MAX = 1000  # frames per socket per loop turn: one busy socket cannot starve the others
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 
-from kvpush.engine_plugin.config import PluginConfig
+from kvpush.engine_plugin.connector_config import PluginConfig
 from kvpush.engine_plugin.logonce import OncePer
 from kvpush.proto.card import DaemonCard, card_path, read_card
 

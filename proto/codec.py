@@ -3,7 +3,7 @@
 Wire format: one msgpack map per message, ``{"v": PROTOCOL_VERSION, "t": <class name>,
 <field>: <value>, ...}``; nested dataclasses (MemoryHandle, KVLayout, Packing) are nested maps,
 tuples are arrays, bytes are msgpack bin. A payload that travels opaquely inside a bytes field
-(a MemoryHandle's ``handle``: :mod:`kvpush.proto.memory`) is a bare map of one dataclass, with
+(a MemoryHandle's ``handle``: :mod:`kvpush.proto.handles`) is a bare map of one dataclass, with
 the same validation: :func:`encode_struct` / :func:`decode_struct`.
 
 ``decode`` is the trust boundary: it checks the version, the type, the exact field set (fields

@@ -49,7 +49,7 @@ class MemoryHandle:
     """Engine memory another process can map (a shm file or a CUDA IPC handle)."""
 
     kind: str = choice(MEMORY_KINDS)
-    handle: bytes  # a payload per kind (ShmInfo, CudaIpcInfo): see kvpush.proto.memory
+    handle: bytes  # a payload per kind (ShmInfo, CudaIpcInfo): see kvpush.proto.handles
     size: int
     offset: int = 0
     device: int = 0

@@ -24,7 +24,6 @@ from aiohttp import web
 
 from kvpush.proto.params import DecodeLeg, PrefillLeg
 from kvpush.proto.trace import TraceRing
-from kvpush.router.config import Backend, RouterConfig
 from kvpush.router.front import (
     BadRequest,
     LegFailed,
@@ -36,6 +35,7 @@ from kvpush.router.front import (
     sse_error,
 )
 from kvpush.router.metrics import RouterMetrics
+from kvpush.router.router_config import Backend, RouterConfig
 
 log = logging.getLogger("kvpush.router")
 

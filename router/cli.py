@@ -8,7 +8,7 @@
 ``--prefill URL=HOST:BASE_PORT[,tp=N]`` names the prefill engine and its node's kvpushd (rank r's
 daemon at BASE_PORT + r); ``URL=tcp://h:p[,tcp://h:p...]`` lists the daemons instead. Several
 ``--prefill`` / ``--decode`` give XpYd, least-loaded (default) or round-robin. The config file's
-format is in ``kvpush.router.config``. Serves /v1/completions, /v1/chat/completions, /v1/models,
+format is in ``kvpush.router.router_config``. Serves /v1/completions, /v1/chat/completions, /v1/models,
 /health, /metrics, /router/status, /router/trace. SIGTERM: stop accepting, finish what is in
 flight (``--shutdown-grace``), exit 0.
 """
@@ -22,7 +22,7 @@ import sys
 from aiohttp import web
 
 from kvpush.router.app import build_app
-from kvpush.router.config import Backend, RouterConfigError, load, parse_prefill
+from kvpush.router.router_config import Backend, RouterConfigError, load, parse_prefill
 
 
 def _prefill(spec: str) -> Backend:
@@ -35,7 +35,7 @@ def _prefill(spec: str) -> Backend:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvpush-router", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", help="TOML file (see kvpush.router.config)")
+    ap.add_argument("--config", help="TOML file (see kvpush.router.router_config)")
     ap.add_argument("--listen", help="HOST:PORT (default 127.0.0.1:8000)")
     ap.add_argument("--host", help=argparse.SUPPRESS)  # older spelling of --listen's parts
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)

@@ -21,12 +21,12 @@ import torch
 
 from kvpush import proto
 from kvpush.daemon import opsclient
-from kvpush.daemon.config import DeviceConfig
+from kvpush.daemon.daemon_config import DeviceConfig
 from kvpush.engine_plugin.client import DaemonClient
-from kvpush.engine_plugin.memory import export_cpu_tensor, export_cuda_tensor, unlink_export
+from kvpush.engine_plugin.kv_export import export_cpu_tensor, export_cuda_tensor, unlink_export
 from kvpush.proto import naming
+from kvpush.proto.handles import shm_info
 from kvpush.proto.layout import KVLayout
-from kvpush.proto.memory import shm_info
 from kvpush.testing.keys import lab_keys
 
 
@@ -59,7 +59,7 @@ def _run(cfg: DeviceConfig, ready: Any, netns: str | None = None, env: dict[str,
         enter_netns(netns)
     if env:  # e.g. UCX_TLS: read when the NIXL agent starts
         os.environ.update(env)
-    from kvpush.daemon.worker import run_worker
+    from kvpush.daemon.device_daemon import run_worker
 
     raise SystemExit(run_worker(cfg, ready))
 
@@ -280,7 +280,7 @@ FORGERIES = ("own", "foreign", "foreign_renamed", "symlink", "hardlink", "not_ow
 
 def _forge(how: str, own: proto.MemoryHandle, victim: proto.MemoryHandle | None) -> tuple[proto.MemoryHandle, list[str]]:
     """The handle a (hostile) local process sends, and the files it planted for it."""
-    from kvpush.proto.memory import SHM_DIR, ShmInfo, process_start_time, shm_handle, shm_info
+    from kvpush.proto.handles import SHM_DIR, ShmInfo, process_start_time, shm_handle, shm_info
 
     if how == "own":
         return own, []

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvpush.daemon.config import DeviceConfig
+from kvpush.daemon.daemon_config import DeviceConfig
 from kvpush.daemon.metrics import WorkerMetrics
 
 

@@ -5,7 +5,7 @@ Steps, each printed as one line, then one verdict line ``gpu_check: PASS`` / ``F
 1. ``cuda``: a CUDA device is visible to torch. None: ``gpu_check: NO GPU ...`` and exit
    :data:`EXIT_NO_GPU` (77, the "skipped" code of automake and CTest) without trying more.
 2. ``ipc``: two processes: a child exports a CUDA tensor by CUDA IPC, this process opens it
-   (``daemon.memory.CudaIpcRegion``), registers it with NIXL as VRAM and reads the child's bytes.
+   (``daemon.kv_mapping.CudaIpcRegion``), registers it with NIXL as VRAM and reads the child's bytes.
 3. ``daemon``: two real kvpushd processes and two engine stand-ins in this process whose KV is
    per-layer CUDA allocations in FlashAttention's shape (one region per layer, CUDA IPC); a
    Register and a PrefillDone make the prefill daemon WRITE into the decode engine's GPU
@@ -51,7 +51,7 @@ def cuda_visible() -> str:
 def _ipc_child(conn: Any) -> None:
     import torch
 
-    from kvpush.engine_plugin.memory import export_cuda_tensor
+    from kvpush.engine_plugin.kv_export import export_cuda_tensor
 
     t = torch.arange(1 << 20, dtype=torch.int32, device="cuda:0").view(torch.uint8)
     torch.cuda.synchronize()
@@ -63,7 +63,7 @@ def step_ipc() -> str:
     import numpy as np
     import torch
 
-    from kvpush.daemon.memory import CudaIpcRegion
+    from kvpush.daemon.kv_mapping import CudaIpcRegion
     from kvpush.daemon.transport import NixlTransport
 
     ctx = mp.get_context("spawn")

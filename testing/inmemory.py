@@ -7,7 +7,7 @@ NIXL does), completes on the next ``state()`` poll and then delivers its notific
 :class:`Net` carries messages between daemons' :class:`MemWire` ports through the real
 codec (every message is encoded and decoded, so the wire contract is exercised), in order,
 when the test calls :meth:`Net.run`. :class:`MemNode` is one daemon assembled from the real
-parts exactly as :class:`kvpush.daemon.worker.Worker` assembles them.
+parts exactly as :class:`kvpush.daemon.device_daemon.Worker` assembles them.
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ from typing import Any
 import numpy as np
 
 from kvpush import proto
-from kvpush.daemon.config import DeviceConfig
 from kvpush.daemon.context import DaemonContext
+from kvpush.daemon.daemon_config import DeviceConfig
 from kvpush.daemon.decode_side import DecodeSide
+from kvpush.daemon.device_daemon import nixl_turn
 from kvpush.daemon.engine_session import EngineSession
 from kvpush.daemon.metrics import WorkerMetrics
 from kvpush.daemon.prefill_side import PrefillSide
 from kvpush.daemon.transport import TransportError
-from kvpush.daemon.worker import nixl_turn
 from kvpush.proto.layout import KVLayout
 
 # ---------------------------------------------------------------------------- memory

@@ -136,9 +136,9 @@ def flood_quota(p: Daemon, lay: KVLayout, n: int = 5000) -> Result:
     """A peer that handshakes properly (real NIXL metadata) then registers ``n`` transfers."""
     import torch
 
-    from kvpush.daemon.memory import open_region
+    from kvpush.daemon.kv_mapping import open_region
     from kvpush.daemon.transport import NixlTransport
-    from kvpush.engine_plugin.memory import export_cpu_tensor, unlink_export
+    from kvpush.engine_plugin.kv_export import export_cpu_tensor, unlink_export
 
     kv = torch.zeros(lay.region_size, dtype=torch.uint8)
     handle = export_cpu_tensor(kv)

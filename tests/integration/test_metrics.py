@@ -29,8 +29,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvpush import proto
 from kvpush.daemon import metrics as metrics_mod
-from kvpush.daemon.config import DeviceConfig
 from kvpush.daemon.ctl import main as ctl_main
+from kvpush.daemon.daemon_config import DeviceConfig
 from kvpush.testing.daemon_harness import Engine, ops_request
 from kvpush.testing.keys import lab_keys
 from kvpush.testing.kvref import make

@@ -47,7 +47,7 @@ QUICK = 20.0  # bound on waiting for what needs no new process (a signal, a noti
 
 SUPERVISOR_MAIN = """
 import json, sys
-from kvpush.daemon.config import load_config
+from kvpush.daemon.daemon_config import load_config
 from kvpush.daemon.supervisor import Supervisor, configure_logging
 from kvpush.testing.fake_worker import target
 configure_logging("INFO")
@@ -334,7 +334,7 @@ def _run_kvpushd(args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes
 
 
 def test_kvpushd_runs_real_workers(runtime: Path) -> None:
-    """`kvpushd` end to end with the default target (kvpush.daemon.worker.run_worker)."""
+    """`kvpushd` end to end with the default target (kvpush.daemon.device_daemon.run_worker)."""
     port = free_port()
     proc = _run_kvpushd(["--devices", "cpu0", "--runtime-dir", str(runtime), "--base-port",
                          str(free_port()), "--metrics-port", str(port)], lab_keys(runtime).env())

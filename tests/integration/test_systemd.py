@@ -36,7 +36,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpush.daemon.config import load_config
+from kvpush.daemon.daemon_config import load_config
 from kvpush.testing.keys import lab_keys
 
 pytestmark = pytest.mark.integration
@@ -144,7 +144,7 @@ def test_unit_settings_and_example_config_agree() -> None:
 def test_example_config_names_only_schema_keys(tmp_path: Path) -> None:
     """Every key the example shows, commented out or not, is one kvpushd reads: uncommented
     (CURVE paths pointed at real files), the example still loads."""
-    from kvpush.daemon.config import TABLE_KEYS, TOP_KEYS
+    from kvpush.daemon.daemon_config import TABLE_KEYS, TOP_KEYS
 
     (tmp_path / "keys").mkdir()
     (tmp_path / "node.key_secret").write_text("secret")
@@ -337,7 +337,7 @@ ROUTER_BIN = "/opt/kvpush/venv/bin/kvpush-router"
 
 
 def test_router_unit_verifies_and_its_example_config_loads(short_tmp: Path) -> None:
-    from kvpush.router.config import load as load_router
+    from kvpush.router.router_config import load as load_router
 
     cfg = load_router(str(ROOT / "scripts" / "systemd" / "router.toml"))
     assert cfg.prefill[0].kv_endpoints == ["tcp://10.0.0.5:17500"] and cfg.shutdown_grace_s == 30

@@ -24,11 +24,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpush.daemon.memory import open_region, reap_orphaned
+from kvpush.daemon.kv_mapping import open_region, reap_orphaned
 from kvpush.daemon.transport import NixlTransport
-from kvpush.engine_plugin.memory import export_cpu_tensor, unlink_export
+from kvpush.engine_plugin.kv_export import export_cpu_tensor, unlink_export
 from kvpush.proto.codec import decode_struct, encode_struct
-from kvpush.proto.memory import CudaIpcInfo, RegionError, ShmInfo, cuda_info, shm_info
+from kvpush.proto.handles import CudaIpcInfo, RegionError, ShmInfo, cuda_info, shm_info
 from kvpush.proto.messages import MemoryHandle
 
 pytestmark = pytest.mark.integration

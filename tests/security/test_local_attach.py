@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from kvpush import proto
-from kvpush.engine_plugin.memory import export_cpu_tensor, unlink_export
-from kvpush.proto.memory import shm_info
+from kvpush.engine_plugin.kv_export import export_cpu_tensor, unlink_export
+from kvpush.proto.handles import shm_info
 from kvpush.testing.daemon_harness import Daemon, Engine, EngineProcess, device_config
 from kvpush.testing.kvref import make, reference_copy
 

@@ -17,7 +17,7 @@ from kvpush.daemon.endpoints import (
     ensure_private_dir,
     runtime_dir_mode,
 )
-from kvpush.daemon.memory import ShmLedger, ShmRecord, torch_shm_name_ok
+from kvpush.daemon.kv_mapping import ShmLedger, ShmRecord, torch_shm_name_ok
 from kvpush.daemon.peercred import Holder, PeerCred, PeerTable, attach_refusal
 
 ids = st.integers(min_value=0, max_value=2**31 - 1)

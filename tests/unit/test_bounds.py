@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from kvpush import proto
 from kvpush.daemon import handshake, quotas
 from kvpush.daemon import rendezvous as rz
-from kvpush.daemon.config import DEFAULT_MAX_MESSAGE, ConfigError, DeviceConfig
-from kvpush.daemon.core import Held
+from kvpush.daemon.daemon_config import DEFAULT_MAX_MESSAGE, ConfigError, DeviceConfig
+from kvpush.machine.core import Held
 from kvpush.proto import codec
 from kvpush.testing.inmemory import Fabric, MemNode, Net
 from kvpush.testing.kvref import make

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpush.daemon import cli
-from kvpush.daemon.config import (
+from kvpush.daemon.daemon_config import (
     DEFAULT_BASE_PORT,
     KEY_DOCS,
     TABLE_KEYS,

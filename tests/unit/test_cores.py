@@ -19,10 +19,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpush.daemon import core
 from kvpush.daemon import counter as cm
 from kvpush.daemon import rendezvous as rz
-from kvpush.daemon.core import Cause, Row, Table, row
+from kvpush.daemon.causes import Cause
+from kvpush.machine import core
+from kvpush.machine.core import Row, Table, row
 
 # ------------------------------------------------------------------ the Table itself
 

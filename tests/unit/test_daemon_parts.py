@@ -417,7 +417,7 @@ def test_a_registration_too_short_to_write_is_refused_with_the_reason(lab):
 def test_a_loop_step_names_the_phase_that_stalled_it():
     """The daemon's stall warning (a step over STALL_WARN_S) says which phase took the time:
     the only way to tell a blocking NIXL call from a slow handler in an operator's log."""
-    from kvpush.daemon.worker import _Laps
+    from kvpush.daemon.device_daemon import _Laps
 
     lap = _Laps(iter((10.0, 10.1, 14.1, 14.2)).__next__)
     for what in ("engine messages", "peer messages", "NIXL polls"):

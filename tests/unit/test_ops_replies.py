@@ -94,7 +94,7 @@ def pending_data() -> dict[str, Any]:
 
 
 def test_wire_shape_is_the_documented_one() -> None:
-    """What kvpushctl --json prints: the keys daemon/ops.py always sent."""
+    """What kvpushctl --json prints: the keys daemon/ops_views.py always sent."""
     d = pending_data()
     assert list(d["pending"][0]) == ["side", "transfer_id", "attempt", "state", "blocks",
                                      "registered", "expected", "writes_in_flight", "age", "deadline"]

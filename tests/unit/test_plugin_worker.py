@@ -19,9 +19,9 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvpush import proto  # noqa: E402
-from kvpush.engine_plugin.config import PluginConfig  # noqa: E402
+from kvpush.engine_plugin.connector_config import PluginConfig  # noqa: E402
 from kvpush.engine_plugin.metadata import AbortReq, KVPushMetadata, RegisterReq, SendReq  # noqa: E402
-from kvpush.engine_plugin.worker import KVPushWorker  # noqa: E402
+from kvpush.engine_plugin.worker_half import KVPushWorker  # noqa: E402
 from kvpush.testing.engine_peer import FakeDaemon  # noqa: E402
 
 
@@ -295,7 +295,7 @@ def test_hybrid_model_is_refused_before_anything_is_attached(stack) -> None:
 def test_dead_after_ms_reaches_the_links_liveness_rule_and_is_bounded() -> None:
     """The key is how long the rank's link tolerates unanswered heartbeats; out-of-range values
     are refused at load with the allowed range, never clamped silently."""
-    from kvpush.engine_plugin.config import PluginConfigError
+    from kvpush.engine_plugin.connector_config import PluginConfigError
 
     d = tempfile.mkdtemp(prefix="kvw-", dir="/tmp")
     try:

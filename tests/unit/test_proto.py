@@ -615,7 +615,7 @@ def test_field_mutations_name_the_field(cls: type, data: st.DataObject) -> None:
 
 def test_memory_payloads_round_trip_and_validate_like_wire_fields() -> None:
     from kvpush.proto.codec import decode_struct, encode_struct
-    from kvpush.proto.memory import CudaIpcInfo, RegionError, ShmInfo, cuda_info, shm_info
+    from kvpush.proto.handles import CudaIpcInfo, RegionError, ShmInfo, cuda_info, shm_info
 
     info = ShmInfo("/torch_1_2_3", 4096, 7, 99)
     raw = encode_struct(info)
@@ -652,7 +652,7 @@ def test_memory_payloads_round_trip_and_validate_like_wire_fields() -> None:
 
 def test_encode_struct_takes_dataclass_instances_only() -> None:
     from kvpush.proto.codec import encode_struct
-    from kvpush.proto.memory import ShmInfo
+    from kvpush.proto.handles import ShmInfo
 
     with pytest.raises(ProtocolError):
         encode_struct({"name": "/x"})

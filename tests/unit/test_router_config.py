@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from kvpush.router.cli import main as router_main
-from kvpush.router.config import Backend, RouterConfigError, load, node_endpoints, parse_prefill
+from kvpush.router.router_config import (
+    Backend,
+    RouterConfigError,
+    load,
+    node_endpoints,
+    parse_prefill,
+)
 
 
 def test_a_node_is_host_base_port_and_tp():

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvpush.engine_plugin.cards import DaemonCards
-from kvpush.engine_plugin.config import PluginConfig
+from kvpush.engine_plugin.connector_config import PluginConfig
 from kvpush.engine_plugin.logonce import OncePer
 from kvpush.engine_plugin.metadata import AbortReq, KVPushMetadata, RegisterReq, SendReq
 from kvpush.proto.params import DO_REMOTE_PREFILL, DecodeLeg, PrefillLeg, decode_leg, prefill_leg

@@ -1,5 +1,6 @@
-"""What the two pure cores (:mod:`rendezvous`, :mod:`counter`) share: a transition table
-and the record keeping around it.
+"""What every state machine of kvpush shares: a transition table and the record keeping
+around it. Neutral ground: the daemon's cores and the engine plugin's lifecycle both build
+on it, and it imports nothing of either.
 
 A core keeps one record of facts per key and a state per record. Every transition is one
 :class:`Row` of plain data in the core's :class:`Table`::
@@ -38,31 +39,10 @@ from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from kvpush.daemon.deadlines import Deadlines
+from kvpush.machine.deadlines import Deadlines
 
 K = TypeVar("K", bound=Hashable)
 R = TypeVar("R", bound="Record")
-
-
-class Cause(enum.StrEnum):
-    """Why an action fails or finishes: a closed vocabulary next to the human ``reason``, so
-    callers count timeouts or peer losses without matching strings."""
-
-    OK = "ok"  # not a failure (e.g. ReleaseBlocks ok=True)
-    INVALID = "invalid"  # malformed or inconsistent registration, or one already past its deadline
-    SUPERSEDED = "superseded"  # a newer attempt of the same transfer exists
-    CLOSED = "closed"  # the attempt or transfer already ended; nothing more will be written
-    MISMATCH = "mismatch"  # num_tokens of a registration and of the prefill differ
-    TIMEOUT = "timeout"  # a deadline passed while waiting (prefill, notifications)
-    LEASE_EXPIRED = "lease_expired"  # prefill side: held blocks waited too long for registrations
-    UNCLAIMED = "unclaimed"  # prefill side: the lease ended and no decode side ever registered
-    WRITE_FAILED = "write_failed"  # the transport gave up on a WRITE
-    WRITE_TIMEOUT = "write_timeout"  # a posted WRITE did not finish in time (it may still land)
-    PEER_LOST = "peer_lost"  # the peer daemon is gone
-    ABORTED = "aborted"  # the local engine or an operator aborted
-    CANCELLED = "cancelled"  # the peer cancelled
-    PRODUCER_FAILED = "producer_failed"  # decode side: a producer said it will not write
-    OVERLOADED = "overloaded"  # the core holds max_live records
 
 
 # ------------------------------------------------------------------------- the table

@@ -1,7 +1,7 @@
 """Daemon side of the KV memory contract: map the memory an engine exported.
 
-The engine plugin exports (``kvpush.engine_plugin.memory``); what a handle carries is
-:mod:`kvpush.proto.memory`; here the daemon maps the same physical pages (``open_region``) so
+The engine plugin exports (``kvpush.engine_plugin.kv_export``); what a handle carries is
+:mod:`kvpush.proto.handles`; here the daemon maps the same physical pages (``open_region``) so
 NIXL can read and write the KV cache without the engine ever calling into NIXL.
 
 CPU: the daemon mmaps the engine's ``/dev/shm/torch_*`` file directly and closes the file
@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from kvpush.proto.memory import (
+from kvpush.proto.handles import (
     SHM_DIR,
     CudaIpcInfo,
     RegionError,
@@ -67,7 +67,7 @@ __all__ = [
     "reap_orphaned",
 ]
 
-log = logging.getLogger("kvpush.memory")
+log = logging.getLogger(__name__)
 
 
 def reap_orphaned(h: MemoryHandle) -> bool:

@@ -20,9 +20,9 @@ import torch
 
 from kvpush import proto
 from kvpush.engine_plugin.client import DaemonClient
-from kvpush.engine_plugin.config import PluginConfig
+from kvpush.engine_plugin.connector_config import PluginConfig
+from kvpush.engine_plugin.kv_export import export_cpu_tensor, unlink_export
 from kvpush.engine_plugin.logonce import OncePer
-from kvpush.engine_plugin.memory import export_cpu_tensor, unlink_export
 from kvpush.engine_plugin.metadata import KVPushMetadata, SendReq
 from kvpush.engine_plugin.stats import TransferSamples
 from kvpush.proto.layout import KVLayout, vllm_cpu_layout
@@ -186,8 +186,8 @@ class KVPushWorker:
         """GPU: the layout from the attention backend in use (engine_plugin.layouts), one
         CUDA IPC handle per distinct allocation; anything not understood is refused here, at
         start-up, never attached as a guess."""
+        from kvpush.engine_plugin.kv_export import export_cuda_tensor
         from kvpush.engine_plugin.layouts import derive_layout, engine_geometry, shape_for_backend
-        from kvpush.engine_plugin.memory import export_cuda_tensor
 
         geo = engine_geometry(self.vllm_config, self.kv_cache_config)
         shape = shape_for_backend(geo.backend, geo.layer_view_order)

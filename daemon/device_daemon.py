@@ -6,7 +6,7 @@ The parts (each its own module, each unit-tested through the in-memory ports of
 * :class:`EngineSession` — the local engine rank: Attach, Register, PrefillDone, Abort;
 * :class:`PrefillSide` — decode peers that dial us, the rendezvous core, our WRITEs;
 * :class:`DecodeSide` — links to prefill daemons, the completion counter, notifications;
-* :mod:`kvpush.daemon.ops` — ``kvpushctl``'s view and commands.
+* :mod:`kvpush.daemon.ops_views` — ``kvpushctl``'s view and commands.
 
 They share a :class:`DaemonContext` (identity, ports, records). This module builds them,
 wires the socket shell (:class:`DaemonWire`) and NIXL (:class:`NixlTransport`) in, and runs
@@ -29,12 +29,12 @@ from typing import Any
 import zmq
 
 from kvpush import proto
-from kvpush.daemon.config import DeviceConfig
 from kvpush.daemon.context import DaemonContext
+from kvpush.daemon.daemon_config import DeviceConfig
 from kvpush.daemon.decode_side import DecodeSide
 from kvpush.daemon.endpoints import Endpoints
 from kvpush.daemon.engine_session import EngineSession, LocalTrust
-from kvpush.daemon.memory import ShmLedger
+from kvpush.daemon.kv_mapping import ShmLedger
 from kvpush.daemon.metrics import WorkerMetrics
 from kvpush.daemon.peerauth import PeerAuth
 from kvpush.daemon.peers import Link
@@ -43,7 +43,7 @@ from kvpush.daemon.transport import NixlTransport
 from kvpush.daemon.wire import DaemonWire, frame_node
 from kvpush.proto.card import DaemonCard, card_path, remove_card, write_card
 
-log = logging.getLogger("kvpush.worker")
+log = logging.getLogger(__name__)
 
 TICK_S = 0.05  # timers (deadlines, leases, peer silence) resolve to this
 PR_SET_TIMERSLACK = 29  # <linux/prctl.h>
@@ -195,7 +195,7 @@ class Worker:
             self.poll_s = self.cfg.poll_min_s
 
     def _on_ops(self, ident: bytes, msg: Any) -> None:
-        from kvpush.daemon.ops import handle_ops
+        from kvpush.daemon.ops_views import handle_ops
 
         if not isinstance(msg, proto.OpsRequest):
             self.wire.to_ops(ident, proto.OpsReply(False, {}, f"expected OpsRequest, got {type(msg).__name__}"))

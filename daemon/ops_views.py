@@ -16,7 +16,7 @@ from kvpush.proto import ops as po
 from kvpush.proto.trace import ClockPair
 
 if TYPE_CHECKING:
-    from kvpush.daemon.worker import Worker
+    from kvpush.daemon.device_daemon import Worker
 
 
 def _r(x: float | None, digits: int = 4) -> float | None:

@@ -2,14 +2,14 @@
 
 CPU: torch's ``file_system`` sharing moves the tensor's storage into a ``/dev/shm/torch_*``
 file *in place* (every view of that storage follows); the daemon maps that file
-(``open_region`` in daemon/memory.py). CUDA: torch's refcounted CUDA IPC handle. What the
-handle carries is defined in :mod:`kvpush.proto.memory`.
+(``open_region`` in daemon/kv_mapping.py). CUDA: torch's refcounted CUDA IPC handle. What the
+handle carries is defined in :mod:`kvpush.proto.handles`.
 
 Export adds one reference to torch's refcount header of the shm file (the "pin"), so freeing
 the tensor in the engine never makes torch's storage deleter unlink the file: had it, a later
 ``unlink_export`` followed by the engine freeing the tensor would make that deleter throw
 "could not unlink the shared memory file" from a destructor and abort the engine. Who does
-remove the file: see daemon/memory.py.
+remove the file: see daemon/kv_mapping.py.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from kvpush.proto.memory import (
+from kvpush.proto.handles import (
     SHM_DIR,
     CudaIpcInfo,
     RegionError,

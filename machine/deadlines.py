@@ -1,6 +1,6 @@
 """A deadline per key, with expiry that never stops at the first unexpired entry.
 
-The deadline store of :class:`kvpush.daemon.core.Core`, which both pure cores
+The deadline store of :class:`kvpush.machine.core.Core`, which both pure cores
 (rendezvous, completion counter) build on. A heap with lazy
 invalidation: rescheduling a key pushes a new entry and leaves the old one to be
 skipped when it surfaces; the heap is rebuilt when stale entries outnumber live

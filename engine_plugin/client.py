@@ -32,11 +32,11 @@ from kvpush.engine_plugin.link import (
     AttachSent,
     Close,
     Connected,
+    DaemonLink,
     Disconnected,
     Heard,
     HeartbeatAcked,
     HeartbeatSent,
-    Link,
     LinkCounters,
     Route,
     State,
@@ -87,7 +87,7 @@ class DaemonClient:
         self.heartbeat_s = heartbeat_s
         self.dead_after_s = dead_after_s
         self._clock = clock
-        self._link = Link(clock(), max_queue=max_queue, heartbeat_s=heartbeat_s,
+        self._link = DaemonLink(clock(), max_queue=max_queue, heartbeat_s=heartbeat_s,
                           dead_after_s=dead_after_s)
         self._attach_frame = b""
 

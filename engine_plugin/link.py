@@ -3,11 +3,16 @@
 No sockets and no clock here (events carry ``now``), so every rule of the link can be tested
 exhaustively and at random (tests/unit/test_link.py). The socket shell
 (:class:`kvpush.engine_plugin.client.DaemonClient`) turns connects, ends of stream, decoded
-frames and polls into events, feeds them to :meth:`Link.handle`, and carries out the actions
-it returns, in order; the outcome of a send it was told to make comes back as an event
+frames and polls into events, feeds them to :meth:`DaemonLink.handle`, and carries out the
+actions it returns, in order; the outcome of a send it was told to make comes back as an event
 (``AttachSent``, ``HeartbeatSent``), since a non-blocking send may find no room.
 
-The rules the table encodes (see TABLE):
+Every transition is one row of :data:`TABLE`, a :class:`kvpush.machine.Table` (the one
+machine idiom of kvpush): (state, event type, guard) -> (new state, steps). The table is
+total: an event the shell can never feed in a state (a shell bug) is a row documented
+unreachable whose step raises :class:`LinkError`.
+
+The rules the table encodes:
 
 * Nothing goes out before a link exists (the shell's connect: ``Connected``); a link of a
   client that has an Attach starts with it, and ordinary messages wait in the local queue
@@ -28,12 +33,14 @@ Data path: the machine owns the bounded queue of encoded frames; :meth:`Link.rou
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Final
+from typing import Any, Final
+
+from kvpush.machine import Row, Table, row
 
 __all__ = [
-    "ERRORS",
     "FLOWS",
     "LINK_UP",
     "TABLE",
@@ -44,12 +51,11 @@ __all__ = [
     "Close",
     "Connected",
     "Disconnected",
+    "DaemonLink",
     "Drained",
-    "Ev",
     "Heard",
     "HeartbeatAcked",
     "HeartbeatSent",
-    "Link",
     "LinkCounters",
     "LinkError",
     "Route",
@@ -69,24 +75,6 @@ class State(StrEnum):
     ATTACHED = "attached"  # acknowledged: messages flow
     SILENT = "silent"  # link up, daemon silent too long: re-attach at its next HeartbeatAck
     CLOSED = "closed"
-
-
-class Ev(StrEnum):
-    """Table keys; :meth:`Link.handle` derives them from the event objects below."""
-
-    CONNECTED = "connected"  # the shell's connect succeeded
-    DISCONNECTED = "disconnected"  # end of stream or a socket error
-    ATTACH_SET = "attach_set"  # attach(): a (new) Attach to remember
-    ATTACH_SENT = "attach_sent"  # the shell handed the Attach to the socket
-    ATTACH_ACKED = "attach_acked"
-    HEARTBEAT_ACKED = "heartbeat_acked"  # from the daemon this link has heard so far
-    RESTART_SEEN = "restart_seen"  # a HeartbeatAck naming another daemon_id than this link's
-    HEARTBEAT_DUE = "heartbeat_due"  # a Tick a heartbeat period after the last one
-    HEARTBEAT_SENT = "heartbeat_sent"
-    HEARD = "heard"  # any other frame from the daemon
-    SILENCE = "silence"  # liveness lost on a live link (from Drained)
-    TICK = "tick"  # every poll
-    CLOSE = "close"
 
 
 class Act(StrEnum):
@@ -114,66 +102,9 @@ class LinkError(RuntimeError):
     """The shell fed an event that cannot happen in the current state (a shell bug)."""
 
 
-S, E, A = State, Ev, Act
+S, A = State, Act
 LINK_UP: Final = frozenset({S.PLAIN_UP, S.ATTACH_DUE, S.ATTACHING, S.ATTACHED, S.SILENT})
 FLOWS: Final = frozenset({S.PLAIN_UP, S.ATTACHED})  # ordinary messages may go out
-_WITH_ATTACH_UP = (S.ATTACH_DUE, S.ATTACHING, S.ATTACHED, S.SILENT)
-_OPEN = tuple(s for s in S if s is not S.CLOSED)
-_NEW_LINK = (S.ATTACH_DUE, (A.SEND_ATTACH, A.SEND_HEARTBEAT))
-_REATTACH = (S.ATTACH_DUE, (A.SEND_ATTACH,))
-_RESTART = (S.ATTACH_DUE, (A.LOG_RESTART, A.SEND_ATTACH))
-
-# (state, event) -> (new state, actions). A pair missing here is in ERRORS.
-TABLE: Final[dict[tuple[State, Ev], tuple[State, tuple[Act, ...]]]] = {
-    # A new link: the Attach (if any) first, then a heartbeat to learn the daemon_id.
-    (S.PLAIN_DOWN, E.CONNECTED): (S.PLAIN_UP, (A.SEND_HEARTBEAT,)),
-    (S.PLAIN_UP, E.CONNECTED): (S.PLAIN_UP, (A.SEND_HEARTBEAT,)),
-    (S.DOWN, E.CONNECTED): _NEW_LINK,
-    **{(s, E.CONNECTED): _NEW_LINK for s in _WITH_ATTACH_UP},
-    # A dropped link: whatever the daemon knew of us died with it.
-    (S.PLAIN_DOWN, E.DISCONNECTED): (S.PLAIN_DOWN, ()),
-    (S.PLAIN_UP, E.DISCONNECTED): (S.PLAIN_DOWN, ()),
-    **{(s, E.DISCONNECTED): (S.DOWN, ()) for s in (S.DOWN, *_WITH_ATTACH_UP)},
-    # attach(): a new Attach goes out at once on a live link, else as a new link's first frame.
-    (S.PLAIN_DOWN, E.ATTACH_SET): (S.DOWN, ()),
-    (S.DOWN, E.ATTACH_SET): (S.DOWN, ()),
-    (S.PLAIN_UP, E.ATTACH_SET): _REATTACH,
-    **{(s, E.ATTACH_SET): _REATTACH for s in _WITH_ATTACH_UP},
-    (S.ATTACH_DUE, E.ATTACH_SENT): (S.ATTACHING, ()),
-    # AttachAck opens the gate; a stale one (our Attach not out on this link yet) does not.
-    (S.ATTACHING, E.ATTACH_ACKED): (S.ATTACHED, (A.FLUSH,)),
-    (S.SILENT, E.ATTACH_ACKED): (S.ATTACHED, (A.FLUSH,)),  # it knows us: a slow Attach
-    (S.ATTACHED, E.ATTACH_ACKED): (S.ATTACHED, ()),
-    (S.ATTACH_DUE, E.ATTACH_ACKED): (S.ATTACH_DUE, ()),
-    (S.DOWN, E.ATTACH_ACKED): (S.DOWN, ()),
-    (S.PLAIN_DOWN, E.ATTACH_ACKED): (S.PLAIN_DOWN, ()),
-    (S.PLAIN_UP, E.ATTACH_ACKED): (S.PLAIN_UP, ()),
-    # Heartbeat acks: a silent daemon that answers again, or a restarted one, is re-attached.
-    **{(s, E.HEARTBEAT_ACKED): (s, ()) for s in _OPEN if s is not S.SILENT},
-    (S.SILENT, E.HEARTBEAT_ACKED): _REATTACH,
-    **{(s, E.RESTART_SEEN): (s, ()) for s in (S.PLAIN_DOWN, S.PLAIN_UP, S.DOWN)},
-    **{(s, E.RESTART_SEEN): _RESTART for s in _WITH_ATTACH_UP},
-    # Time: heartbeats only on a link (RECHECK_LINK: a shell without a connection dials now).
-    **{(s, E.HEARTBEAT_DUE): (s, (A.RECHECK_LINK,)) for s in (S.PLAIN_DOWN, S.DOWN)},
-    **{(s, E.HEARTBEAT_DUE): (s, (A.RECHECK_LINK, A.SEND_HEARTBEAT)) for s in LINK_UP},
-    **{(s, E.HEARTBEAT_SENT): (s, ()) for s in LINK_UP},
-    **{(s, E.HEARD): (s, ()) for s in _OPEN},
-    **{(s, E.TICK): (s, ()) for s in (S.PLAIN_DOWN, S.DOWN, S.ATTACHING, S.SILENT)},
-    (S.ATTACH_DUE, E.TICK): (S.ATTACH_DUE, (A.SEND_ATTACH,)),  # its send failed: retry
-    (S.PLAIN_UP, E.TICK): (S.PLAIN_UP, (A.FLUSH,)),
-    (S.ATTACHED, E.TICK): (S.ATTACHED, (A.FLUSH,)),
-    # Silence on a live link: the daemon may have lost us; without an Attach, nothing to redo.
-    (S.PLAIN_UP, E.SILENCE): (S.PLAIN_UP, ()),
-    **{(s, E.SILENCE): (S.SILENT, ()) for s in _WITH_ATTACH_UP},
-    **{(s, E.CLOSE): (S.CLOSED, (A.DROP_QUEUE,)) for s in _OPEN},
-    (S.CLOSED, E.CLOSE): (S.CLOSED, ()),
-}
-
-# Pairs that cannot happen: the shell reports a send only right after the action asked for
-# it, SILENCE only comes on a live link, and a closed link takes no events but CLOSE.
-ERRORS: Final[frozenset[tuple[State, Ev]]] = frozenset(
-    {(s, e) for s in State for e in Ev} - TABLE.keys()
-)
 
 
 # ---- events (what the shell feeds) --------------------------------------------------------
@@ -181,22 +112,26 @@ ERRORS: Final[frozenset[tuple[State, Ev]]] = frozenset(
 
 @dataclass(slots=True)
 class Connected:
+    """The shell's connect succeeded: a new link."""
+
     now: float
 
 
 @dataclass(slots=True)
 class Disconnected:
+    """End of stream or a socket error."""
+
     now: float
 
 
 @dataclass(slots=True)
 class AttachRequested:
-    pass
+    """attach(): a (new) Attach to remember."""
 
 
 @dataclass(slots=True)
 class AttachSent:
-    pass
+    """The shell handed the Attach to the socket."""
 
 
 @dataclass(slots=True)
@@ -220,6 +155,8 @@ class HeartbeatSent:
 
 @dataclass(slots=True)
 class Heard:
+    """Any other frame from the daemon."""
+
     now: float
 
 
@@ -244,6 +181,233 @@ class Close:
 
 Event = (Connected | Disconnected | AttachRequested | AttachSent | AttachAcked | HeartbeatAcked
          | HeartbeatSent | Heard | Tick | Drained | Close)
+EVENTS: Final = (Connected, Disconnected, AttachRequested, AttachSent, AttachAcked, HeartbeatAcked,
+                 HeartbeatSent, Heard, Tick, Drained, Close)
+
+
+# ---- guards: pure predicates over (link, link, event), evaluated before any step -----------
+
+
+def restarted(lk: DaemonLink, _: Any, ev: HeartbeatAcked) -> bool:
+    """The ack names another daemon than this link heard so far (a restart the shell could
+    not see). This link's id only: a new link to a restarted daemon was attached by its
+    handshake already, and its first ack must not re-attach a second time."""
+    return lk._link_daemon_id is not None and ev.daemon_id != lk._link_daemon_id
+
+
+def heartbeat_due(lk: DaemonLink, _: Any, ev: Tick) -> bool:
+    return ev.now >= lk._next_hb
+
+
+def comes_alive(lk: DaemonLink, _: Any, ev: Drained) -> bool:
+    return not lk.available and lk._heard_recently(ev.now)
+
+
+def goes_silent(lk: DaemonLink, _: Any, ev: Drained) -> bool:
+    return lk.available and not lk._heard_recently(ev.now)
+
+
+def was_available(lk: DaemonLink, _: Any, ev: Drained) -> bool:
+    return lk.available
+
+
+def never_answered(lk: DaemonLink, _: Any, ev: Drained) -> bool:
+    """Unavailable since start for more than dead_after_s, not yet said (said once)."""
+    return (not lk.available and not lk._ever_available and not lk._warned_never
+            and ev.now - lk._started > lk.dead_after_s)
+
+
+# ---- steps: the event's effect on the link's facts, and the actions (never the state) ------
+
+
+def new_link(lk: DaemonLink, _: Any, ev: Connected, out: list[Act]) -> None:
+    lk._link_daemon_id = None
+    lk.counters.links += 1
+    lk._next_hb = ev.now + lk.heartbeat_s
+
+
+def link_dropped(lk: DaemonLink, _: Any, ev: Disconnected, out: list[Act]) -> None:
+    if lk.state in LINK_UP:
+        lk.counters.disconnects += 1
+    lk._link_daemon_id = None
+    lk._last_heard = None  # the daemon's state died with the link
+    lk._hb_sent_at.clear()
+
+
+def new_attach(lk: DaemonLink, _: Any, ev: AttachRequested, out: list[Act]) -> None:
+    lk._attach_sends = 0  # a new Attach, not a re-attach
+
+
+def attach_went_out(lk: DaemonLink, _: Any, ev: AttachSent, out: list[Act]) -> None:
+    lk._attach_sends += 1
+    if lk._attach_sends > 1:
+        lk.counters.reattaches += 1
+
+
+def attach_acked(lk: DaemonLink, _: Any, ev: AttachAcked, out: list[Act]) -> None:
+    lk._heard(ev.now)
+    lk._learn_daemon(ev.daemon_id)
+    lk.agent_name = ev.agent_name
+
+
+def heartbeat_acked(lk: DaemonLink, _: Any, ev: HeartbeatAcked, out: list[Act]) -> None:
+    lk._heard(ev.now)
+    sent_at = lk._hb_sent_at.pop(ev.seq, None)
+    if sent_at is not None:
+        lk.rtt_s = ev.now - sent_at
+    lk._learn_daemon(ev.daemon_id)
+
+
+def heartbeat_went_out(lk: DaemonLink, _: Any, ev: HeartbeatSent, out: list[Act]) -> None:
+    lk.counters.heartbeats += 1
+    if len(lk._hb_sent_at) > HB_TRACKED:
+        lk._hb_sent_at.clear()
+    lk._hb_sent_at[lk.hb_seq] = ev.now
+
+
+def heard(lk: DaemonLink, _: Any, ev: Heard, out: list[Act]) -> None:
+    lk._heard(ev.now)
+
+
+def next_beat(lk: DaemonLink, _: Any, ev: Tick, out: list[Act]) -> None:
+    lk._next_hb = ev.now + lk.heartbeat_s
+
+
+def send_attach(lk: DaemonLink, _: Any, ev: Any, out: list[Act]) -> None:
+    out.append(A.SEND_ATTACH)
+
+
+def send_heartbeat(lk: DaemonLink, _: Any, ev: Any, out: list[Act]) -> None:
+    lk.hb_seq += 1
+    out.append(A.SEND_HEARTBEAT)
+
+
+def flush(lk: DaemonLink, _: Any, ev: Any, out: list[Act]) -> None:
+    out.append(A.FLUSH)
+
+
+def recheck_link(lk: DaemonLink, _: Any, ev: Any, out: list[Act]) -> None:
+    out.append(A.RECHECK_LINK)
+
+
+def log_restart(lk: DaemonLink, _: Any, ev: Any, out: list[Act]) -> None:
+    out.append(A.LOG_RESTART)
+
+
+def now_available(lk: DaemonLink, _: Any, ev: Drained, out: list[Act]) -> None:
+    lk.available = lk._ever_available = True
+    lk.unavailable_since = None
+    out.append(A.LOG_AVAILABLE)
+
+
+def _unavailable(lk: DaemonLink, now: float) -> None:
+    lk.available = False
+    lk.unavailable_since = now
+    lk.counters.unavailable += 1
+
+
+def now_lost(lk: DaemonLink, _: Any, ev: Drained, out: list[Act]) -> None:
+    """Unavailable because the link dropped (its drop already reset the state)."""
+    _unavailable(lk, ev.now)
+    out.append(A.LOG_LOST)
+
+
+def now_silent(lk: DaemonLink, _: Any, ev: Drained, out: list[Act]) -> None:
+    _unavailable(lk, ev.now)
+    out.append(A.LOG_SILENT)
+
+
+def warn_never_answered(lk: DaemonLink, _: Any, ev: Drained, out: list[Act]) -> None:
+    lk._warned_never = True
+    out.append(A.LOG_NEVER_ANSWERED)
+
+
+def closing(lk: DaemonLink, _: Any, ev: Close, out: list[Act]) -> None:
+    lk.available = False
+
+
+def drop_queue(lk: DaemonLink, _: Any, ev: Close, out: list[Act]) -> None:
+    out.append(A.DROP_QUEUE)
+
+
+def shell_bug(lk: DaemonLink, _: Any, ev: Any, out: list[Act]) -> None:
+    raise LinkError(f"{type(ev).__name__} cannot happen in state {lk.state.name}")
+
+
+# ---- the table ---------------------------------------------------------------------------
+
+_PLAIN = (S.PLAIN_DOWN, S.PLAIN_UP)
+_NO_LINK = (S.PLAIN_DOWN, S.DOWN)
+_WITH_ATTACH_UP = (S.ATTACH_DUE, S.ATTACHING, S.ATTACHED, S.SILENT)
+_OPEN = tuple(s for s in S if s is not S.CLOSED)
+_SENT_ONLY_WHEN_ASKED = "the shell reports a send only right after the action that asked for it"
+_NOTHING_AFTER_CLOSE = "the shell feeds a closed link nothing but Close"
+
+
+def _rows() -> list[Row]:
+    r: list[Row] = []
+    # A new link: the Attach (if any) first, then a heartbeat to learn the daemon_id.
+    r += [row(s, Connected, None, S.PLAIN_UP, new_link, send_heartbeat) for s in _PLAIN]
+    r += [row(s, Connected, None, S.ATTACH_DUE, new_link, send_attach, send_heartbeat)
+          for s in (S.DOWN, *_WITH_ATTACH_UP)]
+    # A dropped link: whatever the daemon knew of us died with it.
+    r += [row(s, Disconnected, None, S.PLAIN_DOWN, link_dropped) for s in _PLAIN]
+    r += [row(s, Disconnected, None, S.DOWN, link_dropped) for s in (S.DOWN, *_WITH_ATTACH_UP)]
+    # attach(): a new Attach goes out at once on a live link, else as a new link's first frame.
+    r += [row(s, AttachRequested, None, S.DOWN, new_attach) for s in _NO_LINK]
+    r += [row(s, AttachRequested, None, S.ATTACH_DUE, new_attach, send_attach)
+          for s in (S.PLAIN_UP, *_WITH_ATTACH_UP)]
+    r += [row(S.ATTACH_DUE, AttachSent, None, S.ATTACHING, attach_went_out)]
+    r += [row(s, AttachSent, None, s, shell_bug, unreachable=_SENT_ONLY_WHEN_ASKED)
+          for s in _OPEN if s is not S.ATTACH_DUE]
+    # AttachAck opens the gate; a stale one (our Attach not out on this link yet) does not.
+    r += [row(S.ATTACHING, AttachAcked, None, S.ATTACHED, attach_acked, flush),
+          row(S.SILENT, AttachAcked, None, S.ATTACHED, attach_acked, flush)]  # a slow Attach
+    r += [row(s, AttachAcked, None, s, attach_acked)
+          for s in (S.ATTACHED, S.ATTACH_DUE, S.DOWN, S.PLAIN_DOWN, S.PLAIN_UP)]
+    # Heartbeat acks: a silent daemon that answers again, or a restarted one, is re-attached.
+    r += [row(s, HeartbeatAcked, None, s, heartbeat_acked) for s in (*_PLAIN, S.DOWN)]
+    for s in _WITH_ATTACH_UP:
+        r.append(row(s, HeartbeatAcked, restarted, S.ATTACH_DUE, heartbeat_acked, log_restart,
+                     send_attach))
+        if s is S.SILENT:
+            r.append(row(s, HeartbeatAcked, None, S.ATTACH_DUE, heartbeat_acked, send_attach))
+        else:
+            r.append(row(s, HeartbeatAcked, None, s, heartbeat_acked))
+    r += [row(s, HeartbeatSent, None, s, heartbeat_went_out) for s in LINK_UP]
+    r += [row(s, HeartbeatSent, None, s, shell_bug, unreachable=_SENT_ONLY_WHEN_ASKED)
+          for s in _NO_LINK]
+    r += [row(s, Heard, None, s, heard) for s in _OPEN]
+    # Polls: retries and flushes, then heartbeats when one is due, only on a link
+    # (recheck_link: a shell without a connection dials now).
+    for s, every in ((S.PLAIN_DOWN, ()), (S.DOWN, ()), (S.ATTACHING, ()), (S.SILENT, ()),
+                     (S.ATTACH_DUE, (send_attach,)),  # its send failed: retry
+                     (S.PLAIN_UP, (flush,)), (S.ATTACHED, (flush,))):
+        beat = (next_beat, recheck_link) + ((send_heartbeat,) if s in LINK_UP else ())
+        r += [row(s, Tick, heartbeat_due, s, *every, *beat), row(s, Tick, None, s, *every)]
+    # Liveness, judged after a poll read the daemon's frames. Silence on a live link: the
+    # daemon may have lost us (re-attach at its next answer); without an Attach, nothing to redo.
+    for s in _OPEN:
+        if s in _NO_LINK:
+            r.append(row(s, Drained, was_available, s, now_lost))
+        else:
+            r.append(row(s, Drained, comes_alive, s, now_available))
+            r.append(row(s, Drained, goes_silent, S.PLAIN_UP if s is S.PLAIN_UP else S.SILENT,
+                         now_silent))
+        if s not in (S.ATTACHED, S.SILENT):  # both were heard: their next poll proves them alive
+            r.append(row(s, Drained, never_answered, s, warn_never_answered))
+        r.append(row(s, Drained, None, s))
+    r += [row(s, Close, None, S.CLOSED, closing, drop_queue) for s in _OPEN]
+    # A closed link: the shell's close() and poll() return before feeding anything; were
+    # they fed, Close and Drained would change nothing, the rest are shell bugs.
+    r += [row(S.CLOSED, Close, None, S.CLOSED, unreachable=_NOTHING_AFTER_CLOSE),
+          row(S.CLOSED, Drained, None, S.CLOSED, unreachable=_NOTHING_AFTER_CLOSE)]
+    r += [row(S.CLOSED, e, None, S.CLOSED, shell_bug, unreachable=_NOTHING_AFTER_CLOSE)
+          for e in EVENTS if e not in (Close, Drained)]
+    return r
+
+
+TABLE: Final = Table(State, EVENTS, _rows(), keyed=False)
 
 
 @dataclass
@@ -266,8 +430,9 @@ class LinkCounters:
         return dict(vars(self))  # not dataclasses.asdict: this runs every step
 
 
-class Link:
-    """State, liveness and queue of one engine-daemon link; see the module docstring."""
+class DaemonLink:
+    """The machine of one engine-daemon link: its state, liveness and queue (the module
+    docstring has the rules; :data:`TABLE` every transition)."""
 
     def __init__(self, now: float, *, max_queue: int, heartbeat_s: float, dead_after_s: float) -> None:
         self.max_queue = max_queue
@@ -290,6 +455,8 @@ class Link:
         self._ever_available = False
         self._warned_never = False
         self._attach_sends = 0  # of the current Attach; beyond the first are re-attaches
+        #: Called with every row taken (tests count them).
+        self.on_row: Callable[[Row], None] | None = None
 
     # ---- queries -----------------------------------------------------------------------
 
@@ -329,89 +496,23 @@ class Link:
     # ---- events ------------------------------------------------------------------------
 
     def handle(self, ev: Event) -> tuple[Act, ...]:
-        """Apply one event; returns the actions the shell must carry out, in order."""
-        t = type(ev)
-        if t is Tick:
-            assert isinstance(ev, Tick)
-            return self.tick(ev.now)
-        if t is Drained:
-            assert isinstance(ev, Drained)
-            return self.drained(ev.now)
-        if t is Heard:
-            assert isinstance(ev, Heard)
-            self._heard(ev.now)
-            return self._step(E.HEARD)
-        if t is HeartbeatAcked:
-            assert isinstance(ev, HeartbeatAcked)
-            self._heard(ev.now)
-            sent_at = self._hb_sent_at.pop(ev.seq, None)
-            if sent_at is not None:
-                self.rtt_s = ev.now - sent_at
-            # This link's id only: a new link to a restarted daemon was attached by its
-            # handshake already, and its first ack must not re-attach a second time.
-            restarted = self._link_daemon_id is not None and ev.daemon_id != self._link_daemon_id
-            self._learn_daemon(ev.daemon_id)
-            return self._step(E.RESTART_SEEN if restarted else E.HEARTBEAT_ACKED)
-        if t is AttachAcked:
-            assert isinstance(ev, AttachAcked)
-            self._heard(ev.now)
-            self._learn_daemon(ev.daemon_id)
-            self.agent_name = ev.agent_name
-            return self._step(E.ATTACH_ACKED)
-        if t is HeartbeatSent:
-            assert isinstance(ev, HeartbeatSent)
-            self.counters.heartbeats += 1
-            if len(self._hb_sent_at) > HB_TRACKED:
-                self._hb_sent_at.clear()
-            self._hb_sent_at[self.hb_seq] = ev.now
-            return self._step(E.HEARTBEAT_SENT)
-        if t is AttachSent:
-            self._attach_sends += 1
-            if self._attach_sends > 1:
-                self.counters.reattaches += 1
-            return self._step(E.ATTACH_SENT)
-        if t is Connected:
-            assert isinstance(ev, Connected)
-            self._link_daemon_id = None
-            self.counters.links += 1
-            acts = self._step(E.CONNECTED)
-            self._next_hb = ev.now + self.heartbeat_s
-            return acts
-        if t is Disconnected:
-            if self.state in LINK_UP:
-                self.counters.disconnects += 1
-            self._link_daemon_id = None
-            self._last_heard = None  # the daemon's state died with the link
-            self._hb_sent_at.clear()
-            return self._step(E.DISCONNECTED)
-        if t is AttachRequested:
-            self._attach_sends = 0  # a new Attach, not a re-attach
-            return self._step(E.ATTACH_SET)
-        if t is Close:
-            self.available = False
-            return self._step(E.CLOSE)
-        raise LinkError(f"unknown event {ev!r}")
+        """Apply one event (one row of :data:`TABLE`); the actions the shell must carry out,
+        in order."""
+        if type(ev) not in EVENTS:
+            raise LinkError(f"unknown event {ev!r}")
+        out: list[Act] = []
+        taken = TABLE.take(self, self, ev, out)
+        if self.on_row is not None:
+            self.on_row(taken)
+        return tuple(out)
 
     def tick(self, now: float) -> tuple[Act, ...]:
-        """``handle(Tick(now))`` without the event object: it runs on every poll."""
-        acts = self._step(E.TICK)
-        if now >= self._next_hb:
-            self._next_hb = now + self.heartbeat_s
-            acts = acts + self._step(E.HEARTBEAT_DUE)
-        return acts
+        """``handle(Tick(now))``: every poll starts with it."""
+        return self.handle(Tick(now))
 
     def drained(self, now: float) -> tuple[Act, ...]:
         """``handle(Drained(now))``: liveness, judged after the poll read the daemon's frames."""
-        return self._liveness(now)
-
-    def _step(self, ev: Ev) -> tuple[Act, ...]:
-        try:
-            self.state, acts = TABLE[(self.state, ev)]
-        except KeyError:
-            raise LinkError(f"event {ev.name} cannot happen in state {self.state.name}") from None
-        if A.SEND_HEARTBEAT in acts:
-            self.hb_seq += 1
-        return acts
+        return self.handle(Drained(now))
 
     def _heard(self, now: float) -> None:
         self.counters.received += 1
@@ -439,27 +540,6 @@ class Link:
         # Only a heartbeat sent after the daemon was last heard can prove it silent.
         oldest = min((t for t in self._hb_sent_at.values() if t > last), default=None)
         return oldest is None or now - oldest <= self.dead_after_s
-
-    def _liveness(self, now: float) -> tuple[Act, ...]:
-        if self.state is S.CLOSED:
-            return ()
-        alive = self.state in LINK_UP and self._heard_recently(now)
-        if alive == self.available:
-            if (not alive and not self._ever_available and not self._warned_never
-                    and now - self._started > self.dead_after_s):
-                self._warned_never = True
-                return (A.LOG_NEVER_ANSWERED,)
-            return ()
-        self.available = alive
-        if alive:
-            self._ever_available = True
-            self.unavailable_since = None
-            return (A.LOG_AVAILABLE,)
-        self.unavailable_since = now
-        self.counters.unavailable += 1
-        if self.state not in LINK_UP:
-            return (A.LOG_LOST,)  # the link's drop already reset it (DOWN)
-        return (A.LOG_SILENT, *self._step(E.SILENCE))
 
     def silence_detail(self, now: float) -> str:
         """What proved the silence, for the log line: when the daemon was last heard and the

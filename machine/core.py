@@ -84,18 +84,27 @@ def row(
 
 
 class Table:
-    """The rows of a core, indexed by (state, event type); total by construction."""
+    """The rows of a core, indexed by (state, event type); total by construction.
 
-    def __init__(self, states: type[enum.Enum], events: tuple[type, ...], rows: Iterable[Row]):
+    A keyed core's table also covers state ``None`` ("no record for this key"). A machine
+    that always exists (one link, one child process) passes ``keyed=False``: it has no rows
+    for ``None`` and never forgets itself, and it is driven by :meth:`take`.
+    """
+
+    def __init__(self, states: type[enum.Enum], events: tuple[type, ...], rows: Iterable[Row],
+                 *, keyed: bool = True):
         self.states = states
         self.events = events
+        self.keyed = keyed
         self.rows = tuple(rows)
         index: dict[tuple[enum.Enum | None, type], list[Row]] = {}
         for r in self.rows:
             if r.event not in events:
                 raise ValueError(f"{r}: {r.event.__name__} is not an event of this table")
+            if not keyed and (r.state is None or r.to is None):
+                raise ValueError(f"{r}: a machine that always exists has no state None")
             index.setdefault((r.state, r.event), []).append(r)
-        for s in (None, *states):
+        for s in ((None, *states) if keyed else tuple(states)):
             for e in events:
                 rows_ = index.get((s, e))
                 if not rows_:
@@ -114,6 +123,15 @@ class Table:
             if r.guard is None or r.guard(core, rec, ev):
                 return r
         raise AssertionError("unreachable: the last row is unguarded")  # pragma: no cover
+
+    def take(self, owner: Any, rec: Any, ev: Any, out: list[Any]) -> Row:
+        """Drive a machine that always exists (``keyed=False``): pick the row for
+        (``rec.state``, event), run its steps with (owner, rec, ev, out), enter its state."""
+        r = self.pick(owner, rec, ev)
+        for step in r.steps:
+            step(owner, rec, ev, out)
+        rec.state = r.to
+        return r
 
     def describe(self) -> str:
         """The table as text, one row a line (for docs and assertion messages)."""

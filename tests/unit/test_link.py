@@ -7,6 +7,7 @@ the properties are about what a daemon would see.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 
 import pytest
@@ -14,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpush.engine_plugin.link import (
-    ERRORS,
+    EVENTS,
     FLOWS,
     LINK_UP,
     TABLE,
@@ -24,51 +25,66 @@ from kvpush.engine_plugin.link import (
     AttachSent,
     Close,
     Connected,
+    DaemonLink,
     Disconnected,
     Drained,
-    Ev,
     Heard,
     HeartbeatAcked,
     HeartbeatSent,
-    Link,
     LinkError,
     Route,
     State,
     Tick,
+    shell_bug,
 )
+from kvpush.machine import Row
 
 HB, DEAD, MAXQ = 1.0, 3.0, 5
 
 
-def test_every_state_event_pair_is_a_transition_or_an_explicit_error() -> None:
-    pairs = {(s, e) for s in State for e in Ev}
-    assert TABLE.keys() | ERRORS == pairs and not TABLE.keys() & ERRORS
-    for (s, _), (new, acts) in TABLE.items():
-        assert isinstance(new, State) and all(isinstance(a, Act) for a in acts)
-        if s is State.CLOSED:
-            assert new is State.CLOSED and acts == ()
-    # What cannot happen, by construction of the shell, and nothing else:
-    assert ERRORS == (
-        {(s, Ev.ATTACH_SENT) for s in State if s is not State.ATTACH_DUE}
-        | {(s, Ev.SILENCE) for s in (State.PLAIN_DOWN, State.DOWN)}
-        | {(s, Ev.HEARTBEAT_SENT) for s in (State.PLAIN_DOWN, State.DOWN)}
-        | {(State.CLOSED, e) for e in Ev if e is not Ev.CLOSE}
+def test_the_table_is_total_and_says_which_pairs_are_shell_bugs() -> None:
+    """Every (state, event) has rows (machine.Table checks it); the pairs that cannot happen
+    are rows documented unreachable, exactly these, and a closed link stays closed."""
+    for s in State:
+        for e in EVENTS:
+            assert TABLE.rows_for(s, e)
+    errors = {(r.state, r.event) for r in TABLE.rows if r.unreachable}
+    assert errors == (
+        {(s, AttachSent) for s in State if s is not State.ATTACH_DUE}
+        | {(s, HeartbeatSent) for s in (State.PLAIN_DOWN, State.DOWN)}
+        | {(State.CLOSED, e) for e in EVENTS}
     )
+    assert all(r.to is State.CLOSED for r in TABLE.rows if r.state is State.CLOSED)
+    harmless = [r for r in TABLE.rows if r.unreachable and shell_bug not in r.steps]
+    assert {(r.state, r.event) for r in harmless} == {(State.CLOSED, Close), (State.CLOSED, Drained)}
+    assert all(r.steps == () for r in harmless)
 
 
-def test_an_impossible_event_raises() -> None:
-    link = Link(0.0, max_queue=1, heartbeat_s=HB, dead_after_s=DEAD)
-    with pytest.raises(LinkError, match="ATTACH_SENT cannot happen in state PLAIN_DOWN"):
-        link.handle(AttachSent())
+@pytest.mark.parametrize("r", [r for r in TABLE.rows if shell_bug in r.steps], ids=str)
+def test_an_impossible_event_raises(r: Row) -> None:
+    link = DaemonLink(0.0, max_queue=1, heartbeat_s=HB, dead_after_s=DEAD)
+    link.state = r.state  # type: ignore[assignment]
+    ev = {AttachRequested: AttachRequested(), AttachSent: AttachSent(), Close: Close(),
+          AttachAcked: AttachAcked("d", "a", 0.0), HeartbeatAcked: HeartbeatAcked(1, "d", 0.0)}
+    with pytest.raises(LinkError, match=f"{r.event.__name__} cannot happen in state {r.state.name}"):
+        link.handle(ev.get(r.event) or r.event(0.0))
+    assert link.state is r.state
 
 
-def test_no_action_sends_anything_without_a_link() -> None:
-    sends = {Act.SEND_ATTACH, Act.SEND_HEARTBEAT, Act.FLUSH}
-    for (_, _), (new, acts) in TABLE.items():
-        if sends & set(acts):
-            assert new in LINK_UP
-        if Act.FLUSH in acts:
-            assert new in FLOWS
+def test_an_unknown_event_raises() -> None:
+    link = DaemonLink(0.0, max_queue=1, heartbeat_s=HB, dead_after_s=DEAD)
+    with pytest.raises(LinkError, match="unknown event"):
+        link.handle(object())  # type: ignore[arg-type]
+
+
+def test_no_row_sends_anything_without_a_link() -> None:
+    sends = {"send_attach", "send_heartbeat", "flush"}
+    for r in TABLE.rows:
+        names = {f.__name__ for f in r.steps}
+        if sends & names:
+            assert r.to in LINK_UP, r
+        if "flush" in names:
+            assert r.to in FLOWS, r
 
 
 # ---- a simulated shell ---------------------------------------------------------------------
@@ -78,18 +94,20 @@ def test_no_action_sends_anything_without_a_link() -> None:
 class Shell:
     """DaemonClient's action handling, with zmq replaced by a list of frames per link."""
 
-    link: Link = field(default_factory=lambda: Link(0.0, max_queue=MAXQ, heartbeat_s=HB,
-                                                    dead_after_s=DEAD))
+    link: DaemonLink = field(default_factory=lambda: DaemonLink(
+        0.0, max_queue=MAXQ, heartbeat_s=HB, dead_after_s=DEAD))
     zmq_takes: bool = True  # a NOBLOCK send succeeds (else EAGAIN)
     links: list[list[str]] = field(default_factory=list)  # frames out, per link
     acked: bool = False  # an AttachAck came after the last Attach that went out on this link
     n: int = 0  # messages offered
+    fail_next: bool = False  # the next send alone finds no room
 
     def out(self, what: str) -> bool:
         assert self.link.state in LINK_UP, f"{what} sent without a link ({self.link.state})"
         if what.startswith("Msg"):
             assert self.link.state in FLOWS, f"{what} sent in {self.link.state}"
-        if not self.zmq_takes:
+        if not self.zmq_takes or self.fail_next:
+            self.fail_next = False
             return False
         self.links[-1].append(what)
         if what == "Attach":
@@ -178,6 +196,8 @@ def _play(sh: Shell, steps: list[object]) -> None:
             sh.feed(Drained(now), now)
         elif isinstance(step, tuple) and step[0] == "eagain":
             sh.zmq_takes = step[1]
+        elif step == "eagain_once":
+            sh.fail_next = True
         # Invariants after every step.
         assert len(link.queue) <= MAXQ
         if isinstance(step, tuple) and step[0] == "poll":  # liveness is judged per poll
@@ -252,7 +272,7 @@ def test_failed_attach_send_is_retried_each_poll_and_gates_messages() -> None:
 
 
 def test_idle_gap_is_not_silence() -> None:
-    link = Link(0.0, max_queue=1, heartbeat_s=HB, dead_after_s=DEAD)
+    link = DaemonLink(0.0, max_queue=1, heartbeat_s=HB, dead_after_s=DEAD)
     link.handle(Connected(0.0))
     link.handle(HeartbeatSent(0.0))
     link.handle(HeartbeatAcked(link.hb_seq, "d1", 0.0))
@@ -267,7 +287,7 @@ def test_a_heartbeat_never_answered_does_not_make_a_later_idle_gap_silence() -> 
     """Silence is proven only by a heartbeat sent after the daemon was last heard: one whose
     ack was lost while later ones were answered says nothing about the daemon. (Seen on TP=2
     engines: both rank daemons declared silent at the first poll after an idle spell.)"""
-    link = Link(0.0, max_queue=1, heartbeat_s=HB, dead_after_s=DEAD)
+    link = DaemonLink(0.0, max_queue=1, heartbeat_s=HB, dead_after_s=DEAD)
     link.handle(Connected(0.0))
     link.handle(HeartbeatSent(0.0))  # its ack never comes
     assert Act.SEND_HEARTBEAT in link.handle(Tick(HB))
@@ -284,7 +304,7 @@ def test_a_heartbeat_never_answered_does_not_make_a_later_idle_gap_silence() -> 
 
 
 def test_queue_is_bounded_and_closing_drops_it() -> None:
-    link = Link(0.0, max_queue=2, heartbeat_s=HB, dead_after_s=DEAD)
+    link = DaemonLink(0.0, max_queue=2, heartbeat_s=HB, dead_after_s=DEAD)
     routes = [link.route() for _ in range(2)]
     assert routes == [Route.QUEUE, Route.QUEUE]
     assert link.enqueue(b"a") and link.enqueue(b"b")
@@ -292,3 +312,47 @@ def test_queue_is_bounded_and_closing_drops_it() -> None:
     assert link.counters.dropped == 2 and link.counters.enqueued == 2
     assert link.handle(Close()) == (Act.DROP_QUEUE,)
     assert link.route() is Route.REFUSE and link.handle(Close()) == ()
+
+
+def _random_steps(rng: random.Random, n: int) -> list[object]:
+    kinds = ["connected", "disconnected", "attach", "send", "heard", "close"]
+    out: list[object] = []
+    for _ in range(n):
+        k = rng.random()
+        if k < 0.3:
+            out.append(rng.choice(kinds[:-1]) if rng.random() > 0.01 else "close")
+        elif k < 0.45:
+            out.append(("attach_ack", rng.choice(["d1", "d2"])))
+        elif k < 0.65:
+            out.append(("hb_ack", rng.choice(["d1", "d1", "d2"])))
+        elif k < 0.9:
+            out.append(("poll", rng.choice([0.0, 0.3, 1.0, 2.5, 4.0])))
+        elif k < 0.95:
+            out.append(("eagain", rng.random() < 0.7))
+        else:
+            out.append("eagain_once")
+    if rng.random() < 0.5:
+        out.append("close")
+    return out
+
+
+def test_every_row_is_taken_or_documented_unreachable_and_never_taken() -> None:
+    """Row by row, as tests/unit/test_cores.py does for the daemon's cores: random shells
+    (plain and attaching ones) take every reachable row, and no unreachable one."""
+    taken: set[Row] = set()
+    rng = random.Random(7)
+    for i in range(400):
+        sh = Shell()
+        sh.link.on_row = taken.add
+        if i % 2:
+            sh.feed(AttachRequested(), 0.0)
+        _play(sh, _random_steps(rng, 120))
+    sh = Shell()  # closing a silent link: rare at random
+    sh.link.on_row = taken.add
+    _play(sh, ["attach", "connected", ("attach_ack", "d1"), ("hb_ack", "d1"), ("poll", 0.5),
+               *[("poll", 1.0)] * 5, "close"])
+    assert sh.link.state is State.CLOSED
+    unreachable = {r for r in TABLE.rows if r.unreachable}
+    assert not taken & unreachable
+    missing = [str(r) for r in TABLE.rows if r not in taken and r not in unreachable]
+    assert not missing, "\n".join(missing)

@@ -26,19 +26,16 @@ fetched over the ops sockets with ``OpsRequest(cmd="metrics")`` through
 from __future__ import annotations
 
 import ctypes
-import enum
 import json
 import logging
-import math
 import multiprocessing as mp
 import os
 import signal
 import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from multiprocessing.connection import wait as mp_wait
 from typing import Any
@@ -48,7 +45,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpush.daemon import children as cm
 from kvpush.daemon import opsclient, sdnotify
+from kvpush.daemon.children import ChildFacts, ChildState
 from kvpush.daemon.context import FENCE_EXIT_CODE
 from kvpush.daemon.daemon_config import DeviceConfig, NodeConfig
 from kvpush.proto.messages import OpsRequest
@@ -57,8 +56,6 @@ from kvpush.proto.ops import MetricsReply
 log = logging.getLogger(__name__)
 
 LOG_FORMAT = "%(asctime)s %(levelname)-7s %(processName)s[%(process)d] %(name)s: %(message)s"
-WINDOW_S = 60.0  # restart-rate window
-STABLE_S = 60.0  # a child that ran this long resets its backoff
 SCRAPE_TIMEOUT_S = 0.5
 
 WorkerTarget = Callable[[DeviceConfig, Any], int]
@@ -115,35 +112,14 @@ def _child_main(target: WorkerTarget, cfg: DeviceConfig, ready: Any, parent_pid:
     sys.exit(code if isinstance(code, int) else 0)
 
 
-class ChildState(enum.StrEnum):
-    """Where one device daemon's process is (`kvpushctl status` shows the value)."""
-
-    STARTING = "starting"
-    UP = "up"
-    KILLING = "killing"  # not ready in time: killed, restarted once reaped
-    BACKOFF = "backoff"  # exited: restarts after a delay
-    CRASH_LOOP = "crash-loop"  # exited too often: restarts after the long delay
-    FAILED = "failed"  # will not be restarted
-    STOPPING = "stopping"
-    STOPPED = "stopped"
-
-
-@dataclass
-class Child:
-    """Supervisor-side bookkeeping of one device daemon."""
+@dataclass(eq=False, kw_only=True)
+class Child(ChildFacts):
+    """One device daemon: the table's facts (:class:`ChildFacts`) and the shell's handles."""
 
     cfg: DeviceConfig
-    state: ChildState = ChildState.STOPPED
     process: Any = None
     ready: Any = None
     ps: psutil.Process | None = None
-    started_at: float = 0.0
-    up_since: float | None = None
-    next_start: float = 0.0
-    restarts: int = 0
-    consecutive: int = 0
-    restart_times: deque[float] = field(default_factory=deque)
-    last_exit: int | None = None
     rss_bytes: int = 0
     cpu_seconds: float = 0.0
     cpu_percent: float = 0.0
@@ -162,7 +138,9 @@ class Supervisor:
         self.target = target
         self._notify = notify
         self._ctx = mp.get_context("spawn")
-        self._children = {d.name: Child(d) for d in node.devices}
+        self._children = {d.name: Child(cfg=d) for d in node.devices}
+        self._policy = cm.Policy(node.max_restarts_per_minute, node.restart_backoff_s,
+                                 node.restart_backoff_max_s, node.ready_timeout_s)
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
@@ -195,8 +173,9 @@ class Supervisor:
         ensure_runtime_dir(self.node.runtime_dir, *(d.socket_mode for d in self.node.devices))
         self._start_http()
         with self._lock:
+            now = time.monotonic()
             for child in self._children.values():
-                self._spawn(child, restart=False)
+                self._feed(child, cm.Start(now))
         log.info("supervising %d device daemon(s): %s", len(self._children),
                  ", ".join(self._children))
         self._publish_status()
@@ -220,10 +199,8 @@ class Supervisor:
         self._notify("STOPPING=1")
         with self._lock:
             live = [c for c in self._children.values() if c.process is not None]
-            for c in live:
-                c.state = ChildState.STOPPING
-                if c.process.is_alive():
-                    c.process.terminate()
+            for c in self._children.values():
+                self._feed(c, cm.Stop())
         deadline = time.monotonic() + self.node.stop_timeout_s
         while any(c.process.is_alive() for c in live) and time.monotonic() < deadline:
             mp_wait([c.process.sentinel for c in live if c.process.is_alive()],
@@ -234,11 +211,7 @@ class Supervisor:
                     log.warning("%s did not stop in %.1fs, killing", c.cfg.name,
                                 self.node.stop_timeout_s)
                     c.process.kill()
-                c.process.join()
-                c.last_exit = c.process.exitcode
-                c.process, c.ps, c.state = None, None, ChildState.STOPPED
-            for c in self._children.values():
-                c.state = ChildState.STOPPED
+                self._feed(c, cm.Stopped(self._reap(c)))
         if self._http is not None:
             self._http.shutdown()
             self._http.server_close()
@@ -252,48 +225,49 @@ class Supervisor:
 
     # ---------------------------------------------------------------- supervision
 
-    def _spawn(self, c: Child, restart: bool) -> None:
-        now = time.monotonic()
-        if restart:
-            c.restarts += 1
-            c.restart_times.append(now)
+    def _feed(self, c: Child, ev: object) -> None:
+        """One event into the child's table; carry out its actions, in order."""
+        acts, _ = cm.handle(self._policy, c, ev)
+        for a in acts:
+            if a is cm.Act.SPAWN:
+                self._spawn(c)
+            elif a is cm.Act.KILL:
+                c.process.kill()
+            elif a is cm.Act.TERMINATE:
+                if c.process.is_alive():
+                    c.process.terminate()
+            elif a is cm.Act.LOG_UP:
+                log.info("%s is up (pid %d, %.2fs)", c.cfg.name, c.pid, c.up_since - c.started_at)
+            elif a is cm.Act.LOG_NOT_READY:
+                log.error("%s not ready after %.1fs, killing it", c.cfg.name,
+                          self.node.ready_timeout_s)
+            elif a is cm.Act.LOG_FAILED:
+                log.error("%s exited (%s); restarts are disabled", c.cfg.name, c.last_exit)
+            elif a is cm.Act.LOG_CRASH_LOOP:
+                log.error("%s exited (%s) after %d restarts in %.0fs; holding it down for %.1fs",
+                          c.cfg.name, c.last_exit, len(c.restart_times), cm.WINDOW_S,
+                          c.next_start - c.started_at - c.ran_s)
+            elif a is cm.Act.LOG_BACKOFF:
+                why = " (it fenced: a WRITE could still arrive)" if c.last_exit == FENCE_EXIT_CODE else ""
+                log.warning("%s exited (%s)%s after %.1fs; restarting in %.2fs", c.cfg.name,
+                            c.last_exit, why, c.ran_s, c.delay_s)
+
+    def _spawn(self, c: Child) -> None:
         c.ready = self._ctx.Event()
         c.process = self._ctx.Process(target=_child_main, name=f"kvpushd-{c.cfg.name}",
                                       args=(self.target, c.cfg, c.ready, os.getpid()))
         c.process.start()
         c.ps = _psutil_process(c.process.pid)
-        c.state, c.started_at, c.up_since = ChildState.STARTING, now, None
         c.rss_bytes, c.cpu_seconds, c.cpu_percent = 0, 0.0, 0.0
-        log.info("%s %s (pid %d)", "restarted" if restart else "started", c.cfg.name,
+        log.info("%s %s (pid %d)", "restarted" if c.restarts else "started", c.cfg.name,
                  c.process.pid)
 
-    def _on_exit(self, c: Child, now: float) -> None:
+    def _reap(self, c: Child) -> int | None:
+        """Join an ended process and drop its handles; its exit code."""
         c.process.join()
-        c.last_exit = c.process.exitcode
-        ran = now - c.started_at
-        c.process, c.ps, c.ready, c.up_since = None, None, None, None
-        c.consecutive = 1 if ran >= STABLE_S else c.consecutive + 1
-        while c.restart_times and now - c.restart_times[0] >= WINDOW_S:
-            c.restart_times.popleft()
-        limit = self.node.max_restarts_per_minute
-        if limit == 0:
-            c.state, c.next_start = ChildState.FAILED, math.inf
-            log.error("%s exited (%s); restarts are disabled", c.cfg.name, c.last_exit)
-            return
-        delay = min(self.node.restart_backoff_s * 2 ** (c.consecutive - 1),
-                    self.node.restart_backoff_max_s)
-        c.next_start = now + delay
-        if len(c.restart_times) >= limit:
-            c.state = ChildState.CRASH_LOOP
-            c.next_start = max(c.next_start, c.restart_times[0] + WINDOW_S)
-            log.error("%s exited (%s) after %d restarts in %.0fs; holding it down for %.1fs",
-                      c.cfg.name, c.last_exit, len(c.restart_times), WINDOW_S,
-                      c.next_start - now)
-        else:
-            c.state = ChildState.BACKOFF
-            why = " (it fenced: a WRITE could still arrive)" if c.last_exit == FENCE_EXIT_CODE else ""
-            log.warning("%s exited (%s)%s after %.1fs; restarting in %.2fs", c.cfg.name,
-                        c.last_exit, why, ran, delay)
+        code = c.process.exitcode
+        c.process, c.ps, c.ready = None, None, None
+        return code
 
     def step(self) -> None:
         """One supervision pass: reap, promote ready children, restart due ones, sample."""
@@ -301,18 +275,10 @@ class Supervisor:
         with self._lock:
             for c in self._children.values():
                 if c.process is not None and not c.process.is_alive():
-                    self._on_exit(c, now)
-                elif c.state is ChildState.STARTING and c.ready.is_set():
-                    c.state, c.up_since = ChildState.UP, now
-                    log.info("%s is up (pid %d, %.2fs)", c.cfg.name, c.pid, now - c.started_at)
-                elif (c.state is ChildState.STARTING and self.node.ready_timeout_s
-                      and now - c.started_at > self.node.ready_timeout_s):
-                    log.error("%s not ready after %.1fs, killing it", c.cfg.name,
-                              self.node.ready_timeout_s)
-                    c.state = ChildState.KILLING  # reaped (and restarted) on a later step
-                    c.process.kill()
-                if c.state in (ChildState.BACKOFF, ChildState.CRASH_LOOP) and now >= c.next_start:
-                    self._spawn(c, restart=True)
+                    self._feed(c, cm.Exited(now, self._reap(c)))
+                elif c.ready is not None and c.ready.is_set():
+                    self._feed(c, cm.Ready(now))
+                self._feed(c, cm.Tick(now))
                 self._sample(c)
         self._publish_status()
         if self._watchdog_s and now - self._last_watchdog >= self._watchdog_s:

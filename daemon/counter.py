@@ -4,7 +4,9 @@ Each destination rank's daemon expects exactly one notification from every produ
 rank that writes into it. This pure state machine (no I/O, no clock, no threads)
 counts them per (transfer, attempt) and decides what the local engine hears:
 ``Complete`` (Received), ``Fail`` (ReceiveFailed: recompute) or, after an engine
-abort, ``Release`` (Released: the blocks may be reused).
+abort, ``Release`` (Released: the blocks may be reused). A registration it will not take
+(an older attempt than the transfer's newest, or one whose outcome was already told) is
+answered ``Refuse`` at once: silence would leave the engine waiting out its timeout.
 
 The rule that shapes it: the engine reuses blocks as soon as it hears Fail or Release,
 so neither is emitted while a producer might still write into them — every producer
@@ -39,8 +41,8 @@ from kvpush.machine.core import Core, Record, Table, _Deadline, row
 
 __all__ = [
     "Abort", "Accepted", "Action", "CancelConfirmed", "Cause", "Complete", "CompletionCounter",
-    "Event", "Expect", "Fail", "Notified", "PendingInfo", "ProducerFailed", "Registration",
-    "Release", "SendCancel", "State", "TABLE", "TOMBSTONES", "Tick",
+    "Event", "Expect", "Fail", "Notified", "PendingInfo", "ProducerFailed", "Refuse",
+    "Registration", "Release", "SendCancel", "State", "TABLE", "TOMBSTONES", "Tick",
 ]
 
 # --------------------------------------------------------------------------- events
@@ -113,13 +115,6 @@ class Tick:
     now: float
 
 
-@dataclass(frozen=True)
-class _Supersede:
-    """Internal: a newer Expect for the same transfer arrived."""
-
-    attempt: int
-
-
 Event = Expect | Notified | ProducerFailed | CancelConfirmed | Abort | Tick
 
 # -------------------------------------------------------------------------- actions
@@ -155,6 +150,17 @@ class Fail:
 
 
 @dataclass(frozen=True)
+class Refuse:
+    """Tell the engine ReceiveFailed for a registration not taken: nothing was forwarded or
+    counted (a bad registration, not a failed transfer)."""
+
+    transfer_id: str
+    attempt: int
+    reason: str
+    cause: Cause
+
+
+@dataclass(frozen=True)
 class Release:
     """Tell the engine Released: the aborted registration's blocks may be reused."""
 
@@ -173,7 +179,7 @@ class SendCancel:
     cause: Cause = Cause.ABORTED
 
 
-Action = Accepted | Complete | Fail | Release | SendCancel
+Action = Accepted | Complete | Fail | Refuse | Release | SendCancel
 
 # --------------------------------------------------------------------------- states
 
@@ -240,6 +246,7 @@ class _Attempt(Record):
     reason: str = ""  # the first producer failure
     cause: Cause = Cause.PRODUCER_FAILED
     may_land: bool = False  # a producer given up on may still write (ProducerFailed.may_land)
+    superseded: bool = False  # a newer attempt was accepted: this one is not the newest
 
     def unsafe(self) -> bool:
         """May a WRITE still land in these blocks? (unresolved producers, or one given up on)"""
@@ -247,6 +254,11 @@ class _Attempt(Record):
 
 
 _Key = tuple[str, int]
+
+
+def _by_transfer(transfer_id: str) -> tuple[str, str]:
+    """The index name of a transfer's records (endpoints, the other names, are strings)."""
+    return ("transfer", transfer_id)
 
 
 def _hard_deadline(rec: _Attempt) -> float:
@@ -268,7 +280,6 @@ class CompletionCounter(Core[_Key, _Attempt]):
                  cancel_grace_s: float = 0.0) -> None:
         super().__init__(TABLE, TOMBSTONES, DEADLINES, tombstone_s=tombstone_s, max_live=max_attempts)
         self.cancel_grace_s = cancel_grace_s  # after the hard deadline, for cancels to be answered
-        self._current: dict[str, int] = {}  # newest attempt per transfer
 
     # ------------------------------------------------------------------ public API
 
@@ -277,12 +288,17 @@ class CompletionCounter(Core[_Key, _Attempt]):
         return self._view((transfer_id, attempt), now)  # type: ignore[no-any-return]
 
     def current(self, transfer_id: str) -> int | None:
-        """The newest accepted attempt of the transfer still on record."""
-        return self._current.get(transfer_id)
+        """The newest accepted attempt of the transfer still on record: the one of its
+        records not superseded (accepting an attempt supersedes the newest before it, so
+        there is at most one). O(attempts on record of this transfer)."""
+        for key in self._index_get(_by_transfer(transfer_id)):
+            if not self._recs[key].superseded:
+                return key[1]
+        return None
 
     def live(self, transfer_id: str) -> bool:
         """The transfer's newest attempt is registered and its outcome not yet told."""
-        cur = self._current.get(transfer_id)
+        cur = self.current(transfer_id)
         return cur is not None and self._is_live((transfer_id, cur))
 
     def registration(self, transfer_id: str, attempt: int | None = None) -> Registration | None:
@@ -336,7 +352,7 @@ class CompletionCounter(Core[_Key, _Attempt]):
 
     def _rec(self, transfer_id: str, attempt: int | None) -> _Attempt | None:
         if attempt is None:
-            attempt = self._current.get(transfer_id)
+            attempt = self.current(transfer_id)
             if attempt is None:
                 return None
         return self._recs.get((transfer_id, attempt))
@@ -344,7 +360,14 @@ class CompletionCounter(Core[_Key, _Attempt]):
     def _route(self, ev: object) -> Iterable[_Key]:
         if isinstance(ev, Tick):
             return ()
-        return ((ev.transfer_id, ev.attempt),)  # type: ignore[attr-defined]
+        key = (ev.transfer_id, ev.attempt)  # type: ignore[attr-defined]
+        if isinstance(ev, Expect) and key not in self._recs:
+            # The newest attempt hears a newer one first (its row supersedes it), but only
+            # when the table will accept the newer one: its row from "no record" creates one.
+            cur = self.current(ev.transfer_id)
+            if cur is not None and cur < ev.attempt and self.table.pick(self, None, ev).to is not None:
+                return ((ev.transfer_id, cur), key)
+        return (key,)
 
     def _create(self, key: _Key, ev: Expect) -> _Attempt:
         rec = _Attempt(
@@ -358,11 +381,8 @@ class CompletionCounter(Core[_Key, _Attempt]):
         )
         for ep in set(rec.endpoints):
             self._index_add(key, rec, ep)
+        self._index_add(key, rec, _by_transfer(ev.transfer_id))
         return rec
-
-    def _forgotten(self, key: _Key, rec: _Attempt) -> None:
-        if self._current.get(rec.transfer_id) == rec.attempt:
-            del self._current[rec.transfer_id]
 
     def _info(self, rec: _Attempt, now: float) -> PendingInfo:
         return PendingInfo(
@@ -400,6 +420,17 @@ def overloaded(cc: CompletionCounter, rec: None, ev: Expect) -> bool:
     return cc.overloaded()
 
 
+def newer(cc: CompletionCounter, rec: _Attempt, ev: Expect) -> bool:
+    """A newer attempt of this record's transfer that the table accepts (``_route`` routes
+    it here only then): this record is superseded."""
+    return ev.attempt > rec.attempt
+
+
+def stale_here(cc: CompletionCounter, rec: _Attempt, ev: Expect) -> bool:
+    """This record's own attempt registered again while a newer attempt is the newest."""
+    return rec.superseded
+
+
 def unresolvable(cc: CompletionCounter, rec: _Attempt, ev: Any) -> bool:
     """An out-of-range producer, or one whose final word was already counted."""
     p = ev.producer
@@ -428,22 +459,26 @@ def fail_late(cc: CompletionCounter, rec: None, ev: Expect, out: list) -> None:
     out.append(Fail(ev.transfer_id, ev.attempt, "registration deadline already passed", Cause.INVALID))
 
 
-def fail_stale(cc: CompletionCounter, rec: None, ev: Expect, out: list) -> None:
-    why = f"stale attempt: attempt {cc.current(ev.transfer_id)} is newer"
-    out.append(Fail(ev.transfer_id, ev.attempt, why, Cause.SUPERSEDED))
+def refuse_stale(cc: CompletionCounter, rec: _Attempt | None, ev: Expect, out: list) -> None:
+    cur = cc.current(ev.transfer_id)
+    why = f"stale attempt: attempt {cur} is newer" if cur is not None else "stale attempt: superseded"
+    out.append(Refuse(ev.transfer_id, ev.attempt, why, Cause.SUPERSEDED))
+
+
+def refuse_ended(cc: CompletionCounter, rec: _Attempt, ev: Expect, out: list) -> None:
+    """Its outcome was told: repeating it could vouch for blocks nobody wrote."""
+    why = (f"attempt {ev.attempt} of this transfer already ended ({rec.state.name.lower()}); "
+           "register a new attempt")
+    out.append(Refuse(ev.transfer_id, ev.attempt, why, Cause.CLOSED))
 
 
 def fail_overloaded(cc: CompletionCounter, rec: None, ev: Expect, out: list) -> None:
     out.append(Fail(ev.transfer_id, ev.attempt, "overloaded", Cause.OVERLOADED))
 
 
-def take_over(cc: CompletionCounter, rec: _Attempt, ev: Expect, out: list) -> None:
-    """This attempt becomes the transfer's newest; the older one hears through its own
-    row of the table (``_Supersede``)."""
-    older = cc._current.get(rec.transfer_id)
-    cc._current[rec.transfer_id] = rec.attempt
-    if older is not None and cc._get((rec.transfer_id, older)) is not None:
-        cc._dispatch((rec.transfer_id, older), _Supersede(rec.attempt), out)
+def supersede(cc: CompletionCounter, rec: _Attempt, ev: Expect, out: list) -> None:
+    """A newer attempt is accepted: this one is no longer the transfer's newest."""
+    rec.superseded = True
 
 
 def accept(cc: CompletionCounter, rec: _Attempt, ev: Expect, out: list) -> None:
@@ -478,7 +513,7 @@ def cancel_aborted(cc: CompletionCounter, rec: _Attempt, ev: Abort, out: list) -
     _cancel_rest(rec, f"aborted: {ev.reason}", Cause.ABORTED, out)
 
 
-def cancel_superseded(cc: CompletionCounter, rec: _Attempt, ev: _Supersede, out: list) -> None:
+def cancel_superseded(cc: CompletionCounter, rec: _Attempt, ev: Expect, out: list) -> None:
     _cancel_rest(rec, f"superseded by attempt {ev.attempt}", Cause.SUPERSEDED, out)
 
 
@@ -534,19 +569,35 @@ _GONE = (ProducerFailed, CancelConfirmed)  # a producer that will not write
 _RESULTS = (Notified, *_GONE)
 _CURRENT_ONLY = "only the newest attempt is superseded, and a SUPERSEDED one is not the newest"
 
-TABLE = Table(State, (Expect, *_RESULTS, Abort, _Supersede, _Deadline), [
+TABLE = Table(State, (Expect, *_RESULTS, Abort, _Deadline), [
     # --- no record --------------------------------------------------------------------
     row(None, Expect, invalid, None, fail_invalid),
     row(None, Expect, late, None, fail_late),
-    row(None, Expect, stale, None, fail_stale),
+    row(None, Expect, stale, None, refuse_stale),
     row(None, Expect, overloaded, None, fail_overloaded),
-    row(None, Expect, None, _WT, take_over, accept),
+    row(None, Expect, None, _WT, accept),
     *[row(None, e, None, None) for e in _RESULTS],  # stale or unknown
     row(None, Abort, None, None, release_unknown),
-    row(None, _Supersede, None, None, unreachable="the newest attempt is on record"),
     row(None, _Deadline, None, None, unreachable="a forgotten record has no deadline"),
-    # a repeated Expect of an attempt on record is a duplicate
-    *[row(s, Expect, None, s) for s in State],
+
+    # --- Expect on record: a newer attempt supersedes the newest (``_route`` brings it
+    # here only when the table accepts it); the same attempt again is older than the
+    # newest, already told, or a duplicate of one still counting (its Accepted went out).
+    row(_WT, Expect, newer, _SU, supersede, cancel_superseded),
+    row(_WT, Expect, None, _WT),
+    row(_FG, Expect, newer, _SU, supersede),
+    row(_FG, Expect, None, _FG),
+    row(_AB, Expect, newer, _AB, supersede),
+    row(_AB, Expect, stale_here, _AB, refuse_stale),
+    row(_AB, Expect, None, _AB),
+    row(_SU, Expect, newer, _SU, unreachable=_CURRENT_ONLY),
+    row(_SU, Expect, stale_here, _SU, refuse_stale),
+    row(_SU, Expect, None, _SU, unreachable="a SUPERSEDED attempt is never the newest"),
+    *[r for s in (_CO, _FD, _RL) for r in (
+        row(s, Expect, newer, s, supersede),
+        row(s, Expect, stale_here, s, refuse_stale),
+        row(s, Expect, None, s, refuse_ended),
+    )],
 
     # --- WAITING: counting ------------------------------------------------------------
     *[row(_WT, e, unresolvable, _WT) for e in _RESULTS],
@@ -555,7 +606,6 @@ TABLE = Table(State, (Expect, *_RESULTS, Abort, _Supersede, _Deadline), [
     *[row(_WT, e, last_unresolved, _FD, resolve, fail) for e in _GONE],
     *[row(_WT, e, None, _FG, resolve, cancel_failed) for e in _GONE],
     row(_WT, Abort, None, _AB, cancel_aborted),
-    row(_WT, _Supersede, None, _SU, cancel_superseded),
     row(_WT, _Deadline, graceless, _FD, fail_timeout),
     row(_WT, _Deadline, None, _FG, time_out),
 
@@ -564,7 +614,6 @@ TABLE = Table(State, (Expect, *_RESULTS, Abort, _Supersede, _Deadline), [
     *[row(_FG, e, last_unresolved, _FD, resolve, fail) for e in _RESULTS],
     *[row(_FG, e, None, _FG, resolve) for e in _RESULTS],
     row(_FG, Abort, None, _AB),  # the engine gets Release instead of Fail
-    row(_FG, _Supersede, None, _SU),
     row(_FG, _Deadline, None, _FD, fail),
 
     # --- ABORTING: Release is owed whatever happens ---------------------------------------
@@ -572,7 +621,6 @@ TABLE = Table(State, (Expect, *_RESULTS, Abort, _Supersede, _Deadline), [
     *[row(_AB, e, last_unresolved, _RL, resolve, release) for e in _RESULTS],
     *[row(_AB, e, None, _AB, resolve) for e in _RESULTS],
     row(_AB, Abort, None, _AB),
-    row(_AB, _Supersede, None, _AB),
     row(_AB, _Deadline, None, _RL, release),
 
     # --- SUPERSEDED: no engine output unless the engine aborts this attempt ---------------
@@ -580,7 +628,6 @@ TABLE = Table(State, (Expect, *_RESULTS, Abort, _Supersede, _Deadline), [
     *[row(_SU, e, last_unresolved, None, resolve) for e in _RESULTS],
     *[row(_SU, e, None, _SU, resolve) for e in _RESULTS],
     row(_SU, Abort, None, _AB),
-    row(_SU, _Supersede, None, _SU, unreachable=_CURRENT_ONLY),
     row(_SU, _Deadline, None, None),
 
     # --- tombstones -------------------------------------------------------------------
@@ -588,7 +635,6 @@ TABLE = Table(State, (Expect, *_RESULTS, Abort, _Supersede, _Deadline), [
     row(_CO, Abort, None, _RL, release_settled),  # all producers notified: nothing in flight
     row(_FD, Abort, None, _RL, release_settled),  # its Fail was safe, or the daemon fenced
     row(_RL, Abort, None, _RL),
-    *[row(s, _Supersede, None, s) for s in (_CO, _FD, _RL)],
     *[row(s, _Deadline, None, None) for s in (_CO, _FD, _RL)],  # tombstone time is over
 ])  # fmt: skip
 del _WT, _FG, _AB, _SU, _CO, _FD, _RL

@@ -81,17 +81,7 @@ class DecodeSide:
             fanout = producer_fanout(a.layout, a.tp_size, msg.prefill_tp_size, a.rank)
         except PlanError as exc:
             return refuse(str(exc))
-        ended = self.counter.registration(tid, msg.attempt)
-        if ended is not None and not ended.live:
-            # Its outcome was told: silence would leave the engine waiting out its timeout,
-            # and repeating the outcome could vouch for blocks nobody wrote.
-            return refuse(f"attempt {msg.attempt} of this transfer already ended "
-                          f"({ended.state.name.lower()}); register a new attempt")
-        prev = self.counter.registration(tid) if self.counter.live(tid) else None
-        if prev is not None and prev.attempt > msg.attempt:
-            return refuse(f"attempt {msg.attempt} is older than attempt {prev.attempt}")
-        if prev is not None and prev.attempt == msg.attempt:
-            return  # duplicate registration
+        # Older, repeated and already-ended attempts are the counter's rows to decide.
         timeout_ms = int(bounded_s(msg.timeout_ms, self.cfg.register_timeout_s) * 1000)
         forwards = tuple(
             proto.PeerRegister(tid, msg.attempt, msg.block_ids, msg.num_tokens, a.rank, a.tp_size, dests,
@@ -99,7 +89,7 @@ class DecodeSide:
             for _, dests in fanout
         )
         endpoints = tuple(msg.prefill_endpoints[r] for r, _ in fanout)
-        # The counter answers Accepted, which forwards the registrations (apply).
+        # The counter answers Accepted, which forwards the registrations, or Refuse (apply).
         self.apply(ctr.Expect(
             tid, msg.attempt, len(fanout), now, now + timeout_ms / 1000.0,
             endpoints=endpoints, ranks=tuple(r for r, _ in fanout), forwards=forwards,
@@ -304,6 +294,9 @@ class DecodeSide:
                 reason = _reason(act.reason)
                 self.ctx.to_engine(proto.ReceiveFailed(tid, act.attempt, reason))
                 self._history(tid, act.attempt, "failed", reason)
+            elif isinstance(act, ctr.Refuse):
+                self.ctx.bad("register", act.reason)
+                self.ctx.to_engine(proto.ReceiveFailed(tid, act.attempt, _reason(act.reason)))
             elif isinstance(act, ctr.Release):
                 self.ctx.to_engine(proto.Released(tid, act.attempt))
             elif isinstance(act, ctr.SendCancel):

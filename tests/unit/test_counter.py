@@ -26,6 +26,7 @@ from kvpush.daemon.counter import (
     Fail,
     Notified,
     ProducerFailed,
+    Refuse,
     Release,
     SendCancel,
     State,
@@ -41,7 +42,7 @@ def run(cc: CompletionCounter, *events: object) -> list:
 
 
 def test_table_covers_every_state_and_event() -> None:
-    for ev in (Expect, Notified, ProducerFailed, CancelConfirmed, Abort, cm._Deadline, cm._Supersede):
+    for ev in (Expect, Notified, ProducerFailed, CancelConfirmed, Abort, cm._Deadline):
         for state in (None, *State):
             assert cm.TABLE.rows_for(state, ev), (state, ev)
 
@@ -191,7 +192,7 @@ def test_tombstones_purged_and_tick_cheap() -> None:
     for i in range(20_000):
         cc.handle(Notified(f"t{i}", 0, 0, 2_000.0))
     cc.handle(Tick(2_002.0))
-    assert sum(cc.counts().values()) == 0 and not cc._current
+    assert sum(cc.counts().values()) == 0 and not cc._index
     assert len(cc._deadlines._heap) <= 64
 
 
@@ -300,14 +301,21 @@ class RefCounter:
     def expect(self, ev: Expect, out: list) -> None:
         key = (ev.transfer_id, ev.attempt)
         cur = self.cur.get(ev.transfer_id)
-        if key in self.recs:
+        if key in self.recs:  # registered again: older than the newest, told, or a duplicate
+            r = self.recs[key]
+            if cur != ev.attempt:
+                why = f"stale attempt: attempt {cur} is newer" if cur is not None else "stale attempt: superseded"
+                out.append(Refuse(*key, why, Cause.SUPERSEDED))
+            elif r.state in self.TOMB:
+                why = f"attempt {ev.attempt} of this transfer already ended ({r.state}); register a new attempt"
+                out.append(Refuse(*key, why, Cause.CLOSED))
             return
         if ev.attempt < 0 or ev.producers < 1:
             out.append(Fail(*key, "invalid registration", Cause.INVALID))
         elif ev.deadline <= self.now:
             out.append(Fail(*key, "registration deadline already passed", Cause.INVALID))
         elif cur is not None and ev.attempt < cur:
-            out.append(Fail(*key, f"stale attempt: attempt {cur} is newer", Cause.SUPERSEDED))
+            out.append(Refuse(*key, f"stale attempt: attempt {cur} is newer", Cause.SUPERSEDED))
         else:
             old = self.recs.get((ev.transfer_id, cur)) if cur is not None else None
             if old is not None and old.state in ("waiting", "failing"):
@@ -368,7 +376,7 @@ class _Seen:
     superseded: bool = False
 
 
-REJECTIONS = ("invalid registration", "registration deadline already passed", "stale attempt")
+REJECTIONS = ("invalid registration", "registration deadline already passed")
 
 
 class Checker:
@@ -411,6 +419,8 @@ class Checker:
                 assert s.notified == set(range(s.producers)), "Complete on a partial set"
                 assert now < s.deadline and not s.superseded and not s.aborts, a
                 s.completed = True
+            elif isinstance(a, Refuse):
+                assert s is None or s.superseded or s.completed or s.failed or s.releases, a
             elif isinstance(a, Fail) and a.reason.startswith(REJECTIONS):
                 pass  # an Expect refused outright: nothing was forwarded to producers
             elif isinstance(a, Fail):
@@ -503,3 +513,21 @@ def test_a_timeout_with_grace_fails_safely_once_the_late_producer_confirms_its_c
     assert cc.handle(Tick(11.9)) == []
     assert cc.handle(Tick(12.0)) == [Fail("u", 0, "timed out waiting for 1 of 1 producers", Cause.TIMEOUT,
                                           unsafe=True)]
+
+
+def test_registered_again_the_counter_refuses_what_the_shell_used_to() -> None:
+    """decode_side.on_register feeds every registration; these rows decide: an attempt whose
+    outcome was told, or one older than the newest (live or not), is refused at once; the
+    newest one still counting is a silent duplicate."""
+    cc = CompletionCounter()
+    run(cc, Expect("t", 0, 1, 0.0, 10.0), Notified("t", 0, 0, 1.0))
+    assert cc.handle(Expect("t", 0, 1, 2.0, 12.0)) == [Refuse(
+        "t", 0, "attempt 0 of this transfer already ended (completed); register a new attempt", Cause.CLOSED)]
+    assert cc.handle(Expect("t", 1, 2, 2.0, 12.0)) == [Accepted("t", 1)]
+    assert cc.handle(Expect("t", 1, 2, 2.0, 12.0)) == []  # duplicate
+    assert cc.handle(Expect("t", 0, 1, 2.0, 12.0))[0] == Refuse(
+        "t", 0, "stale attempt: attempt 1 is newer", Cause.SUPERSEDED)
+    assert cc.handle(Expect("t", 2, 1, 3.0, 12.0)) == [
+        SendCancel("t", 1, "superseded by attempt 2", Cause.SUPERSEDED), Accepted("t", 2)]
+    assert cc.handle(Expect("t", 1, 2, 3.0, 12.0))[0].cause is Cause.SUPERSEDED  # superseded, live
+    assert cc.current("t") == 2 and cc.live("t")

@@ -24,3 +24,4 @@ class Cause(enum.StrEnum):
     CANCELLED = "cancelled"  # the peer cancelled
     PRODUCER_FAILED = "producer_failed"  # decode side: a producer said it will not write
     OVERLOADED = "overloaded"  # the core holds max_live records
+    QUOTA = "quota"  # prefill side: the registering peer would go over its share

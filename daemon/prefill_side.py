@@ -69,8 +69,8 @@ class PrefillSide:
     def __init__(self, ctx: DaemonContext) -> None:
         self.ctx = ctx
         self.cfg = ctx.cfg
-        self.rdv = rv.Rendezvous()
-        self.quota = quotas.Quota(self.cfg.max_transfers_per_peer, self.cfg.max_blocks_per_peer)
+        self.rdv = rv.Rendezvous(
+            quota=quotas.Quota(self.cfg.max_transfers_per_peer, self.cfg.max_blocks_per_peer))
         self.consumers: dict[bytes, Consumer] = {}  # routing id -> decode daemon
         self.in_flight: dict[int, InFlight] = {}
         self._local_prep: dict[tuple[bytes, bytes], Any] = {}  # pattern -> prepared local dlist
@@ -197,8 +197,7 @@ class PrefillSide:
         elif msg.expected_dests == 0:
             why = "expected_dests must be positive"
         else:
-            why = (check_blocks(peer.layout, msg.block_ids, msg.num_tokens, "peer register", msg.first_token)
-                   or self._over_quota(peer, msg))
+            why = check_blocks(peer.layout, msg.block_ids, msg.num_tokens, "peer register", msg.first_token)
         # The decode side gives up at its deadline even with a WRITE in flight, so the last
         # WRITE must start early enough to finish (or time out) before then.
         margin = self.cfg.write_timeout_s + 1.0
@@ -217,17 +216,6 @@ class PrefillSide:
             msg.transfer_id, msg.attempt, peer.key, msg.dest_rank, msg.expected_dests, msg.block_ids,
             msg.num_tokens, now, now + max(0.0, deadline - margin), msg.first_token, peer.node,
         ))
-
-    def _over_quota(self, peer: Consumer, msg: proto.PeerRegister) -> str:
-        """Why this registration would take its peer over its share (:mod:`quotas`), or "".
-        A repeat or an older attempt of a transfer the peer holds is the rendezvous' to
-        answer: a WRITE into those blocks may be in flight, so it must not hear a failure."""
-        stake = self.rdv.peer_stake(msg.transfer_id, peer.key)
-        if stake is not None:
-            cur = self.rdv.info(msg.transfer_id)
-            if cur is not None and msg.attempt <= cur.attempt:
-                return ""
-        return quotas.refusal(self.quota, self.rdv.peer_held(peer.key), stake, len(msg.block_ids))
 
     def consumer(self, key: str) -> Consumer | None:
         try:
@@ -428,6 +416,8 @@ class PrefillSide:
                     self.ctx.trace.stamp(act.transfer_id, "p.daemon.sent" if act.ok else "p.daemon.send_failed")
                     self.ctx.to_engine(msg)
                 elif isinstance(act, rv.NotifyFailure):
+                    if act.cause is rv.Cause.QUOTA:
+                        self.ctx.bad("register", act.reason)
                     peer = self.consumer(act.peer)
                     if peer is not None:
                         self.ctx.wire.to_consumer(peer.routing_id, proto.WriteFailedNotice(

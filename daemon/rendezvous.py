@@ -30,6 +30,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvpush.daemon.causes import Cause
+from kvpush.daemon.quotas import Quota, refusal
 from kvpush.machine.core import Core, Held, Record, Table, _Deadline, row
 
 __all__ = [
@@ -295,9 +296,11 @@ class Rendezvous(Core[str, _Transfer]):
     registrations); expiry costs O(expired · log n) and a heap peek when nothing is due.
     """
 
-    def __init__(self, *, tombstone_s: float = 60.0, max_transfers: int = 100_000) -> None:
+    def __init__(self, *, tombstone_s: float = 60.0, max_transfers: int = 100_000,
+                 quota: Quota | None = None) -> None:
         super().__init__(TABLE, TOMBSTONES, DEADLINES, tombstone_s=tombstone_s, max_live=max_transfers,
                          holdings=_peer_holdings)
+        self.quota = quota  # each decode peer's share (None: no per-peer bound)
 
     @property
     def max_transfers(self) -> int | None:
@@ -373,6 +376,22 @@ def _why_invalid(rv: Rendezvous, ev: Register, rec: _Transfer | None = None) -> 
 
 def invalid(rv: Rendezvous, rec: _Transfer | None, ev: Register) -> bool:
     return _why_invalid(rv, ev, rec) is not None
+
+
+def _why_over_quota(rv: Rendezvous, rec: _Transfer | None, ev: Register) -> str:
+    """Why this registration would take its peer over its share (:mod:`quotas`), or "".
+    A repeat or an older attempt of a transfer the peer holds is the other rows' to answer:
+    a WRITE into those blocks may be in flight, so it must not hear a failure."""
+    if rv.quota is None:
+        return ""
+    stake = rv.held_in(ev.transfer_id, ev.peer)
+    if stake is not None and rec is not None and ev.attempt <= rec.attempt:
+        return ""
+    return refusal(rv.quota, rv.held(ev.peer), stake, len(ev.block_ids))
+
+
+def over_quota(rv: Rendezvous, rec: _Transfer | None, ev: Register) -> bool:
+    return bool(_why_over_quota(rv, rec, ev))
 
 
 def overloaded(rv: Rendezvous, rec: _Transfer | None, ev: object) -> bool:
@@ -569,6 +588,10 @@ def reject_invalid(rv: Rendezvous, rec: _Transfer | None, ev: Register, out: lis
     _refuse(ev, why, Cause.INVALID, out)
 
 
+def reject_quota(rv: Rendezvous, rec: _Transfer | None, ev: Register, out: list) -> None:
+    _refuse(ev, _why_over_quota(rv, rec, ev), Cause.QUOTA, out)
+
+
 def reject_overloaded(rv: Rendezvous, rec: _Transfer | None, ev: Register, out: list) -> None:
     _refuse(ev, "overloaded", Cause.OVERLOADED, out)
 
@@ -731,16 +754,19 @@ _IN_FLIGHT = "WRITING always has a write in flight (all started, not all done, n
 
 TABLE = Table(State, (Register, PrefillDone, WriteDone, WriteFailed, Abort, PeerLost, _Deadline), [
     # --- Register ---------------------------------------------------------------------
+    row(None, Register, over_quota, None, reject_quota),
     row(None, Register, invalid, None, reject_invalid),
     row(None, Register, overloaded, None, reject_overloaded),
     row(None, Register, None, _WP, open_attempt, add_reg),
 
+    row(_WP, Register, over_quota, _WP, reject_quota),
     row(_WP, Register, invalid, _WP, reject_invalid),
     row(_WP, Register, stale, _WP, reject_stale),
     row(_WP, Register, duplicate, _WP),
     row(_WP, Register, inconsistent, _EX, reject_inconsistent, end_inconsistent),
     row(_WP, Register, None, _WP, open_attempt, add_reg),
 
+    row(_WR, Register, over_quota, _WR, reject_quota),
     row(_WR, Register, repeats_write, _WR),
     row(_WR, Register, invalid, _WR, reject_invalid),
     row(_WR, Register, stale, _WR, reject_stale),
@@ -751,6 +777,7 @@ TABLE = Table(State, (Register, PrefillDone, WriteDone, WriteFailed, Abort, Peer
     row(_WR, Register, completes_set, _WG, open_attempt, add_reg, start_reg),
     row(_WR, Register, None, _WR, open_attempt, add_reg, start_reg),
 
+    row(_WG, Register, over_quota, _WG, reject_quota),
     row(_WG, Register, repeats_write, _WG),
     row(_WG, Register, invalid, _WG, reject_invalid),
     row(_WG, Register, stale, _WG, reject_stale),
@@ -761,10 +788,12 @@ TABLE = Table(State, (Register, PrefillDone, WriteDone, WriteFailed, Abort, Peer
     row(_WG, Register, completes_set, _WG, open_attempt, add_reg, start_reg),
     row(_WG, Register, None, _WR, open_attempt, add_reg, start_reg),
 
+    *[row(s, Register, over_quota, s, reject_quota) for s in (_DR, _OK, _FL)],
     *[row(s, Register, answered, s) for s in (_DR, _OK, _FL)],
     *[row(s, Register, None, s, reject_closed) for s in (_DR, _OK, _FL)],
 
     # EXPIRED: a newer attempt brings the transfer back (it counts as live again)
+    row(_EX, Register, over_quota, _EX, reject_quota),
     row(_EX, Register, invalid, _EX, reject_invalid),
     row(_EX, Register, overloaded_newer, _EX, reject_overloaded),
     row(_EX, Register, stale, _EX, reject_stale),

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from kvpush.daemon import counter as cm
 from kvpush.daemon import rendezvous as rz
 from kvpush.daemon.causes import Cause
+from kvpush.daemon.quotas import Quota
 from kvpush.machine import core
 from kvpush.machine.core import Row, Table, row
 
@@ -168,7 +169,8 @@ def _taken_rows(make: Any, events: Any, seeds: range) -> set[Row]:
     [
         (
             rz.TABLE,
-            [lambda: rz.Rendezvous(tombstone_s=5.0, max_transfers=2), lambda: rz.Rendezvous(tombstone_s=5.0)],
+            [lambda: rz.Rendezvous(tombstone_s=5.0, max_transfers=2), lambda: rz.Rendezvous(tombstone_s=5.0),
+             lambda: rz.Rendezvous(tombstone_s=5.0, quota=Quota(2, 40))],
             rz_events,
         ),
         (cm.TABLE, [lambda: cm.CompletionCounter(tombstone_s=3.0, max_attempts=3),
@@ -215,6 +217,7 @@ _RZ_CAUSES = [  # reason prefix -> cause, as callers matched strings before caus
     ("prefill did not complete in time", Cause.TIMEOUT),
     ("num_tokens mismatch", Cause.MISMATCH),
     ("overloaded", Cause.OVERLOADED),
+    ("quota: ", Cause.QUOTA),
     ("source blocks released", Cause.CLOSED),
     ("transfer aborted", Cause.CLOSED),
     ("attempt", Cause.CLOSED),  # "attempt N already failed or ended"
@@ -255,10 +258,11 @@ def _rz_facts(c: rz.Rendezvous, key: str, rec: Any, r: Row) -> None:
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.integers(0, 2**32), st.sampled_from([(5.0, 2), (5.0, 1000), (1e9, 1000)]))
+@given(st.integers(0, 2**32), st.sampled_from([(5.0, 2, None), (5.0, 1000, None), (1e9, 1000, None),
+                                               (5.0, 1000, Quota(2, 40))]))
 def test_rendezvous_states_follow_the_table_and_the_facts(seed: int, cfg: tuple) -> None:
     rng = random.Random(seed)  # a seed, not st.randoms: the sequences are long
-    rv = rz.Rendezvous(tombstone_s=cfg[0], max_transfers=cfg[1])
+    rv = rz.Rendezvous(tombstone_s=cfg[0], max_transfers=cfg[1], quota=cfg[2])
     _Watch(rv, _rz_facts)
     for ev in rz_events(rng, 120):
         for a in rv.handle(ev):

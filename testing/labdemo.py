@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpush.testing import vllm_env as ve
+from kvpush.testing.demo_report import report
 from kvpush.testing.labstack import EngineSpec, LabStack
 from kvpush.testing.netlab import Lab, LabUnavailable, sweep_stale, unavailable_reason
 from kvpush.testing.procs import free_port
@@ -44,8 +45,6 @@ def colocated(model: Path, work: Path, ps: list[str], max_tokens: int, concurren
 
 
 def run(model: Path, work: Path, ps: list[str], max_tokens: int, concurrency: int) -> int:
-    from kvpush.testing.demo import report
-
     why = unavailable_reason(need_nft=False)
     if why:
         print(f"kvpush lab demo: cannot run here: {why}")

@@ -47,9 +47,9 @@ from pathlib import Path
 from typing import Any
 
 from kvpush.testing import vllm_env as ve
-from kvpush.testing.sweep.client import ClientRunner
 from kvpush.testing.sweep.grid import build_points
 from kvpush.testing.sweep.launchers import MODES
+from kvpush.testing.sweep.load_client import ClientRunner
 from kvpush.testing.sweep.runner import SweepConfig, run_mode
 
 ROOT = ve.ROOT

@@ -20,10 +20,10 @@ from typing import Any
 from kvpush.testing import vllm_env as ve
 from kvpush.testing.procs import cpu_snapshot, shm_files
 from kvpush.testing.prom import scrape
-from kvpush.testing.sweep.client import ClientRunner, client_argv, point_cap, summarize_raw
 from kvpush.testing.sweep.grid import MODEL_NAME, Point
 from kvpush.testing.sweep.launchers import ModeStack, start_mode
-from kvpush.testing.sweep.metrics import (
+from kvpush.testing.sweep.load_client import ClientRunner, client_argv, point_cap, summarize_raw
+from kvpush.testing.sweep.scrape_deltas import (
     DAEMON_COUNTERS,
     DAEMON_HISTOGRAMS,
     ENGINE_COUNTERS,

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvpush.testing.demo import prompts
+from kvpush.testing.demo_report import prompts
 from kvpush.testing.labdemo import colocated
 from kvpush.testing.labstack import EngineSpec, LabStack
 from kvpush.testing.netlab import Lab, sweep_stale

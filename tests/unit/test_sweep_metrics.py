@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from kvpush.daemon.metrics import WorkerMetrics
 from kvpush.testing import prom
-from kvpush.testing.sweep import metrics as sm
+from kvpush.testing.sweep import scrape_deltas as sm
 
 BUCKETS = (0.01, 0.1, 1.0)
 ITL = "vllm:inter_token_latency_seconds"

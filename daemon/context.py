@@ -4,12 +4,15 @@ The daemon is a composition (see :mod:`kvpush.daemon.device_daemon`): an engine 
 side, a decode side and ops, driven by one loop. They do not reach into each other's state;
 what they all need lives here, each fact with one owner:
 
-* ``attached`` is written only by the engine session (attach / detach), read by both sides;
-* ``draining`` is written only by ops;
+* ``attached`` is written only by the engine session (attach / detach / at exit), read by
+  both sides: a read-only property, set through :meth:`DaemonContext.set_attached` by the
+  owner that claimed it (:meth:`DaemonContext.own_attached`, once);
+* ``draining`` is written only by ops (through its view's ``drain``);
 * ``history`` and ``trace`` are append-only records every part stamps.
 
-The ports (:class:`Wire` for ZeroMQ, the transport for NIXL) are protocols, so each side can
-be driven in a unit test by the in-memory ones of :mod:`kvpush.testing.inmemory`.
+The ports (:class:`Wire` for the engine's unix socket and the peers' ZeroMQ, the transport for
+NIXL) are protocols, so the whole daemon can be driven in a unit test over the in-memory ones
+of :mod:`kvpush.testing.inmemory`.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ log = logging.getLogger(__name__)
 
 
 class Wire(Protocol):
-    """The daemon's ZeroMQ side as the parts see it: fire-and-forget sends, never blocking."""
+    """The daemon's sockets as the parts see it (the engine's unix stream socket, the peers'
+    ZeroMQ): fire-and-forget sends, never blocking."""
 
     def to_engine(self, identity: bytes, msg: Any) -> None:
         """Reply on the engine socket to the engine with this routing identity."""
@@ -120,11 +124,29 @@ class DaemonContext:
     trace: TraceRing = field(default_factory=TraceRing)
     history: History = field(default_factory=History)
     auth: Any = None  # PeerAuth (None: insecure_peers, every peer is anonymous)
-    attached: Attached | None = None
     draining: bool = False
     errors: int = 0
     started: float = field(default_factory=time.monotonic)
     fence: Callable[[str], None] = exit_fence  # in-memory tests record it instead
+    _attached: Attached | None = field(default=None, init=False, repr=False)
+    _attached_owner: object = field(default=None, init=False, repr=False)
+
+    @property
+    def attached(self) -> Attached | None:
+        """The engine rank this daemon serves (None: none attached). Read-only: its owner
+        writes it through :meth:`set_attached`."""
+        return self._attached
+
+    def own_attached(self, owner: object) -> None:
+        """``owner`` (the engine session) becomes the one writer of ``attached``."""
+        if self._attached_owner is not None and self._attached_owner is not owner:
+            raise RuntimeError("attached already has an owner")
+        self._attached_owner = owner
+
+    def set_attached(self, attached: Attached | None, *, by: object) -> None:
+        if by is not self._attached_owner or by is None:
+            raise RuntimeError(f"only the owner of attached may set it, not {type(by).__name__}")
+        self._attached = attached
 
     @property
     def rank(self) -> int:

@@ -8,9 +8,11 @@ The parts (each its own module, each unit-tested through the in-memory ports of
 * :class:`DecodeSide` — links to prefill daemons, the completion counter, notifications;
 * :mod:`kvpush.daemon.ops_views` — ``kvpushctl``'s view and commands.
 
-They share a :class:`DaemonContext` (identity, ports, records). This module builds them,
-wires the socket shell (:class:`DaemonWire`) and NIXL (:class:`NixlTransport`) in, and runs
-the loop: one thread that blocks on its sockets while idle (no NIXL progress thread, no busy
+They share a :class:`DaemonContext` (identity, ports, records). :class:`Worker` composes
+them over its :class:`Ports`, the one composition of a daemon: :func:`real_ports` builds the
+real ones (the socket shell :class:`DaemonWire`, :class:`NixlTransport`, peer keys, the shm
+ledger), :class:`kvpush.testing.inmemory.MemNode` is the same ``Worker`` over in-memory
+ports, so the timers it ticks are the real ones. The worker runs the loop: one thread that blocks on its sockets while idle (no NIXL progress thread, no busy
 polling), polls NIXL with a short adaptive interval only while WRITEs are in flight or
 notifications are expected, and ticks the cores' timers every 50 ms.
 """
@@ -24,18 +26,20 @@ import socket
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
 from kvpush import proto
-from kvpush.daemon.context import DaemonContext
+from kvpush.daemon.context import DaemonContext, exit_fence
 from kvpush.daemon.daemon_config import DeviceConfig
 from kvpush.daemon.decode_side import DecodeSide
 from kvpush.daemon.endpoints import Endpoints
-from kvpush.daemon.engine_session import EngineSession, LocalTrust
+from kvpush.daemon.engine_session import EngineSession, LocalTrust, RegionOpener, map_engine_region
 from kvpush.daemon.kv_mapping import ShmLedger
 from kvpush.daemon.metrics import WorkerMetrics
+from kvpush.daemon.ops_views import DaemonView, handle_ops
 from kvpush.daemon.peerauth import PeerAuth
 from kvpush.daemon.peers import Link
 from kvpush.daemon.prefill_side import PrefillSide
@@ -85,43 +89,118 @@ class _Laps:
         return f"{what}: {dt:.2f} s"
 
 
-class Worker:
-    """One device's daemon: its parts, and the loop (startup, step, tick, shutdown)."""
+class _Late:
+    """A callback bound once its target exists (the wire reports bad input to the context,
+    which is built over the wire)."""
 
-    def __init__(self, cfg: DeviceConfig) -> None:
+    def __init__(self) -> None:
+        self.target: Callable[[str, str], None] | None = None
+
+    def __call__(self, cause: str, detail: str) -> None:
+        if self.target is not None:
+            self.target(cause, detail)
+
+
+@dataclass
+class Ports:
+    """Everything a :class:`Worker` talks to outside its own process state."""
+
+    wire: Any  # the Wire port (context.Wire); the real one also drives the loop's sockets
+    transport: Any  # NixlTransport or an in-memory stand-in with the same methods
+    peer_endpoint: str  # what decode daemons dial to reach this one
+    daemon_id: str
+    agent_name: str
+    auth: PeerAuth | None = None  # None: insecure_peers
+    trust: LocalTrust | None = None  # who may attach (peer credentials, the shm ledger)
+    open_region: RegionOpener = map_engine_region  # maps an engine's MemoryHandle
+    fence: Callable[[str], None] = exit_fence
+    on_bad: _Late | None = None  # bound to the context's ``bad`` once it exists
+    close: Callable[[], None] = lambda: None  # after the wire closed (the ZeroMQ context)
+
+
+def real_ports(cfg: DeviceConfig) -> Ports:
+    """The ports of a real daemon: sockets bound, peer keys loaded, a NIXL agent created."""
+    daemon_id = uuid.uuid4().hex[:12]
+    agent_name = f"kvpush-{socket.gethostname()}-{cfg.name}-{daemon_id}"
+    zctx = zmq.Context()
+    auth = None
+    if cfg.insecure_peers:
+        log.warning("insecure_peers = true: the peer port %s:%s accepts anyone who reaches it "
+                    "(NIXL metadata and KV memory included)", cfg.peer_host, cfg.peer_port)
+    else:
+        auth = PeerAuth.load(cfg.curve_secret_key_file, cfg.authorized_keys_dir)
+    ep = Endpoints(
+        zctx, engine=cfg.engine_socket, peer=f"tcp://{cfg.peer_host}:{cfg.peer_port or 0}",
+        max_message=cfg.max_message_bytes, handshake_ms=round(cfg.peer_handshake_s * 1000),
+        ops=cfg.ops_socket, socket_mode=cfg.socket_mode, auth=auth,
+    )
+    bad = _Late()
+    wire = DaemonWire(ep, bad)
+    params = {"ucx_error_handling_mode": cfg.ucx_error_handling_mode} if cfg.backend == "UCX" else {}
+    adv = cfg.advertise_host or cfg.peer_host
+    ledger = ShmLedger(os.path.join(cfg.runtime_dir, f"shm-{cfg.name}.json"))
+    return Ports(
+        wire=wire, transport=NixlTransport(agent_name, cfg.backend, backend_params=params),
+        peer_endpoint=f"tcp://{adv}:{ep.peer_ep.rsplit(':', 1)[1]}", daemon_id=daemon_id,
+        agent_name=agent_name, auth=auth, trust=LocalTrust(wire.engine_peers, ledger), on_bad=bad,
+        close=zctx.term,
+    )
+
+
+class Worker:
+    """One device's daemon: its parts over its ports, and the loop (startup, step, tick,
+    shutdown)."""
+
+    def __init__(self, cfg: DeviceConfig, ports: Ports) -> None:
         self.cfg = cfg
-        daemon_id = uuid.uuid4().hex[:12]
-        agent_name = f"kvpush-{socket.gethostname()}-{cfg.name}-{daemon_id}"
-        metrics = WorkerMetrics(cfg.name)
-        self.zctx = zmq.Context()
-        auth = None
-        if cfg.insecure_peers:
-            log.warning("insecure_peers = true: the peer port %s:%s accepts anyone who reaches it "
-                        "(NIXL metadata and KV memory included)", cfg.peer_host, cfg.peer_port)
-        else:
-            auth = PeerAuth.load(cfg.curve_secret_key_file, cfg.authorized_keys_dir)
-        ep = Endpoints(
-            self.zctx, engine=cfg.engine_socket, peer=f"tcp://{cfg.peer_host}:{cfg.peer_port or 0}",
-            max_message=cfg.max_message_bytes, handshake_ms=round(cfg.peer_handshake_s * 1000),
-            ops=cfg.ops_socket, socket_mode=cfg.socket_mode, auth=auth,
-        )
-        self.ctx: DaemonContext
-        self.wire = DaemonWire(ep, lambda cause, detail: self.ctx.bad(cause, detail))
-        params = {"ucx_error_handling_mode": cfg.ucx_error_handling_mode} if cfg.backend == "UCX" else {}
-        adv = cfg.advertise_host or cfg.peer_host
-        self.ctx = DaemonContext(
-            cfg, daemon_id, agent_name, f"tcp://{adv}:{ep.peer_ep.rsplit(':', 1)[1]}", self.wire,
-            NixlTransport(agent_name, cfg.backend, backend_params=params), metrics, auth=auth,
-        )
+        self.ports = ports
+        self.wire = ports.wire
+        self.ctx = DaemonContext(cfg, ports.daemon_id, ports.agent_name, ports.peer_endpoint, ports.wire,
+                                 ports.transport, WorkerMetrics(cfg.name), auth=ports.auth, fence=ports.fence)
+        if ports.on_bad is not None:
+            ports.on_bad.target = self.ctx.bad
         self.prefill = PrefillSide(self.ctx)
         self.decode = DecodeSide(self.ctx)
-        ledger = ShmLedger(os.path.join(cfg.runtime_dir, f"shm-{cfg.name}.json"))
-        self.session = EngineSession(self.ctx, self.prefill, self.decode,
-                                     trust=LocalTrust(self.wire.engine_peers, ledger))
+        self.session = EngineSession(self.ctx, self.prefill, self.decode, open_region=ports.open_region,
+                                     trust=ports.trust)
+        self.ops = self._ops_view()
         self.stopping = False
         self.poll_s = cfg.poll_min_s
         self.last_tick = 0.0
         self.last_auth = 0.0
+
+    def _ops_view(self) -> DaemonView:
+        """What ops may see and do (ops_views never holds the worker)."""
+        ctx, prefill, decode, auth = self.ctx, self.prefill, self.decode, self.ctx.auth
+
+        def metrics_text() -> str:
+            prefill.report_held(time.monotonic())
+            return ctx.metrics.render()
+
+        def drain() -> None:
+            ctx.draining = True
+
+        return DaemonView(
+            device=self.cfg.name, backend=self.cfg.backend, engine_socket=self.cfg.engine_socket,
+            daemon_id=ctx.daemon_id, agent=ctx.agent_name, started=ctx.started,
+            peer_endpoint=ctx.peer_endpoint, peer_auth="insecure" if auth is None else "curve",
+            node="" if auth is None else auth.me.name,
+            engine=lambda: ctx.attached,
+            draining=lambda: ctx.draining,
+            rejected_inputs=lambda: ctx.errors,
+            counts=lambda: (prefill.rdv.counts(), decode.counter.counts()),
+            prefill_pending=prefill.rdv.pending,
+            decode_pending=decode.counter.pending,
+            peer_counts=lambda: (len(decode.producers), len(prefill.consumers)),
+            peer_rows=lambda now: ([p.describe(now) for p in decode.producers.values()]
+                                   + [p.describe(now) for p in prefill.consumers.values()]),
+            writes_in_flight=lambda: list(prefill.in_flight.values()),
+            recent=lambda: list(ctx.history.items),
+            trace=ctx.trace.view,
+            metrics_text=metrics_text,
+            drain=drain,
+            cancel=self.cancel,
+        )
 
     # ------------------------------------------------------------------ loop
 
@@ -195,12 +274,10 @@ class Worker:
             self.poll_s = self.cfg.poll_min_s
 
     def _on_ops(self, ident: bytes, msg: Any) -> None:
-        from kvpush.daemon.ops_views import handle_ops
-
         if not isinstance(msg, proto.OpsRequest):
             self.wire.to_ops(ident, proto.OpsReply(False, {}, f"expected OpsRequest, got {type(msg).__name__}"))
             return
-        self.wire.to_ops(ident, handle_ops(self, msg))
+        self.wire.to_ops(ident, handle_ops(self.ops, msg))
 
     def tick(self, now: float) -> None:
         self.wire.expire(now)
@@ -255,13 +332,10 @@ class Worker:
             self.ctx.transport.close()
         except Exception as exc:
             log.warning("NIXL close: %s", exc)
-        if self.ctx.attached is not None:
-            for region in self.ctx.attached.regions:
-                region.close()
-            self.ctx.attached = None
+        self.session.unmap()
         self.session.shutdown()
         self.wire.close()
-        self.zctx.term()
+        self.ports.close()
 
 
 def _tight_timers() -> None:
@@ -286,7 +360,7 @@ def run_worker(cfg: DeviceConfig, ready_event: Any = None) -> int:
     # `kill -USR1 <pid>` dumps every thread's stack to stderr: what is this daemon doing?
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     _tight_timers()
-    w = Worker(cfg)
+    w = Worker(cfg, real_ports(cfg))
 
     def stop(signum: int, _frame: Any) -> None:
         w.stopping = True

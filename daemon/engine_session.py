@@ -36,7 +36,7 @@ RESTART_GRACE_S = 10.0  # after a daemon restart, the recorded live engine's cla
 REAP_EVERY_S = 1.0  # how often exited engines' memory is looked for
 
 
-def _open_region(memory: proto.MemoryHandle, owner: Any = None) -> Any:
+def map_engine_region(memory: proto.MemoryHandle, owner: Any = None) -> Any:
     from kvpush.daemon.kv_mapping import open_region
 
     return open_region(memory, owner)
@@ -56,7 +56,7 @@ class LocalTrust:
 
 class EngineSession:
     def __init__(self, ctx: DaemonContext, prefill: PrefillSide, decode: DecodeSide,
-                 open_region: RegionOpener = _open_region, trust: LocalTrust | None = None) -> None:
+                 open_region: RegionOpener = map_engine_region, trust: LocalTrust | None = None) -> None:
         self.ctx = ctx
         self.prefill = prefill
         self.decode = decode
@@ -64,6 +64,7 @@ class EngineSession:
         self.trust = trust
         self.holder: Holder | None = None  # the process holding the rank (with trust)
         self.last_reap = 0.0
+        ctx.own_attached(self)
         if trust is not None and trust.ledger is not None:
             self._restore(trust, time.monotonic())
 
@@ -144,9 +145,9 @@ class EngineSession:
             ctx.wire.to_engine(ident, proto.Error(
                 "attach", proto.codec.clip(f"cannot register engine memory: {exc}", proto.codec.REASON_MAX)))
             return
-        ctx.attached = Attached(
+        ctx.set_attached(Attached(
             ident, msg.engine_id, msg.rank, msg.tp_size, msg.role, msg.layout, tuple(regions), now, msg.regions
-        )
+        ), by=self)
         self.prefill.on_attach()
         if self.trust is not None and peer is not None and peer_start is not None:
             self.holder = Holder(peer.pid, peer_start, peer.uid)
@@ -252,7 +253,16 @@ class EngineSession:
         for region in old.regions:
             self.ctx.transport.deregister(region)
             region.close()
-        self.ctx.attached = None
+        self.ctx.set_attached(None, by=self)
+
+    def unmap(self) -> None:
+        """At daemon exit, after NIXL closed (its registrations went with it): unmap the
+        engine's memory."""
+        old = self.ctx.attached
+        if old is not None:
+            for region in old.regions:
+                region.close()
+            self.ctx.set_attached(None, by=self)
 
     def on_trace_report(self, msg: proto.TraceReport) -> None:
         """The engine plugin's stamps of one transfer: kept beside ours for `kvpushctl trace`."""

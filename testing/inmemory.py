@@ -6,8 +6,10 @@ one :class:`Fabric`, checks every descriptor lies inside memory the target regis
 NIXL does), completes on the next ``state()`` poll and then delivers its notification.
 :class:`Net` carries messages between daemons' :class:`MemWire` ports through the real
 codec (every message is encoded and decoded, so the wire contract is exercised), in order,
-when the test calls :meth:`Net.run`. :class:`MemNode` is one daemon assembled from the real
-parts exactly as :class:`kvpush.daemon.device_daemon.Worker` assembles them.
+when the test calls :meth:`Net.run`. :class:`MemNode` is a
+:class:`kvpush.daemon.device_daemon.Worker` over these ports: the same composition, the same
+tick (session, wire expiry, auth refresh), the same ops view; only the socket loop
+(``Worker.step``) is replaced by :meth:`Net.run` and :meth:`MemNode.poll`.
 """
 
 from __future__ import annotations
@@ -22,13 +24,8 @@ from typing import Any
 import numpy as np
 
 from kvpush import proto
-from kvpush.daemon.context import DaemonContext
 from kvpush.daemon.daemon_config import DeviceConfig
-from kvpush.daemon.decode_side import DecodeSide
-from kvpush.daemon.device_daemon import nixl_turn
-from kvpush.daemon.engine_session import EngineSession
-from kvpush.daemon.metrics import WorkerMetrics
-from kvpush.daemon.prefill_side import PrefillSide
+from kvpush.daemon.device_daemon import Ports, Worker, nixl_turn
 from kvpush.daemon.transport import TransportError
 from kvpush.proto.layout import KVLayout
 
@@ -232,26 +229,33 @@ class MemWire:
     def close_producer(self, endpoint: str) -> None:
         self.dialled.discard(endpoint)
 
+    def expire(self, now: float) -> None:
+        """The wire's own timers: no engine connections here, so none."""
+
+    def close(self) -> None:
+        self.dialled.clear()
+
 
 # ---------------------------------------------------------------------------- a daemon
 
 
-class MemNode:
-    """One device's daemon built from the real parts over in-memory ports."""
+class MemNode(Worker):
+    """One device's daemon: a :class:`Worker` over in-memory ports."""
+
+    wire: MemWire
+    transport: MemTransport
 
     def __init__(self, net: Net, fabric: Fabric, name: str, **cfg: Any) -> None:
         endpoint = f"mem://{name}"
-        self.cfg = DeviceConfig(name=name, index=0, runtime_dir="/nonexistent", insecure_peers=True, **cfg)
-        self.wire = MemWire(net, endpoint)
-        self.transport = MemTransport(f"agent-{name}", fabric=fabric)
-        self.ctx = DaemonContext(self.cfg, f"id-{name}", self.transport.name, endpoint, self.wire,
-                                 self.transport, WorkerMetrics(name))
         self.fenced: list[str] = []  # a real daemon would have exited (DaemonContext.fence)
-        self.ctx.fence = self.fenced.append
-        self.prefill = PrefillSide(self.ctx)
-        self.decode = DecodeSide(self.ctx)
         self.regions: dict[bytes, MemRegion] = {}
-        self.session = EngineSession(self.ctx, self.prefill, self.decode, open_region=self._open)
+        self.transport = MemTransport(f"agent-{name}", fabric=fabric)
+        super().__init__(
+            DeviceConfig(name=name, index=0, runtime_dir="/nonexistent", insecure_peers=True, **cfg),
+            Ports(wire=MemWire(net, endpoint), transport=self.transport, peer_endpoint=endpoint,
+                  daemon_id=f"id-{name}", agent_name=self.transport.name, open_region=self._open,
+                  fence=self.fenced.append),
+        )
         net.nodes[endpoint] = self
         self.endpoint = endpoint
 
@@ -287,6 +291,5 @@ class MemNode:
         return nixl_turn(self.prefill, self.decode, time.monotonic())
 
     def tick(self, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
-        self.prefill.tick(now)
-        self.decode.tick(now)
+        """The worker's tick (``now`` defaults to the clock)."""
+        super().tick(time.monotonic() if now is None else now)

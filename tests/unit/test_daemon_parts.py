@@ -451,3 +451,36 @@ def test_a_large_write_is_announced_before_it_is_posted_a_small_one_after(lab, m
     assert kinds(d) == ["Received"] and kinds(p) == ["Sent"]
     hint = [w for kind, done, w in sent if kind == "Writing" and done is False]
     assert hint == [0 if large else 1], sent
+
+
+def test_attached_has_one_writer_the_engine_session(lab):
+    """ctx.attached is a read-only property; only the engine session that owns it sets it
+    (the worker's shutdown asks the session to unmap)."""
+    net, fab = lab
+    p = MemNode(net, fab, "p")
+    with pytest.raises(AttributeError):
+        p.ctx.attached = None  # type: ignore[misc]
+    with pytest.raises(RuntimeError, match="only the owner"):
+        p.ctx.set_attached(None, by=p)
+    with pytest.raises(RuntimeError, match="already has an owner"):
+        p.ctx.own_attached(object())
+    p.ctx.set_attached(None, by=p.session)
+
+
+def test_ops_sees_the_daemon_through_its_view_only(lab):
+    """The in-memory node is a Worker: ops answers from the same narrow view a real daemon
+    gives (handle_ops never gets the worker)."""
+    from kvpush.daemon.ops_views import DaemonView, handle_ops
+
+    net, fab = lab
+    p, d = pair(net, fab)
+    t = tid()
+    register(d, t, [1, 2], 20, [p])
+    net.run()
+    assert isinstance(d.ops, DaemonView)
+    reply = handle_ops(d.ops, proto.OpsRequest("pending"))
+    assert reply.ok and [r["transfer_id"] for r in reply.data["pending"]] == [t]
+    assert handle_ops(d.ops, proto.OpsRequest("status")).data["pending"]["decode"]["waiting"] == 1
+    assert handle_ops(d.ops, proto.OpsRequest("cancel", t)).ok
+    net.run()
+    assert handle_ops(d.ops, proto.OpsRequest("drain")).ok and d.ctx.draining

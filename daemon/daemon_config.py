@@ -329,8 +329,8 @@ class DeviceConfig:
                          "capped at this): how long the daemon holds an engine's source blocks",
                          check=_check_positive)
     register_timeout_s: float = key(30.0, "longest registration timeout a Register (and the "
-                                    "PeerRegister it becomes) may ask for: its timeout_ms / "
-                                    "deadline_ms is capped at this", check=_check_positive)
+                                    "PeerRegister it becomes) may ask for: their timeout_ms "
+                                    "is capped at this", check=_check_positive)
     write_timeout_s: float = key(5.0, "a posted WRITE not complete by then fails",
                                  check=_check_positive)
     peer_timeout_s: float = key(10.0, "a peer daemon silent this long (or not answering the "

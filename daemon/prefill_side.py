@@ -201,7 +201,7 @@ class PrefillSide:
         # The decode side gives up at its deadline even with a WRITE in flight, so the last
         # WRITE must start early enough to finish (or time out) before then.
         margin = self.cfg.write_timeout_s + 1.0
-        deadline = bounded_s(msg.deadline_ms, self.cfg.register_timeout_s)
+        deadline = bounded_s(msg.timeout_ms, self.cfg.register_timeout_s)
         if not why and deadline <= margin:  # it could never be written: say so, not silence
             why = (f"registration timeout {deadline:.1f}s leaves no time to write: it must exceed this "
                    f"prefill daemon's write_timeout_s + 1 ({margin:.1f}s); raise the decode engine's timeout_ms")

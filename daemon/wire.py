@@ -141,8 +141,9 @@ class DaemonWire:
         got = False
         for inc in engine.receive():
             got = True
-            self._dispatch(lambda m, ident=inc.ident: self.to_engine(ident, m), inc.ident,
-                           inc.payload, handler, (inc.cred,))
+            self._dispatch(lambda m, v=proto.PROTOCOL_VERSION, ident=inc.ident:
+                           self.ep.engine.send(ident, proto.encode(m, v)),
+                           inc.ident, inc.payload, handler, (inc.cred,))
         return got
 
     def drain_router(self, sock: zmq.Socket, handler: Callable[..., None], *,
@@ -163,19 +164,23 @@ class DaemonWire:
                 continue
             ident, payload = raw[0].bytes, raw[1].bytes
             extra = () if meta is None else (meta(raw[1]),)
-            self._dispatch(lambda m, ident=ident: self._reply(sock, ident, m), ident, payload,
-                           handler, extra)
+            self._dispatch(lambda m, v=proto.PROTOCOL_VERSION, ident=ident: self._reply(sock, ident, m, v),
+                           ident, payload, handler, extra)
         return got
 
-    def _dispatch(self, reply: Callable[[Any], None], ident: bytes, payload: bytes,
+    def _dispatch(self, reply: Callable[..., None], ident: bytes, payload: bytes,
                   handler: Callable[..., None], extra: tuple[Any, ...]) -> None:
         """Decode one frame and hand it to ``handler(ident, msg, *extra)``; a bad frame or a
-        failing handler is answered with an Error (``reply``) and counted, never raised."""
+        failing handler is answered with an Error (``reply(msg[, version])``) and counted,
+        never raised. A sender on another protocol version is answered in its own envelope
+        where that version reads our Error (proto.ERROR_COMPATIBLE_VERSIONS): it learns why."""
         try:
             msg = proto.decode(payload)
         except proto.ProtocolError as exc:
             self.bad("protocol", str(exc))
-            reply(proto.Error("protocol", str(exc)))
+            v = getattr(exc, "version", proto.PROTOCOL_VERSION)
+            reply(proto.Error("protocol", str(exc)),
+                  v if v in proto.ERROR_COMPATIBLE_VERSIONS else proto.PROTOCOL_VERSION)
             return
         try:
             handler(ident, msg, *extra)
@@ -210,9 +215,9 @@ class DaemonWire:
     def bound(self) -> tuple[Any, Any, Any]:
         return self.ep.engine, self.ep.peer, self.ep.ops
 
-    def _reply(self, sock: zmq.Socket, ident: bytes, msg: Any) -> None:
+    def _reply(self, sock: zmq.Socket, ident: bytes, msg: Any, version: int = proto.PROTOCOL_VERSION) -> None:
         try:
-            sock.send_multipart([ident, proto.encode(msg)], zmq.NOBLOCK)
+            sock.send_multipart([ident, proto.encode(msg, version)], zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             log.warning("reply dropped: %s", exc)
 

@@ -103,8 +103,8 @@ class HookProfiler:
         self.step_ns: deque[int] = deque(maxlen=max_steps)
         self.step_wait_ns: deque[int] = deque(maxlen=max_steps)
         # The same steps in this thread's CPU time: what the hooks cost, without the time
-        # the thread spent preempted (on a shared core, e.g. by libzmq's I/O thread that a
-        # send wakes, or by other processes) or blocked in the idle-step wait.
+        # the thread spent preempted (on a shared core, e.g. by the daemon a send wakes, or
+        # by other processes) or blocked in the idle-step wait.
         self.step_cpu_ns: deque[int] = deque(maxlen=max_steps)
         self._cur_cpu_ns = 0
         self.step_start_ns: deque[int] = deque(maxlen=max_steps)  # clock at each step's boundary

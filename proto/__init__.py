@@ -4,8 +4,9 @@ Both the engine plugin and the daemons import only this package to talk to each 
 """
 
 from kvpush.proto.codec import Limits, decode, encode
-from kvpush.proto.errors import ProtocolError
+from kvpush.proto.errors import ProtocolError, VersionMismatch
 from kvpush.proto.messages import (
+    ERROR_COMPATIBLE_VERSIONS,
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
     Abort,
@@ -36,6 +37,7 @@ from kvpush.proto.messages import (
 
 __all__ = [
     "MESSAGE_TYPES",
+    "ERROR_COMPATIBLE_VERSIONS",
     "PROTOCOL_VERSION",
     "Abort",
     "Attach",
@@ -54,6 +56,7 @@ __all__ = [
     "PeerRegister",
     "PrefillDone",
     "ProtocolError",
+    "VersionMismatch",
     "ReceiveFailed",
     "Received",
     "Register",

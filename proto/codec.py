@@ -24,9 +24,15 @@ from typing import Any, TypeVar
 
 import msgpack
 
-from kvpush.proto.errors import ProtocolError
+from kvpush.proto.errors import ProtocolError, VersionMismatch
 from kvpush.proto.layout import MAX_REGIONS  # memory handles of one Attach, bases of one Hello
-from kvpush.proto.messages import MESSAGE_TYPES, PROTOCOL_VERSION, Message
+from kvpush.proto.messages import (
+    ERROR_COMPATIBLE_VERSIONS,
+    MESSAGE_TYPES,
+    PROTOCOL_VERSION,
+    Error,
+    Message,
+)
 
 __all__ = [
     "Limits", "MAX_BLOCK_IDS", "MAX_METADATA", "QUOTE_MAX", "REASON_MAX", "clip", "decode", "decode_struct",
@@ -316,13 +322,18 @@ _MAP_FLOOR = _map_floor()
 # ---- public API -------------------------------------------------------------------------
 
 
-def encode(msg: Message) -> bytes:
-    """Serialise a well-formed message; decode() on the other side re-validates it."""
+def encode(msg: Message, version: int = PROTOCOL_VERSION) -> bytes:
+    """Serialise a well-formed message; decode() on the other side re-validates it.
+
+    ``version``: the envelope's; another than ours only for an Error to a sender of one of
+    the ERROR_COMPATIBLE_VERSIONS (the refusal it can read)."""
     cls = type(msg)
     name = cls.__name__
     if MESSAGE_TYPES.get(name) is not cls:
         raise ProtocolError(f"cannot encode {_tname(msg)}: not a registered message type")
-    wire = {"v": PROTOCOL_VERSION, "t": name, **_to_map(msg)}
+    if version != PROTOCOL_VERSION and not (cls is Error and version in ERROR_COMPATIBLE_VERSIONS):
+        raise ProtocolError(f"cannot encode {name} for protocol version {version}")
+    wire = {"v": version, "t": name, **_to_map(msg)}
     try:
         out: bytes = msgpack.packb(wire, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as e:
@@ -384,13 +395,11 @@ def decode(data: bytes, limits: Limits | None = None) -> Message:
     v = obj["v"]
     if type(v) is not int:
         raise ProtocolError(f"protocol version 'v' must be an int, got {_tname(v)}")
-    if v != PROTOCOL_VERSION:
-        raise ProtocolError(
-            f"unsupported protocol version {v} (this side speaks {PROTOCOL_VERSION})"
-        )
+    t = obj.get("t")
+    if v != PROTOCOL_VERSION and not (t == "Error" and v in ERROR_COMPATIBLE_VERSIONS):
+        raise VersionMismatch(v, f"unsupported protocol version {v} (this side speaks {PROTOCOL_VERSION})")
     if "t" not in obj:
         raise ProtocolError("missing message type field 't'")
-    t = obj["t"]
     if type(t) is not str:
         raise ProtocolError(f"message type field 't' must be a str, got {_tname(t)}")
     cls = MESSAGE_TYPES.get(t)

@@ -15,7 +15,13 @@ from typing import Any, TypeVar
 
 from kvpush.proto.layout import KVLayout
 
-PROTOCOL_VERSION = 2  # 2: Attach carries one MemoryHandle per region, Hello one base per region
+# 2: Attach carries one MemoryHandle per region, Hello one base per region.
+# 3: PeerRegister.timeout_ms (was deadline_ms: it always was a duration, not a deadline).
+PROTOCOL_VERSION = 3
+#: Older versions whose ``Error`` message is this version's, field for field: a sender on one
+#: of them is refused with an Error in its own envelope (it can read why), and its refusals
+#: of us are read too. Every other message of another version is refused as a whole.
+ERROR_COMPATIBLE_VERSIONS = frozenset({2})
 
 MEMORY_KINDS = frozenset({"cpu_shm", "cuda_ipc"})
 MEM_TYPES = frozenset({"DRAM", "VRAM"})  # NIXL memory types of registered regions
@@ -242,7 +248,7 @@ class PeerRegister:
     dest_rank: int
     dest_tp_size: int
     expected_dests: int
-    deadline_ms: int
+    timeout_ms: int  # how long from now the decode side waits for the WRITE (capped by config)
     first_token: int = 0  # as in Register: destination blocks start at this token
 
 

@@ -13,6 +13,7 @@ import os
 import time
 from collections.abc import Iterator
 
+import msgpack
 import numpy as np
 import pytest
 import zmq
@@ -219,6 +220,13 @@ def test_bad_input_on_every_endpoint_writes_nothing(pd):
         # Wrong protocol version.
         bad = proto.encode(proto.Heartbeat(1)).replace(b"\xa1v" + bytes([proto.PROTOCOL_VERSION]), b"\xa1v\x09")
         assert "version" in proto.decode(raw_request(p.cfg.engine_socket, bad)).message
+        # An engine or peer of protocol version 2 (before PeerRegister.timeout_ms) is told why
+        # in version 2's own envelope, which it decodes; any other version hears ours.
+        old = bad.replace(b"\xa1v\x09", b"\xa1v\x02")
+        reply = raw_request(p.cfg.engine_socket, old)
+        assert msgpack.unpackb(reply)["v"] == 2
+        assert proto.decode(reply) == proto.Error("protocol", "unsupported protocol version 2 (this side speaks 3)")
+        assert msgpack.unpackb(raw_request(p.cfg.engine_socket, bad))["v"] == proto.PROTOCOL_VERSION
         # A frame announced over max_message_bytes: the connection is closed, nothing buffered.
         with pytest.raises(EOFError):
             raw_request(p.cfg.engine_socket, b"\0" * 64, announce=p.cfg.max_message_bytes + 1)

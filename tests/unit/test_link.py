@@ -92,11 +92,11 @@ def test_no_row_sends_anything_without_a_link() -> None:
 
 @dataclass
 class Shell:
-    """DaemonClient's action handling, with zmq replaced by a list of frames per link."""
+    """DaemonClient's action handling, with the unix stream socket replaced by a list of frames per link."""
 
     link: DaemonLink = field(default_factory=lambda: DaemonLink(
         0.0, max_queue=MAXQ, heartbeat_s=HB, dead_after_s=DEAD))
-    zmq_takes: bool = True  # a NOBLOCK send succeeds (else EAGAIN)
+    sock_takes: bool = True  # a non-blocking send succeeds (else EAGAIN)
     links: list[list[str]] = field(default_factory=list)  # frames out, per link
     acked: bool = False  # an AttachAck came after the last Attach that went out on this link
     n: int = 0  # messages offered
@@ -106,7 +106,7 @@ class Shell:
         assert self.link.state in LINK_UP, f"{what} sent without a link ({self.link.state})"
         if what.startswith("Msg"):
             assert self.link.state in FLOWS, f"{what} sent in {self.link.state}"
-        if not self.zmq_takes or self.fail_next:
+        if not self.sock_takes or self.fail_next:
             self.fail_next = False
             return False
         self.links[-1].append(what)
@@ -195,7 +195,7 @@ def _play(sh: Shell, steps: list[object]) -> None:
             sh.feed(Tick(now), now)
             sh.feed(Drained(now), now)
         elif isinstance(step, tuple) and step[0] == "eagain":
-            sh.zmq_takes = step[1]
+            sh.sock_takes = step[1]
         elif step == "eagain_once":
             sh.fail_next = True
         # Invariants after every step.
@@ -259,12 +259,12 @@ def test_silence_then_answer_reattaches_and_restart_reattaches() -> None:
 def test_failed_attach_send_is_retried_each_poll_and_gates_messages() -> None:
     sh = Shell()
     sh.feed(AttachRequested(), 0.0)
-    sh.zmq_takes = False
+    sh.sock_takes = False
     sh.feed(Connected(0.0), 0.0)
     assert sh.link.state is State.ATTACH_DUE and sh.links[-1] == []
     sh.send()
     assert sh.link.queue and sh.links[-1] == []
-    sh.zmq_takes = True
+    sh.sock_takes = True
     sh.feed(Tick(0.1), 0.1)
     assert sh.links[-1] == ["Attach"] and sh.link.state is State.ATTACHING
     sh.feed(AttachAcked("d1", "a", 0.1), 0.1)

@@ -288,7 +288,7 @@ def test_hand_encoded_dicts_decode() -> None:
             "timeout_ms": 500,
             "t": "Register",
             "block_ids": [1, 2, 3],
-            "v": 2,
+            "v": 3,
             "transfer_id": "abc",
             "attempt": 0,
             "num_tokens": 33,
@@ -297,12 +297,12 @@ def test_hand_encoded_dicts_decode() -> None:
         }
     )
     assert decode(reg) == Register("abc", 0, (1, 2, 3), 33, ("tcp://p:1", "tcp://p:2"), 2, 500)
-    assert decode(pack({"v": 2, "t": "OpsRequest", "cmd": "status"})) == OpsRequest("status")
-    assert decode(pack({"v": 2, "t": "Error", "code": "E", "message": "m"})) == Error("E", "m")
+    assert decode(pack({"v": 3, "t": "OpsRequest", "cmd": "status"})) == OpsRequest("status")
+    assert decode(pack({"v": 3, "t": "Error", "code": "E", "message": "m"})) == Error("E", "m")
     lay = small_layout()
     lay_map = dataclasses.asdict(lay)  # nested Packing maps, tuples as arrays
     att = {
-        "v": 2,
+        "v": 3,
         "t": "Attach",
         "engine_id": "e",
         "rank": 0,
@@ -341,9 +341,9 @@ def test_block_ids_must_be_ints() -> None:
 
 def test_versions() -> None:
     good = wire(Heartbeat(1))
-    assert good["v"] == PROTOCOL_VERSION == 2
+    assert good["v"] == PROTOCOL_VERSION == 3
     text = rejects(pack({**good, "v": 7}))
-    assert text == "unsupported protocol version 7 (this side speaks 2)"
+    assert text == "unsupported protocol version 7 (this side speaks 3)"
     rejects(pack({**good, "v": 0}), "unsupported protocol version 0")
     rejects(pack({**good, "v": 1}), "unsupported protocol version 1")  # one region per Attach
     rejects(pack({**good, "v": True}), "'v'", "bool")  # True == 1, but is not the version
@@ -658,3 +658,27 @@ def test_encode_struct_takes_dataclass_instances_only() -> None:
         encode_struct({"name": "/x"})
     with pytest.raises(ProtocolError):
         encode_struct(ShmInfo)
+
+
+def test_version_2_peers_are_refused_in_words_they_can_read() -> None:
+    """Version 3 renamed PeerRegister.deadline_ms (a duration) to timeout_ms. A version-2
+    PeerRegister is refused as a whole (VersionMismatch names its version), never read with
+    a field missing; the Error answering it is encoded in version 2's envelope, which a
+    version-2 side decodes, and a version-2 side's own Error is read here."""
+    from kvpush.proto import VersionMismatch
+    from kvpush.proto.messages import ERROR_COMPATIBLE_VERSIONS
+
+    old = {"v": 2, "t": "PeerRegister", "transfer_id": "t", "attempt": 0, "block_ids": [1],
+           "num_tokens": 16, "dest_rank": 0, "dest_tp_size": 1, "expected_dests": 1, "deadline_ms": 500}
+    with pytest.raises(VersionMismatch, match="unsupported protocol version 2 .this side speaks 3.") as e:
+        decode(pack(old))
+    assert e.value.version == 2 and 2 in ERROR_COMPATIBLE_VERSIONS
+    with pytest.raises(ProtocolError, match="unexpected field.*deadline_ms"):
+        decode(pack({**old, "v": 3}))  # the old field name under the new version: missing field
+    refusal = Error("protocol", str(e.value))
+    raw = encode(refusal, version=2)
+    assert msgpack.unpackb(raw)["v"] == 2 and decode(raw) == refusal
+    with pytest.raises(ProtocolError, match="cannot encode PeerRegister for protocol version 2"):
+        encode(PeerRegister("t", 0, (1,), 16, 0, 1, 1, 500), version=2)
+    with pytest.raises(VersionMismatch):
+        decode(pack({"v": 1, "t": "Error", "code": "E", "message": "m"}))  # not compatible

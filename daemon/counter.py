@@ -24,6 +24,10 @@ an opaque per-producer payload the caller forwards on ``Accepted``), since when,
 when. The daemon loop asks it (``registration``, ``producer_index``, ``waiting_on``,
 ``live``) instead of keeping a record of its own.
 
+Events are facts in the past tense (``Registered``, ``Notified``, ``ProducerCancelled``,
+``Aborted`` ...), never a wire message's name: the shell (:mod:`kvpush.daemon.decode_side`)
+translates ``proto.Register``, ``proto.CancelConfirmed``, ``proto.Abort`` into them.
+
 Every transition is one row of ``TABLE`` at the end of this module,
 ``(state, event type, guard) -> (new state, steps)``; ``None`` = no record for that
 (transfer, attempt). See :mod:`kvpush.machine.core` for how rows are picked.
@@ -40,8 +44,8 @@ from kvpush.daemon.causes import Cause
 from kvpush.machine.core import Core, Record, Table, _Deadline, row
 
 __all__ = [
-    "Abort", "Accepted", "Action", "CancelConfirmed", "Cause", "Complete", "CompletionCounter",
-    "Event", "Expect", "Fail", "Notified", "PendingInfo", "ProducerFailed", "Refuse",
+    "Aborted", "Accepted", "Action", "ProducerCancelled", "Cause", "Complete", "CompletionCounter",
+    "Event", "Registered", "Fail", "Notified", "PendingInfo", "ProducerFailed", "Refuse",
     "Registration", "Release", "SendCancel", "State", "TABLE", "TOMBSTONES", "Tick",
 ]
 
@@ -49,7 +53,7 @@ __all__ = [
 
 
 @dataclass(frozen=True)
-class Expect:
+class Registered:
     """The engine registered blocks; ``producers`` producers will each notify exactly once.
 
     ``endpoints[i]``, ``ranks[i]`` and ``forwards[i]`` describe producer ``i`` (its daemon's
@@ -89,7 +93,7 @@ class ProducerFailed:
 
 
 @dataclass(frozen=True)
-class CancelConfirmed:
+class ProducerCancelled:
     """A producer answered our cancel: nothing of this attempt is or will be in flight."""
 
     transfer_id: str
@@ -99,7 +103,7 @@ class CancelConfirmed:
 
 
 @dataclass(frozen=True)
-class Abort:
+class Aborted:
     """The local engine no longer wants this attempt."""
 
     transfer_id: str
@@ -115,7 +119,7 @@ class Tick:
     now: float
 
 
-Event = Expect | Notified | ProducerFailed | CancelConfirmed | Abort | Tick
+Event = Registered | Notified | ProducerFailed | ProducerCancelled | Aborted | Tick
 
 # -------------------------------------------------------------------------- actions
 
@@ -171,7 +175,8 @@ class Release:
 
 @dataclass(frozen=True)
 class SendCancel:
-    """Tell every producer of this attempt to cancel (they answer CancelConfirmed)."""
+    """Tell every producer of this attempt to cancel (their answers come back as
+    ProducerCancelled)."""
 
     transfer_id: str
     attempt: int
@@ -361,7 +366,7 @@ class CompletionCounter(Core[_Key, _Attempt]):
         if isinstance(ev, Tick):
             return ()
         key = (ev.transfer_id, ev.attempt)  # type: ignore[attr-defined]
-        if isinstance(ev, Expect) and key not in self._recs:
+        if isinstance(ev, Registered) and key not in self._recs:
             # The newest attempt hears a newer one first (its row supersedes it), but only
             # when the table will accept the newer one: its row from "no record" creates one.
             cur = self.current(ev.transfer_id)
@@ -369,7 +374,7 @@ class CompletionCounter(Core[_Key, _Attempt]):
                 return ((ev.transfer_id, cur), key)
         return (key,)
 
-    def _create(self, key: _Key, ev: Expect) -> _Attempt:
+    def _create(self, key: _Key, ev: Registered) -> _Attempt:
         rec = _Attempt(
             transfer_id=ev.transfer_id,
             attempt=ev.attempt,
@@ -401,32 +406,32 @@ class CompletionCounter(Core[_Key, _Attempt]):
 # Pure predicates over (core, record, event), evaluated before any step of the row.
 
 
-def invalid(cc: CompletionCounter, rec: None, ev: Expect) -> bool:
+def invalid(cc: CompletionCounter, rec: None, ev: Registered) -> bool:
     sized = (ev.endpoints, ev.ranks, ev.forwards)
     return ev.attempt < 0 or ev.producers < 1 or any(t and len(t) != ev.producers for t in sized)
 
 
-def late(cc: CompletionCounter, rec: None, ev: Expect) -> bool:
+def late(cc: CompletionCounter, rec: None, ev: Registered) -> bool:
     return ev.deadline <= cc.now
 
 
-def stale(cc: CompletionCounter, rec: None, ev: Expect) -> bool:
+def stale(cc: CompletionCounter, rec: None, ev: Registered) -> bool:
     """An older attempt than the transfer's newest: refused."""
     cur = cc.current(ev.transfer_id)
     return cur is not None and ev.attempt < cur
 
 
-def overloaded(cc: CompletionCounter, rec: None, ev: Expect) -> bool:
+def overloaded(cc: CompletionCounter, rec: None, ev: Registered) -> bool:
     return cc.overloaded()
 
 
-def newer(cc: CompletionCounter, rec: _Attempt, ev: Expect) -> bool:
+def newer(cc: CompletionCounter, rec: _Attempt, ev: Registered) -> bool:
     """A newer attempt of this record's transfer that the table accepts (``_route`` routes
     it here only then): this record is superseded."""
     return ev.attempt > rec.attempt
 
 
-def stale_here(cc: CompletionCounter, rec: _Attempt, ev: Expect) -> bool:
+def stale_here(cc: CompletionCounter, rec: _Attempt, ev: Registered) -> bool:
     """This record's own attempt registered again while a newer attempt is the newest."""
     return rec.superseded
 
@@ -451,37 +456,37 @@ def last_unresolved(cc: CompletionCounter, rec: _Attempt, ev: Any) -> bool:
 # (core, record, event, out): change the record's facts, append actions. No states.
 
 
-def fail_invalid(cc: CompletionCounter, rec: None, ev: Expect, out: list) -> None:
+def fail_invalid(cc: CompletionCounter, rec: None, ev: Registered, out: list) -> None:
     out.append(Fail(ev.transfer_id, ev.attempt, "invalid registration", Cause.INVALID))
 
 
-def fail_late(cc: CompletionCounter, rec: None, ev: Expect, out: list) -> None:
+def fail_late(cc: CompletionCounter, rec: None, ev: Registered, out: list) -> None:
     out.append(Fail(ev.transfer_id, ev.attempt, "registration deadline already passed", Cause.INVALID))
 
 
-def refuse_stale(cc: CompletionCounter, rec: _Attempt | None, ev: Expect, out: list) -> None:
+def refuse_stale(cc: CompletionCounter, rec: _Attempt | None, ev: Registered, out: list) -> None:
     cur = cc.current(ev.transfer_id)
     why = f"stale attempt: attempt {cur} is newer" if cur is not None else "stale attempt: superseded"
     out.append(Refuse(ev.transfer_id, ev.attempt, why, Cause.SUPERSEDED))
 
 
-def refuse_ended(cc: CompletionCounter, rec: _Attempt, ev: Expect, out: list) -> None:
+def refuse_ended(cc: CompletionCounter, rec: _Attempt, ev: Registered, out: list) -> None:
     """Its outcome was told: repeating it could vouch for blocks nobody wrote."""
     why = (f"attempt {ev.attempt} of this transfer already ended ({rec.state.name.lower()}); "
            "register a new attempt")
     out.append(Refuse(ev.transfer_id, ev.attempt, why, Cause.CLOSED))
 
 
-def fail_overloaded(cc: CompletionCounter, rec: None, ev: Expect, out: list) -> None:
+def fail_overloaded(cc: CompletionCounter, rec: None, ev: Registered, out: list) -> None:
     out.append(Fail(ev.transfer_id, ev.attempt, "overloaded", Cause.OVERLOADED))
 
 
-def supersede(cc: CompletionCounter, rec: _Attempt, ev: Expect, out: list) -> None:
+def supersede(cc: CompletionCounter, rec: _Attempt, ev: Registered, out: list) -> None:
     """A newer attempt is accepted: this one is no longer the transfer's newest."""
     rec.superseded = True
 
 
-def accept(cc: CompletionCounter, rec: _Attempt, ev: Expect, out: list) -> None:
+def accept(cc: CompletionCounter, rec: _Attempt, ev: Registered, out: list) -> None:
     out.append(Accepted(rec.transfer_id, rec.attempt, rec.forwards, rec.endpoints))
 
 
@@ -509,11 +514,11 @@ def cancel_failed(cc: CompletionCounter, rec: _Attempt, ev: Any, out: list) -> N
     _cancel_rest(rec, rec.reason, rec.cause, out)
 
 
-def cancel_aborted(cc: CompletionCounter, rec: _Attempt, ev: Abort, out: list) -> None:
+def cancel_aborted(cc: CompletionCounter, rec: _Attempt, ev: Aborted, out: list) -> None:
     _cancel_rest(rec, f"aborted: {ev.reason}", Cause.ABORTED, out)
 
 
-def cancel_superseded(cc: CompletionCounter, rec: _Attempt, ev: Expect, out: list) -> None:
+def cancel_superseded(cc: CompletionCounter, rec: _Attempt, ev: Registered, out: list) -> None:
     _cancel_rest(rec, f"superseded by attempt {ev.attempt}", Cause.SUPERSEDED, out)
 
 
@@ -551,12 +556,12 @@ def release(cc: CompletionCounter, rec: _Attempt, ev: Any, out: list) -> None:
     out.append(Release(rec.transfer_id, rec.attempt, rec.unsafe()))
 
 
-def release_settled(cc: CompletionCounter, rec: _Attempt, ev: Abort, out: list) -> None:
+def release_settled(cc: CompletionCounter, rec: _Attempt, ev: Aborted, out: list) -> None:
     """The engine heard the outcome already (Received, or a Fail it was safe to hear)."""
     out.append(Release(rec.transfer_id, rec.attempt))
 
 
-def release_unknown(cc: CompletionCounter, rec: None, ev: Abort, out: list) -> None:
+def release_unknown(cc: CompletionCounter, rec: None, ev: Aborted, out: list) -> None:
     """Nothing registered (or long settled) for this attempt: the blocks are free."""
     out.append(Release(ev.transfer_id, ev.attempt))
 
@@ -565,38 +570,38 @@ def release_unknown(cc: CompletionCounter, rec: None, ev: Abort, out: list) -> N
 
 _WT, _FG, _AB, _SU = State.WAITING, State.FAILING, State.ABORTING, State.SUPERSEDED
 _CO, _FD, _RL = State.COMPLETED, State.FAILED, State.RELEASED
-_GONE = (ProducerFailed, CancelConfirmed)  # a producer that will not write
+_GONE = (ProducerFailed, ProducerCancelled)  # a producer that will not write
 _RESULTS = (Notified, *_GONE)
 _CURRENT_ONLY = "only the newest attempt is superseded, and a SUPERSEDED one is not the newest"
 
-TABLE = Table(State, (Expect, *_RESULTS, Abort, _Deadline), [
+TABLE = Table(State, (Registered, *_RESULTS, Aborted, _Deadline), [
     # --- no record --------------------------------------------------------------------
-    row(None, Expect, invalid, None, fail_invalid),
-    row(None, Expect, late, None, fail_late),
-    row(None, Expect, stale, None, refuse_stale),
-    row(None, Expect, overloaded, None, fail_overloaded),
-    row(None, Expect, None, _WT, accept),
+    row(None, Registered, invalid, None, fail_invalid),
+    row(None, Registered, late, None, fail_late),
+    row(None, Registered, stale, None, refuse_stale),
+    row(None, Registered, overloaded, None, fail_overloaded),
+    row(None, Registered, None, _WT, accept),
     *[row(None, e, None, None) for e in _RESULTS],  # stale or unknown
-    row(None, Abort, None, None, release_unknown),
+    row(None, Aborted, None, None, release_unknown),
     row(None, _Deadline, None, None, unreachable="a forgotten record has no deadline"),
 
-    # --- Expect on record: a newer attempt supersedes the newest (``_route`` brings it
+    # --- Registered on record: a newer attempt supersedes the newest (``_route`` brings it
     # here only when the table accepts it); the same attempt again is older than the
     # newest, already told, or a duplicate of one still counting (its Accepted went out).
-    row(_WT, Expect, newer, _SU, supersede, cancel_superseded),
-    row(_WT, Expect, None, _WT),
-    row(_FG, Expect, newer, _SU, supersede),
-    row(_FG, Expect, None, _FG),
-    row(_AB, Expect, newer, _AB, supersede),
-    row(_AB, Expect, stale_here, _AB, refuse_stale),
-    row(_AB, Expect, None, _AB),
-    row(_SU, Expect, newer, _SU, unreachable=_CURRENT_ONLY),
-    row(_SU, Expect, stale_here, _SU, refuse_stale),
-    row(_SU, Expect, None, _SU, unreachable="a SUPERSEDED attempt is never the newest"),
+    row(_WT, Registered, newer, _SU, supersede, cancel_superseded),
+    row(_WT, Registered, None, _WT),
+    row(_FG, Registered, newer, _SU, supersede),
+    row(_FG, Registered, None, _FG),
+    row(_AB, Registered, newer, _AB, supersede),
+    row(_AB, Registered, stale_here, _AB, refuse_stale),
+    row(_AB, Registered, None, _AB),
+    row(_SU, Registered, newer, _SU, unreachable=_CURRENT_ONLY),
+    row(_SU, Registered, stale_here, _SU, refuse_stale),
+    row(_SU, Registered, None, _SU, unreachable="a SUPERSEDED attempt is never the newest"),
     *[r for s in (_CO, _FD, _RL) for r in (
-        row(s, Expect, newer, s, supersede),
-        row(s, Expect, stale_here, s, refuse_stale),
-        row(s, Expect, None, s, refuse_ended),
+        row(s, Registered, newer, s, supersede),
+        row(s, Registered, stale_here, s, refuse_stale),
+        row(s, Registered, None, s, refuse_ended),
     )],
 
     # --- WAITING: counting ------------------------------------------------------------
@@ -605,7 +610,7 @@ TABLE = Table(State, (Expect, *_RESULTS, Abort, _Deadline), [
     row(_WT, Notified, None, _WT, resolve),
     *[row(_WT, e, last_unresolved, _FD, resolve, fail) for e in _GONE],
     *[row(_WT, e, None, _FG, resolve, cancel_failed) for e in _GONE],
-    row(_WT, Abort, None, _AB, cancel_aborted),
+    row(_WT, Aborted, None, _AB, cancel_aborted),
     row(_WT, _Deadline, graceless, _FD, fail_timeout),
     row(_WT, _Deadline, None, _FG, time_out),
 
@@ -613,28 +618,28 @@ TABLE = Table(State, (Expect, *_RESULTS, Abort, _Deadline), [
     *[row(_FG, e, unresolvable, _FG) for e in _RESULTS],
     *[row(_FG, e, last_unresolved, _FD, resolve, fail) for e in _RESULTS],
     *[row(_FG, e, None, _FG, resolve) for e in _RESULTS],
-    row(_FG, Abort, None, _AB),  # the engine gets Release instead of Fail
+    row(_FG, Aborted, None, _AB),  # the engine gets Release instead of Fail
     row(_FG, _Deadline, None, _FD, fail),
 
     # --- ABORTING: Release is owed whatever happens ---------------------------------------
     *[row(_AB, e, unresolvable, _AB) for e in _RESULTS],
     *[row(_AB, e, last_unresolved, _RL, resolve, release) for e in _RESULTS],
     *[row(_AB, e, None, _AB, resolve) for e in _RESULTS],
-    row(_AB, Abort, None, _AB),
+    row(_AB, Aborted, None, _AB),
     row(_AB, _Deadline, None, _RL, release),
 
     # --- SUPERSEDED: no engine output unless the engine aborts this attempt ---------------
     *[row(_SU, e, unresolvable, _SU) for e in _RESULTS],
     *[row(_SU, e, last_unresolved, None, resolve) for e in _RESULTS],
     *[row(_SU, e, None, _SU, resolve) for e in _RESULTS],
-    row(_SU, Abort, None, _AB),
+    row(_SU, Aborted, None, _AB),
     row(_SU, _Deadline, None, None),
 
     # --- tombstones -------------------------------------------------------------------
     *[row(s, e, None, s) for s in (_CO, _FD, _RL) for e in _RESULTS],
-    row(_CO, Abort, None, _RL, release_settled),  # all producers notified: nothing in flight
-    row(_FD, Abort, None, _RL, release_settled),  # its Fail was safe, or the daemon fenced
-    row(_RL, Abort, None, _RL),
+    row(_CO, Aborted, None, _RL, release_settled),  # all producers notified: nothing in flight
+    row(_FD, Aborted, None, _RL, release_settled),  # its Fail was safe, or the daemon fenced
+    row(_RL, Aborted, None, _RL),
     *[row(s, _Deadline, None, None) for s in (_CO, _FD, _RL)],  # tombstone time is over
 ])  # fmt: skip
 del _WT, _FG, _AB, _SU, _CO, _FD, _RL

@@ -90,7 +90,7 @@ class DecodeSide:
         )
         endpoints = tuple(msg.prefill_endpoints[r] for r, _ in fanout)
         # The counter answers Accepted, which forwards the registrations, or Refuse (apply).
-        self.apply(ctr.Expect(
+        self.apply(ctr.Registered(
             tid, msg.attempt, len(fanout), now, now + timeout_ms / 1000.0,
             endpoints=endpoints, ranks=tuple(r for r, _ in fanout), forwards=forwards,
         ))
@@ -99,7 +99,7 @@ class DecodeSide:
         """The engine gives up on a registration; False if we hold none."""
         if not self.counter.live(tid):
             return False
-        self.apply(ctr.Abort(tid, attempt, reason, now))
+        self.apply(ctr.Aborted(tid, attempt, reason, now))
         return True
 
     # ------------------------------------------------------------------ producer links
@@ -217,7 +217,7 @@ class DecodeSide:
         if failed:
             self.apply(ctr.ProducerFailed(tid, attempt, idx, reason, now, may_land=may_land))
         else:
-            self.apply(ctr.CancelConfirmed(tid, attempt, idx, now))
+            self.apply(ctr.ProducerCancelled(tid, attempt, idx, now))
 
     # ------------------------------------------------------------------ notifications
 

@@ -89,13 +89,13 @@ class PrefillSide:
             return
         self.ctx.trace.stamp(msg.transfer_id, "p.daemon.prefill_done_in")
         lease = bounded_s(msg.lease_ms, self.cfg.lease_s)
-        self.apply(rv.PrefillDone(msg.transfer_id, msg.block_ids, msg.num_tokens, now, now + lease))
+        self.apply(rv.Prefilled(msg.transfer_id, msg.block_ids, msg.num_tokens, now, now + lease))
 
     def abort(self, tid: str, reason: str, now: float) -> bool:
         """The local engine (or an operator) gives up on a transfer; False if we hold none."""
         if not self.rdv.live(tid):
             return False
-        self.apply(rv.Abort(tid, None, reason, "local", now))
+        self.apply(rv.Aborted(tid, None, reason, "local", now))
         return True
 
     def on_attach(self) -> None:
@@ -126,7 +126,7 @@ class PrefillSide:
         elif isinstance(msg, proto.PeerRegister):
             self.on_peer_register(peer, msg, now)
         elif isinstance(msg, proto.Cancel):
-            self.apply(rv.Abort(msg.transfer_id, msg.attempt, msg.reason, "peer", now, peer.key))
+            self.apply(rv.Aborted(msg.transfer_id, msg.attempt, msg.reason, "peer", now, peer.key))
         else:
             self.ctx.bad("unexpected", f"{type(msg).__name__} on the peer endpoint")
             self.ctx.wire.to_consumer(ident, proto.Error("unexpected", f"{type(msg).__name__} not accepted here"))
@@ -212,7 +212,7 @@ class PrefillSide:
             return
         peer.transfers += 1
         self.ctx.trace.stamp(msg.transfer_id, "p.daemon.register_in")
-        self.apply(rv.Register(
+        self.apply(rv.Registered(
             msg.transfer_id, msg.attempt, peer.key, msg.dest_rank, msg.expected_dests, msg.block_ids,
             msg.num_tokens, now, now + max(0.0, deadline - margin), msg.first_token, peer.node,
         ))
@@ -475,4 +475,4 @@ class PrefillSide:
     def fail_all(self, why: str) -> None:
         now = time.monotonic()
         for info in self.rdv.pending(now):
-            self.apply(rv.Abort(info.transfer_id, None, why, "local", now))
+            self.apply(rv.Aborted(info.transfer_id, None, why, "local", now))

@@ -5,6 +5,11 @@ decode registrations, prefill completion, write results, aborts and deadlines ca
 property-tested in isolation. The daemon feeds it events carrying ``now`` and carries
 out the actions it returns.
 
+Events are facts in the past tense (``Registered``, ``Prefilled``, ``WriteDone``,
+``Aborted``, ``PeerLost`` ...), never a wire message's name: the shell
+(:mod:`kvpush.daemon.prefill_side`) translates ``proto.PeerRegister``, ``proto.PrefillDone``,
+``proto.Abort`` and ``proto.Cancel`` into them.
+
 Every transition is one row of ``TABLE`` at the end of this module,
 ``(state, event type, guard) -> (new state, steps)`` (``None`` = no record for that
 transfer); see :mod:`kvpush.machine.core` for how rows are picked. Guards are named pure
@@ -15,7 +20,7 @@ Safety rules the table upholds (each one is a bug seen in other systems):
 
 * at most one ``StartWrite`` per (transfer, attempt, destination rank), only while the
   source blocks are held and the registration's deadline has not passed;
-* ``ReleaseBlocks`` exactly once per accepted ``PrefillDone`` and never while a write
+* ``ReleaseBlocks`` exactly once per accepted ``Prefilled`` and never while a write
   that reads those blocks may still be in flight;
 * ``NotifyFailure`` / ``ConfirmCancel`` to a decode peer never while a write into its
   blocks for that attempt is in flight (the decode side frees its blocks on them);
@@ -34,8 +39,8 @@ from kvpush.daemon.quotas import Quota, refusal
 from kvpush.machine.core import Core, Held, Record, Table, _Deadline, row
 
 __all__ = [
-    "Abort", "Action", "Cause", "ConfirmCancel", "Event", "NotifyFailure", "PeerLost",
-    "PendingInfo", "PrefillDone", "Register", "ReleaseBlocks", "Rendezvous", "StartWrite",
+    "Aborted", "Action", "Cause", "ConfirmCancel", "Event", "NotifyFailure", "PeerLost",
+    "PendingInfo", "Prefilled", "Registered", "ReleaseBlocks", "Rendezvous", "StartWrite",
     "State", "TABLE", "TOMBSTONES", "Tick", "WriteDone", "WriteFailed",
 ]
 
@@ -43,7 +48,7 @@ __all__ = [
 
 
 @dataclass(frozen=True)
-class Register:
+class Registered:
     """A decode daemon registered its target blocks for one destination rank."""
 
     transfer_id: str
@@ -60,7 +65,7 @@ class Register:
 
 
 @dataclass(frozen=True)
-class PrefillDone:
+class Prefilled:
     """The local engine's KV is in memory; its blocks are held until we release them."""
 
     transfer_id: str
@@ -93,7 +98,7 @@ class WriteFailed:
 
 
 @dataclass(frozen=True)
-class Abort:
+class Aborted:
     """``origin="peer"``: a decode daemon cancelled ``attempt`` (None: the current one).
     ``origin="local"``: the prefill engine or an operator cancelled the whole transfer."""
 
@@ -106,7 +111,7 @@ class Abort:
 
     def __post_init__(self) -> None:
         if self.origin not in ("local", "peer"):
-            raise ValueError(f"Abort.origin must be 'local' or 'peer', not {self.origin!r}")
+            raise ValueError(f"Aborted.origin must be 'local' or 'peer', not {self.origin!r}")
 
 
 @dataclass(frozen=True)
@@ -124,7 +129,7 @@ class Tick:
     now: float
 
 
-Event = Register | PrefillDone | WriteDone | WriteFailed | Abort | PeerLost | Tick
+Event = Registered | Prefilled | WriteDone | WriteFailed | Aborted | PeerLost | Tick
 
 # -------------------------------------------------------------------------- actions
 
@@ -239,7 +244,7 @@ class _Verdict:
 @dataclass(eq=False)
 class _Transfer(Record):
     transfer_id: str
-    prefill: PrefillDone | None = None
+    prefill: Prefilled | None = None
     attempt: int = -1
     live: bool = False  # the current attempt may still write and complete
     expected: int = 0
@@ -355,7 +360,7 @@ class Rendezvous(Core[str, _Transfer]):
 # Pure predicates over (core, record, event), evaluated before any step of the row.
 
 
-def _why_invalid(rv: Rendezvous, ev: Register, rec: _Transfer | None = None) -> str | None:
+def _why_invalid(rv: Rendezvous, ev: Registered, rec: _Transfer | None = None) -> str | None:
     if rec is not None and rec.owner and ev.identity != rec.owner:
         return "transfer was registered by another peer"
     if ev.attempt < 0:
@@ -374,11 +379,11 @@ def _why_invalid(rv: Rendezvous, ev: Register, rec: _Transfer | None = None) -> 
     return None
 
 
-def invalid(rv: Rendezvous, rec: _Transfer | None, ev: Register) -> bool:
+def invalid(rv: Rendezvous, rec: _Transfer | None, ev: Registered) -> bool:
     return _why_invalid(rv, ev, rec) is not None
 
 
-def _why_over_quota(rv: Rendezvous, rec: _Transfer | None, ev: Register) -> str:
+def _why_over_quota(rv: Rendezvous, rec: _Transfer | None, ev: Registered) -> str:
     """Why this registration would take its peer over its share (:mod:`quotas`), or "".
     A repeat or an older attempt of a transfer the peer holds is the other rows' to answer:
     a WRITE into those blocks may be in flight, so it must not hear a failure."""
@@ -390,7 +395,7 @@ def _why_over_quota(rv: Rendezvous, rec: _Transfer | None, ev: Register) -> str:
     return refusal(rv.quota, rv.held(ev.peer), stake, len(ev.block_ids))
 
 
-def over_quota(rv: Rendezvous, rec: _Transfer | None, ev: Register) -> bool:
+def over_quota(rv: Rendezvous, rec: _Transfer | None, ev: Registered) -> bool:
     return bool(_why_over_quota(rv, rec, ev))
 
 
@@ -398,54 +403,54 @@ def overloaded(rv: Rendezvous, rec: _Transfer | None, ev: object) -> bool:
     return rv.overloaded()
 
 
-def overloaded_newer(rv: Rendezvous, rec: _Transfer, ev: Register) -> bool:
+def overloaded_newer(rv: Rendezvous, rec: _Transfer, ev: Registered) -> bool:
     """A newer attempt would make this tombstone live again, but there is no room."""
     return ev.attempt > rec.attempt and rv.overloaded()
 
 
-def stale(rv: Rendezvous, rec: _Transfer, ev: Register) -> bool:
+def stale(rv: Rendezvous, rec: _Transfer, ev: Registered) -> bool:
     """Attempt numbers only grow: an older one is refused."""
     return ev.attempt < rec.attempt
 
 
-def duplicate(rv: Rendezvous, rec: _Transfer, ev: Register) -> bool:
+def duplicate(rv: Rendezvous, rec: _Transfer, ev: Registered) -> bool:
     return ev.attempt == rec.attempt and ev.dest_rank in rec.regs
 
 
-def ended(rv: Rendezvous, rec: _Transfer, ev: Register) -> bool:
+def ended(rv: Rendezvous, rec: _Transfer, ev: Registered) -> bool:
     """The current attempt already failed or ended: it takes no new registrations."""
     return ev.attempt == rec.attempt and not rec.live
 
 
-def inconsistent(rv: Rendezvous, rec: _Transfer, ev: Register) -> bool:
+def inconsistent(rv: Rendezvous, rec: _Transfer, ev: Registered) -> bool:
     return ev.attempt == rec.attempt and ev.expected_dests != rec.expected
 
 
-def repeats_write(rv: Rendezvous, rec: _Transfer, ev: Register) -> bool:
+def repeats_write(rv: Rendezvous, rec: _Transfer, ev: Registered) -> bool:
     """A registration whose write is in flight is answered by that write's end; any
     earlier word (e.g. "superseded") would let the decode side free blocks NIXL is
     still writing into."""
     return (ev.attempt, ev.dest_rank) in rec.inflight
 
 
-def answered(rv: Rendezvous, rec: _Transfer, ev: Register) -> bool:
+def answered(rv: Rendezvous, rec: _Transfer, ev: Registered) -> bool:
     """A repeat of a registration that already got (or will get) its answer."""
     return repeats_write(rv, rec, ev) or duplicate(rv, rec, ev)
 
 
-def tokens_differ(rv: Rendezvous, rec: _Transfer, ev: Register) -> bool:
+def tokens_differ(rv: Rendezvous, rec: _Transfer, ev: Registered) -> bool:
     assert rec.prefill is not None
     return ev.num_tokens != rec.prefill.num_tokens
 
 
-def completes_set(rv: Rendezvous, rec: _Transfer, ev: Register) -> bool:
+def completes_set(rv: Rendezvous, rec: _Transfer, ev: Registered) -> bool:
     """With this registration every destination of its attempt is registered."""
     if ev.attempt == rec.attempt:
         return len(rec.regs) + 1 == rec.expected
     return ev.expected_dests == 1
 
 
-def any_tokens_differ(rv: Rendezvous, rec: _Transfer, ev: PrefillDone) -> bool:
+def any_tokens_differ(rv: Rendezvous, rec: _Transfer, ev: Prefilled) -> bool:
     return any(r.num_tokens != ev.num_tokens for r in rec.regs.values())
 
 
@@ -499,19 +504,19 @@ def idle(rv: Rendezvous, rec: _Transfer, ev: object) -> bool:
     return not rec.inflight
 
 
-def local(rv: Rendezvous, rec: _Transfer | None, ev: Abort) -> bool:
+def local(rv: Rendezvous, rec: _Transfer | None, ev: Aborted) -> bool:
     return ev.origin == "local"
 
 
-def local_idle(rv: Rendezvous, rec: _Transfer, ev: Abort) -> bool:
+def local_idle(rv: Rendezvous, rec: _Transfer, ev: Aborted) -> bool:
     return ev.origin == "local" and not rec.inflight
 
 
-def from_peer(rv: Rendezvous, rec: _Transfer | None, ev: Abort) -> bool:
+def from_peer(rv: Rendezvous, rec: _Transfer | None, ev: Aborted) -> bool:
     return ev.origin == "peer"
 
 
-def cancels_attempt(rv: Rendezvous, rec: _Transfer, ev: Abort) -> bool:
+def cancels_attempt(rv: Rendezvous, rec: _Transfer, ev: Aborted) -> bool:
     """Only a peer that registered for the live attempt can end it for everyone."""
     attempt = rec.attempt if ev.attempt is None else ev.attempt
     return (
@@ -578,46 +583,46 @@ def _start(rec: _Transfer, dest: int, out: list) -> None:
     )
 
 
-def _refuse(ev: Register, reason: str, cause: Cause, out: list) -> None:
+def _refuse(ev: Registered, reason: str, cause: Cause, out: list) -> None:
     out.append(NotifyFailure(ev.transfer_id, ev.attempt, ev.peer, ev.dest_rank, reason, cause))
 
 
-def reject_invalid(rv: Rendezvous, rec: _Transfer | None, ev: Register, out: list) -> None:
+def reject_invalid(rv: Rendezvous, rec: _Transfer | None, ev: Registered, out: list) -> None:
     why = _why_invalid(rv, ev, rec)
     assert why is not None
     _refuse(ev, why, Cause.INVALID, out)
 
 
-def reject_quota(rv: Rendezvous, rec: _Transfer | None, ev: Register, out: list) -> None:
+def reject_quota(rv: Rendezvous, rec: _Transfer | None, ev: Registered, out: list) -> None:
     _refuse(ev, _why_over_quota(rv, rec, ev), Cause.QUOTA, out)
 
 
-def reject_overloaded(rv: Rendezvous, rec: _Transfer | None, ev: Register, out: list) -> None:
+def reject_overloaded(rv: Rendezvous, rec: _Transfer | None, ev: Registered, out: list) -> None:
     _refuse(ev, "overloaded", Cause.OVERLOADED, out)
 
 
-def reject_stale(rv: Rendezvous, rec: _Transfer, ev: Register, out: list) -> None:
+def reject_stale(rv: Rendezvous, rec: _Transfer, ev: Registered, out: list) -> None:
     _refuse(ev, f"superseded by attempt {rec.attempt}", Cause.SUPERSEDED, out)
 
 
-def reject_ended(rv: Rendezvous, rec: _Transfer, ev: Register, out: list) -> None:
+def reject_ended(rv: Rendezvous, rec: _Transfer, ev: Registered, out: list) -> None:
     _refuse(ev, f"attempt {ev.attempt} already failed or ended", Cause.CLOSED, out)
 
 
-def reject_inconsistent(rv: Rendezvous, rec: _Transfer, ev: Register, out: list) -> None:
+def reject_inconsistent(rv: Rendezvous, rec: _Transfer, ev: Registered, out: list) -> None:
     _refuse(ev, "expected_dests differs between registrations", Cause.INVALID, out)
 
 
-def reject_closed(rv: Rendezvous, rec: _Transfer, ev: Register, out: list) -> None:
+def reject_closed(rv: Rendezvous, rec: _Transfer, ev: Registered, out: list) -> None:
     why = "source blocks released" if rec.prefill else "transfer aborted"
     _refuse(ev, why, Cause.CLOSED, out)
 
 
-def end_inconsistent(rv: Rendezvous, rec: _Transfer, ev: Register, out: list) -> None:
+def end_inconsistent(rv: Rendezvous, rec: _Transfer, ev: Registered, out: list) -> None:
     _end_attempt(rec, "inconsistent registrations", Cause.INVALID, out)
 
 
-def open_attempt(rv: Rendezvous, rec: _Transfer, ev: Register, out: list) -> None:
+def open_attempt(rv: Rendezvous, rec: _Transfer, ev: Registered, out: list) -> None:
     """A newer attempt supersedes the current one (same attempt: nothing to do)."""
     if ev.attempt > rec.attempt:
         _end_attempt(rec, f"superseded by attempt {ev.attempt}", Cause.SUPERSEDED, out)
@@ -625,43 +630,43 @@ def open_attempt(rv: Rendezvous, rec: _Transfer, ev: Register, out: list) -> Non
         rec.regs, rec.started, rec.done = {}, set(), set()
 
 
-def add_reg(rv: Rendezvous, rec: _Transfer, ev: Register, out: list) -> None:
+def add_reg(rv: Rendezvous, rec: _Transfer, ev: Registered, out: list) -> None:
     rec.owner = rec.owner or ev.identity
     rec.regs[ev.dest_rank] = _Reg(ev.peer, tuple(ev.block_ids), ev.num_tokens, ev.deadline, ev.first_token)
     rv._index_add(rec.transfer_id, rec, ev.peer)
 
 
-def start_reg(rv: Rendezvous, rec: _Transfer, ev: Register, out: list) -> None:
+def start_reg(rv: Rendezvous, rec: _Transfer, ev: Registered, out: list) -> None:
     _start(rec, ev.dest_rank, out)
 
 
-def end_mismatch(rv: Rendezvous, rec: _Transfer, ev: Register, out: list) -> None:
+def end_mismatch(rv: Rendezvous, rec: _Transfer, ev: Registered, out: list) -> None:
     assert rec.prefill is not None
     msg = f"num_tokens mismatch: registered {ev.num_tokens}, prefilled {rec.prefill.num_tokens}"
     _end_attempt(rec, msg, Cause.MISMATCH, out)
 
 
-def hold(rv: Rendezvous, rec: _Transfer, ev: PrefillDone, out: list) -> None:
+def hold(rv: Rendezvous, rec: _Transfer, ev: Prefilled, out: list) -> None:
     """Keep the engine's blocks until ReleaseBlocks."""
     rec.prefill = ev
 
 
-def start_all(rv: Rendezvous, rec: _Transfer, ev: PrefillDone, out: list) -> None:
+def start_all(rv: Rendezvous, rec: _Transfer, ev: Prefilled, out: list) -> None:
     for dest in sorted(rec.regs):
         _start(rec, dest, out)
 
 
-def end_mismatch_all(rv: Rendezvous, rec: _Transfer, ev: PrefillDone, out: list) -> None:
+def end_mismatch_all(rv: Rendezvous, rec: _Transfer, ev: Prefilled, out: list) -> None:
     bad = [r.num_tokens for r in rec.regs.values() if r.num_tokens != ev.num_tokens]
     msg = f"num_tokens mismatch: registered {bad[0]}, prefilled {ev.num_tokens}"
     _end_attempt(rec, msg, Cause.MISMATCH, out)
 
 
-def release_overloaded(rv: Rendezvous, rec: None, ev: PrefillDone, out: list) -> None:
+def release_overloaded(rv: Rendezvous, rec: None, ev: Prefilled, out: list) -> None:
     out.append(ReleaseBlocks(ev.transfer_id, ev.block_ids, False, "overloaded", Cause.OVERLOADED))
 
 
-def decide_overloaded(rv: Rendezvous, rec: _Transfer, ev: PrefillDone, out: list) -> None:
+def decide_overloaded(rv: Rendezvous, rec: _Transfer, ev: Prefilled, out: list) -> None:
     rec.verdict = _Verdict(False, "overloaded", Cause.OVERLOADED)
 
 
@@ -702,19 +707,19 @@ def fail_write(rv: Rendezvous, rec: _Transfer, ev: WriteFailed, out: list) -> No
     _fail(rec, _write_reason(ev), ev.cause, out)
 
 
-def fail_aborted(rv: Rendezvous, rec: _Transfer, ev: Abort, out: list) -> None:
+def fail_aborted(rv: Rendezvous, rec: _Transfer, ev: Aborted, out: list) -> None:
     _fail(rec, f"aborted: {ev.reason}", Cause.ABORTED, out)
 
 
-def decide_aborted(rv: Rendezvous, rec: _Transfer, ev: Abort, out: list) -> None:
+def decide_aborted(rv: Rendezvous, rec: _Transfer, ev: Aborted, out: list) -> None:
     rec.verdict = _Verdict(False, f"aborted: {ev.reason}", Cause.ABORTED)
 
 
-def end_cancelled(rv: Rendezvous, rec: _Transfer, ev: Abort, out: list) -> None:
+def end_cancelled(rv: Rendezvous, rec: _Transfer, ev: Aborted, out: list) -> None:
     _end_attempt(rec, f"cancelled by {ev.peer}: {ev.reason}", Cause.CANCELLED, out, skip_peer=ev.peer)
 
 
-def confirm(rv: Rendezvous, rec: _Transfer, ev: Abort, out: list) -> None:
+def confirm(rv: Rendezvous, rec: _Transfer, ev: Aborted, out: list) -> None:
     """Answer the peer's cancel now, or when its last write of that attempt ends."""
     attempt = rec.attempt if ev.attempt is None else ev.attempt
     flights = [f for (a, _), f in rec.inflight.items() if a == attempt and f.peer == ev.peer]
@@ -724,7 +729,7 @@ def confirm(rv: Rendezvous, rec: _Transfer, ev: Abort, out: list) -> None:
         out.append(ConfirmCancel(rec.transfer_id, attempt, ev.peer))
 
 
-def confirm_unknown(rv: Rendezvous, rec: None, ev: Abort, out: list) -> None:
+def confirm_unknown(rv: Rendezvous, rec: None, ev: Aborted, out: list) -> None:
     """Nothing known of that transfer, so nothing is in flight."""
     if ev.attempt is not None and ev.attempt >= 0:
         out.append(ConfirmCancel(ev.transfer_id, ev.attempt, ev.peer))
@@ -752,69 +757,69 @@ _DR, _OK, _FL, _EX = State.DRAINING, State.DONE, State.FAILED, State.EXPIRED
 _WRITES_ANSWER = "WRITING and DRAINING set no deadline: the transport answers every write"
 _IN_FLIGHT = "WRITING always has a write in flight (all started, not all done, none failed)"
 
-TABLE = Table(State, (Register, PrefillDone, WriteDone, WriteFailed, Abort, PeerLost, _Deadline), [
-    # --- Register ---------------------------------------------------------------------
-    row(None, Register, over_quota, None, reject_quota),
-    row(None, Register, invalid, None, reject_invalid),
-    row(None, Register, overloaded, None, reject_overloaded),
-    row(None, Register, None, _WP, open_attempt, add_reg),
+TABLE = Table(State, (Registered, Prefilled, WriteDone, WriteFailed, Aborted, PeerLost, _Deadline), [
+    # --- Registered ---------------------------------------------------------------------
+    row(None, Registered, over_quota, None, reject_quota),
+    row(None, Registered, invalid, None, reject_invalid),
+    row(None, Registered, overloaded, None, reject_overloaded),
+    row(None, Registered, None, _WP, open_attempt, add_reg),
 
-    row(_WP, Register, over_quota, _WP, reject_quota),
-    row(_WP, Register, invalid, _WP, reject_invalid),
-    row(_WP, Register, stale, _WP, reject_stale),
-    row(_WP, Register, duplicate, _WP),
-    row(_WP, Register, inconsistent, _EX, reject_inconsistent, end_inconsistent),
-    row(_WP, Register, None, _WP, open_attempt, add_reg),
+    row(_WP, Registered, over_quota, _WP, reject_quota),
+    row(_WP, Registered, invalid, _WP, reject_invalid),
+    row(_WP, Registered, stale, _WP, reject_stale),
+    row(_WP, Registered, duplicate, _WP),
+    row(_WP, Registered, inconsistent, _EX, reject_inconsistent, end_inconsistent),
+    row(_WP, Registered, None, _WP, open_attempt, add_reg),
 
-    row(_WR, Register, over_quota, _WR, reject_quota),
-    row(_WR, Register, repeats_write, _WR),
-    row(_WR, Register, invalid, _WR, reject_invalid),
-    row(_WR, Register, stale, _WR, reject_stale),
-    row(_WR, Register, duplicate, _WR),
-    row(_WR, Register, ended, _WR, reject_ended),
-    row(_WR, Register, inconsistent, _WR, reject_inconsistent, end_inconsistent),
-    row(_WR, Register, tokens_differ, _WR, open_attempt, add_reg, end_mismatch),
-    row(_WR, Register, completes_set, _WG, open_attempt, add_reg, start_reg),
-    row(_WR, Register, None, _WR, open_attempt, add_reg, start_reg),
+    row(_WR, Registered, over_quota, _WR, reject_quota),
+    row(_WR, Registered, repeats_write, _WR),
+    row(_WR, Registered, invalid, _WR, reject_invalid),
+    row(_WR, Registered, stale, _WR, reject_stale),
+    row(_WR, Registered, duplicate, _WR),
+    row(_WR, Registered, ended, _WR, reject_ended),
+    row(_WR, Registered, inconsistent, _WR, reject_inconsistent, end_inconsistent),
+    row(_WR, Registered, tokens_differ, _WR, open_attempt, add_reg, end_mismatch),
+    row(_WR, Registered, completes_set, _WG, open_attempt, add_reg, start_reg),
+    row(_WR, Registered, None, _WR, open_attempt, add_reg, start_reg),
 
-    row(_WG, Register, over_quota, _WG, reject_quota),
-    row(_WG, Register, repeats_write, _WG),
-    row(_WG, Register, invalid, _WG, reject_invalid),
-    row(_WG, Register, stale, _WG, reject_stale),
-    row(_WG, Register, duplicate, _WG),
-    row(_WG, Register, inconsistent, _WR, reject_inconsistent, end_inconsistent),
+    row(_WG, Registered, over_quota, _WG, reject_quota),
+    row(_WG, Registered, repeats_write, _WG),
+    row(_WG, Registered, invalid, _WG, reject_invalid),
+    row(_WG, Registered, stale, _WG, reject_stale),
+    row(_WG, Registered, duplicate, _WG),
+    row(_WG, Registered, inconsistent, _WR, reject_inconsistent, end_inconsistent),
     # what is left is a newer attempt (every destination of this one is registered)
-    row(_WG, Register, tokens_differ, _WR, open_attempt, add_reg, end_mismatch),
-    row(_WG, Register, completes_set, _WG, open_attempt, add_reg, start_reg),
-    row(_WG, Register, None, _WR, open_attempt, add_reg, start_reg),
+    row(_WG, Registered, tokens_differ, _WR, open_attempt, add_reg, end_mismatch),
+    row(_WG, Registered, completes_set, _WG, open_attempt, add_reg, start_reg),
+    row(_WG, Registered, None, _WR, open_attempt, add_reg, start_reg),
 
-    *[row(s, Register, over_quota, s, reject_quota) for s in (_DR, _OK, _FL)],
-    *[row(s, Register, answered, s) for s in (_DR, _OK, _FL)],
-    *[row(s, Register, None, s, reject_closed) for s in (_DR, _OK, _FL)],
+    *[row(s, Registered, over_quota, s, reject_quota) for s in (_DR, _OK, _FL)],
+    *[row(s, Registered, answered, s) for s in (_DR, _OK, _FL)],
+    *[row(s, Registered, None, s, reject_closed) for s in (_DR, _OK, _FL)],
 
     # EXPIRED: a newer attempt brings the transfer back (it counts as live again)
-    row(_EX, Register, over_quota, _EX, reject_quota),
-    row(_EX, Register, invalid, _EX, reject_invalid),
-    row(_EX, Register, overloaded_newer, _EX, reject_overloaded),
-    row(_EX, Register, stale, _EX, reject_stale),
-    row(_EX, Register, duplicate, _EX),
-    row(_EX, Register, ended, _EX, reject_ended),
-    row(_EX, Register, None, _WP, open_attempt, add_reg),
+    row(_EX, Registered, over_quota, _EX, reject_quota),
+    row(_EX, Registered, invalid, _EX, reject_invalid),
+    row(_EX, Registered, overloaded_newer, _EX, reject_overloaded),
+    row(_EX, Registered, stale, _EX, reject_stale),
+    row(_EX, Registered, duplicate, _EX),
+    row(_EX, Registered, ended, _EX, reject_ended),
+    row(_EX, Registered, None, _WP, open_attempt, add_reg),
 
-    # --- PrefillDone ------------------------------------------------------------------
-    row(None, PrefillDone, overloaded, None, release_overloaded),
-    row(None, PrefillDone, None, _WR, hold),
-    row(_WP, PrefillDone, any_tokens_differ, _WR, hold, end_mismatch_all),
-    row(_WP, PrefillDone, all_registered, _WG, hold, start_all),
-    row(_WP, PrefillDone, None, _WR, hold, start_all),
-    *[row(s, PrefillDone, None, s) for s in (_WR, _WG, _DR, _OK)],  # a duplicate
+    # --- Prefilled ------------------------------------------------------------------
+    row(None, Prefilled, overloaded, None, release_overloaded),
+    row(None, Prefilled, None, _WR, hold),
+    row(_WP, Prefilled, any_tokens_differ, _WR, hold, end_mismatch_all),
+    row(_WP, Prefilled, all_registered, _WG, hold, start_all),
+    row(_WP, Prefilled, None, _WR, hold, start_all),
+    *[row(s, Prefilled, None, s) for s in (_WR, _WG, _DR, _OK)],  # a duplicate
     # FAILED before any prefill (local abort): give the blocks straight back
-    row(_FL, PrefillDone, no_prefill, _FL, hold, release),
-    row(_FL, PrefillDone, None, _FL),
+    row(_FL, Prefilled, no_prefill, _FL, hold, release),
+    row(_FL, Prefilled, None, _FL),
     # EXPIRED: hold the blocks until the lease, for a newer attempt (a decode that was
     # preempted re-registers under a new attempt)
-    row(_EX, PrefillDone, overloaded, _FL, hold, decide_overloaded, release),
-    row(_EX, PrefillDone, None, _WR, hold),
+    row(_EX, Prefilled, overloaded, _FL, hold, decide_overloaded, release),
+    row(_EX, Prefilled, None, _WR, hold),
 
     # --- WriteDone / WriteFailed: only states holding a prefill have writes in flight --
     *[row(s, e, unknown_write, s) for s in (_WR, _WG, _DR) for e in (WriteDone, WriteFailed)],
@@ -831,23 +836,23 @@ TABLE = Table(State, (Register, PrefillDone, WriteDone, WriteFailed, Abort, Peer
     # no write in flight without a held prefill: a stray or repeated answer
     *[row(s, e, None, s) for s in (None, _WP, _OK, _FL, _EX) for e in (WriteDone, WriteFailed)],
 
-    # --- Abort ------------------------------------------------------------------------
-    row(None, Abort, from_peer, None, confirm_unknown),
-    row(None, Abort, None, None),  # a local abort of an unknown transfer
-    row(_WP, Abort, local, _FL, fail_aborted),
-    row(_WP, Abort, cancels_attempt, _EX, end_cancelled, confirm),
-    row(_WP, Abort, None, _WP, confirm),
-    row(_WR, Abort, local_idle, _FL, fail_aborted, release),
-    row(_WR, Abort, local, _DR, fail_aborted),
-    row(_WR, Abort, cancels_attempt, _WR, end_cancelled, confirm),
-    row(_WR, Abort, None, _WR, confirm),
-    row(_WG, Abort, local_idle, _FL, fail_aborted, release, unreachable=_IN_FLIGHT),
-    row(_WG, Abort, local, _DR, fail_aborted),
-    row(_WG, Abort, cancels_attempt, _WR, end_cancelled, confirm),
-    row(_WG, Abort, None, _WG, confirm),
-    *[row(s, Abort, from_peer, s, confirm) for s in (_DR, _OK, _FL, _EX)],
-    *[row(s, Abort, None, s) for s in (_DR, _OK, _FL)],
-    row(_EX, Abort, None, _FL, decide_aborted),  # remembered: a later PrefillDone goes back
+    # --- Aborted ------------------------------------------------------------------------
+    row(None, Aborted, from_peer, None, confirm_unknown),
+    row(None, Aborted, None, None),  # a local abort of an unknown transfer
+    row(_WP, Aborted, local, _FL, fail_aborted),
+    row(_WP, Aborted, cancels_attempt, _EX, end_cancelled, confirm),
+    row(_WP, Aborted, None, _WP, confirm),
+    row(_WR, Aborted, local_idle, _FL, fail_aborted, release),
+    row(_WR, Aborted, local, _DR, fail_aborted),
+    row(_WR, Aborted, cancels_attempt, _WR, end_cancelled, confirm),
+    row(_WR, Aborted, None, _WR, confirm),
+    row(_WG, Aborted, local_idle, _FL, fail_aborted, release, unreachable=_IN_FLIGHT),
+    row(_WG, Aborted, local, _DR, fail_aborted),
+    row(_WG, Aborted, cancels_attempt, _WR, end_cancelled, confirm),
+    row(_WG, Aborted, None, _WG, confirm),
+    *[row(s, Aborted, from_peer, s, confirm) for s in (_DR, _OK, _FL, _EX)],
+    *[row(s, Aborted, None, s) for s in (_DR, _OK, _FL)],
+    row(_EX, Aborted, None, _FL, decide_aborted),  # remembered: a later Prefilled goes back
 
     # --- PeerLost (fanned out through the peer index) ---------------------------------
     row(_WP, PeerLost, writes_to_peer, _FL, fail_peer_lost),

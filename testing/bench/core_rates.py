@@ -57,8 +57,8 @@ def bench_rendezvous(n_transfers: int) -> dict:
     events = []
     for i in range(n_transfers):
         tid = f"t{i}"
-        events.append(rv.Register(tid, 0, "peer", 0, 1, blocks, 100, 0.0, 1e9))
-        events.append(rv.PrefillDone(tid, blocks, 100, 0.0, 1e9))
+        events.append(rv.Registered(tid, 0, "peer", 0, 1, blocks, 100, 0.0, 1e9))
+        events.append(rv.Prefilled(tid, blocks, 100, 0.0, 1e9))
         events.append(rv.WriteDone(tid, 0, 0, 0.0))
     t0 = time.perf_counter()
     writes = 0

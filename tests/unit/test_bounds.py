@@ -85,19 +85,19 @@ def test_peer_holdings_are_kept_exactly_and_drop_to_zero(events, tombstone_s):
         kind = e[0]
         if kind == "reg":
             _, t, attempt, peer, dest, expected, n = e
-            handle(rz.Register(t, attempt, peer, min(dest, expected - 1), expected, tuple(range(n)), 16,
+            handle(rz.Registered(t, attempt, peer, min(dest, expected - 1), expected, tuple(range(n)), 16,
                                now, now + 5.0))
         elif kind == "prefill":
-            handle(rz.PrefillDone(e[1], (1, 2), 16, now, now + 5.0))
+            handle(rz.Prefilled(e[1], (1, 2), 16, now, now + 5.0))
         elif kind == "write" and flights:
             w = flights.pop(e[1] % len(flights))
             cls = rz.WriteDone if e[2] else rz.WriteFailed
             args = (w.transfer_id, w.attempt, w.dest_rank) + (() if e[2] else ("boom",))
             handle(cls(*args, now))  # type: ignore[arg-type]
         elif kind == "cancel":
-            handle(rz.Abort(e[1], None, "c", "peer", now, e[2]))
+            handle(rz.Aborted(e[1], None, "c", "peer", now, e[2]))
         elif kind == "abort":
-            handle(rz.Abort(e[1], None, "a", "local", now))
+            handle(rz.Aborted(e[1], None, "a", "local", now))
         elif kind == "lost":
             handle(rz.PeerLost(e[1], now))
         elif kind == "tick":

@@ -67,7 +67,7 @@ def test_table_rejects_foreign_events() -> None:
 
 def test_rows_print_as_transitions() -> None:
     text = rz.TABLE.describe()
-    assert "WAIT_REGISTER --Register[completes_set]--> WRITING: open_attempt, add_reg, start_reg" in text
+    assert "WAIT_REGISTER --Registered[completes_set]--> WRITING: open_attempt, add_reg, start_reg" in text
     assert "WAITING --_Deadline[graceless]--> FAILED: fail_timeout" in cm.TABLE.describe()
 
 
@@ -93,13 +93,13 @@ def rz_events(rng: random.Random, n: int) -> Iterator[Any]:
         if k < 0.3:
             exp = rng.choice([1, 1, 2, 2, 3])
             bad = rng.random() < 0.05
-            yield rz.Register(
+            yield rz.Registered(
                 tid, -1 if bad else rng.choice([0, 0, 1, 2]), rng.choice(PEERS),
                 rng.randrange(exp + bad), exp + (rng.random() < 0.05), (rng.randrange(5), 9),
                 rng.choice([16, 16, 16, 17]), now, now + rng.uniform(-1, 20), rng.choice([0, 0, 16]),
             )  # fmt: skip
         elif k < 0.45:
-            yield rz.PrefillDone(tid, (100, 101), rng.choice([16, 16, 17]), now, now + rng.uniform(0.5, 30))
+            yield rz.Prefilled(tid, (100, 101), rng.choice([16, 16, 17]), now, now + rng.uniform(0.5, 30))
         elif k < 0.65:
             a, d = rng.randrange(3), rng.randrange(3)
             if rng.random() < 0.7:
@@ -108,9 +108,9 @@ def rz_events(rng: random.Random, n: int) -> Iterator[Any]:
                 yield rz.WriteFailed(tid, a, d, "boom", now, rng.choice([Cause.WRITE_FAILED, Cause.TIMEOUT]))
         elif k < 0.75:
             if rng.random() < 0.5:
-                yield rz.Abort(tid, rng.choice([None, 0, 1, 2]), "x", "peer", now, rng.choice(PEERS))
+                yield rz.Aborted(tid, rng.choice([None, 0, 1, 2]), "x", "peer", now, rng.choice(PEERS))
             else:
-                yield rz.Abort(tid, None, "stop", "local", now)
+                yield rz.Aborted(tid, None, "stop", "local", now)
         elif k < 0.8:
             yield rz.PeerLost(rng.choice(PEERS), now)
         else:
@@ -132,7 +132,7 @@ def cm_events(rng: random.Random, n: int) -> Iterator[Any]:
             ranks = tuple(rng.sample(range(8), p))
             known.append((tid, att, p))
             fwds = tuple(f"fwd{r}" for r in ranks)
-            yield cm.Expect(tid, att, p, now, now + rng.uniform(-1, 30), eps, ranks, fwds)
+            yield cm.Registered(tid, att, p, now, now + rng.uniform(-1, 30), eps, ranks, fwds)
             continue
         tid, att, p = rng.choice(known) if rng.random() < 0.85 else (rng.choice("ab"), rng.randrange(3), 2)
         r = rng.randrange(p + 1)
@@ -142,9 +142,9 @@ def cm_events(rng: random.Random, n: int) -> Iterator[Any]:
             cause = rng.choice([Cause.PRODUCER_FAILED, Cause.PEER_LOST])
             yield cm.ProducerFailed(tid, att, r, "boom", now, cause)
         elif k < 0.76:
-            yield cm.CancelConfirmed(tid, att, r, now)
+            yield cm.ProducerCancelled(tid, att, r, now)
         elif k < 0.84:
-            yield cm.Abort(tid, att, "stop", now)
+            yield cm.Aborted(tid, att, "stop", now)
         else:
             now += rng.uniform(0, 6)
             yield cm.Tick(now)
@@ -306,13 +306,13 @@ def test_counter_states_follow_the_table_and_the_queries_agree(seed: int, tomb: 
     told: set[tuple[str, int]] = set()  # the engine heard the outcome
     gone: dict[tuple[str, int], set[int]] = {}  # producers whose final word was sent
     for ev in cm_events(rng, 120):
-        if isinstance(ev, (cm.Notified, cm.ProducerFailed, cm.CancelConfirmed)):
+        if isinstance(ev, (cm.Notified, cm.ProducerFailed, cm.ProducerCancelled)):
             gone.setdefault((ev.transfer_id, ev.attempt), set()).add(ev.producer)
         for a in cc.handle(ev):
             key = (a.transfer_id, a.attempt)
             if isinstance(a, cm.Accepted):  # answers the Expect just handled
                 e = ev
-                assert isinstance(e, cm.Expect) and key == (e.transfer_id, e.attempt)
+                assert isinstance(e, cm.Registered) and key == (e.transfer_id, e.attempt)
                 assert (a.forwards, a.endpoints) == (e.forwards, e.endpoints)
                 reg = cc.registration(a.transfer_id)
                 assert reg is not None and reg.live and reg.attempt == a.attempt

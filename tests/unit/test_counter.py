@@ -16,17 +16,17 @@ from hypothesis import strategies as st
 
 from kvpush.daemon import counter as cm
 from kvpush.daemon.counter import (
-    Abort,
+    Aborted,
     Accepted,
-    CancelConfirmed,
     Cause,
     Complete,
     CompletionCounter,
-    Expect,
     Fail,
     Notified,
+    ProducerCancelled,
     ProducerFailed,
     Refuse,
+    Registered,
     Release,
     SendCancel,
     State,
@@ -42,14 +42,14 @@ def run(cc: CompletionCounter, *events: object) -> list:
 
 
 def test_table_covers_every_state_and_event() -> None:
-    for ev in (Expect, Notified, ProducerFailed, CancelConfirmed, Abort, cm._Deadline):
+    for ev in (Registered, Notified, ProducerFailed, ProducerCancelled, Aborted, cm._Deadline):
         for state in (None, *State):
             assert cm.TABLE.rows_for(state, ev), (state, ev)
 
 
 def test_complete_needs_every_producer_of_this_attempt() -> None:
     cc = CompletionCounter()
-    assert cc.handle(Expect("t", 1, 3, 0.0, 10.0)) == [Accepted("t", 1)]
+    assert cc.handle(Registered("t", 1, 3, 0.0, 10.0)) == [Accepted("t", 1)]
     out = run(
         cc,
         Notified("t", 1, 0, 1.0),
@@ -66,7 +66,7 @@ def test_complete_needs_every_producer_of_this_attempt() -> None:
 
 def test_deadline_fails_and_cancels() -> None:
     cc = CompletionCounter()
-    run(cc, Expect("t", 0, 2, 0.0, 10.0), Notified("t", 0, 1, 1.0))
+    run(cc, Registered("t", 0, 2, 0.0, 10.0), Notified("t", 0, 1, 1.0))
     out = cc.handle(Tick(10.0))
     why = "timed out waiting for 1 of 2 producers"
     # a producer never answered: its WRITE may still land, so the Fail says so (the daemon fences)
@@ -76,93 +76,93 @@ def test_deadline_fails_and_cancels() -> None:
 
 def test_a_producer_given_up_with_a_write_on_its_way_makes_the_fail_unsafe() -> None:
     cc = CompletionCounter()
-    run(cc, Expect("t", 0, 2, 0.0, 10.0), Notified("t", 0, 1, 1.0))
+    run(cc, Registered("t", 0, 2, 0.0, 10.0), Notified("t", 0, 1, 1.0))
     out = cc.handle(ProducerFailed("t", 0, 0, "silent", 2.0, Cause.PEER_LOST, may_land=True))
     assert out == [Fail("t", 0, "producer 0: silent", Cause.PEER_LOST, unsafe=True)]
     cc = CompletionCounter()
-    run(cc, Expect("u", 0, 1, 0.0, 10.0))
+    run(cc, Registered("u", 0, 1, 0.0, 10.0))
     assert cc.handle(ProducerFailed("u", 0, 0, "ucx error", 2.0)) == [
         Fail("u", 0, "producer 0: ucx error", Cause.PRODUCER_FAILED)]  # its WRITE is over: safe
     cc = CompletionCounter()
-    run(cc, Expect("v", 0, 1, 0.0, 10.0), Abort("v", 0, "client gone", 1.0))
+    run(cc, Registered("v", 0, 1, 0.0, 10.0), Aborted("v", 0, "client gone", 1.0))
     assert cc.handle(Tick(10.0)) == [Release("v", 0, unsafe=True)]  # aborted, no answer by the deadline
 
 
 def test_producer_failure_cancels_the_rest_and_fails_once_they_answer() -> None:
     cc = CompletionCounter()
-    run(cc, Expect("t", 0, 3, 0.0, 10.0), Notified("t", 0, 0, 1.0))
+    run(cc, Registered("t", 0, 3, 0.0, 10.0), Notified("t", 0, 0, 1.0))
     out = cc.handle(ProducerFailed("t", 0, 1, "ucx", 2.0))
     assert out == [SendCancel("t", 0, "producer 1: ucx", Cause.PRODUCER_FAILED)]
     assert cc.counts()["failing"] == 1
-    assert cc.handle(CancelConfirmed("t", 0, 2, 3.0)) == [
+    assert cc.handle(ProducerCancelled("t", 0, 2, 3.0)) == [
         Fail("t", 0, "producer 1: ucx", Cause.PRODUCER_FAILED)
     ]
 
 
 def test_single_producer_failure_fails_at_once() -> None:
     cc = CompletionCounter()
-    run(cc, Expect("t", 0, 1, 0.0, 10.0))
+    run(cc, Registered("t", 0, 1, 0.0, 10.0))
     out = cc.handle(ProducerFailed("t", 0, 0, "gone", 1.0, Cause.PEER_LOST))
     assert out == [Fail("t", 0, "producer 0: gone", Cause.PEER_LOST)]
 
 
 def test_abort_releases_only_after_every_producer_answered() -> None:
     cc = CompletionCounter()
-    run(cc, Expect("t", 0, 2, 0.0, 10.0))
-    assert cc.handle(Abort("t", 0, "preempted", 1.0)) == [SendCancel("t", 0, "aborted: preempted")]
-    assert cc.handle(CancelConfirmed("t", 0, 0, 2.0)) == []
+    run(cc, Registered("t", 0, 2, 0.0, 10.0))
+    assert cc.handle(Aborted("t", 0, "preempted", 1.0)) == [SendCancel("t", 0, "aborted: preempted")]
+    assert cc.handle(ProducerCancelled("t", 0, 0, 2.0)) == []
     assert cc.handle(Notified("t", 0, 1, 3.0)) == [Release("t", 0)]  # no Complete: aborted
-    assert run(cc, Abort("t", 0, "again", 4.0), Tick(50.0)) == []
+    assert run(cc, Aborted("t", 0, "again", 4.0), Tick(50.0)) == []
 
 
 def test_abort_releases_at_the_hard_deadline_if_a_producer_hangs() -> None:
     cc = CompletionCounter()
-    run(cc, Expect("t", 0, 2, 0.0, 10.0), Abort("t", 0, "x", 1.0))
+    run(cc, Registered("t", 0, 2, 0.0, 10.0), Aborted("t", 0, "x", 1.0))
     assert cc.handle(Tick(9.0)) == []
     assert cc.handle(Tick(10.0)) == [Release("t", 0, unsafe=True)]  # hung: the daemon fences
 
 
 def test_abort_after_complete_or_of_unknown_releases_at_once() -> None:
     cc = CompletionCounter()
-    run(cc, Expect("t", 0, 1, 0.0, 10.0), Notified("t", 0, 0, 1.0))
-    assert cc.handle(Abort("t", 0, "x", 2.0)) == [Release("t", 0)]
-    assert cc.handle(Abort("never", 3, "x", 2.0)) == [Release("never", 3)]
+    run(cc, Registered("t", 0, 1, 0.0, 10.0), Notified("t", 0, 0, 1.0))
+    assert cc.handle(Aborted("t", 0, "x", 2.0)) == [Release("t", 0)]
+    assert cc.handle(Aborted("never", 3, "x", 2.0)) == [Release("never", 3)]
 
 
 def test_newer_attempt_supersedes_silently() -> None:
     cc = CompletionCounter()
-    run(cc, Expect("t", 0, 2, 0.0, 10.0), Notified("t", 0, 0, 1.0))
-    out = cc.handle(Expect("t", 1, 1, 2.0, 12.0))
+    run(cc, Registered("t", 0, 2, 0.0, 10.0), Notified("t", 0, 0, 1.0))
+    out = cc.handle(Registered("t", 1, 1, 2.0, 12.0))
     assert out == [SendCancel("t", 0, "superseded by attempt 1", Cause.SUPERSEDED), Accepted("t", 1)]
     assert run(cc, Notified("t", 0, 1, 3.0)) == []  # old attempt settles: no Complete
     assert cc.counts()["superseded"] == 0  # and is forgotten
-    assert cc.handle(Expect("t", 0, 1, 4.0, 12.0))[0].reason.startswith("stale attempt")
-    assert cc.handle(Expect("t", 1, 1, 4.0, 12.0)) == []  # duplicate
+    assert cc.handle(Registered("t", 0, 1, 4.0, 12.0))[0].reason.startswith("stale attempt")
+    assert cc.handle(Registered("t", 1, 1, 4.0, 12.0)) == []  # duplicate
     assert cc.handle(Notified("t", 1, 0, 5.0)) == [Complete("t", 1)]
 
 
 def test_aborted_attempt_still_owes_release_after_supersession() -> None:
     cc = CompletionCounter()
-    run(cc, Expect("t", 0, 1, 0.0, 10.0), Abort("t", 0, "preempt", 1.0))
-    assert cc.handle(Expect("t", 1, 1, 2.0, 12.0)) == [Accepted("t", 1)]
-    assert cc.handle(CancelConfirmed("t", 0, 0, 3.0)) == [Release("t", 0)]
+    run(cc, Registered("t", 0, 1, 0.0, 10.0), Aborted("t", 0, "preempt", 1.0))
+    assert cc.handle(Registered("t", 1, 1, 2.0, 12.0)) == [Accepted("t", 1)]
+    assert cc.handle(ProducerCancelled("t", 0, 0, 3.0)) == [Release("t", 0)]
 
 
 def test_invalid_registrations_fail_at_once() -> None:
     cc = CompletionCounter()
-    assert cc.handle(Expect("t", 0, 0, 0.0, 10.0)) == [Fail("t", 0, "invalid registration", Cause.INVALID)]
-    assert cc.handle(Expect("t", 0, 1, 5.0, 5.0))[0] == Fail(
+    assert cc.handle(Registered("t", 0, 0, 0.0, 10.0)) == [Fail("t", 0, "invalid registration", Cause.INVALID)]
+    assert cc.handle(Registered("t", 0, 1, 5.0, 5.0))[0] == Fail(
         "t", 0, "registration deadline already passed", Cause.INVALID
     )
     # per-producer tuples must have one entry per producer
-    assert cc.handle(Expect("t", 0, 2, 5.0, 9.0, ("e0",)))[0].cause is Cause.INVALID
+    assert cc.handle(Registered("t", 0, 2, 5.0, 9.0, ("e0",)))[0].cause is Cause.INVALID
 
 
 @pytest.mark.parametrize("order", [[30.0, 10.0, 20.0, 5.0], [5.0, 10.0, 20.0, 30.0]])
 def test_expiry_does_not_stop_at_first_unexpired_entry(order: list[float]) -> None:
     cc = CompletionCounter(tombstone_s=100.0)
     for i, d in enumerate(order):
-        cc.handle(Expect(f"t{i}", 0, 1, 0.0, d))
+        cc.handle(Registered(f"t{i}", 0, 1, 0.0, d))
     out = cc.handle(Tick(15.0))
     assert {a.transfer_id for a in out if isinstance(a, Fail)} == {
         f"t{i}" for i, d in enumerate(order) if d <= 15.0
@@ -175,8 +175,8 @@ def test_expiry_skips_past_stale_heap_entries() -> None:
     behind them must still expire."""
     cc = CompletionCounter(tombstone_s=1e9)
     for i in range(10):
-        run(cc, Expect(f"s{i}", 0, 1, 0.0, 5.0), Notified(f"s{i}", 0, 0, 1.0))
-    cc.handle(Expect("late", 0, 1, 0.0, 6.0))
+        run(cc, Registered(f"s{i}", 0, 1, 0.0, 5.0), Notified(f"s{i}", 0, 0, 1.0))
+    cc.handle(Registered("late", 0, 1, 0.0, 6.0))
     assert [a for a in cc.handle(Tick(7.0)) if isinstance(a, Fail)][0].transfer_id == "late"
     assert cc.pending() == []
 
@@ -184,7 +184,7 @@ def test_expiry_skips_past_stale_heap_entries() -> None:
 def test_tombstones_purged_and_tick_cheap() -> None:
     cc = CompletionCounter(tombstone_s=1.0)
     for i in range(20_000):
-        cc.handle(Expect(f"t{i}", 0, 1, 0.0, 1e6 - i))
+        cc.handle(Registered(f"t{i}", 0, 1, 0.0, 1e6 - i))
     t0 = time.perf_counter()
     for k in range(2_000):
         cc.handle(Tick(float(k)))
@@ -199,7 +199,7 @@ def test_tombstones_purged_and_tick_cheap() -> None:
 def test_zero_tombstones_with_heap_compaction_during_expiry() -> None:
     cc = CompletionCounter(tombstone_s=0.0)
     for i in range(500):
-        cc.handle(Expect(f"t{i}", 0, 1, 0.0, 1.0 + i % 7))
+        cc.handle(Registered(f"t{i}", 0, 1, 0.0, 1.0 + i % 7))
     cc.handle(Tick(100.0))
     assert sum(cc.counts().values()) == 0 and cc._deadlines._heap == []
 
@@ -234,12 +234,12 @@ class RefCounter:
     def step(self, ev: object) -> list:
         self.now = max(self.now, ev.now)  # type: ignore[attr-defined]
         out = self.expire()
-        if isinstance(ev, Expect):
+        if isinstance(ev, Registered):
             self.expect(ev, out)
         elif not isinstance(ev, Tick):
             key = (ev.transfer_id, ev.attempt)  # type: ignore[attr-defined]
             r = self.recs.get(key)
-            if isinstance(ev, Abort):
+            if isinstance(ev, Aborted):
                 self.abort(key, r, ev, out)
             elif r is not None and r.state not in self.TOMB:
                 self.result(key, r, ev, out)
@@ -298,7 +298,7 @@ class RefCounter:
                 else:
                     self.forget(key)
 
-    def expect(self, ev: Expect, out: list) -> None:
+    def expect(self, ev: Registered, out: list) -> None:
         key = (ev.transfer_id, ev.attempt)
         cur = self.cur.get(ev.transfer_id)
         if key in self.recs:  # registered again: older than the newest, told, or a duplicate
@@ -329,7 +329,7 @@ class RefCounter:
             self.cur[ev.transfer_id] = ev.attempt
             out.append(Accepted(*key))
 
-    def abort(self, key: tuple[str, int], r: _R | None, ev: Abort, out: list) -> None:
+    def abort(self, key: tuple[str, int], r: _R | None, ev: Aborted, out: list) -> None:
         if r is None:
             out.append(Release(*key))
         elif r.state in ("completed", "failed"):
@@ -384,14 +384,14 @@ class Checker:
 
     def __init__(self) -> None:
         self.seen: dict[tuple[str, int], _Seen] = {}
-        self.pending_expect: dict[tuple[str, int], Expect] = {}
+        self.pending_expect: dict[tuple[str, int], Registered] = {}
         self.aborts: dict[tuple[str, int], int] = {}
         self.releases: dict[tuple[str, int], int] = {}
 
     def before(self, ev: object) -> None:
-        if isinstance(ev, Expect):
+        if isinstance(ev, Registered):
             self.pending_expect[(ev.transfer_id, ev.attempt)] = ev
-        elif isinstance(ev, Abort):
+        elif isinstance(ev, Aborted):
             key = (ev.transfer_id, ev.attempt)
             self.aborts[key] = self.aborts.get(key, 0) + 1
             if key in self.seen:
@@ -422,7 +422,7 @@ class Checker:
             elif isinstance(a, Refuse):
                 assert s is None or s.superseded or s.completed or s.failed or s.releases, a
             elif isinstance(a, Fail) and a.reason.startswith(REJECTIONS):
-                pass  # an Expect refused outright: nothing was forwarded to producers
+                pass  # an Registered refused outright: nothing was forwarded to producers
             elif isinstance(a, Fail):
                 assert s is not None and not s.completed and not s.failed, a
                 # blocks get recomputed into: nobody may still be writing them
@@ -431,7 +431,7 @@ class Checker:
                 s.failed = True
             elif isinstance(a, Release):
                 self.releases[key] = self.releases.get(key, 0) + 1
-                assert self.releases[key] <= self.aborts.get(key, 0), "Release without Abort"
+                assert self.releases[key] <= self.aborts.get(key, 0), "Release without Aborted"
                 if s is not None:
                     assert len(s.resolved) == s.producers or now >= s.deadline, "early Release"
                     s.releases += 1
@@ -469,7 +469,7 @@ def _draw_events(data: st.DataObject) -> list[object]:
             tid, attempt, n = data.draw(st.sampled_from(known))
         rank = data.draw(st.integers(0, n))  # n: out of range
         if kind == "expect":
-            evs.append(Expect(tid, attempt, n, now, now + data.draw(st.floats(1, 30))))
+            evs.append(Registered(tid, attempt, n, now, now + data.draw(st.floats(1, 30))))
             known.append((tid, attempt, n))
         elif kind == "notified":
             evs.append(Notified(tid, attempt, rank, now))
@@ -477,9 +477,9 @@ def _draw_events(data: st.DataObject) -> list[object]:
             cause = data.draw(st.sampled_from([Cause.PRODUCER_FAILED, Cause.PEER_LOST]))
             evs.append(ProducerFailed(tid, attempt, rank, "boom", now, cause, data.draw(st.booleans())))
         elif kind == "confirmed":
-            evs.append(CancelConfirmed(tid, attempt, rank, now))
+            evs.append(ProducerCancelled(tid, attempt, rank, now))
         else:
-            evs.append(Abort(tid, attempt, "stop", now))
+            evs.append(Aborted(tid, attempt, "stop", now))
     evs.append(Tick(now + 1e4))
     return evs
 
@@ -503,13 +503,13 @@ def test_random_sequences_match_reference_and_invariants(data: st.DataObject, to
 
 def test_a_timeout_with_grace_fails_safely_once_the_late_producer_confirms_its_cancel() -> None:
     cc = CompletionCounter(cancel_grace_s=2.0)
-    run(cc, Expect("t", 0, 2, 0.0, 10.0), Notified("t", 0, 1, 1.0))
+    run(cc, Registered("t", 0, 2, 0.0, 10.0), Notified("t", 0, 1, 1.0))
     why = "timed out waiting for 1 of 2 producers"
     assert cc.handle(Tick(10.0)) == [SendCancel("t", 0, why, Cause.TIMEOUT)]  # no Fail yet
-    assert cc.handle(CancelConfirmed("t", 0, 0, 10.1)) == [Fail("t", 0, why, Cause.TIMEOUT)]  # safe
+    assert cc.handle(ProducerCancelled("t", 0, 0, 10.1)) == [Fail("t", 0, why, Cause.TIMEOUT)]  # safe
     # a producer that stays silent through the grace: unsafe (the daemon fences)
     cc = CompletionCounter(cancel_grace_s=2.0)
-    run(cc, Expect("u", 0, 1, 0.0, 10.0), Tick(10.0))
+    run(cc, Registered("u", 0, 1, 0.0, 10.0), Tick(10.0))
     assert cc.handle(Tick(11.9)) == []
     assert cc.handle(Tick(12.0)) == [Fail("u", 0, "timed out waiting for 1 of 1 producers", Cause.TIMEOUT,
                                           unsafe=True)]
@@ -520,14 +520,14 @@ def test_registered_again_the_counter_refuses_what_the_shell_used_to() -> None:
     outcome was told, or one older than the newest (live or not), is refused at once; the
     newest one still counting is a silent duplicate."""
     cc = CompletionCounter()
-    run(cc, Expect("t", 0, 1, 0.0, 10.0), Notified("t", 0, 0, 1.0))
-    assert cc.handle(Expect("t", 0, 1, 2.0, 12.0)) == [Refuse(
+    run(cc, Registered("t", 0, 1, 0.0, 10.0), Notified("t", 0, 0, 1.0))
+    assert cc.handle(Registered("t", 0, 1, 2.0, 12.0)) == [Refuse(
         "t", 0, "attempt 0 of this transfer already ended (completed); register a new attempt", Cause.CLOSED)]
-    assert cc.handle(Expect("t", 1, 2, 2.0, 12.0)) == [Accepted("t", 1)]
-    assert cc.handle(Expect("t", 1, 2, 2.0, 12.0)) == []  # duplicate
-    assert cc.handle(Expect("t", 0, 1, 2.0, 12.0))[0] == Refuse(
+    assert cc.handle(Registered("t", 1, 2, 2.0, 12.0)) == [Accepted("t", 1)]
+    assert cc.handle(Registered("t", 1, 2, 2.0, 12.0)) == []  # duplicate
+    assert cc.handle(Registered("t", 0, 1, 2.0, 12.0))[0] == Refuse(
         "t", 0, "stale attempt: attempt 1 is newer", Cause.SUPERSEDED)
-    assert cc.handle(Expect("t", 2, 1, 3.0, 12.0)) == [
+    assert cc.handle(Registered("t", 2, 1, 3.0, 12.0)) == [
         SendCancel("t", 1, "superseded by attempt 2", Cause.SUPERSEDED), Accepted("t", 2)]
-    assert cc.handle(Expect("t", 1, 2, 3.0, 12.0))[0].cause is Cause.SUPERSEDED  # superseded, live
+    assert cc.handle(Registered("t", 1, 2, 3.0, 12.0))[0].cause is Cause.SUPERSEDED  # superseded, live
     assert cc.current("t") == 2 and cc.live("t")

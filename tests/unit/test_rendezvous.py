@@ -24,13 +24,13 @@ from hypothesis.stateful import (
 
 from kvpush.daemon import rendezvous as rz
 from kvpush.daemon.rendezvous import (
-    Abort,
+    Aborted,
     Cause,
     ConfirmCancel,
     NotifyFailure,
     PeerLost,
-    PrefillDone,
-    Register,
+    Prefilled,
+    Registered,
     ReleaseBlocks,
     Rendezvous,
     StartWrite,
@@ -54,12 +54,12 @@ def reg(
     deadline: float = 100.0,
     tokens: int = 40,
     blocks: tuple[int, ...] = (7, 8, 9),
-) -> Register:
-    return Register(tid, attempt, peer or f"d{dest}", dest, expected, blocks, tokens, now, deadline)
+) -> Registered:
+    return Registered(tid, attempt, peer or f"d{dest}", dest, expected, blocks, tokens, now, deadline)
 
 
-def pf(tid: str = "t", *, now: float = 0.0, lease: float = 50.0, tokens: int = 40) -> PrefillDone:
-    return PrefillDone(tid, SRC, tokens, now, lease)
+def pf(tid: str = "t", *, now: float = 0.0, lease: float = 50.0, tokens: int = 40) -> Prefilled:
+    return Prefilled(tid, SRC, tokens, now, lease)
 
 
 def of(kind: type, actions: list) -> list:
@@ -70,7 +70,7 @@ def of(kind: type, actions: list) -> list:
 
 
 def test_table_covers_every_state_and_event() -> None:
-    events = (Register, PrefillDone, WriteDone, WriteFailed, Abort, PeerLost, rz._Deadline)
+    events = (Registered, Prefilled, WriteDone, WriteFailed, Aborted, PeerLost, rz._Deadline)
     for state in (None, *State):
         for ev in events:
             assert rz.TABLE.rows_for(state, ev), (state, ev)
@@ -121,7 +121,7 @@ def test_late_duplicate_of_a_superseded_write_in_flight_gets_no_answer() -> None
     rv.handle(reg(attempt=0))
     rv.handle(reg(attempt=1, now=1.0))
     assert rv.handle(reg(attempt=0, now=2.0)) == []
-    assert rv.handle(Abort("t", 0, "x", "peer", 3.0, peer="d0")) == []
+    assert rv.handle(Aborted("t", 0, "x", "peer", 3.0, peer="d0")) == []
     assert rv.handle(WriteDone("t", 0, 0, 4.0)) == [ConfirmCancel("t", 0, "d0")]
 
 
@@ -209,7 +209,7 @@ def test_peer_abort_before_and_during_write() -> None:
     rv = Rendezvous()
     rv.handle(reg(dest=0, expected=2))
     rv.handle(reg(dest=1, expected=2))
-    out = rv.handle(Abort("t", 0, "preempted", "peer", 1.0, peer="d0"))
+    out = rv.handle(Aborted("t", 0, "preempted", "peer", 1.0, peer="d0"))
     assert ConfirmCancel("t", 0, "d0") in out
     assert of(NotifyFailure, out) == [
         NotifyFailure("t", 0, "d1", 1, "cancelled by d0: preempted", Cause.CANCELLED)
@@ -217,7 +217,7 @@ def test_peer_abort_before_and_during_write() -> None:
     assert rv.handle(pf(now=2.0)) == []  # dead attempt: nothing written
     # a new attempt; its peer cancels during the write: confirm only after the write
     rv.handle(reg(attempt=1, dest=0, expected=1, now=3.0))
-    assert rv.handle(Abort("t", 1, "gone", "peer", 4.0, peer="d0")) == []
+    assert rv.handle(Aborted("t", 1, "gone", "peer", 4.0, peer="d0")) == []
     assert rv.handle(WriteDone("t", 1, 0, 5.0)) == [ConfirmCancel("t", 1, "d0")]
     assert rv.counts()["wait_register"] == 1  # still waiting for a newer attempt
 
@@ -227,7 +227,7 @@ def test_cancel_is_confirmed_after_the_last_write_to_that_peer() -> None:
     rv.handle(pf())
     rv.handle(reg(dest=0, expected=2, peer="p"))
     rv.handle(reg(dest=1, expected=2, peer="p"))
-    assert rv.handle(Abort("t", 0, "x", "peer", 1.0, peer="p")) == []
+    assert rv.handle(Aborted("t", 0, "x", "peer", 1.0, peer="p")) == []
     assert rv.handle(WriteDone("t", 0, 1, 2.0)) == []
     assert rv.handle(WriteFailed("t", 0, 0, "e", 3.0)) == [ConfirmCancel("t", 0, "p")]
     assert rv.counts()["wait_register"] == 1
@@ -235,20 +235,20 @@ def test_cancel_is_confirmed_after_the_last_write_to_that_peer() -> None:
 
 def test_peer_abort_for_unknown_transfer_is_confirmed() -> None:
     rv = Rendezvous()
-    assert rv.handle(Abort("x", 3, "r", "peer", 0.0, peer="d0")) == [ConfirmCancel("x", 3, "d0")]
+    assert rv.handle(Aborted("x", 3, "r", "peer", 0.0, peer="d0")) == [ConfirmCancel("x", 3, "d0")]
 
 
 def test_local_abort_fails_everything_after_writes_end() -> None:
     rv = Rendezvous()
     rv.handle(pf())
     rv.handle(reg(dest=0, expected=2))
-    assert rv.handle(Abort("t", None, "client gone", "local", 1.0)) == []
+    assert rv.handle(Aborted("t", None, "client gone", "local", 1.0)) == []
     assert rv.handle(WriteDone("t", 0, 0, 2.0)) == [
         ReleaseBlocks("t", SRC, False, "aborted: client gone", Cause.ABORTED)
     ]
-    # before prefill: registrations hear at once; a later PrefillDone is released at once
+    # before prefill: registrations hear at once; a later Prefilled is released at once
     rv.handle(reg("u", dest=0))
-    out = rv.handle(Abort("u", None, "x", "local", 3.0))
+    out = rv.handle(Aborted("u", None, "x", "local", 3.0))
     assert of(NotifyFailure, out) and rv.counts()["failed"] == 2
     assert rv.handle(pf("u", now=4.0)) == [ReleaseBlocks("u", SRC, False, "aborted: x", Cause.ABORTED)]
 
@@ -293,7 +293,7 @@ def test_register_after_done_and_invalid_registrations() -> None:
     # ... but never more distinct ones than expected_dests.
     assert of(NotifyFailure, rv.handle(reg("v", dest=0, expected=2)))
     assert of(NotifyFailure, rv.handle(reg("v", now=3.0, deadline=3.0)))
-    assert rv.handle(pf("t", now=4.0)) == []  # duplicate PrefillDone
+    assert rv.handle(pf("t", now=4.0)) == []  # duplicate Prefilled
 
 
 def test_tombstones_are_purged() -> None:
@@ -397,8 +397,8 @@ class RendezvousMachine(RuleBasedStateMachine):
         self.purging = tombstone < 1e6
         self.now = 0.0
         self.expected: dict[tuple[str, int], int] = {}
-        self.regs: dict[tuple[str, int, int], Register] = {}
-        self.prefill: dict[str, PrefillDone] = {}
+        self.regs: dict[tuple[str, int, int], Registered] = {}
+        self.prefill: dict[str, Prefilled] = {}
         self.released: dict[str, int] = {}
         self.max_attempt: dict[str, int] = {}
         self.started: set[tuple[str, int, int]] = set()
@@ -483,7 +483,7 @@ class RendezvousMachine(RuleBasedStateMachine):
         n = self.expected.setdefault((tid, attempt), expected)
         key = (tid, attempt, dest % n)
         first = self.regs.get(key)  # a duplicate repeats the first one (new times)
-        ev = Register(tid, attempt, peer, dest % n, n, (dest, 9), tokens, self.now, self.now + dt)
+        ev = Registered(tid, attempt, peer, dest % n, n, (dest, 9), tokens, self.now, self.now + dt)
         if first is not None:
             ev = replace(first, now=self.now, deadline=self.now + dt)
         self.regs.setdefault(key, ev)
@@ -508,7 +508,7 @@ class RendezvousMachine(RuleBasedStateMachine):
 
     @rule(tid=st.sampled_from(TIDS), tokens=st.sampled_from([16, 16, 17]), dt=st.floats(0.5, 30))
     def prefill_done(self, tid: str, tokens: int, dt: float) -> None:
-        ev = PrefillDone(tid, (100, 101), tokens, self.now, self.now + dt)
+        ev = Prefilled(tid, (100, 101), tokens, self.now, self.now + dt)
         self.sync()
         self.prefill.setdefault(tid, ev)
         self.send(ev)
@@ -550,7 +550,7 @@ class RendezvousMachine(RuleBasedStateMachine):
         if kind == "peer_abort":
             self.peer_abort(tid, attempt, peer)
         elif kind == "local_abort":
-            self.send(Abort(tid, None, "stop", "local", self.now))
+            self.send(Aborted(tid, None, "stop", "local", self.now))
         elif kind == "peer_lost":
             self.send(PeerLost(peer, self.now))
         elif (tid, attempt, dest) not in self.outstanding:  # the transport never lies
@@ -558,7 +558,7 @@ class RendezvousMachine(RuleBasedStateMachine):
 
     def peer_abort(self, tid: str, attempt: int, peer: str) -> None:
         self.peer_aborts.add((tid, attempt, peer))
-        self.send(Abort(tid, attempt, "cancel", "peer", self.now, peer=peer))
+        self.send(Aborted(tid, attempt, "cancel", "peer", self.now, peer=peer))
 
     @rule(dt=st.floats(0, 6))
     def tick(self, dt: float) -> None:
@@ -613,7 +613,7 @@ TestRendezvousInterleavings = RendezvousMachine.TestCase
 # ------------------------------------------------------------------------ identities
 
 
-def _as(identity: str, r: Register) -> Register:
+def _as(identity: str, r: Registered) -> Registered:
     return replace(r, identity=identity)
 
 

@@ -17,6 +17,10 @@ Child contract (``target(cfg, ready_event) -> int``, the default being
   ``max_restarts_per_minute`` times in any 60 s; beyond that it is held down
   ("crash-loop") until the window has room again. Other children are never touched.
 
+Every state of a child and every change of it, the restart policy included, is a row of the
+pure table in :mod:`kvpush.daemon.children`; this module only turns what it sees of the
+processes into its events and carries out the actions it returns.
+
 The HTTP thread (stdlib, not the data path) serves ``/health`` (200 when every child is
 up, else 503; JSON per device) and ``/metrics`` (supervisor metrics + each child's own,
 fetched over the ops sockets with ``OpsRequest(cmd="metrics")`` through

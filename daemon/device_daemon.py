@@ -168,6 +168,8 @@ class Worker:
         activity |= nixl_turn(self.prefill, self.decode, now)
         lap("NIXL polls")
         if now - self.last_tick >= TICK_S:
+            if self.last_tick and now - self.last_tick > self.cfg.peer_timeout_s / 4:
+                self.decode.resumed(now - self.last_tick)  # we were frozen: not our peers' silence
             self.last_tick = now
             self.tick(now)
             lap("timers")
@@ -217,7 +219,8 @@ class Worker:
         m = self.ctx.metrics
         m.set_peers("ready", sum(p.state is Link.READY for p in self.decode.producers.values())
                     + len(self.prefill.consumers))
-        m.set_peers("handshaking", sum(p.state is Link.HANDSHAKING for p in self.decode.producers.values()))
+        for state in (Link.HANDSHAKING, Link.RECOVERING):
+            m.set_peers(str(state), sum(p.state is state for p in self.decode.producers.values()))
 
     # ------------------------------------------------------------------ ops commands
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +43,7 @@ WRITE_POLL_MAX_S = 0.0001
 # early hint only wakes the consumer to compete for the CPU with our post (it cost same-host
 # TTFT). The tiny model's transfers in the TTFT benchmark stay below it (4 MiB at 2000 tokens).
 EARLY_HINT_MIN_BYTES = 8 << 20
+LOST_REMEMBERED = 1024  # evicted consumers remembered (handshake_lost, not unauthenticated)
 
 
 def _reason(text: str) -> str:
@@ -75,6 +77,8 @@ class PrefillSide:
         self.in_flight: dict[int, InFlight] = {}
         self._local_prep: dict[tuple[bytes, bytes], Any] = {}  # pattern -> prepared local dlist
         self._lease_said: set[rv.Cause] = set()  # lease expiries already logged, by cause
+        # Routing ids of evicted consumers (bounded, oldest dropped) -> their loss was logged.
+        self._lost: OrderedDict[bytes, bool] = OrderedDict()
 
     # ------------------------------------------------------------------ engine
 
@@ -116,6 +120,9 @@ class PrefillSide:
             self.on_hello(ident, msg, now, node)
             return
         peer = self.consumers.get(ident)
+        if peer is None and self._handshake_lost(ident, node):
+            self.ctx.wire.to_consumer(ident, proto.Error("handshake", "handshake lost: send Hello again"))
+            return
         if peer is None or peer.node != node:
             self.ctx.bad("unauthenticated", f"{type(msg).__name__} from a peer without handshake")
             self.ctx.wire.to_consumer(ident, proto.Error("handshake", "send Hello first"))
@@ -165,6 +172,28 @@ class PrefillSide:
         log.info("decode peer %s (%s rank %d) handshaken", msg.endpoint, msg.engine_id, msg.rank)
         self.ctx.wire.to_consumer(ident, make_hello(self.ctx, reply=True))
         self._prep(peer)  # after the reply: off the peer's critical path
+
+    def _handshake_lost(self, ident: bytes, node: str) -> bool:
+        """A known peer without a handshake here: one we evicted (silent while it was frozen,
+        then its queued Heartbeats, Cancels and PeerRegisters arrive), or, authenticated, one
+        that handshook with this daemon before it restarted. Counted as ``handshake_lost`` (it
+        re-handshakes when told), not as ``unauthenticated``: that stays for peers that never
+        authenticated, so an operator's security alert does not fire on a peer that paused."""
+        said = self._lost.get(ident)
+        if said is None and not self._allowed(node):
+            return False
+        self.ctx.metrics.failure("handshake_lost")
+        if not said:  # once per connection: a frozen peer's backlog is one event, not one per frame
+            self._remember_lost(ident, said=True)
+            log.warning("decode peer %s (%s) sent traffic without a handshake here (evicted while silent, "
+                        "or this daemon restarted): told to send Hello again", ident.hex(), node or "insecure")
+        return True
+
+    def _remember_lost(self, ident: bytes, *, said: bool) -> None:
+        self._lost[ident] = said
+        self._lost.move_to_end(ident)
+        while len(self._lost) > LOST_REMEMBERED:
+            self._lost.popitem(last=False)
 
     def _allowed(self, node: str) -> bool:
         """An authenticated peer still in the allowlist (it may learn why it was refused)."""
@@ -237,6 +266,7 @@ class PrefillSide:
 
     def evict(self, peer: Consumer, why: str, now: float) -> None:
         self.consumers.pop(peer.routing_id, None)
+        self._remember_lost(peer.routing_id, said=False)
         self._unprep(peer)
         log.warning("decode peer %s evicted: %s", peer.endpoint, why)
         self.ctx.metrics.failure("peer_lost")

@@ -50,6 +50,9 @@ PR_SET_TIMERSLACK = 29  # <linux/prctl.h>
 TIMER_SLACK_NS = 1000
 IDLE_POLL_S = 0.25  # how long the loop blocks on its sockets with nothing in flight
 STALL_WARN_S = 0.5  # a loop step this long is logged (and counted as failure{cause="loop_stall"})
+# Ticks further apart than an idle wait plus a stalled step: the loop did not run (the process
+# was stopped, or its host stalled), and that time is not its peers' silence.
+FROZEN_GAP_S = IDLE_POLL_S + STALL_WARN_S
 AUTH_REFRESH_S = 1.0  # how often the allowlist directory is checked for changes
 
 
@@ -168,7 +171,7 @@ class Worker:
         activity |= nixl_turn(self.prefill, self.decode, now)
         lap("NIXL polls")
         if now - self.last_tick >= TICK_S:
-            if self.last_tick and now - self.last_tick > self.cfg.peer_timeout_s / 4:
+            if self.last_tick and now - self.last_tick > FROZEN_GAP_S:
                 self.decode.resumed(now - self.last_tick)  # we were frozen: not our peers' silence
             self.last_tick = now
             self.tick(now)

@@ -261,9 +261,6 @@ class DecodeSide:
             self.ctx.wire.close_producer(peer.endpoint)
         peer.queued.clear()
 
-    def drop(self, peer: Producer) -> None:
-        self._forget(peer)
-
     def revoke(self, allowed: set[str]) -> None:
         """The allowlist changed: drop links to nodes no longer in it (their waiters fail)."""
         for p in [p for p in self.producers.values() if p.node and p.node not in allowed]:
@@ -274,7 +271,7 @@ class DecodeSide:
         if self.producers:
             log.info("dropping %d prefill link(s): %s", len(self.producers), why)
         for p in list(self.producers.values()):
-            self.drop(p)
+            self._forget(p)
 
     def _fail_waiting(self, endpoint: str, why: str, *, may_land: bool = False, only_hinted: bool = False) -> None:
         """Fail every registration waiting on ``endpoint``; ``may_land`` marks a WRITE of it as

@@ -145,7 +145,7 @@ class PrefillSide:
         only replace (evict) a peer of its own identity."""
         # An identity violation is never explained; a layout mismatch is, to an allowlisted node.
         bad_identity = self._identity_error(msg, node)
-        why = bad_identity or compat_error(self.ctx, msg)
+        why = bad_identity or self._role_error() or compat_error(self.ctx, msg)
         if why:
             self.ctx.bad("handshake", why)
             told = refusal(why, self._allowed(node) and not bad_identity)
@@ -172,6 +172,15 @@ class PrefillSide:
         log.info("decode peer %s (%s rank %d) handshaken", msg.endpoint, msg.engine_id, msg.rank)
         self.ctx.wire.to_consumer(ident, make_hello(self.ctx, reply=True))
         self._prep(peer)  # after the reply: off the peer's critical path
+
+    def _role_error(self) -> str:
+        """A daemon serving a decode engine only dials out: it answers no Hello, so no peer
+        learns its engine's NIXL metadata or region addresses (issue 28: an allowlisted node
+        read and wrote a decode engine's KV with them)."""
+        a = self.ctx.attached
+        if a is not None and a.role == "decode":
+            return "this daemon serves a decode engine: decode daemons only dial out"
+        return ""
 
     def _handshake_lost(self, ident: bytes, node: str) -> bool:
         """A known peer without a handshake here: one we evicted (silent while it was frozen,

@@ -203,14 +203,14 @@ class DecodeSide:
                 for m in queued:  # never forwarded: nothing of them can land
                     self._fail_one(endpoint, m, why)
                 # A link gone silent (or that lost our handshake) while its connection stayed
-                # open (frozen, or a partition): a WRITE it posted may arrive later. Silent, any
-                # registration it held may be written; after "send Hello first" it evicted us
-                # and posts nothing more, so only a WRITE it announced (Writing, still
-                # hinted) may. A producer whose connection closed died (its kernel closed the
-                # sockets after sending what they held); a handshake never had a registration
-                # forwarded.
+                # open (frozen, or a partition): a WRITE it posted may arrive later. Silent (or
+                # revoked: no longer trusted), any registration it held may be written; after
+                # "send Hello first" it evicted us and posts nothing more, so only a WRITE it
+                # announced (Writing, still hinted) may. A producer whose connection closed died
+                # (its kernel closed the sockets after sending what they held); a handshake never
+                # had a registration forwarded.
                 open_ = not self.ctx.wire.connection_closed(endpoint, peer.last_seen)
-                if isinstance(event, pr.Silent):
+                if isinstance(event, pr.Silent | pr.Revoked) and old is Link.READY:
                     self._fail_waiting(endpoint, why, may_land=open_)
                 else:
                     self._fail_waiting(endpoint, why, may_land=open_ and isinstance(event, pr.HandshakeLost),

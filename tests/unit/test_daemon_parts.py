@@ -582,3 +582,17 @@ def test_frames_of_an_evicted_peer_are_handshake_lost_and_it_re_handshakes(lab):
     net.post("to_prefill", p.endpoint, "mem://stranger", proto.Heartbeat(1))
     net.run()
     assert _failures(p, "unauthenticated") == 1 and _failures(p, "handshake_lost") == 2
+
+
+def test_revoking_a_ready_producer_drops_it_and_fences_what_it_may_still_write(lab):
+    """A revoked node is no longer trusted, and one that was ready may have posted a WRITE for
+    what we registered there: the link is dropped (it used to stay up), and its registrations
+    end in a fence, not in blocks handed back."""
+    net, fab = lab
+    p, d = pair(net, fab)
+    register(d, tid(), [1, 2], 20, [p])
+    net.run()
+    d.decode.producers[p.endpoint].node = "pnode"  # the in-memory net is unauthenticated
+    d.decode.revoke({"dnode"})
+    assert p.endpoint not in d.decode.producers
+    assert len(d.fenced) == 1 and kinds(d) == []

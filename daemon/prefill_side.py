@@ -10,6 +10,7 @@ context's ports.
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections import OrderedDict
@@ -52,6 +53,14 @@ def _reason(text: str) -> str:
     return proto.codec.clip(text, proto.codec.REASON_MAX)
 
 
+class _Seen(enum.Enum):
+    """What the prefill side knows of a routing id that has no consumer (any more)."""
+
+    LOST = "lost"  # we evicted it: its late frames are handshake_lost
+    LOST_SAID = "lost_said"  # ... and that was logged
+    REFUSED = "refused"  # its Hello was refused: its frames are unauthenticated
+
+
 @dataclass
 class InFlight:
     """One posted WRITE, until NIXL says it is done or failed (or it times out)."""
@@ -77,8 +86,8 @@ class PrefillSide:
         self.in_flight: dict[int, InFlight] = {}
         self._local_prep: dict[tuple[bytes, bytes], Any] = {}  # pattern -> prepared local dlist
         self._lease_said: set[rv.Cause] = set()  # lease expiries already logged, by cause
-        # Routing ids of evicted consumers (bounded, oldest dropped) -> their loss was logged.
-        self._lost: OrderedDict[bytes, bool] = OrderedDict()
+        # Routing ids without a consumer that we know something of (bounded, oldest dropped).
+        self._lost: OrderedDict[bytes, _Seen] = OrderedDict()
 
     # ------------------------------------------------------------------ engine
 
@@ -148,6 +157,7 @@ class PrefillSide:
         why = bad_identity or self._role_error() or compat_error(self.ctx, msg)
         if why:
             self.ctx.bad("handshake", why)
+            self._remember(ident, _Seen.REFUSED)
             told = refusal(why, self._allowed(node) and not bad_identity)
             self.ctx.wire.to_consumer(ident, proto.Error("incompatible", told))
             return
@@ -188,18 +198,18 @@ class PrefillSide:
         that handshook with this daemon before it restarted. Counted as ``handshake_lost`` (it
         re-handshakes when told), not as ``unauthenticated``: that stays for peers that never
         authenticated, so an operator's security alert does not fire on a peer that paused."""
-        said = self._lost.get(ident)
-        if said is None and not self._allowed(node):
-            return False
+        seen = self._lost.get(ident)
+        if seen is _Seen.REFUSED or (seen is None and not self._allowed(node)):
+            return False  # its Hello was refused here, or it is a stranger: unauthenticated
         self.ctx.metrics.failure("handshake_lost")
-        if not said:  # once per connection: a frozen peer's backlog is one event, not one per frame
-            self._remember_lost(ident, said=True)
+        if seen is not _Seen.LOST_SAID:  # once per connection: a frozen peer's backlog is one event
+            self._remember(ident, _Seen.LOST_SAID)
             log.warning("decode peer %s (%s) sent traffic without a handshake here (evicted while silent, "
                         "or this daemon restarted): told to send Hello again", ident.hex(), node or "insecure")
         return True
 
-    def _remember_lost(self, ident: bytes, *, said: bool) -> None:
-        self._lost[ident] = said
+    def _remember(self, ident: bytes, seen: _Seen) -> None:
+        self._lost[ident] = seen
         self._lost.move_to_end(ident)
         while len(self._lost) > LOST_REMEMBERED:
             self._lost.popitem(last=False)
@@ -275,7 +285,7 @@ class PrefillSide:
 
     def evict(self, peer: Consumer, why: str, now: float) -> None:
         self.consumers.pop(peer.routing_id, None)
-        self._remember_lost(peer.routing_id, said=False)
+        self._remember(peer.routing_id, _Seen.LOST)
         self._unprep(peer)
         log.warning("decode peer %s evicted: %s", peer.endpoint, why)
         self.ctx.metrics.failure("peer_lost")

@@ -16,10 +16,11 @@ from typing import Any
 
 from kvpush import proto
 from kvpush.daemon import counter as ctr
+from kvpush.daemon import peers as pr
 from kvpush.daemon.checks import bounded_s, check_blocks
 from kvpush.daemon.context import DaemonContext
 from kvpush.daemon.handshake import compat_error, make_hello
-from kvpush.daemon.peers import Link, LinkAction, LinkEvent, Producer, link_step
+from kvpush.daemon.peers import LinkAction, PeerLinkState, Producer
 from kvpush.daemon.planner import PlanError, producer_fanout
 from kvpush.proto.notif import Notification
 
@@ -50,7 +51,7 @@ class DecodeSide:
     @property
     def handshaking(self) -> bool:
         """A producer link is being set up: our NIXL connection to it needs our progress."""
-        return any(p.state is Link.HANDSHAKING for p in self.producers.values())
+        return any(p.state is PeerLinkState.HANDSHAKING for p in self.producers.values())
 
     @property
     def receiving(self) -> int:
@@ -104,24 +105,14 @@ class DecodeSide:
 
     # ------------------------------------------------------------------ producer links
 
-    def send(self, endpoint: str, msg: Any) -> None:
-        """Send to a prefill daemon, dialling and handshaking first if needed."""
+    def forward(self, endpoint: str, msg: proto.PeerRegister) -> None:
+        """A registration for a prefill daemon: the link's table says send, queue (first
+        contact, dialling it), or fail now (it is down or re-handshaking)."""
         peer = self.producers.get(endpoint)
-        if peer is None:
-            now = time.monotonic()
-            peer = Producer(endpoint, since=now, last_seen=now)
-            try:
-                peer.node = self.ctx.wire.open_producer(endpoint)
-            except ValueError as exc:
-                peer.error = _reason(str(exc))
-                self._fail_waiting(endpoint, f"cannot connect to {endpoint}: {exc}")
-                return
-            self.producers[endpoint] = peer
-            self.ctx.wire.to_producer(endpoint, make_hello(self.ctx, reply=False))
-        if peer.state is Link.READY:
-            self.ctx.wire.to_producer(endpoint, msg)
-        else:
-            peer.queued.append(msg)
+        now = time.monotonic()
+        if peer is not None:
+            peer.wanted = now
+        self._link(peer, endpoint, pr.Forward(), "", msg)
 
     def on_producer(self, endpoint: str, msg: Any, now: float) -> None:
         peer = self.producers.get(endpoint)
@@ -138,19 +129,22 @@ class DecodeSide:
                 except Exception as exc:
                     why = str(exc)
             if why:
-                self._link(peer, LinkEvent.REFUSED, f"prefill daemon {endpoint}: {why}")
+                self._link(peer, endpoint, pr.Refused(), f"prefill daemon {endpoint}: {why}")
                 return
             peer.agent_name, peer.layout, peer.rank, peer.tp_size = agent, msg.layout, msg.rank, msg.tp_size
             peer.engine_id, peer.region_bases = msg.engine_id, msg.region_bases
             log.info("prefill peer %s (%s rank %d) handshaken", endpoint, msg.engine_id, msg.rank)
-            self._link(peer, LinkEvent.HELLO_OK, "")
+            self._link(peer, endpoint, pr.HelloOk(), "")
         elif isinstance(msg, proto.Error):
-            if peer.state is not Link.READY:
-                self._link(peer, LinkEvent.REFUSED, f"prefill daemon {endpoint} refused: {msg.message}")
-            elif msg.code == "handshake":
-                # A new daemon on the same endpoint (restarted): it knows nothing of us or of
-                # what we registered. Fail those transfers now; the next one re-handshakes.
-                self._link(peer, LinkEvent.HANDSHAKE_LOST, f"prefill daemon {endpoint} restarted (handshake lost)")
+            if msg.code == "handshake" and peer.state is not PeerLinkState.HANDSHAKING:
+                # It restarted, or evicted us while we were frozen: it knows nothing of what we
+                # registered. Fail those now and re-handshake at once (recovering: a late
+                # answer to our previous connection's backlog).
+                self._link(peer, endpoint, pr.HandshakeLost(),
+                           f"prefill daemon {endpoint} lost our handshake (restarted, or evicted us): "
+                           f"{msg.message}")
+            elif peer.state is not PeerLinkState.READY:
+                self._link(peer, endpoint, pr.Refused(), f"prefill daemon {endpoint} refused: {msg.message}")
             else:
                 log.warning("prefill daemon %s: %s: %s", endpoint, msg.code, msg.message)
         elif isinstance(msg, proto.Writing):
@@ -161,32 +155,97 @@ class DecodeSide:
         elif isinstance(msg, proto.CancelConfirmed):
             self._producer_result(msg.transfer_id, msg.attempt, endpoint, "", now, failed=False)
 
-    def _link(self, peer: Producer, event: LinkEvent, why: str) -> None:
-        """Move a producer link through the table and carry out its actions."""
-        peer.state, actions = link_step(peer.state, event)
+    def _link(self, peer: Producer | None, endpoint: str, event: Any, why: str, msg: Any = None) -> None:
+        """Move a producer link through its table and carry out the row's actions, in order."""
+        old = None if peer is None else peer.state
+        new, actions = pr.link_step(old, event)
+        if peer is not None and new is not None:
+            peer.state = new
         for act in actions:
-            if act is LinkAction.FLUSH:
+            if act is LinkAction.DIAL:
+                peer = self._dial(endpoint)
+                if peer is None:
+                    self._fail_one(endpoint, msg, f"cannot connect to {endpoint}")
+                    return
+            elif act is LinkAction.QUEUE:
+                assert peer is not None
+                peer.queued.append(msg)
+            elif act is LinkAction.SEND:
+                self.ctx.wire.to_producer(endpoint, msg)
+            elif act is LinkAction.FAIL_NOW:
+                assert peer is not None
+                self._fail_one(endpoint, msg, f"prefill daemon {endpoint} is re-handshaking after it was lost "
+                                              f"({peer.error or 'silent'}); not registered there")
+            elif act is LinkAction.FLUSH:
+                assert peer is not None
                 queued, peer.queued = peer.queued, []
                 for m in queued:
-                    self.ctx.wire.to_producer(peer.endpoint, m)
+                    self.ctx.wire.to_producer(endpoint, m)
             elif act is LinkAction.PING:
+                assert peer is not None
                 peer.last_ping = time.monotonic()
-                self.ctx.wire.to_producer(peer.endpoint, proto.Heartbeat(int(peer.last_ping * 1000)))
+                self.ctx.wire.to_producer(endpoint, proto.Heartbeat(int(peer.last_ping * 1000)))
             elif act is LinkAction.FAIL_WAITING:
+                assert peer is not None
                 peer.error = _reason(why)
                 log.warning("%s", why)
-                # A ready link gone silent while its connection stayed open (a partition): a
-                # WRITE it posted may arrive when the link heals. A producer whose connection
-                # closed died (its kernel closed the sockets after sending what they held, long
-                # before peer_timeout_s); a refused or timed-out handshake never had a
-                # registration forwarded.
-                may_land = event is LinkEvent.SILENT and not self.ctx.wire.connection_closed(
-                    peer.endpoint, peer.last_seen)
-                self._fail_waiting(peer.endpoint, why, may_land=may_land)
+                queued, peer.queued = peer.queued, []
+                for m in queued:  # never forwarded: nothing of them can land
+                    self._fail_one(endpoint, m, why)
+                # A link gone silent (or that lost our handshake) while its connection stayed
+                # open (frozen, or a partition): a WRITE it posted may arrive later. Silent (or
+                # revoked: no longer trusted), any registration it held may be written; after
+                # "send Hello first" it evicted us and posts nothing more, so only a WRITE it
+                # announced (Writing, still hinted) may. A producer whose connection closed died
+                # (its kernel closed the sockets after sending what they held); a handshake never
+                # had a registration forwarded.
+                open_ = not self.ctx.wire.connection_closed(endpoint, peer.last_seen)
+                if isinstance(event, pr.Silent | pr.Revoked) and old is PeerLinkState.READY:
+                    self._fail_waiting(endpoint, why, may_land=open_)
+                else:
+                    self._fail_waiting(endpoint, why, may_land=open_ and isinstance(event, pr.HandshakeLost),
+                                       only_hinted=True)
+            elif act is LinkAction.REDIAL:
+                assert peer is not None
+                self.ctx.wire.close_producer(endpoint)
+                if not self._open(peer):
+                    self._forget(peer)
+                    return
             elif act is LinkAction.CLOSE:
-                self.drop(peer)
+                assert peer is not None
+                self._forget(peer)
 
-    def drop(self, peer: Producer) -> None:
+    def _dial(self, endpoint: str) -> Producer | None:
+        now = time.monotonic()
+        peer = Producer(endpoint, since=now, last_seen=now, wanted=now)
+        if not self._open(peer):
+            return None
+        self.producers[endpoint] = peer
+        return peer
+
+    def _open(self, peer: Producer) -> bool:
+        """Open a connection to the producer and send our Hello; False if it cannot be dialled."""
+        now = time.monotonic()
+        try:
+            peer.node = self.ctx.wire.open_producer(peer.endpoint)
+        except ValueError as exc:
+            peer.error = _reason(str(exc))
+            log.warning("cannot connect to %s: %s", peer.endpoint, exc)
+            return False
+        peer.since = peer.last_seen = now
+        self.ctx.wire.to_producer(peer.endpoint, make_hello(self.ctx, reply=False))
+        return True
+
+    def _fail_one(self, endpoint: str, msg: Any, why: str) -> None:
+        """Fail one registration that was never forwarded (nothing of it can land)."""
+        if not isinstance(msg, proto.PeerRegister):
+            return
+        idx = self.counter.producer_index(msg.transfer_id, endpoint, msg.attempt)
+        if idx is not None:
+            self.apply(ctr.ProducerFailed(msg.transfer_id, msg.attempt, idx, _reason(why), time.monotonic(),
+                                          ctr.Cause.PEER_LOST))
+
+    def _forget(self, peer: Producer) -> None:
         if self.producers.get(peer.endpoint) is peer:
             del self.producers[peer.endpoint]
             self.ctx.wire.close_producer(peer.endpoint)
@@ -195,19 +254,22 @@ class DecodeSide:
     def revoke(self, allowed: set[str]) -> None:
         """The allowlist changed: drop links to nodes no longer in it (their waiters fail)."""
         for p in [p for p in self.producers.values() if p.node and p.node not in allowed]:
-            self._link(p, LinkEvent.REFUSED, f"prefill node {p.node!r} was removed from the allowlist")
+            self._link(p, p.endpoint, pr.Revoked(), f"prefill node {p.node!r} was removed from the allowlist")
 
     def drop_all(self, why: str) -> None:
         """Forget every link (our memory changed, or we stop): the next Register re-handshakes."""
         if self.producers:
             log.info("dropping %d prefill link(s): %s", len(self.producers), why)
         for p in list(self.producers.values()):
-            self.drop(p)
+            self._forget(p)
 
-    def _fail_waiting(self, endpoint: str, why: str, *, may_land: bool = False) -> None:
+    def _fail_waiting(self, endpoint: str, why: str, *, may_land: bool = False, only_hinted: bool = False) -> None:
+        """Fail every registration waiting on ``endpoint``; ``may_land`` marks a WRITE of it as
+        possibly still on its way (with ``only_hinted``: only one the producer announced)."""
         now = time.monotonic()
         for tid, attempt, idx in self.counter.waiting_on(endpoint):
-            self.apply(ctr.ProducerFailed(tid, attempt, idx, why, now, ctr.Cause.PEER_LOST, may_land))
+            land = may_land and (not only_hinted or tid in self.hinted)
+            self.apply(ctr.ProducerFailed(tid, attempt, idx, why, now, ctr.Cause.PEER_LOST, land))
 
     def _producer_result(self, tid: str, attempt: int, endpoint: str, reason: str, now: float, *,
                          failed: bool, may_land: bool = False) -> None:
@@ -280,7 +342,7 @@ class DecodeSide:
             if isinstance(act, ctr.Accepted):
                 self.ctx.trace.stamp(tid, "d.daemon.register_forwarded")
                 for ep, fwd in zip(act.endpoints, act.forwards, strict=True):
-                    self.send(ep, fwd)
+                    self.forward(ep, fwd)
             elif isinstance(act, ctr.Complete):
                 self.ctx.metrics.transfer_finished("decode", "ok")
                 self.ctx.trace.stamp(tid, "d.daemon.received_sent")
@@ -304,7 +366,7 @@ class DecodeSide:
                 if reg is not None and reg.attempt == act.attempt:
                     for ep in reg.endpoints:
                         peer = self.producers.get(ep)
-                        if peer is not None and peer.state is Link.READY:
+                        if peer is not None and peer.state is PeerLinkState.READY:
                             self.ctx.wire.to_producer(ep, proto.Cancel(tid, act.attempt, _reason(act.reason)))
 
     def _history(self, tid: str, attempt: int, result: str, error: str) -> None:
@@ -318,19 +380,28 @@ class DecodeSide:
 
     # ------------------------------------------------------------------ time, ops, shutdown
 
+    def resumed(self, gap: float) -> None:
+        """The loop did not run for ``gap`` seconds (frozen, or the host stalled): our producers
+        were not silent, we were. They get that time back and a ping now, so one that evicted
+        us meanwhile says so at once ("send Hello first": HandshakeLost)."""
+        log.warning("this daemon did not run for %.1f s; pinging its %d prefill link(s)", gap, len(self.producers))
+        for p in self.producers.values():
+            p.resumed(gap)
+
     def tick(self, now: float) -> None:
         self.apply(ctr.Tick(now))
+        timeout = self.cfg.peer_timeout_s
         for p in list(self.producers.values()):
-            event = p.due(now, self.cfg.peer_timeout_s)
-            if event is LinkEvent.HANDSHAKE_TIMEOUT:
+            event = p.due(now, timeout, max(self.cfg.register_timeout_s, 4 * timeout))
+            if isinstance(event, pr.HandshakeTimeout):
                 self.ctx.metrics.timeout("peer")
-                self._link(p, event, f"prefill daemon {p.endpoint} did not answer the handshake in "
-                                     f"{self.cfg.peer_timeout_s:.1f}s")
-            elif event is LinkEvent.SILENT:
+                self._link(p, p.endpoint, event, f"prefill daemon {p.endpoint} did not answer the handshake in "
+                                                 f"{timeout:.1f}s")
+            elif isinstance(event, pr.Silent):
                 self.ctx.metrics.timeout("peer")
-                self._link(p, event, f"prefill daemon {p.endpoint} silent for {self.cfg.peer_timeout_s:.1f}s")
+                self._link(p, p.endpoint, event, f"prefill daemon {p.endpoint} silent for {timeout:.1f}s")
             elif event is not None:
-                self._link(p, event, "")
+                self._link(p, p.endpoint, event, "")
         for s, n in self.counter.counts().items():
             self.ctx.metrics.set_pending("decode", s, n)
 

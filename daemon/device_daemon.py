@@ -41,7 +41,7 @@ from kvpush.daemon.kv_mapping import ShmLedger
 from kvpush.daemon.metrics import WorkerMetrics
 from kvpush.daemon.ops_views import DaemonView, handle_ops
 from kvpush.daemon.peerauth import PeerAuth
-from kvpush.daemon.peers import Link
+from kvpush.daemon.peers import PeerLinkState
 from kvpush.daemon.prefill_side import PrefillSide
 from kvpush.daemon.transport import NixlTransport
 from kvpush.daemon.wire import DaemonWire, frame_node
@@ -54,6 +54,9 @@ PR_SET_TIMERSLACK = 29  # <linux/prctl.h>
 TIMER_SLACK_NS = 1000
 IDLE_POLL_S = 0.25  # how long the loop blocks on its sockets with nothing in flight
 STALL_WARN_S = 0.5  # a loop step this long is logged (and counted as failure{cause="loop_stall"})
+# Ticks further apart than an idle wait plus a stalled step: the loop did not run (the process
+# was stopped, or its host stalled), and that time is not its peers' silence.
+FROZEN_GAP_S = IDLE_POLL_S + STALL_WARN_S
 AUTH_REFRESH_S = 1.0  # how often the allowlist directory is checked for changes
 
 
@@ -247,6 +250,8 @@ class Worker:
         activity |= nixl_turn(self.prefill, self.decode, now)
         lap("NIXL polls")
         if now - self.last_tick >= TICK_S:
+            if self.last_tick and now - self.last_tick > FROZEN_GAP_S:
+                self.decode.resumed(now - self.last_tick)  # we were frozen: not our peers' silence
             self.last_tick = now
             self.tick(now)
             lap("timers")
@@ -292,9 +297,10 @@ class Worker:
                 self.prefill.revoke(names, now)
                 self.decode.revoke(names)
         m = self.ctx.metrics
-        m.set_peers("ready", sum(p.state is Link.READY for p in self.decode.producers.values())
+        m.set_peers("ready", sum(p.state is PeerLinkState.READY for p in self.decode.producers.values())
                     + len(self.prefill.consumers))
-        m.set_peers("handshaking", sum(p.state is Link.HANDSHAKING for p in self.decode.producers.values()))
+        for state in (PeerLinkState.HANDSHAKING, PeerLinkState.RECOVERING):
+            m.set_peers(str(state), sum(p.state is state for p in self.decode.producers.values()))
 
     # ------------------------------------------------------------------ ops commands
 

@@ -29,12 +29,17 @@ kvpush_timeouts_total               counter   kind                     write (a 
                                                                        peer (handshake or silence
                                                                        past peer_timeout_s)
 kvpush_failures_total               counter   cause                    plan, nixl, peer_lost,
-                                                                       internal; and one cause per
-                                                                       kind of rejected input
-                                                                       (protocol, register, attach,
-                                                                       handshake, ...)
+                                                                       internal; handshake_lost (a
+                                                                       known peer's frame after it
+                                                                       was evicted, or after a
+                                                                       restart: told to re-Hello);
+                                                                       and one cause per kind of
+                                                                       rejected input (protocol,
+                                                                       register, attach, handshake,
+                                                                       unauthenticated, ...)
 kvpush_peers                        gauge     state                    peer daemons by link state
-                                                                       (ready, handshaking)
+                                                                       (ready, handshaking,
+                                                                       recovering)
 kvpush_transfers_total              counter   side, result             finished transfers (ok,
                                                                        failed)
 kvpush_held_blocks                  gauge     state                    prefill source blocks held,

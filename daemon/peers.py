@@ -9,12 +9,17 @@ Two records, because the two directions differ:
   has no handshake states; silence evicts it.
 
 A link is usable only after a Hello in each direction succeeded (NIXL metadata loaded,
-layouts compatible). A peer not heard from within ``peer_timeout_s`` is dropped: its
-transfers fail and it re-handshakes when it comes back.
+layouts compatible). A peer not heard from within ``peer_timeout_s`` is lost: what waited on
+it fails, and the link re-handshakes at once (RECOVERING) instead of being forgotten, so the
+daemon knows the producer is down: a registration for it fails at once (vLLM recomputes)
+rather than queueing behind a handshake that the producer, when it answers, may answer
+without the prefill it lost meanwhile (its engine gave up on a silent daemon). The moment the
+Hello reply comes back the link is READY and registrations flow again.
 
-The producer link is sans-IO like the cores: :func:`link_step` maps (state, event) to
-(new state, actions) through one table of plain data; :meth:`Producer.due` turns the clock
-into events. The decode side carries the actions out.
+The producer link is sans-IO like the cores: one :class:`kvpush.machine.Table` of plain data
+maps (state, event) to (new state, actions), total (every pair has a row; rows the shell can
+never feed say why); :meth:`Producer.due` turns the clock into events. The decode side
+translates frames and the clock into events and carries the actions out; it decides nothing.
 """
 
 from __future__ import annotations
@@ -23,48 +28,145 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpush.machine import Table, row
 from kvpush.proto.layout import KVLayout
 
 
-class Link(enum.StrEnum):
-    HANDSHAKING = "handshaking"  # dialled, our Hello sent, waiting for its reply
+class PeerLinkState(enum.StrEnum):
+    HANDSHAKING = "handshaking"  # first contact: dialled, our Hello sent; registrations queue
     READY = "ready"  # Hello exchanged: registrations flow
-    FAILED = "failed"  # unusable: its registrations failed, the record is dropped
+    RECOVERING = "recovering"  # lost (silent, restarted, no answer): Hello re-sent; registrations fail at once
 
 
-class LinkEvent(enum.Enum):
-    HELLO_OK = "hello_ok"  # its Hello reply is compatible and its NIXL metadata loaded
-    REFUSED = "refused"  # it refused our Hello, or its reply is unusable
-    HANDSHAKE_LOST = "handshake_lost"  # a ready peer says "send Hello first": it restarted
-    HANDSHAKE_TIMEOUT = "handshake_timeout"  # no reply within peer_timeout_s
-    SILENT = "silent"  # a ready peer not heard from within peer_timeout_s
-    PING_DUE = "ping_due"  # a ready peer not pinged for a quarter of peer_timeout_s
+# ------------------------------------------------------------------ events (the shell's words)
+
+
+@dataclass(frozen=True)
+class Forward:
+    """A registration for this producer (the counter accepted it)."""
+
+
+@dataclass(frozen=True)
+class HelloOk:
+    """Its Hello reply is compatible and its NIXL metadata loaded."""
+
+
+@dataclass(frozen=True)
+class Refused:
+    """It refused our Hello (an Error before the link was ready), or its reply is unusable."""
+
+
+@dataclass(frozen=True)
+class HandshakeLost:
+    """A ready producer says "send Hello first": it restarted, or evicted us while we were
+    silent (frozen); either way it forgot what we registered."""
+
+
+@dataclass(frozen=True)
+class HandshakeTimeout:
+    """No Hello reply within peer_timeout_s."""
+
+
+@dataclass(frozen=True)
+class Silent:
+    """A ready producer not heard from within peer_timeout_s."""
+
+
+@dataclass(frozen=True)
+class PingDue:
+    """A ready producer not pinged for a quarter of peer_timeout_s."""
+
+
+@dataclass(frozen=True)
+class Idle:
+    """A recovering link nobody registered for in ``idle_s``: forgotten (the bound)."""
+
+
+@dataclass(frozen=True)
+class Revoked:
+    """Its node left the allowlist."""
+
+
+EVENTS: tuple[type, ...] = (Forward, HelloOk, Refused, HandshakeLost, HandshakeTimeout, Silent, PingDue, Idle,
+                            Revoked)
 
 
 class LinkAction(enum.Enum):
+    DIAL = "dial"  # open a connection and send our Hello (a new record)
+    QUEUE = "queue"  # keep the registration until the handshake completes
+    SEND = "send"  # send the registration now
+    FAIL_NOW = "fail_now"  # fail the registration at once: the producer is down or re-handshaking
     FLUSH = "flush"  # send what queued during the handshake
     PING = "ping"  # send a Heartbeat
     FAIL_WAITING = "fail_waiting"  # fail every registration that waits on this producer
-    CLOSE = "close"  # disconnect and forget the record
+    REDIAL = "redial"  # close the connection, open a new one, send our Hello again
+    CLOSE = "close"  # disconnect (the record is forgotten)
 
 
-_GIVE_UP = (Link.FAILED, (LinkAction.FAIL_WAITING, LinkAction.CLOSE))
+def _do(action: LinkAction) -> Any:
+    def step(_core: Any, _rec: Any, _ev: Any, out: list[Any]) -> None:
+        out.append(action)
 
-LINK_TABLE: dict[tuple[Link, LinkEvent], tuple[Link, tuple[LinkAction, ...]]] = {
-    (Link.HANDSHAKING, LinkEvent.HELLO_OK): (Link.READY, (LinkAction.FLUSH,)),
-    (Link.HANDSHAKING, LinkEvent.REFUSED): _GIVE_UP,
-    (Link.HANDSHAKING, LinkEvent.HANDSHAKE_TIMEOUT): _GIVE_UP,
-    (Link.READY, LinkEvent.HELLO_OK): (Link.READY, (LinkAction.FLUSH,)),  # a repeated reply
-    (Link.READY, LinkEvent.HANDSHAKE_LOST): _GIVE_UP,
-    (Link.READY, LinkEvent.SILENT): _GIVE_UP,
-    (Link.READY, LinkEvent.PING_DUE): (Link.READY, (LinkAction.PING,)),
-}
-"""Every transition of a producer link. A pair not listed changes nothing (no actions):
-e.g. a late Hello reply to a FAILED link, or a refusal after the link was ready (logged)."""
+    step.__name__ = action.value
+    return step
 
 
-def link_step(state: Link, event: LinkEvent) -> tuple[Link, tuple[LinkAction, ...]]:
-    return LINK_TABLE.get((state, event), (state, ()))
+DIAL, QUEUE, SEND, FAIL_NOW, FLUSH, PING, FAIL_WAITING, REDIAL, CLOSE = map(_do, LinkAction)
+
+H, R, RC = PeerLinkState.HANDSHAKING, PeerLinkState.READY, PeerLinkState.RECOVERING
+_NO_RECORD = "the shell feeds link events only to a link it holds (frames of a dropped link are ignored)"
+_NOT_DUE = "Producer.due never gives this event in this state"
+_NOT_READY = "an Error before the first handshake completed is translated as Refused"
+_LOST = (FAIL_WAITING, REDIAL)
+_GIVE_UP = (FAIL_WAITING, CLOSE)
+
+LINK_TABLE = Table(PeerLinkState, EVENTS, [
+    row(None, Forward, None, H, DIAL, QUEUE),
+    *(row(None, e, None, None, unreachable=_NO_RECORD) for e in EVENTS if e is not Forward),
+
+    row(H, Forward, None, H, QUEUE),
+    row(H, HelloOk, None, R, FLUSH),
+    row(H, Refused, None, None, *_GIVE_UP),
+    row(H, HandshakeLost, None, None, *_GIVE_UP, unreachable=_NOT_READY),
+    # Never answered: known down. What queued fails; later registrations fail at once.
+    row(H, HandshakeTimeout, None, RC, *_LOST),
+    row(H, Silent, None, H, unreachable=_NOT_DUE),
+    row(H, PingDue, None, H, unreachable=_NOT_DUE),
+    row(H, Idle, None, H, unreachable=_NOT_DUE),
+    row(H, Revoked, None, None, *_GIVE_UP),
+
+    row(R, Forward, None, R, SEND),
+    row(R, HelloOk, None, R, FLUSH),  # a repeated reply
+    row(R, Refused, None, R),  # an unusable repeated reply: logged, the link stays as it was
+    row(R, HandshakeLost, None, RC, *_LOST),
+    row(R, HandshakeTimeout, None, R, unreachable=_NOT_DUE),
+    row(R, Silent, None, RC, *_LOST),
+    row(R, PingDue, None, R, PING),
+    row(R, Idle, None, R, unreachable=_NOT_DUE),
+    row(R, Revoked, None, None, *_GIVE_UP),
+
+    # Re-handshaking: the producer may have lost its prefills (its engine gives up on a silent
+    # daemon), so a registration fails now rather than wait out its timeout there.
+    row(RC, Forward, None, RC, FAIL_NOW),
+    row(RC, HelloOk, None, R, FLUSH),  # back: registrations flow again from now on
+    row(RC, Refused, None, None, *_GIVE_UP),  # back, but refusing us: forget; a new one dials again
+    row(RC, HandshakeLost, None, RC),  # a late answer to a frame of the connection we replaced
+    row(RC, HandshakeTimeout, None, RC, REDIAL),  # still down: a fresh connection, a fresh Hello
+    row(RC, Silent, None, RC, unreachable=_NOT_DUE),
+    row(RC, PingDue, None, RC, unreachable=_NOT_DUE),
+    row(RC, Idle, None, None, CLOSE),
+    row(RC, Revoked, None, None, *_GIVE_UP),
+])
+"""Every transition of a producer link; ``None`` is "no record" (a new link, a forgotten one)."""
+
+
+def link_step(state: PeerLinkState | None, event: Any) -> tuple[PeerLinkState | None, tuple[LinkAction, ...]]:
+    """The row of (state, event): the new state and the actions, in order."""
+    out: list[Any] = []
+    r = LINK_TABLE.rows_for(state, type(event))[-1]  # no guards: one row per pair
+    for step in r.steps:
+        step(None, None, event, out)
+    return r.to, tuple(out)
 
 
 @dataclass
@@ -72,8 +174,8 @@ class Producer:
     """Decode side: one prefill daemon's link, keyed by its peer endpoint."""
 
     endpoint: str
-    since: float
-    state: Link = Link.HANDSHAKING
+    since: float  # when our current Hello went out
+    state: PeerLinkState = PeerLinkState.HANDSHAKING
     agent_name: str = ""
     layout: KVLayout | None = None
     region_bases: tuple[int, ...] = ()
@@ -82,21 +184,33 @@ class Producer:
     engine_id: str = ""
     last_seen: float = 0.0
     last_ping: float = 0.0
+    wanted: float = 0.0  # when a registration last asked for this producer
     transfers: int = 0
     error: str = ""
     queued: list[Any] = field(default_factory=list)  # messages waiting for the handshake
     node: str = ""  # the authenticated node its server key belongs to; "" with insecure_peers
 
-    def due(self, now: float, timeout_s: float) -> LinkEvent | None:
+    def due(self, now: float, timeout_s: float, idle_s: float) -> Any:
         """The clock's event for this link now, if any."""
-        if self.state is Link.HANDSHAKING and now - self.since > timeout_s:
-            return LinkEvent.HANDSHAKE_TIMEOUT
-        if self.state is Link.READY:
-            if now - self.last_seen > timeout_s:
-                return LinkEvent.SILENT
-            if now - self.last_ping > timeout_s / 4:
-                return LinkEvent.PING_DUE
+        if self.state is not PeerLinkState.READY:
+            if now - self.since <= timeout_s:
+                return None
+            if self.state is PeerLinkState.RECOVERING and now - self.wanted > idle_s:
+                return Idle()
+            return HandshakeTimeout()
+        if now - self.last_seen > timeout_s:
+            return Silent()
+        if now - self.last_ping > timeout_s / 4:
+            return PingDue()
         return None
+
+    def resumed(self, gap: float) -> None:
+        """This daemon did not run for ``gap`` seconds (frozen, or its host stalled): that
+        time is not the producer's silence. It gets its window back and a ping at once."""
+        self.since += gap
+        self.last_seen += gap
+        self.wanted += gap
+        self.last_ping = float("-inf")
 
     def describe(self, now: float) -> dict[str, Any]:
         return _describe(self, "producer", now, len(self.queued), 0)
@@ -121,7 +235,7 @@ class Consumer:
     node: str = ""  # its authenticated identity (certificate name); "" with insecure_peers
     mem_type: str = "DRAM"  # of its regions, as its Hello said (remote descriptors use it)
     device: int = 0
-    state: Link = Link.READY
+    state: PeerLinkState = PeerLinkState.READY
     error: str = ""
 
     @property

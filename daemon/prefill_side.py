@@ -10,8 +10,10 @@ context's ports.
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,12 +44,21 @@ WRITE_POLL_MAX_S = 0.0001
 # early hint only wakes the consumer to compete for the CPU with our post (it cost same-host
 # TTFT). The tiny model's transfers in the TTFT benchmark stay below it (4 MiB at 2000 tokens).
 EARLY_HINT_MIN_BYTES = 8 << 20
+LOST_REMEMBERED = 1024  # evicted consumers remembered (handshake_lost, not unauthenticated)
 
 
 def _reason(text: str) -> str:
     """A reason as it leaves: it may quote a peer's or the engine's words (an abort's or a
     cancel's reason), so it is clipped to stay decodable."""
     return proto.codec.clip(text, proto.codec.REASON_MAX)
+
+
+class _Seen(enum.Enum):
+    """What the prefill side knows of a routing id that has no consumer (any more)."""
+
+    LOST = "lost"  # we evicted it: its late frames are handshake_lost
+    LOST_SAID = "lost_said"  # ... and that was logged
+    REFUSED = "refused"  # its Hello was refused: its frames are unauthenticated
 
 
 @dataclass
@@ -75,6 +86,8 @@ class PrefillSide:
         self.in_flight: dict[int, InFlight] = {}
         self._local_prep: dict[tuple[bytes, bytes], Any] = {}  # pattern -> prepared local dlist
         self._lease_said: set[rv.Cause] = set()  # lease expiries already logged, by cause
+        # Routing ids without a consumer that we know something of (bounded, oldest dropped).
+        self._lost: OrderedDict[bytes, _Seen] = OrderedDict()
 
     # ------------------------------------------------------------------ engine
 
@@ -116,6 +129,9 @@ class PrefillSide:
             self.on_hello(ident, msg, now, node)
             return
         peer = self.consumers.get(ident)
+        if peer is None and self._handshake_lost(ident, node):
+            self.ctx.wire.to_consumer(ident, proto.Error("handshake", "handshake lost: send Hello again"))
+            return
         if peer is None or peer.node != node:
             self.ctx.bad("unauthenticated", f"{type(msg).__name__} from a peer without handshake")
             self.ctx.wire.to_consumer(ident, proto.Error("handshake", "send Hello first"))
@@ -138,9 +154,10 @@ class PrefillSide:
         only replace (evict) a peer of its own identity."""
         # An identity violation is never explained; a layout mismatch is, to an allowlisted node.
         bad_identity = self._identity_error(msg, node)
-        why = bad_identity or compat_error(self.ctx, msg)
+        why = bad_identity or self._role_error() or compat_error(self.ctx, msg)
         if why:
             self.ctx.bad("handshake", why)
+            self._remember(ident, _Seen.REFUSED)
             told = refusal(why, self._allowed(node) and not bad_identity)
             self.ctx.wire.to_consumer(ident, proto.Error("incompatible", told))
             return
@@ -165,6 +182,37 @@ class PrefillSide:
         log.info("decode peer %s (%s rank %d) handshaken", msg.endpoint, msg.engine_id, msg.rank)
         self.ctx.wire.to_consumer(ident, make_hello(self.ctx, reply=True))
         self._prep(peer)  # after the reply: off the peer's critical path
+
+    def _role_error(self) -> str:
+        """A daemon serving a decode engine only dials out: it answers no Hello, so no peer
+        learns its engine's NIXL metadata or region addresses (issue 28: an allowlisted node
+        read and wrote a decode engine's KV with them)."""
+        a = self.ctx.attached
+        if a is not None and a.role == "decode":
+            return "this daemon serves a decode engine: decode daemons only dial out"
+        return ""
+
+    def _handshake_lost(self, ident: bytes, node: str) -> bool:
+        """A known peer without a handshake here: one we evicted (silent while it was frozen,
+        then its queued Heartbeats, Cancels and PeerRegisters arrive), or, authenticated, one
+        that handshook with this daemon before it restarted. Counted as ``handshake_lost`` (it
+        re-handshakes when told), not as ``unauthenticated``: that stays for peers that never
+        authenticated, so an operator's security alert does not fire on a peer that paused."""
+        seen = self._lost.get(ident)
+        if seen is _Seen.REFUSED or (seen is None and not self._allowed(node)):
+            return False  # its Hello was refused here, or it is a stranger: unauthenticated
+        self.ctx.metrics.failure("handshake_lost")
+        if seen is not _Seen.LOST_SAID:  # once per connection: a frozen peer's backlog is one event
+            self._remember(ident, _Seen.LOST_SAID)
+            log.warning("decode peer %s (%s) sent traffic without a handshake here (evicted while silent, "
+                        "or this daemon restarted): told to send Hello again", ident.hex(), node or "insecure")
+        return True
+
+    def _remember(self, ident: bytes, seen: _Seen) -> None:
+        self._lost[ident] = seen
+        self._lost.move_to_end(ident)
+        while len(self._lost) > LOST_REMEMBERED:
+            self._lost.popitem(last=False)
 
     def _allowed(self, node: str) -> bool:
         """An authenticated peer still in the allowlist (it may learn why it was refused)."""
@@ -225,6 +273,7 @@ class PrefillSide:
 
     def evict(self, peer: Consumer, why: str, now: float) -> None:
         self.consumers.pop(peer.routing_id, None)
+        self._remember(peer.routing_id, _Seen.LOST)
         self._unprep(peer)
         log.warning("decode peer %s evicted: %s", peer.endpoint, why)
         self.ctx.metrics.failure("peer_lost")

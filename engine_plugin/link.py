@@ -26,7 +26,7 @@ The rules the table encodes:
   idle engine does not poll, so a long gap says nothing). A dropped link is unavailable at
   once. Each transition is logged once.
 
-Data path: the machine owns the bounded queue of encoded frames; :meth:`Link.route` says what
+Data path: the machine owns the bounded queue of encoded frames; :meth:`DaemonLink.route` says what
 ``send()`` does with the next message (refuse, queue, or hand it to the socket directly).
 """
 

@@ -396,3 +396,28 @@ def test_a_frozen_producer_makes_the_decode_daemon_fence_not_hand_blocks_back(tm
             assert np.array_equal(de.bytes, before)
         finally:
             os.kill(p.proc.pid, signal.SIGCONT)
+
+
+def test_a_decode_daemon_answers_no_hello(tmp_path):
+    """Decode daemons only dial out: one serving a decode engine answers a Hello with a refusal,
+    never with a Hello of its own (its engine's NIXL metadata and region addresses), even to an
+    allowlisted daemon. Here a second decode daemon is told to fetch from the first one."""
+    d1 = Daemon(device_config(tmp_path, 0))
+    d2 = Daemon(device_config(tmp_path, 1))
+    lay, _ = cpu()
+    de1 = Engine(d1, lay, "decode", fill="zeros")
+    de2 = Engine(d2, lay, "decode", fill="zeros")
+    try:
+        t = tid()
+        t0 = time.monotonic()
+        register(de2, [d1], t, [1, 2], 20)
+        res = de2.result(t, timeout=15)
+        assert isinstance(res, proto.ReceiveFailed) and "only dial out" in res.reason, res
+        assert time.monotonic() - t0 < d2.cfg.peer_timeout_s, "refused, not timed out"
+        assert not [p for p in d1.ops("peers")["peers"] if p["role"] == "consumer"]
+        assert not [p for p in d2.ops("peers")["peers"] if p["agent"]], "no agent metadata came back"
+    finally:
+        de1.close()
+        de2.close()
+        d1.stop()
+        d2.stop()

@@ -135,6 +135,9 @@ def test_an_allowlisted_node_cannot_claim_another_nodes_endpoint(nodes, tmp_path
         assert isinstance(ask(s, proto.PeerRegister("t-x", 5, (0, 1), 20, 0, 1, 1, 5000)), proto.Error)
     finally:
         s.close(0)
+    # Its Hello was refused: what it sends next is unauthenticated (not a known peer's lost handshake).
+    assert 'cause="unauthenticated"' in ops_request(p.cfg.ops_socket, "metrics").data["text"]
+    assert 'cause="handshake_lost"' not in ops_request(p.cfg.ops_socket, "metrics").data["text"]
     peers = ops_request(p.cfg.ops_socket, "peers").data["peers"]
     assert [r["node"] for r in peers] == ["dnode"]
     assert isinstance(transfer(p, d, pe, de), proto.Received)

@@ -16,7 +16,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvpush import proto
-from kvpush.daemon.peers import LINK_TABLE, Link, LinkAction, LinkEvent, Producer, link_step
+from kvpush.daemon import peers as pr
+from kvpush.daemon.handshake import make_hello
+from kvpush.daemon.peers import LINK_TABLE, LinkAction, PeerLinkState, Producer, link_step
 from kvpush.testing.inmemory import Fabric, MemNode, Net
 from kvpush.testing.kvref import make, reference_copy
 
@@ -221,7 +223,20 @@ def test_unreachable_producer_fails_the_registration_at_the_handshake_timeout(la
     assert kinds(d) == []
     d.tick(time.monotonic() + 3.0)
     assert kinds(d) == ["ReceiveFailed"] and "handshake" in d.answers()[-1].reason
-    assert p.endpoint not in d.decode.producers  # the next registration dials again
+    # Known down now: the link re-handshakes, and a registration for it fails at once.
+    assert d.decode.producers[p.endpoint].state is PeerLinkState.RECOVERING
+    late = register(d, tid(), [3, 4], 20, [p])
+    assert isinstance(late, proto.ReceiveFailed) and "re-handshaking" in late.reason, late
+    # Back: the Hello sent on recovering is answered and registrations flow again.
+    net.cut.discard(p.endpoint)
+    d.tick(time.monotonic() + 6.0)  # its handshake timed out again: a fresh Hello
+    net.run()
+    assert d.decode.producers[p.endpoint].state is PeerLinkState.READY
+    t3 = tid()
+    register(d, t3, [5, 6], 20, [p])
+    prefill_done(p, t3, [7, 8], 20)
+    net.run()
+    assert kinds(d)[-1] == "Received"
 
 
 def test_restarted_producer_fails_what_waited_on_it_and_is_dialled_again(lab):
@@ -231,7 +246,7 @@ def test_restarted_producer_fails_what_waited_on_it_and_is_dialled_again(lab):
     register(d, t, [1, 2], 20, [p])
     net.run()
     p.prefill.consumers.clear()  # the prefill daemon restarted: it knows no one
-    d.decode.send(p.endpoint, proto.Heartbeat(1))
+    d.wire.to_producer(p.endpoint, proto.Heartbeat(1))
     net.run()
     assert kinds(d) == ["ReceiveFailed"] and "restarted" in d.answers()[-1].reason
     t2 = tid()
@@ -271,38 +286,120 @@ def test_bad_inputs_are_refused_with_a_reason_and_nothing_is_written(lab):
 # ---------------------------------------------------------------------------- link table
 
 
-def test_link_table_only_failed_closes_and_flush_only_into_ready():
-    for (state, _event), (new, actions) in LINK_TABLE.items():
-        assert state is not Link.FAILED, "FAILED is terminal"
-        assert (LinkAction.CLOSE in actions) == (new is Link.FAILED)
-        assert (LinkAction.FAIL_WAITING in actions) == (new is Link.FAILED)
+@given(st.lists(st.sampled_from(pr.EVENTS), max_size=30))
+def test_link_walk_flushes_only_into_ready_and_fails_at_once_only_when_recovering(events):
+    state: PeerLinkState | None = None
+    hello = False  # a Hello reply was accepted since the link was (re)created
+    for ev_type in events:
+        new, actions = link_step(state, ev_type())
+        if state is None and new is not None:
+            assert actions[0] is LinkAction.DIAL
+            hello = False
         if LinkAction.FLUSH in actions:
-            assert new is Link.READY
-
-
-@given(st.lists(st.sampled_from(list(LinkEvent)), max_size=30))
-def test_link_walk_never_leaves_failed_and_flushes_only_after_hello(events):
-    state, hello = Link.HANDSHAKING, False
-    for ev in events:
-        new, actions = link_step(state, ev)
-        if state is Link.FAILED:
-            assert (new, actions) == (Link.FAILED, ())
-        if LinkAction.FLUSH in actions:
-            assert ev is LinkEvent.HELLO_OK
-        hello |= ev is LinkEvent.HELLO_OK and state is Link.HANDSHAKING
-        if new is Link.READY:
+            assert new is PeerLinkState.READY and ev_type is pr.HelloOk
+        assert (LinkAction.FAIL_NOW in actions) == (state is PeerLinkState.RECOVERING and ev_type is pr.Forward)
+        assert (LinkAction.QUEUE in actions) == (new is PeerLinkState.HANDSHAKING and ev_type is pr.Forward)
+        assert (LinkAction.SEND in actions) == (state is PeerLinkState.READY and ev_type is pr.Forward)
+        if new is None and state is not None:
+            assert LinkAction.CLOSE in actions, "a forgotten link is closed"
+        if state is PeerLinkState.READY and new is not PeerLinkState.READY:
+            assert LinkAction.FAIL_WAITING in actions, "what waited on a lost link fails"
+        hello |= ev_type is pr.HelloOk and new is PeerLinkState.READY
+        if new is PeerLinkState.READY:
             assert hello
         state = new
 
 
-@given(st.floats(0, 100), st.floats(0.1, 20))
-def test_link_clock_events(dt, timeout):
-    p = Producer("e", since=0.0, last_seen=0.0)
-    ev = p.due(dt, timeout)
-    assert ev is (LinkEvent.HANDSHAKE_TIMEOUT if dt > timeout else None)
-    p.state = Link.READY
-    ev = p.due(dt, timeout)
-    assert ev is (LinkEvent.SILENT if dt > timeout else LinkEvent.PING_DUE if dt > timeout / 4 else None)
+@given(st.floats(0, 100), st.floats(0.1, 20), st.floats(0, 100))
+def test_link_clock_events(dt, timeout, idle):
+    p = Producer("e", since=0.0, last_seen=0.0, wanted=0.0)
+    assert p.due(dt, timeout, idle) == (pr.HandshakeTimeout() if dt > timeout else None)
+    p.state = PeerLinkState.RECOVERING
+    assert p.due(dt, timeout, idle) == (None if dt <= timeout else pr.Idle() if dt > idle else pr.HandshakeTimeout())
+    p.state = PeerLinkState.READY
+    ev = p.due(dt, timeout, idle)
+    assert ev == (pr.Silent() if dt > timeout else pr.PingDue() if dt > timeout / 4 else None)
+    p.resumed(dt)  # we were frozen dt: not the producer's silence, but ping it now
+    assert p.due(dt, timeout, idle) == pr.PingDue()
+
+
+def test_every_link_row_is_taken_or_documented_unreachable(lab, monkeypatch):
+    """The decode side's shell over the in-memory net, through every reachable transition:
+    each row is taken by a real frame or clock event, and no row documented unreachable is."""
+    taken: set[tuple] = set()
+    step = pr.link_step
+
+    def recording(state, event):
+        taken.add((state, type(event)))
+        return step(state, event)
+
+    monkeypatch.setattr(pr, "link_step", recording)
+    net, fab = lab
+    p, d = pair(net, fab, peer_timeout_s=2.0)
+    dec = d.decode
+
+    def link():
+        return dec.producers.get(p.endpoint)
+
+    def reply(msg):
+        net.post("to_decode", d.endpoint, p.endpoint, msg)
+        net.run()
+
+    register(d, tid(), [1, 2], 20, [p])  # None -Forward-> HANDSHAKING
+    register(d, tid(), [3, 4], 20, [p])  # HANDSHAKING -Forward-> HANDSHAKING
+    net.run()  # -HelloOk-> READY
+    register(d, tid(), [5, 6], 20, [p])  # READY -Forward-> READY
+    hello = make_hello(p.ctx, reply=True)
+    reply(hello)  # READY -HelloOk-> READY (a repeated reply)
+    import dataclasses
+    reply(dataclasses.replace(hello, version=hello.version + 1))  # READY -Refused-> READY
+    assert link().state is PeerLinkState.READY
+    d.tick(time.monotonic() + 0.6)  # READY -PingDue-> READY
+    net.run()
+    p.prefill.consumers.clear()  # the producer forgot us (restarted, or evicted us)
+    d.wire.to_producer(p.endpoint, proto.Heartbeat(1))
+    d.wire.to_producer(p.endpoint, proto.Heartbeat(2))
+    # READY -HandshakeLost-> RECOVERING; the second answer: RECOVERING -HandshakeLost-> RECOVERING;
+    # the Hello sent on recovering is answered: RECOVERING -HelloOk-> READY
+    net.run()
+    assert link().state is PeerLinkState.READY
+    net.cut.add(p.endpoint)
+    d.tick(time.monotonic() + 3.0)  # READY -Silent-> RECOVERING
+    assert link().state is PeerLinkState.RECOVERING
+    assert isinstance(register(d, tid(), [1], 10, [p]), proto.ReceiveFailed)  # RECOVERING -Forward->
+    d.tick(time.monotonic() + 6.0)  # RECOVERING -HandshakeTimeout-> RECOVERING (a fresh Hello)
+    net.cut.discard(p.endpoint)
+    reply(proto.Error("incompatible", "no"))  # RECOVERING -Refused-> forgotten
+    assert link() is None
+    register(d, tid(), [1], 10, [p])
+    reply(proto.Error("incompatible", "no"))  # HANDSHAKING -Refused-> forgotten
+    assert link() is None
+    net.cut.add(p.endpoint)
+    register(d, tid(), [1], 10, [p])
+    d.tick(time.monotonic() + 9.0)  # HANDSHAKING -HandshakeTimeout-> RECOVERING
+    assert link().state is PeerLinkState.RECOVERING
+    link().node = "gone"
+    dec.revoke(set())  # RECOVERING -Revoked-> forgotten
+    register(d, tid(), [1], 10, [p])
+    link().node = "gone"
+    dec.revoke(set())  # HANDSHAKING -Revoked-> forgotten
+    net.cut.discard(p.endpoint)
+    register(d, tid(), [1], 10, [p])
+    net.run()
+    assert link().state is PeerLinkState.READY
+    link().node = "gone"
+    dec.revoke(set())  # READY -Revoked-> forgotten
+    assert link() is None
+    net.cut.add(p.endpoint)
+    register(d, tid(), [1], 10, [p])
+    d.tick(time.monotonic() + 12.0)  # HANDSHAKING -HandshakeTimeout-> RECOVERING
+    d.tick(time.monotonic() + 200.0)  # nobody asked for it since: RECOVERING -Idle-> forgotten
+    assert link() is None
+    rows = {(r.state, r.event): r for r in LINK_TABLE.rows}
+    never = [str(r) for k, r in rows.items() if k not in taken and not r.unreachable]
+    assert never == [], "link rows never taken (take them, or document why they cannot be):\n" + "\n".join(never)
+    wrong = [str(r) for k, r in rows.items() if k in taken and r.unreachable]
+    assert wrong == [], "link rows documented unreachable but taken:\n" + "\n".join(wrong)
 
 
 def test_a_peer_cannot_register_for_another_rank_or_layout(lab):
@@ -312,8 +409,8 @@ def test_a_peer_cannot_register_for_another_rank_or_layout(lab):
     net.run()
     errors = p.ctx.errors
     t = tid()
-    d.decode.send(p.endpoint, proto.PeerRegister(t, 0, (1, 2), 20, 1, 2, 1, 20000))  # claims rank 1 of 2
-    d.decode.send(p.endpoint, proto.PeerRegister(t, 0, (1, 99), 20, 0, 1, 1, 20000))  # block out of range
+    d.wire.to_producer(p.endpoint, proto.PeerRegister(t, 0, (1, 2), 20, 1, 2, 1, 20000))  # claims rank 1 of 2
+    d.wire.to_producer(p.endpoint, proto.PeerRegister(t, 0, (1, 99), 20, 0, 1, 1, 20000))  # block out of range
     net.run()
     assert p.ctx.errors == errors + 2 and not p.prefill.rdv.live(t)
     prefill_done(p, t, [3, 4], 20)
@@ -484,3 +581,51 @@ def test_ops_sees_the_daemon_through_its_view_only(lab):
     assert handle_ops(d.ops, proto.OpsRequest("cancel", t)).ok
     net.run()
     assert handle_ops(d.ops, proto.OpsRequest("drain")).ok and d.ctx.draining
+
+
+def _failures(node: MemNode, cause: str) -> float:
+    return node.ctx.metrics.registry.get_sample_value(
+        "kvpush_failures_total", {"device": node.ctx.metrics.device, "cause": cause}) or 0.0
+
+
+def test_frames_of_an_evicted_peer_are_handshake_lost_and_it_re_handshakes(lab):
+    """A decode daemon frozen past peer_timeout_s is evicted; its queued frames arrive after it
+    resumes. They are counted as handshake_lost (not unauthenticated: it is a known peer), what it
+    had registered fails at once, and it re-handshakes so the next transfer goes through."""
+    net, fab = lab
+    p, d = pair(net, fab)
+    t = tid()
+    register(d, t, [1, 2], 20, [p])
+    net.run()
+    (c,) = p.prefill.consumers.values()
+    p.prefill.evict(c, "silent for 10.0s", time.monotonic())
+    d.wire.to_producer(p.endpoint, proto.Heartbeat(1))  # its backlog: a heartbeat and a cancel
+    d.wire.to_producer(p.endpoint, proto.Cancel(t, 0, "engine gave up"))
+    net.run()
+    assert _failures(p, "handshake_lost") == 2 and _failures(p, "unauthenticated") == 0
+    assert kinds(d) == ["ReceiveFailed"] and "lost our handshake" in d.answers()[-1].reason
+    assert not d.fenced  # nothing was announced as written: the producer evicted us and posts nothing
+    assert d.decode.producers[p.endpoint].state is PeerLinkState.READY  # re-handshaken at once
+    t2 = tid()
+    register(d, t2, [3, 4], 20, [p])
+    prefill_done(p, t2, [5, 6], 20)
+    net.run()
+    assert kinds(d)[-1] == "Received"
+    # A stranger without a handshake stays unauthenticated.
+    net.post("to_prefill", p.endpoint, "mem://stranger", proto.Heartbeat(1))
+    net.run()
+    assert _failures(p, "unauthenticated") == 1 and _failures(p, "handshake_lost") == 2
+
+
+def test_revoking_a_ready_producer_drops_it_and_fences_what_it_may_still_write(lab):
+    """A revoked node is no longer trusted, and one that was ready may have posted a WRITE for
+    what we registered there: the link is dropped (it used to stay up), and its registrations
+    end in a fence, not in blocks handed back."""
+    net, fab = lab
+    p, d = pair(net, fab)
+    register(d, tid(), [1, 2], 20, [p])
+    net.run()
+    d.decode.producers[p.endpoint].node = "pnode"  # the in-memory net is unauthenticated
+    d.decode.revoke({"dnode"})
+    assert p.endpoint not in d.decode.producers
+    assert len(d.fenced) == 1 and kinds(d) == []

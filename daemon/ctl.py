@@ -73,7 +73,13 @@ import zmq
 
 from kvpush import proto
 from kvpush.daemon import opsclient
-from kvpush.daemon.daemon_config import ConfigError, NodeConfig, load_config, parse_device_name
+from kvpush.daemon.daemon_config import (
+    DEFAULT_CONFIG,
+    ConfigError,
+    NodeConfig,
+    load_config,
+    parse_device_name,
+)
 from kvpush.proto import naming
 from kvpush.proto.buildinfo import version_line
 from kvpush.proto.ops import (
@@ -90,7 +96,6 @@ from kvpush.proto.ops import (
 )
 from kvpush.proto.trace import ClockPair, Row, merge
 
-DEFAULT_CONFIG = "/etc/kvpush/kvpushd.toml"
 DEFAULT_TIMEOUT_S = 2.0
 HEALTH_TIMEOUT_S = 1.0
 

@@ -59,6 +59,7 @@ from typing import Any
 from kvpush.proto import naming
 from kvpush.proto.codec import DEFAULT_LIMITS, largest_inbound, largest_ops_request
 
+DEFAULT_CONFIG = "/etc/kvpush/kvpushd.toml"  # read when it exists and no file is named
 DEFAULT_BASE_PORT = 17500
 DEFAULT_METRICS_PORT = 9470
 DEFAULT_MAX_MESSAGE = -(-largest_inbound() // (64 << 10)) * (64 << 10)  # 2686976: 2.6 MiB
@@ -454,8 +455,8 @@ class DeviceSelection:
     """Load-time keys: which devices run and how their ports are numbered. They shape the
     NodeConfig (its device list, each peer_port) and are not kept in it."""
 
-    config: str | None = key(None, "the TOML file (read from the flag or KVPUSH_CONFIG)",
-                             scope=NODE)
+    config: str | None = key(None, "the TOML file: the flag, else KVPUSH_CONFIG, else "
+                             f"{DEFAULT_CONFIG} when it exists", scope=NODE)
     devices: str | list[str] = key("all", '"all" (every visible GPU, else cpu0) or device '
                                    "names: a TOML list, comma-separated in env and flags "
                                    "(cuda0,cuda1)", scope=NODE, parse=_p_devices)
@@ -609,9 +610,12 @@ def resolve_devices(sel: DeviceSelection, cuda_count: Callable[[], int]) -> list
 
 def load_config(path: str | None = None, overrides: Mapping[str, Any] | None = None,
                 env: Mapping[str, str] | None = None, *,
-                cuda_count: Callable[[], int] = _torch_cuda_count) -> NodeConfig:
+                cuda_count: Callable[[], int] = _torch_cuda_count,
+                default_file: bool = True) -> NodeConfig:
     """Effective, validated NodeConfig. ``overrides`` are CLI flags by top-level key (None =
-    not given); ``env`` defaults to os.environ; KVPUSH_CONFIG names the file if path is None.
+    not given); ``env`` defaults to os.environ; KVPUSH_CONFIG names the file if path is None,
+    and without either DEFAULT_CONFIG (/etc/kvpush/kvpushd.toml) is read when it exists
+    (``default_file=False``: never).
 
     Node keys go to the NodeConfig, device keys at the top level are every device's
     defaults under its own [device.<name>] table, and DeviceConfig derives the rest."""
@@ -621,6 +625,8 @@ def load_config(path: str | None = None, overrides: Mapping[str, Any] | None = N
     env_raw = {k: env[env_var(k)] for k in TOP_KEYS if env_var(k) in env}
     from_env = _parse_layer("environment", env_raw, TOP_KEYS, env_var)
     path = path or flags.get("config") or from_env.get("config")
+    if path is None and default_file and os.path.exists(DEFAULT_CONFIG):
+        path = DEFAULT_CONFIG
     file_top, per_dev = _read_file(path) if path else ({}, {})
     merged = _merge(file_top, from_env, flags)
     sel = DeviceSelection(**_pick(merged, _keys(DeviceSelection, NODE)))

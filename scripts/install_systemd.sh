@@ -82,7 +82,7 @@ fi
 extras=daemon
 [[ $ROUTER == 1 ]] && extras=daemon,router
 "$VENV/bin/python" -m pip install --disable-pip-version-check -q --upgrade pip
-"$VENV/bin/python" -m pip install --disable-pip-version-check -q "$ROOT[$extras]" "$TORCH_SPEC" "${extra[@]}"
+"$VENV/bin/python" -m pip install --disable-pip-version-check -q "${ROOT}[${extras}]" "$TORCH_SPEC" "${extra[@]}"
 install -m 0644 "$ROOT/README.md" "$PREFIX/README.md"
 [[ -x "$VENV/bin/kvpushd" ]] || die "$VENV/bin/kvpushd missing after pip install"
 ln -sf "$VENV/bin/kvpushctl" /usr/local/bin/kvpushctl

@@ -480,7 +480,8 @@ class PrefillSide:
                 self.ctx.metrics.timeout("peer")
                 self.evict(c, f"silent for {timeout:.1f}s", now)
         for s, n in self.rdv.counts().items():
-            self.ctx.metrics.set_pending("prefill", s, n)
+            if s not in rv.TOMBSTONES:  # finished transfers are not pending
+                self.ctx.metrics.set_pending("prefill", s, n)
 
     def fail_all(self, why: str) -> None:
         now = time.monotonic()

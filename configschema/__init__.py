@@ -25,7 +25,7 @@ from typing import Any
 
 __all__ = [
     "ConfigError", "Key", "KeyDoc", "Parser", "Check", "key", "parsers_of", "parse_layer",
-    "check_fields", "docs_of", "describe", "unknown_key",
+    "check_fields", "docs_of", "describe", "markdown_table", "unknown_key",
     "p_str", "p_int", "p_float", "p_bool", "p_port", "p_mode", "p_upper", "takes_strings",
     "int_in", "check_port", "check_choice", "check_positive", "check_non_negative",
     "check_count", "check_nonempty",
@@ -170,14 +170,15 @@ class Key:
     choices: tuple[str, ...] | None = None
     check: Check | None = None
     type_name: str | None = None  # for the reference; None: from the type hint
+    shown_default: str | None = None  # for the reference; None: the field's default
 
 
 def key(default: Any = dataclasses.MISSING, doc: str = "", *, scope: str = "",
         parse: Parser | None = None, choices: tuple[str, ...] | None = None,
         check: Check | None = None, factory: Callable[[], Any] | None = None,
-        type_name: str | None = None) -> Any:
+        type_name: str | None = None, shown_default: str | None = None) -> Any:
     """A dataclass field that is also a config key."""
-    meta = {"key": Key(doc, scope, parse, choices, check, type_name)}
+    meta = {"key": Key(doc, scope, parse, choices, check, type_name, shown_default)}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -235,11 +236,23 @@ def describe(cls: type, *scopes: str) -> list[KeyDoc]:
         if k.type_name:
             type_name = k.type_name
         elif k.choices:
-            type_name = " \\| ".join(f'"{c}"' for c in k.choices)
+            type_name = " | ".join(f'"{c}"' for c in k.choices)
         else:
             type_name = TYPE_NAMES.get(hint, "string")
-        out.append(KeyDoc(f.name, type_name, _default_text(f), k.doc, k.scope))
+        default = k.shown_default if k.shown_default is not None else _default_text(f)
+        out.append(KeyDoc(f.name, type_name, default, k.doc, k.scope))
     return out
+
+
+def markdown_table(keys: Iterable[KeyDoc], name_of: Callable[[str], str] = str) -> str:
+    """The reference table of ``keys`` (docs/configuration.md is made of these)."""
+    def cell(text: str) -> str:
+        return " ".join(text.split()).replace("|", "\\|")
+
+    rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    rows += [f"| `{name_of(k.name)}` | {cell(k.type)} | {cell(k.default)} | {cell(k.doc)} |"
+             for k in keys]
+    return "\n".join(rows) + "\n"
 
 
 def check_fields(obj: Any, where: str) -> None:

@@ -194,14 +194,17 @@ class DeviceConfig:
     device_kind: str = "cpu"
     runtime_dir: str = field(default_factory=default_runtime_dir)
     engine_socket: str = key("", f"engine socket template ({_TEMPLATES}); default "
-                             f"{naming.ENGINE_SOCKET_TEMPLATE}", check=_check_ipc)
+                             f"{naming.ENGINE_SOCKET_TEMPLATE}", check=_check_ipc,
+                             shown_default=f'"{naming.ENGINE_SOCKET_TEMPLATE}"')
     ops_socket: str = key("", f"ops socket template (kvpushctl); default "
-                          f"{naming.OPS_SOCKET_TEMPLATE}", check=_check_ipc)
+                          f"{naming.OPS_SOCKET_TEMPLATE}", check=_check_ipc,
+                          shown_default=f'"{naming.OPS_SOCKET_TEMPLATE}"')
     peer_host: str = key("127.0.0.1", "peer endpoint bind address", check=_check_nonempty)
     peer_port: int | None = key(None, "peer port; default base_port + index (0: ephemeral)",
-                                scope=TABLE, parse=_p_port, check=_check_port)
+                                scope=TABLE, parse=_p_port, check=_check_port,
+                                shown_default="base_port + index")
     advertise_host: str | None = key(None, "address peers are told to use (default: peer_host)",
-                                     check=_check_advertise)
+                                     check=_check_advertise, shown_default="peer_host")
     backend: str = key("UCX", "NIXL backend", parse=_p_upper, choices=BACKENDS)
     ucx_error_handling_mode: str = key(
         "peer", 'UCX only: "peer" reports a dead peer as an error on the WRITE; "none" makes '
@@ -209,7 +212,8 @@ class DeviceConfig:
         "polling) at the cost of UCX treating a peer failure as fatal to the agent",
         choices=("peer", "none"))
     socket_mode: int = key(0o600, "permission bits of the engine and ops sockets",
-                           parse=_p_mode, check=_check_mode)
+                           parse=_p_mode, check=_check_mode, type_name="octal integer",
+                           shown_default="0o600")
     lease_s: float = key(30.0, "longest lease a PrefillDone may ask for (its lease_ms is "
                          "capped at this): how long the daemon holds an engine's source blocks",
                          check=_check_positive)
@@ -296,7 +300,9 @@ class NodeConfig:
 
     devices: list[DeviceConfig]
     runtime_dir: str = key(doc="socket directory of every device (systemd: RuntimeDirectory)",
-                           scope=NODE, factory=default_runtime_dir, check=_check_abs)
+                           scope=NODE, factory=default_runtime_dir, check=_check_abs,
+                           shown_default="systemd's RUNTIME_DIRECTORY, else /run/kvpush for "
+                           "root, else $XDG_RUNTIME_DIR/kvpush")
     metrics_host: str = key("127.0.0.1", "address of /metrics and /health", scope=NODE)
     metrics_port: int = key(DEFAULT_METRICS_PORT, "port of /metrics and /health; 0: no HTTP "
                             "server", scope=NODE, parse=_p_port, check=_check_port)
@@ -343,7 +349,8 @@ class DeviceSelection:
                              f"{DEFAULT_CONFIG} when it exists", scope=NODE)
     devices: str | list[str] = key("all", '"all" (every visible GPU, else cpu0) or device '
                                    "names: a TOML list, comma-separated in env and flags "
-                                   "(cuda0,cuda1)", scope=NODE, parse=_p_devices)
+                                   "(cuda0,cuda1)", scope=NODE, parse=_p_devices,
+                                   type_name='"all" or list of strings')
     count: int | None = key(None, "run devices 0..count-1 of device_kind instead", scope=NODE)
     device_kind: str = key("auto", 'kind for count / "all"; auto: cuda if visible',
                            scope=NODE, choices=("auto", *DEVICE_KINDS))

@@ -137,3 +137,18 @@ def test_every_key_has_a_doc() -> None:
         for k in describe(cls, *scopes):
             assert k.doc.strip(), f"{cls.__name__}.{k.name} has no doc"
     assert {f.name for f in dataclasses.fields(PluginConfig)} == set(parsers_of(PluginConfig))
+
+
+def test_the_reference_matches_the_schemas(tmp_path: Path) -> None:
+    """docs/configuration.md is what scripts/config_reference.py writes from the schemas."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "config_reference.py"
+    r = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    text = (script.parent.parent / "docs" / "configuration.md").read_text()
+    for cls, scopes in SCHEMAS:
+        for k in describe(cls, *scopes):
+            assert f"| `{k.name}` |" in text, k.name

@@ -114,6 +114,7 @@ COMMANDS = {
     "drain": "refuse new transfers, finish the current ones",
     "metrics": "raw Prometheus text of each daemon",
     "trace": "one transfer's timeline across router, engines and daemons (no ID: recent IDs)",
+    "doctor": "check this node (config, keys, daemons, engines, peers, transport); name fixes",
 }
 WATCHABLE = ("status", "pending", "peers", "transfers", "metrics")
 
@@ -526,6 +527,10 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("transfer_id", nargs="?", default="")
             p.add_argument("--router", metavar="URL", default=None,
                            help="also merge this router's stamps (e.g. http://127.0.0.1:8000)")
+        if name == "doctor":
+            p.add_argument("--peer", metavar="ENDPOINT", action="append", default=[],
+                           help="probe this peer daemon (tcp://HOST:PORT) instead of every "
+                                "allowlisted node at this node's base_port (repeat for several)")
     return parser
 
 
@@ -604,6 +609,14 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None,
     if getattr(ns, "timeout", DEFAULT_TIMEOUT_S) <= 0:
         print("kvpushctl: --timeout must be positive", file=err)
         return EXIT_USAGE
+    if ns.cmd == "doctor":
+        from kvpush.daemon import doctor
+
+        config = getattr(ns, "config", None)
+        if config is None and "KVPUSH_CONFIG" not in os.environ and os.path.exists(DEFAULT_CONFIG):
+            config = DEFAULT_CONFIG
+        return doctor.run(config, getattr(ns, "runtime_dir", None), getattr(ns, "socket", None),
+                          ns.peer, getattr(ns, "timeout", DEFAULT_TIMEOUT_S), out)
     longest = proto.Limits().max_str  # the daemon could not even decode a longer request
     if len(getattr(ns, "transfer_id", "")) > longest:
         print(f"kvpushctl: a transfer ID has at most {longest} characters", file=err)

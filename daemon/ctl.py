@@ -3,7 +3,11 @@
     kvpushctl [--config FILE | --runtime-dir DIR] [--socket ipc://PATH | --device NAME]
               [--json] [--timeout S] [--watch S]
               {status,pending,peers,transfers,cancel TRANSFER_ID,drain,metrics,
-               trace [TRANSFER_ID] [--router URL]}
+               trace [TRANSFER_ID] [--router URL], doctor [--peer tcp://HOST:PORT]}
+
+``doctor`` checks the whole node and names a fix for each failure (:mod:`kvpush.daemon.doctor`;
+exit 1 on any failure; ``--json``: ``{"command": "doctor", "ok", "findings": [{"check", "ok",
+"detail", "fix"}]}``).
 
 Which daemons: by default every daemon of the node, i.e. the ops sockets of the devices in
 the config (``--config``, else /etc/kvpush/kvpushd.toml if it exists, else ``KVPUSH_*`` env
@@ -616,7 +620,8 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None,
         if config is None and "KVPUSH_CONFIG" not in os.environ and os.path.exists(DEFAULT_CONFIG):
             config = DEFAULT_CONFIG
         return doctor.run(config, getattr(ns, "runtime_dir", None), getattr(ns, "socket", None),
-                          ns.peer, getattr(ns, "timeout", DEFAULT_TIMEOUT_S), out)
+                          ns.peer, getattr(ns, "timeout", DEFAULT_TIMEOUT_S), out,
+                          as_json=getattr(ns, "json", False))
     longest = proto.Limits().max_str  # the daemon could not even decode a longer request
     if len(getattr(ns, "transfer_id", "")) > longest:
         print(f"kvpushctl: a transfer ID has at most {longest} characters", file=err)

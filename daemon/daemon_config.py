@@ -31,9 +31,11 @@ variables, e.g. ``KVPUSH_METRICS_PORT=0``, ``KVPUSH_DEVICES=cpu0,cpu1``)::
     [device.cuda1]                 # per-device overrides of the device keys (+ peer_port)
     peer_port = 17601
 
-The dataclass fields are the schema: a field made with :func:`key` is a config key, and
-its metadata (:class:`Key`: doc, scope, parser, choices, check) drives parsing, validation
-and ``print-config``; ``KEY_DOCS`` has every key's doc. Load-time keys that shape the node
+The dataclass fields are the schema (the idiom is :mod:`kvpush.configschema`, shared with
+the plugin and the router): a field made with :func:`key` is a config key, and its metadata
+(``Key``: doc, scope, parser, choices, check) drives parsing, validation, ``print-config``
+and docs/configuration.md; ``KEY_DOCS`` has every key's doc. Types are strict in the file
+and the flags; only ``KVPUSH_*`` environment strings are converted. Load-time keys that shape the node
 (devices, count, device_kind, base_port) are :class:`DeviceSelection`; values derived from
 them (socket templates, peer_port, advertise_host) are filled in by ``DeviceConfig``
 itself, whichever way it was built.

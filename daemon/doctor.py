@@ -21,7 +21,9 @@ Facts are gathered by the shell functions here; each check is a plain function o
 
 from __future__ import annotations
 
+import dataclasses
 import glob
+import json
 import os
 import time
 from collections.abc import Sequence
@@ -343,7 +345,7 @@ def gather(config: str | None, runtime_dir: str | None, sock: str | None,
 
 
 def run(config: str | None, runtime_dir: str | None, sock: str | None, peers: Sequence[str],
-        timeout_s: float, out: TextIO) -> int:
+        timeout_s: float, out: TextIO, as_json: bool = False) -> int:
     facts, dev = gather(config, runtime_dir, sock, timeout_s)
     findings = check_config(facts)
     if dev is not None and facts.node is not None:
@@ -356,5 +358,10 @@ def run(config: str | None, runtime_dir: str | None, sock: str | None, peers: Se
                                     max(timeout_s, PROBE_TIMEOUT_S))
         findings += check_peer_links(facts)
         findings += check_transport(facts)
-    out.write(render(findings) + "\n")
-    return 0 if all(x.ok for x in findings) else 1
+    ok = all(x.ok for x in findings)
+    if as_json:
+        out.write(json.dumps({"command": "doctor", "ok": ok,
+                              "findings": [dataclasses.asdict(x) for x in findings]}, indent=2) + "\n")
+    else:
+        out.write(render(findings) + "\n")
+    return 0 if ok else 1

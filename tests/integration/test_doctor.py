@@ -9,6 +9,7 @@ peer ports are A's base_port, as on a fleet with one config (each node its own a
 from __future__ import annotations
 
 import io
+import json
 import shutil
 import socket
 import tempfile
@@ -166,6 +167,7 @@ def test_healthy_node_passes(fleet: Fleet, a: Daemon) -> None:
     e = Engine(a, lay, "prefill", seed=7)  # type: ignore[arg-type]
     try:
         code, text = fleet.doctor("--peer", f"tcp://{HOSTS['b']}:{fleet.port}")
+        jcode, jtext = fleet.doctor("--json", "--peer", f"tcp://{HOSTS['b']}:{fleet.port}")
     finally:
         e.close()
     assert code == 0, text
@@ -173,3 +175,7 @@ def test_healthy_node_passes(fleet: Fleet, a: Daemon) -> None:
     assert lines(text, "engine cpu0")[0].startswith("ok")
     transport = lines(text, "transport cpu0")[0]
     assert "NIXL does not report which transport carried a WRITE" in transport and "backend UCX" in transport
+    got = json.loads(jtext)
+    assert jcode == 0 and got["ok"] is True and got["command"] == "doctor"
+    assert {x["check"] for x in got["findings"]} >= {"config", "keys", "daemon cpu0", "engine cpu0",
+                                                     "peer nodeb", "transport cpu0"}

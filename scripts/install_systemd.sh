@@ -44,6 +44,22 @@ die() {
 command -v systemctl >/dev/null || die "systemctl not found: this script needs systemd"
 [[ -f $UNIT_SRC && -f $CONF_SRC ]] || die "run from a kvpush checkout ($ROOT)"
 
+# 0. Which torch the daemons get, decided before anything is changed on this host.
+torch_version() {  # the torch version installed for interpreter $1, or nothing
+  "$1" -c 'from importlib.metadata import version; print(version("torch"))' 2>/dev/null || true
+}
+TORCH_SPEC="${KVPUSH_TORCH:-}"
+if [[ -z $TORCH_SPEC && -n ${VLLM_PYTHON:-} ]]; then
+  v="$(torch_version "$VLLM_PYTHON")"
+  [[ -n $v ]] || die "VLLM_PYTHON=$VLLM_PYTHON has no torch"
+  TORCH_SPEC="torch==$v"
+fi
+if [[ -z $TORCH_SPEC ]]; then
+  v="$(torch_version "$VENV/bin/python")"
+  [[ -n $v ]] && TORCH_SPEC="torch==$v"
+fi
+[[ -n $TORCH_SPEC ]] || die "say which torch the daemons use: VLLM_PYTHON=<the engines' venv>/bin/python or KVPUSH_TORCH='torch==X.Y.Z' (docs/install.md)"
+
 # 1. The service account: a system user without login or home.
 if ! getent group kvpush >/dev/null; then
   groupadd --system kvpush
@@ -65,20 +81,6 @@ if [[ ! -x "$VENV/bin/python" ]]; then
   "$PY" -m venv "$VENV"
 fi
 read -r -a extra <<<"${PIP_EXTRA:-}"
-torch_version() {  # the torch version installed for interpreter $1, or nothing
-  "$1" -c 'from importlib.metadata import version; print(version("torch"))' 2>/dev/null || true
-}
-TORCH_SPEC="${KVPUSH_TORCH:-}"
-if [[ -z $TORCH_SPEC && -n ${VLLM_PYTHON:-} ]]; then
-  v="$(torch_version "$VLLM_PYTHON")"
-  [[ -n $v ]] || die "VLLM_PYTHON=$VLLM_PYTHON has no torch"
-  TORCH_SPEC="torch==$v"
-fi
-if [[ -z $TORCH_SPEC ]]; then
-  v="$(torch_version "$VENV/bin/python")"
-  [[ -n $v ]] && TORCH_SPEC="torch==$v"
-fi
-[[ -n $TORCH_SPEC ]] || die "say which torch the daemons use: VLLM_PYTHON=<the engines' venv>/bin/python or KVPUSH_TORCH='torch==X.Y.Z' (docs/install.md)"
 extras=daemon
 [[ $ROUTER == 1 ]] && extras=daemon,router
 "$VENV/bin/python" -m pip install --disable-pip-version-check -q --upgrade pip

@@ -48,3 +48,26 @@ def test_setup_env_gpu_never_creates_a_venv(tmp_path: Path) -> None:
 def test_setup_env_rejects_unknown_arguments(tmp_path: Path) -> None:
     r = _run("setup_env.sh", "--cuda", venv=tmp_path / "none")
     assert r.returncode == 2 and "unknown argument --cuda" in r.stderr
+
+
+def test_install_systemd_refuses_to_guess_the_torch_before_touching_the_host(tmp_path: Path) -> None:
+    """Without VLLM_PYTHON or KVPUSH_TORCH (and no venv to keep a torch from), the script stops
+    before it creates a user, a venv or a file: pip would pick an unpinned torch."""
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("systemctl") is None:
+        import pytest
+
+        pytest.skip("the script runs as root on a systemd host only")
+    prefix = tmp_path / "opt"
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_PYTHON", "KVPUSH_TORCH")}
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "install_systemd.sh")], capture_output=True,
+                       text=True, timeout=60, env={**env, "KVPUSH_PREFIX": str(prefix)},
+                       stdin=subprocess.DEVNULL)
+    assert r.returncode == 1 and "say which torch the daemons use" in r.stderr, r.stdout + r.stderr
+    assert not prefix.exists()
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "install_systemd.sh")], capture_output=True,
+                       text=True, timeout=60, stdin=subprocess.DEVNULL,
+                       env={**env, "KVPUSH_PREFIX": str(prefix), "VLLM_PYTHON": str(tmp_path / "nopython")})
+    assert r.returncode == 1 and "has no torch" in r.stderr, r.stdout + r.stderr
+    assert not prefix.exists()

@@ -179,7 +179,8 @@ def check_transport(f: Facts) -> list[Finding]:
                 else:
                     remote += 1
         out.append(Finding(f"transport {dev}", st.backend in ("UCX", "LIBFABRIC"),
-                           f"NIXL does not report which transport carried a WRITE. Known: "
+                           f"NIXL does not report which transport carried a WRITE (per WRITE it "
+                           f"tells only its backend and telemetry: times, bytes). Known: "
                            f"backend {st.backend}; {tls_text}; peers on this host {local}, "
                            f"remote {remote}. UCX_PROTO_INFO=y in kvpushd's environment makes "
                            f"UCX log the protocol and transport it selects"))

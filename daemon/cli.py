@@ -30,6 +30,7 @@ from kvpush.daemon.daemon_config import (
     dump_toml,
     load_config,
 )
+from kvpush.proto.buildinfo import version_line
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvpushd", description="kvpush node daemon: one KV-push daemon per accelerator",
         allow_abbrev=False)
+    parser.add_argument("--version", action="version", version=version_line("kvpushd"))
     _add_common(parser)
     sub = parser.add_subparsers(dest="cmd", metavar="{worker,print-config,keygen}")
     w = sub.add_parser("worker", help="run one accelerator's daemon in the foreground",

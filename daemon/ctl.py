@@ -3,7 +3,11 @@
     kvpushctl [--config FILE | --runtime-dir DIR] [--socket ipc://PATH | --device NAME]
               [--json] [--timeout S] [--watch S]
               {status,pending,peers,transfers,cancel TRANSFER_ID,drain,metrics,
-               trace [TRANSFER_ID] [--router URL]}
+               trace [TRANSFER_ID] [--router URL], doctor [--peer tcp://HOST:PORT]}
+
+``doctor`` checks the whole node and names a fix for each failure (:mod:`kvpush.daemon.doctor`;
+exit 1 on any failure; ``--json``: ``{"command": "doctor", "ok", "findings": [{"check", "ok",
+"detail", "fix"}]}``).
 
 Which daemons: by default every daemon of the node, i.e. the ops sockets of the devices in
 the config (``--config``, else /etc/kvpush/kvpushd.toml if it exists, else ``KVPUSH_*`` env
@@ -73,8 +77,15 @@ import zmq
 
 from kvpush import proto
 from kvpush.daemon import opsclient
-from kvpush.daemon.daemon_config import ConfigError, NodeConfig, load_config, parse_device_name
+from kvpush.daemon.daemon_config import (
+    DEFAULT_CONFIG,
+    ConfigError,
+    NodeConfig,
+    load_config,
+    parse_device_name,
+)
 from kvpush.proto import naming
+from kvpush.proto.buildinfo import version_line
 from kvpush.proto.ops import (
     CancelReply,
     DecodePending,
@@ -89,7 +100,6 @@ from kvpush.proto.ops import (
 )
 from kvpush.proto.trace import ClockPair, Row, merge
 
-DEFAULT_CONFIG = "/etc/kvpush/kvpushd.toml"
 DEFAULT_TIMEOUT_S = 2.0
 HEALTH_TIMEOUT_S = 1.0
 
@@ -108,6 +118,7 @@ COMMANDS = {
     "drain": "refuse new transfers, finish the current ones",
     "metrics": "raw Prometheus text of each daemon",
     "trace": "one transfer's timeline across router, engines and daemons (no ID: recent IDs)",
+    "doctor": "check this node (config, keys, daemons, engines, peers, transport); name fixes",
 }
 WATCHABLE = ("status", "pending", "peers", "transfers", "metrics")
 
@@ -508,6 +519,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvpushctl", description="inspect and steer the kvpushd daemons of this node",
         epilog="exit codes: 0 ok, 1 a daemon is down, 2 usage, 3 permission denied, "
                "4 command refused", allow_abbrev=False)
+    parser.add_argument("--version", action="version", version=version_line("kvpushctl"))
     _add_common(parser)
     sub = parser.add_subparsers(dest="cmd", metavar="{" + ",".join(COMMANDS) + "}")
     for name, text in COMMANDS.items():
@@ -519,6 +531,10 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("transfer_id", nargs="?", default="")
             p.add_argument("--router", metavar="URL", default=None,
                            help="also merge this router's stamps (e.g. http://127.0.0.1:8000)")
+        if name == "doctor":
+            p.add_argument("--peer", metavar="ENDPOINT", action="append", default=[],
+                           help="probe this peer daemon (tcp://HOST:PORT) instead of every "
+                                "allowlisted node at this node's base_port (repeat for several)")
     return parser
 
 
@@ -597,6 +613,15 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None,
     if getattr(ns, "timeout", DEFAULT_TIMEOUT_S) <= 0:
         print("kvpushctl: --timeout must be positive", file=err)
         return EXIT_USAGE
+    if ns.cmd == "doctor":
+        from kvpush.daemon import doctor
+
+        config = getattr(ns, "config", None)
+        if config is None and "KVPUSH_CONFIG" not in os.environ and os.path.exists(DEFAULT_CONFIG):
+            config = DEFAULT_CONFIG
+        return doctor.run(config, getattr(ns, "runtime_dir", None), getattr(ns, "socket", None),
+                          ns.peer, getattr(ns, "timeout", DEFAULT_TIMEOUT_S), out,
+                          as_json=getattr(ns, "json", False))
     longest = proto.Limits().max_str  # the daemon could not even decode a longer request
     if len(getattr(ns, "transfer_id", "")) > longest:
         print(f"kvpushctl: a transfer ID has at most {longest} characters", file=err)

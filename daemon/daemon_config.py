@@ -31,9 +31,11 @@ variables, e.g. ``KVPUSH_METRICS_PORT=0``, ``KVPUSH_DEVICES=cpu0,cpu1``)::
     [device.cuda1]                 # per-device overrides of the device keys (+ peer_port)
     peer_port = 17601
 
-The dataclass fields are the schema: a field made with :func:`key` is a config key, and
-its metadata (:class:`Key`: doc, scope, parser, choices, check) drives parsing, validation
-and ``print-config``; ``KEY_DOCS`` has every key's doc. Load-time keys that shape the node
+The dataclass fields are the schema (the idiom is :mod:`kvpush.configschema`, shared with
+the plugin and the router): a field made with :func:`key` is a config key, and its metadata
+(``Key``: doc, scope, parser, choices, check) drives parsing, validation, ``print-config``
+and docs/configuration.md; ``KEY_DOCS`` has every key's doc. Types are strict in the file
+and the flags; only ``KVPUSH_*`` environment strings are converted. Load-time keys that shape the node
 (devices, count, device_kind, base_port) are :class:`DeviceSelection`; values derived from
 them (socket templates, peer_port, advertise_host) are filled in by ``DeviceConfig``
 itself, whichever way it was built.
@@ -47,18 +49,27 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
-import math
 import os
 import re
 import tomllib
-import typing
 from collections.abc import Callable, Mapping
 from dataclasses import InitVar, dataclass, field
 from typing import Any
 
+from kvpush import configschema as schema
+from kvpush.configschema import ConfigError, Parser, check_fields, docs_of
+from kvpush.configschema import check_count as _check_count
+from kvpush.configschema import check_non_negative as _check_non_negative
+from kvpush.configschema import check_nonempty as _check_nonempty
+from kvpush.configschema import check_port as _check_port
+from kvpush.configschema import check_positive as _check_positive
+from kvpush.configschema import p_mode as _p_mode
+from kvpush.configschema import p_port as _p_port
+from kvpush.configschema import p_upper as _p_upper
 from kvpush.proto import naming
 from kvpush.proto.codec import DEFAULT_LIMITS, largest_inbound, largest_ops_request
 
+DEFAULT_CONFIG = "/etc/kvpush/kvpushd.toml"  # read when it exists and no file is named
 DEFAULT_BASE_PORT = 17500
 DEFAULT_METRICS_PORT = 9470
 DEFAULT_MAX_MESSAGE = -(-largest_inbound() // (64 << 10)) * (64 << 10)  # 2686976: 2.6 MiB
@@ -75,8 +86,6 @@ _DEVICE_NAME = re.compile(r"^(cpu|cuda)(0|[1-9][0-9]*)$")
 NODE, DEVICE, TABLE = "node", "device", "table"
 
 
-class ConfigError(ValueError):
-    """Invalid configuration; the message names the key and where it came from."""
 
 
 def default_runtime_dir(env: Mapping[str, str] | None = None, euid: int | None = None) -> str:
@@ -111,71 +120,10 @@ def peer_port_for(base_port: int, index: int) -> int:
 
 # --------------------------------------------------------------------------- schema
 
-# A parser turns a raw value (typed from TOML/flags, or a string from env) into a typed
-# value (TypeError/ValueError: the caller names key and source); a check raises ConfigError
-# on a typed value that is out of bounds, given the key's name as the message prefix.
-Parser = Callable[[Any], Any]
-Check = Callable[[str, Any], None]
+# The schema idiom (Key, key(), parsers, checks, parse_layer) is kvpush.configschema, shared
+# with the plugin and the router; the daemon's own parsers and checks are here.
 
-
-def _p_str(v: Any) -> str:
-    if not isinstance(v, str):
-        raise TypeError("expected a string")
-    return v
-
-
-def _p_int(v: Any) -> int:
-    if isinstance(v, str):
-        try:
-            return int(v.strip(), 0)
-        except ValueError:
-            raise ValueError("expected an integer") from None
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise TypeError("expected an integer")
-    return v
-
-
-def _p_bool(v: Any) -> bool:
-    """TOML true/false; env 1/0, true/false, yes/no."""
-    if isinstance(v, bool):
-        return v
-    if isinstance(v, str) and v.strip().lower() in ("1", "true", "yes", "0", "false", "no"):
-        return v.strip().lower() in ("1", "true", "yes")
-    raise TypeError("expected true or false")
-
-
-def _p_port(v: Any) -> int:
-    port = _p_int(v)
-    if not 0 <= port <= 65535:
-        raise ValueError("must be a port number in 0..65535")
-    return port
-
-
-def _p_float(v: Any) -> float:
-    if isinstance(v, str):
-        try:
-            return float(v)
-        except ValueError:
-            raise ValueError("expected a number") from None
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise TypeError("expected a number")
-    return float(v)
-
-
-def _p_mode(v: Any) -> int:
-    """TOML 0o600 arrives as int; env '0600' / '600' / '0o600' are octal."""
-    if isinstance(v, str):
-        try:
-            return int(v.strip().lower().removeprefix("0o"), 8)
-        except ValueError:
-            raise ValueError("expected an octal mode such as 0600") from None
-    return _p_int(v)
-
-
-def _p_upper(v: Any) -> str:
-    return _p_str(v).upper()
-
-
+@schema.takes_strings
 def _p_devices(v: Any) -> str | list[str]:
     if isinstance(v, str):
         if v.strip().lower() == "all":
@@ -186,52 +134,10 @@ def _p_devices(v: Any) -> str | list[str]:
     raise TypeError('expected "all" or a list of device names')
 
 
-@dataclass(frozen=True)
-class Key:
-    """A config key's schema, kept in its dataclass field's metadata (``key(...)``)."""
-
-    doc: str
-    scope: str
-    parse: Parser | None = None  # None: from the field's type hint
-    choices: tuple[str, ...] | None = None
-    check: Check | None = None
-
-
 def key(default: Any = dataclasses.MISSING, doc: str = "", *, scope: str = DEVICE,
-        parse: Parser | None = None, choices: tuple[str, ...] | None = None,
-        check: Check | None = None, factory: Callable[[], Any] | None = None) -> Any:
-    """A dataclass field that is also a config key."""
-    meta = {"key": Key(doc, scope, parse, choices, check)}
-    if factory is not None:
-        return field(default_factory=factory, metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-def _check_port(key: str, port: Any, allow_zero: bool = True) -> None:
-    lo = 0 if allow_zero else 1
-    if not isinstance(port, int) or isinstance(port, bool) or not lo <= port <= 65535:
-        raise ConfigError(f"{key} must be an integer in {lo}..65535, got {port!r}")
-
-
-def _check_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ConfigError(f"{key} must be one of {', '.join(choices)}, got {value!r}")
-
-
-def _check_positive(key: str, value: Any) -> None:
-    if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"{key} must be a finite number > 0, got {value!r}")
-
-
-def _check_non_negative(key: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or value < 0:
-        raise ConfigError(f"{key} must be >= 0, got {value}")
-
-
-def _check_count(key: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(f"{key} must be a non-negative integer, got {value!r}")
+        **kw: Any) -> Any:
+    """A dataclass field that is also a config key (a device key unless ``scope`` says)."""
+    return schema.key(default, doc, scope=scope, **kw)
 
 
 def _check_message_size(key: str, value: Any) -> None:
@@ -240,11 +146,6 @@ def _check_message_size(key: str, value: Any) -> None:
     if not lo <= value <= hi:
         raise ConfigError(f"{key} must be in {lo}..{hi} (a real Hello is ~1.3 KB; the codec "
                           f"takes at most {hi}), got {value}")
-
-
-def _check_nonempty(key: str, value: Any) -> None:
-    if not value:
-        raise ConfigError(f"{key} is empty")
 
 
 def _check_advertise(key: str, value: Any) -> None:
@@ -283,20 +184,6 @@ def _check_abs(key: str, path: str) -> None:
         raise ConfigError(f"{key} must be an absolute path: {path!r}")
 
 
-def _check_fields(obj: Any, where: str) -> None:
-    """Every key field's choices and check, in field order."""
-    for f in dataclasses.fields(obj):
-        k = f.metadata.get("key")
-        if k is None:
-            continue
-        name = f"{where}: {f.name}" if where else f.name
-        value = getattr(obj, f.name)
-        if k.choices is not None:
-            _check_choice(name, value, k.choices)
-        if k.check is not None and value is not None:
-            k.check(name, value)
-
-
 _TEMPLATES = " ".join("{" + f + "}" for f in naming.TEMPLATE_FIELDS)
 
 
@@ -309,14 +196,17 @@ class DeviceConfig:
     device_kind: str = "cpu"
     runtime_dir: str = field(default_factory=default_runtime_dir)
     engine_socket: str = key("", f"engine socket template ({_TEMPLATES}); default "
-                             f"{naming.ENGINE_SOCKET_TEMPLATE}", check=_check_ipc)
+                             f"{naming.ENGINE_SOCKET_TEMPLATE}", check=_check_ipc,
+                             shown_default=f'"{naming.ENGINE_SOCKET_TEMPLATE}"')
     ops_socket: str = key("", f"ops socket template (kvpushctl); default "
-                          f"{naming.OPS_SOCKET_TEMPLATE}", check=_check_ipc)
+                          f"{naming.OPS_SOCKET_TEMPLATE}", check=_check_ipc,
+                          shown_default=f'"{naming.OPS_SOCKET_TEMPLATE}"')
     peer_host: str = key("127.0.0.1", "peer endpoint bind address", check=_check_nonempty)
     peer_port: int | None = key(None, "peer port; default base_port + index (0: ephemeral)",
-                                scope=TABLE, parse=_p_port, check=_check_port)
+                                scope=TABLE, parse=_p_port, check=_check_port,
+                                shown_default="base_port + index")
     advertise_host: str | None = key(None, "address peers are told to use (default: peer_host)",
-                                     check=_check_advertise)
+                                     check=_check_advertise, shown_default="peer_host")
     backend: str = key("UCX", "NIXL backend", parse=_p_upper, choices=BACKENDS)
     ucx_error_handling_mode: str = key(
         "peer", 'UCX only: "peer" reports a dead peer as an error on the WRITE; "none" makes '
@@ -324,7 +214,8 @@ class DeviceConfig:
         "polling) at the cost of UCX treating a peer failure as fatal to the agent",
         choices=("peer", "none"))
     socket_mode: int = key(0o600, "permission bits of the engine and ops sockets",
-                           parse=_p_mode, check=_check_mode)
+                           parse=_p_mode, check=_check_mode, type_name="octal integer",
+                           shown_default="0o600")
     lease_s: float = key(30.0, "longest lease a PrefillDone may ask for (its lease_ms is "
                          "capped at this): how long the daemon holds an engine's source blocks",
                          check=_check_positive)
@@ -399,7 +290,7 @@ class DeviceConfig:
         if (kind, index) != (self.device_kind, self.index):
             raise ConfigError(f"{where}: name does not match device_kind/index")
         _check_abs(f"{where}: runtime_dir", self.runtime_dir)
-        _check_fields(self, where)
+        check_fields(self, where)
         if self.engine_socket == self.ops_socket:
             raise ConfigError(f"{where}: engine_socket and ops_socket are the same")
         if self.poll_min_s > self.poll_max_s:
@@ -411,7 +302,9 @@ class NodeConfig:
 
     devices: list[DeviceConfig]
     runtime_dir: str = key(doc="socket directory of every device (systemd: RuntimeDirectory)",
-                           scope=NODE, factory=default_runtime_dir, check=_check_abs)
+                           scope=NODE, factory=default_runtime_dir, check=_check_abs,
+                           shown_default="systemd's RUNTIME_DIRECTORY, else /run/kvpush for "
+                           "root, else $XDG_RUNTIME_DIR/kvpush")
     metrics_host: str = key("127.0.0.1", "address of /metrics and /health", scope=NODE)
     metrics_port: int = key(DEFAULT_METRICS_PORT, "port of /metrics and /health; 0: no HTTP "
                             "server", scope=NODE, parse=_p_port, check=_check_port)
@@ -431,7 +324,7 @@ class NodeConfig:
     def validate(self) -> None:
         if not self.devices:
             raise ConfigError("no devices configured")
-        _check_fields(self, "")
+        check_fields(self, "")
         if self.restart_backoff_max_s < self.restart_backoff_s:
             raise ConfigError(f"restart_backoff_max_s {self.restart_backoff_max_s} < "
                               f"restart_backoff_s {self.restart_backoff_s}")
@@ -454,11 +347,12 @@ class DeviceSelection:
     """Load-time keys: which devices run and how their ports are numbered. They shape the
     NodeConfig (its device list, each peer_port) and are not kept in it."""
 
-    config: str | None = key(None, "the TOML file (read from the flag or KVPUSH_CONFIG)",
-                             scope=NODE)
+    config: str | None = key(None, "the TOML file: the flag, else KVPUSH_CONFIG, else "
+                             f"{DEFAULT_CONFIG} when it exists", scope=NODE)
     devices: str | list[str] = key("all", '"all" (every visible GPU, else cpu0) or device '
                                    "names: a TOML list, comma-separated in env and flags "
-                                   "(cuda0,cuda1)", scope=NODE, parse=_p_devices)
+                                   "(cuda0,cuda1)", scope=NODE, parse=_p_devices,
+                                   type_name='"all" or list of strings')
     count: int | None = key(None, "run devices 0..count-1 of device_kind instead", scope=NODE)
     device_kind: str = key("auto", 'kind for count / "all"; auto: cuda if visible',
                            scope=NODE, choices=("auto", *DEVICE_KINDS))
@@ -474,21 +368,9 @@ def _claim(seen: dict[Any, str], key: Any, owner: str, what: str) -> None:
 
 # --------------------------------------------------------------------------- loading
 
-_PARSERS: dict[Any, Parser] = {str: _p_str, int: _p_int, float: _p_float, bool: _p_bool}
-
-
 def _keys(cls: type, *scopes: str) -> dict[str, Parser]:
     """Key name -> parser of ``cls``'s key fields in ``scopes``, read from the schema."""
-    hints = typing.get_type_hints(cls)
-    out: dict[str, Parser] = {}
-    for f in dataclasses.fields(cls):
-        k = f.metadata.get("key")
-        if k is None or k.scope not in scopes:
-            continue
-        hint = hints[f.name]
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        out[f.name] = k.parse or _PARSERS[args[0] if len(args) == 1 else hint]
-    return out
+    return schema.parsers_of(cls, *scopes)
 
 
 def _union(*tables: dict[str, Parser]) -> dict[str, Parser]:
@@ -504,11 +386,7 @@ NODE_KEYS = _union(_keys(DeviceSelection, NODE), _keys(NodeConfig, NODE))
 DEVICE_KEYS = _keys(DeviceConfig, DEVICE)
 TOP_KEYS = _union(NODE_KEYS, DEVICE_KEYS)  # the file's top level, KVPUSH_<KEY>, flags
 TABLE_KEYS = _union(DEVICE_KEYS, _keys(DeviceConfig, TABLE))  # [device.<name>]
-KEY_DOCS: dict[str, str] = {
-    f.name: f.metadata["key"].doc
-    for cls in (DeviceSelection, NodeConfig, DeviceConfig) for f in dataclasses.fields(cls)
-    if "key" in f.metadata
-}
+KEY_DOCS: dict[str, str] = docs_of(DeviceSelection, NodeConfig, DeviceConfig)
 _EXCLUSIVE = ("devices", "count")  # one logical setting: a higher layer's choice replaces
 
 
@@ -529,15 +407,9 @@ def _unknown(where: str, key: str, known: Mapping[str, Any]) -> ConfigError:
 
 
 def _parse_layer(where: str, raw: Mapping[str, Any], known: Mapping[str, Parser],
-                 name_of: Callable[[str], str] = str) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in raw.items():
-        if key not in known:
-            raise _unknown(where, key, known)
-        try:
-            out[key] = known[key](value)
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"{where}: {name_of(key)}: {e}; got {value!r}") from None
+                 name_of: Callable[[str], str] = str, *, text: bool = False) -> dict[str, Any]:
+    out = schema.parse_layer(where, raw, known, name_of=name_of, text=text,
+                             unknown=lambda w, k: _unknown(w, k, known))
     if sum(k in out for k in _EXCLUSIVE) > 1:
         raise ConfigError(f"{where}: set either 'devices' or 'count', not both")
     return out
@@ -589,7 +461,7 @@ def _torch_cuda_count() -> int:
 
 def resolve_devices(sel: DeviceSelection, cuda_count: Callable[[], int]) -> list[tuple[str, int]]:
     """(kind, index) per device from devices / count / device_kind."""
-    _check_fields(sel, "")
+    check_fields(sel, "")
     kind = sel.device_kind
     if sel.count is None and sel.devices != "all":  # explicit names carry their kind
         if not sel.devices:
@@ -609,9 +481,12 @@ def resolve_devices(sel: DeviceSelection, cuda_count: Callable[[], int]) -> list
 
 def load_config(path: str | None = None, overrides: Mapping[str, Any] | None = None,
                 env: Mapping[str, str] | None = None, *,
-                cuda_count: Callable[[], int] = _torch_cuda_count) -> NodeConfig:
+                cuda_count: Callable[[], int] = _torch_cuda_count,
+                default_file: bool = True) -> NodeConfig:
     """Effective, validated NodeConfig. ``overrides`` are CLI flags by top-level key (None =
-    not given); ``env`` defaults to os.environ; KVPUSH_CONFIG names the file if path is None.
+    not given); ``env`` defaults to os.environ; KVPUSH_CONFIG names the file if path is None,
+    and without either DEFAULT_CONFIG (/etc/kvpush/kvpushd.toml) is read when it exists
+    (``default_file=False``: never).
 
     Node keys go to the NodeConfig, device keys at the top level are every device's
     defaults under its own [device.<name>] table, and DeviceConfig derives the rest."""
@@ -619,8 +494,10 @@ def load_config(path: str | None = None, overrides: Mapping[str, Any] | None = N
     flags = _parse_layer("command line", {k: v for k, v in (overrides or {}).items()
                                           if v is not None}, TOP_KEYS, lambda k: f"--{k.replace('_', '-')}")
     env_raw = {k: env[env_var(k)] for k in TOP_KEYS if env_var(k) in env}
-    from_env = _parse_layer("environment", env_raw, TOP_KEYS, env_var)
+    from_env = _parse_layer("environment", env_raw, TOP_KEYS, env_var, text=True)
     path = path or flags.get("config") or from_env.get("config")
+    if path is None and default_file and os.path.exists(DEFAULT_CONFIG):
+        path = DEFAULT_CONFIG
     file_top, per_dev = _read_file(path) if path else ({}, {})
     merged = _merge(file_top, from_env, flags)
     sel = DeviceSelection(**_pick(merged, _keys(DeviceSelection, NODE)))

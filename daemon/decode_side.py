@@ -403,7 +403,8 @@ class DecodeSide:
             elif event is not None:
                 self._link(p, p.endpoint, event, "")
         for s, n in self.counter.counts().items():
-            self.ctx.metrics.set_pending("decode", s, n)
+            if s not in ctr.TOMBSTONES:  # finished transfers are not pending
+                self.ctx.metrics.set_pending("decode", s, n)
 
     def cancel(self, tid: str, why: str, now: float) -> bool:
         """Fail a live registration as if every producer failed; False if there is none."""

@@ -5,56 +5,8 @@ several workers in one process and the supervisor can merge the children's text 
 The worker renders it on an ops ``OpsRequest(cmd="metrics")``; the supervisor serves the
 merged result on ``/metrics``. Every metric carries ``device`` (e.g. "cuda0").
 
-=================================== ========= ======================== ===========================
-name                                type      labels (besides device)  meaning
-=================================== ========= ======================== ===========================
-kvpush_pending_rendezvous           gauge     side, state              transfers per core state,
-                                                                       tombstones included
-                                                                       (prefill: wait_prefill,
-                                                                       wait_register, writing,
-                                                                       draining, done, failed,
-                                                                       expired; decode: waiting,
-                                                                       failing, aborting,
-                                                                       superseded, completed,
-                                                                       failed, released)
-kvpush_transfers_in_flight          gauge     -                        WRITEs posted, not finished
-kvpush_bytes_written_total          counter   -                        bytes of completed WRITEs
-kvpush_write_latency_seconds        histogram -                        post -> completion of a
-                                                                       WRITE (100 us .. 10 s)
-kvpush_notifications_total          counter   -                        NIXL notifications counted
-                                                                       (decode side)
-kvpush_timeouts_total               counter   kind                     write (a WRITE not done in
-                                                                       write_timeout_s), deadline
-                                                                       (a registration expired),
-                                                                       peer (handshake or silence
-                                                                       past peer_timeout_s)
-kvpush_failures_total               counter   cause                    plan, nixl, peer_lost,
-                                                                       internal; handshake_lost (a
-                                                                       known peer's frame after it
-                                                                       was evicted, or after a
-                                                                       restart: told to re-Hello);
-                                                                       and one cause per kind of
-                                                                       rejected input (protocol,
-                                                                       register, attach, handshake,
-                                                                       unauthenticated, ...)
-kvpush_peers                        gauge     state                    peer daemons by link state
-                                                                       (ready, handshaking,
-                                                                       recovering)
-kvpush_transfers_total              counter   side, result             finished transfers (ok,
-                                                                       failed)
-kvpush_held_blocks                  gauge     state                    prefill source blocks held,
-                                                                       by rendezvous state
-                                                                       (wait_register: waiting for
-                                                                       a decode side; read at
-                                                                       scrape time)
-kvpush_unclaimed_oldest_seconds     gauge     -                        age of the oldest hold that
-                                                                       no decode side registered
-                                                                       for (0: none)
-kvpush_lease_expired_total          counter   registered               holds released by their
-                                                                       lease: none (no decode side
-                                                                       ever registered) or partial
-kvpush_lease_expired_blocks_total   counter   -                        source blocks those held
-=================================== ========= ======================== ===========================
+Every series, its labels and its meaning: docs/metrics.md (tests/integration/test_metrics.py
+checks it against a live daemon both ways). Names: one prefix, base units, ``_total``.
 """
 
 from __future__ import annotations
@@ -84,11 +36,12 @@ class WorkerMetrics:
         disable_created_metrics()
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.pending = Gauge("kvpush_pending_rendezvous", "Transfers waiting, by side and state",
+        self.pending = Gauge("kvpush_pending_rendezvous",
+                             "Unfinished transfers, by side and core state",
                              ["device", "side", "state"], registry=r)
         self.in_flight = Gauge("kvpush_transfers_in_flight", "WRITEs posted and not finished",
                                ["device"], registry=r).labels(device)
-        self.bytes_written = Counter("kvpush_bytes_written", "Bytes of completed WRITEs",
+        self.bytes_written = Counter("kvpush_written_bytes", "Bytes of completed WRITEs",
                                      ["device"], registry=r).labels(device)
         self.write_latency = Histogram("kvpush_write_latency_seconds",
                                        "Seconds from posting a WRITE to its completion",

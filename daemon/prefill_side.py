@@ -519,7 +519,8 @@ class PrefillSide:
                 self.ctx.metrics.timeout("peer")
                 self.evict(c, f"silent for {timeout:.1f}s", now)
         for s, n in self.rdv.counts().items():
-            self.ctx.metrics.set_pending("prefill", s, n)
+            if s not in rv.TOMBSTONES:  # finished transfers are not pending
+                self.ctx.metrics.set_pending("prefill", s, n)
 
     def resumed(self, gap: float, now: float) -> None:
         """After ``gap`` seconds without running: if our engine may have declared us dead

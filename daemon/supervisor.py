@@ -54,6 +54,7 @@ from kvpush.daemon import opsclient, sdnotify
 from kvpush.daemon.children import ChildFacts, ChildState
 from kvpush.daemon.context import FENCE_EXIT_CODE
 from kvpush.daemon.daemon_config import DeviceConfig, NodeConfig
+from kvpush.proto.buildinfo import build_info
 from kvpush.proto.messages import OpsRequest
 from kvpush.proto.ops import MetricsReply
 
@@ -435,23 +436,26 @@ def fetch_child_metrics(endpoints: list[str], timeout_s: float = SCRAPE_TIMEOUT_
 def _supervisor_families(snap: dict[str, Any], scraped: dict[str, bool]) -> list[Metric]:
     devices = snap["devices"]
     fams = {
-        "kvpushd_ready": Metric("kvpushd_ready", "1 when every device daemon is up", "gauge"),
-        "up": Metric("kvpushd_child_up", "1 when the device daemon is up", "gauge"),
-        "restarts": Metric("kvpushd_child_restarts", "Restarts of the device daemon", "counter"),
-        "rss": Metric("kvpushd_child_rss_bytes", "Resident memory of the device daemon", "gauge"),
-        "cpu": Metric("kvpushd_child_cpu_seconds", "CPU time of the current daemon process",
+        "kvpush_ready": Metric("kvpush_ready", "1 when every device daemon is up", "gauge"),
+        "up": Metric("kvpush_child_up", "1 when the device daemon is up", "gauge"),
+        "restarts": Metric("kvpush_child_restarts", "Restarts of the device daemon", "counter"),
+        "rss": Metric("kvpush_child_rss_bytes", "Resident memory of the device daemon", "gauge"),
+        "cpu": Metric("kvpush_child_cpu_seconds", "CPU time of the current daemon process",
                       "counter"),
-        "scrape": Metric("kvpushd_child_metrics_ok",
+        "scrape": Metric("kvpush_child_metrics_ok",
                          "1 when the daemon's own metrics were fetched for this scrape", "gauge"),
     }
-    fams["kvpushd_ready"].add_sample("kvpushd_ready", {}, 1.0 if snap["ready"] else 0.0)
+    fams["kvpush_ready"].add_sample("kvpush_ready", {}, 1.0 if snap["ready"] else 0.0)
+    fams["build"] = Metric("kvpush_build", "What is installed: kvpush version, wire protocol, "
+                           "python, nixl (value 1)", "info")
+    fams["build"].add_sample("kvpush_build_info", build_info(), 1.0)
     for name, d in devices.items():
         lab = {"device": name}
-        fams["up"].add_sample("kvpushd_child_up", lab, 1.0 if d["up"] else 0.0)
-        fams["restarts"].add_sample("kvpushd_child_restarts_total", lab, float(d["restarts"]))
-        fams["rss"].add_sample("kvpushd_child_rss_bytes", lab, float(d["rss_bytes"]))
-        fams["cpu"].add_sample("kvpushd_child_cpu_seconds_total", lab, float(d["cpu_seconds"]))
-        fams["scrape"].add_sample("kvpushd_child_metrics_ok", lab, 1.0 if scraped[name] else 0.0)
+        fams["up"].add_sample("kvpush_child_up", lab, 1.0 if d["up"] else 0.0)
+        fams["restarts"].add_sample("kvpush_child_restarts_total", lab, float(d["restarts"]))
+        fams["rss"].add_sample("kvpush_child_rss_bytes", lab, float(d["rss_bytes"]))
+        fams["cpu"].add_sample("kvpush_child_cpu_seconds_total", lab, float(d["cpu_seconds"]))
+        fams["scrape"].add_sample("kvpush_child_metrics_ok", lab, 1.0 if scraped[name] else 0.0)
     return list(fams.values())
 
 

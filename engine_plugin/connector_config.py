@@ -1,77 +1,90 @@
-"""KVPushConnector settings: the few keys of ``kv_connector_extra_config``.
+"""KVPushConnector settings: the keys of ``kv_connector_extra_config``, as a schema.
 
-Required:
-  daemon            socket template of the rank's daemon, e.g. "ipc:///run/kvpush/engine-{rank}.sock"
-                    ({rank} = TP rank, {device} = local device index; default index = rank)
-Optional:
-  lease_ms          prefill side: how long the daemon may hold finished blocks waiting for a
-                    registration before releasing them (default 10000: with a router that sends
-                    both legs at once, or a serial proxy, the decode side registers within its
-                    queueing delay; a decode side that never comes costs at most this long; the
-                    daemon caps it at its lease_s)
-  timeout_ms        decode side: how long a registration waits for every producer before the
-                    load fails and vLLM recomputes (default 30000)
-  device_offset     added to the rank for {device} (several engines on one node; default 0)
-  unavailable_fail  fail loads at once while the daemon is unreachable (default true)
-  idle_wait_ms      on a step with no forward while a load (or, on a TP > 1 engine, a send)
-                    is pending, wait up to this long for the daemon's answer instead of
-                    letting vLLM spin (default 2; 0 = never)
-  dead_after_ms     how long the daemon may leave heartbeats unanswered before the plugin
-                    treats it as unavailable (default 3000, 1500..60000): lower fails the
-                    transfers of a dead daemon sooner, higher rides out longer stalls of the
-                    daemon or of the engine's own threads (the plugin cannot tell them apart)
+Only ``daemon`` is required. Every key, its type, default and meaning: the fields below, and
+docs/configuration.md generated from them. ``lease_ms``' default (10 s) covers a router that
+sends both legs at once or a serial proxy (the decode side registers within its queueing
+delay); a decode side that never comes costs at most that long. Types are strict: JSON
+``"false"`` is not a boolean, ``"3000"`` not an integer.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
+
+from kvpush.configschema import (
+    ConfigError,
+    check_count,
+    check_fields,
+    int_in,
+    key,
+    p_str,
+    parse_layer,
+    parsers_of,
+    takes_strings,
+)
 
 DEAD_AFTER_MS = 3000
 DEAD_AFTER_RANGE_MS = (1500, 60_000)  # above the 1 s heartbeat; below any sane load timeout
+WHERE = "kv_connector_extra_config"
 
 
-class PluginConfigError(ValueError):
+class PluginConfigError(ConfigError):
     """A connector config key is missing or malformed."""
+
+
+@takes_strings
+def _p_daemon(v: Any) -> str:
+    if not p_str(v):
+        raise ValueError('is empty; e.g. "ipc:///run/kvpush/engine-{rank}.sock"')
+    return v
 
 
 @dataclass(frozen=True)
 class PluginConfig:
-    daemon: str
-    lease_ms: int = 10_000
-    timeout_ms: int = 30_000
-    device_offset: int = 0
-    unavailable_fail: bool = True
-    idle_wait_ms: int = 2
-    dead_after_ms: int = DEAD_AFTER_MS
+    """``kv_connector_extra_config`` as data; its fields are the keys (kvpush.configschema)."""
+
+    daemon: str = key(doc='socket template of the rank\'s daemon, e.g. "ipc:///run/kvpush/'
+                      'engine-{rank}.sock" ({rank}: TP rank, {device}: rank + device_offset)',
+                      parse=_p_daemon)
+    lease_ms: int = key(10_000, "prefill side: how long the daemon may hold finished blocks "
+                        "waiting for a registration before releasing them (the daemon caps it at "
+                        "its lease_s)", check=check_count)
+    timeout_ms: int = key(30_000, "decode side: how long a registration waits for every "
+                          "producer before the load fails and vLLM recomputes", check=check_count)
+    device_offset: int = key(0, "added to the rank for {device} (several engines on one node)",
+                             check=check_count)
+    unavailable_fail: bool = key(True, "fail loads at once while the daemon is unreachable "
+                                 "(vLLM recomputes) instead of waiting for timeout_ms")
+    idle_wait_ms: int = key(2, "on a step with no forward while a load (or, on a TP > 1 engine, "
+                            "a send) is pending, wait up to this long for the daemon's answer "
+                            "instead of letting vLLM spin; 0: never", check=check_count)
+    dead_after_ms: int = key(DEAD_AFTER_MS, "how long the daemon may leave heartbeats "
+                             "unanswered before the plugin treats it as unavailable: lower fails "
+                             "a dead daemon's transfers sooner, higher rides out longer stalls",
+                             parse=int_in(*DEAD_AFTER_RANGE_MS))
 
     def socket_for(self, rank: int) -> str:
         return self.daemon.format(rank=rank, device=rank + self.device_offset)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> PluginConfig:
+        """The one load step: JSON-typed values (strict: "false" is not a boolean), checked."""
+        if extra is not None and not isinstance(extra, dict):
+            raise PluginConfigError(f"{WHERE} must be a JSON object, got {type(extra).__name__}")
         extra = dict(extra or {})
-        known = {"daemon", "lease_ms", "timeout_ms", "device_offset", "unavailable_fail", "idle_wait_ms",
-                 "dead_after_ms"}
-        unknown = sorted(set(extra) - known)
-        if unknown:
-            raise PluginConfigError(f"unknown kv_connector_extra_config key(s) {unknown}; known: {sorted(known)}")
-        if not isinstance(extra.get("daemon"), str) or not extra["daemon"]:
+        if "daemon" not in extra:
             raise PluginConfigError(
-                'kv_connector_extra_config needs "daemon", e.g. "ipc:///run/kvpush/engine-{rank}.sock"'
-            )
-        out: dict[str, Any] = {"daemon": extra["daemon"]}
-        for key in ("lease_ms", "timeout_ms", "device_offset", "idle_wait_ms"):
-            if key in extra:
-                v = extra[key]
-                if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                    raise PluginConfigError(f"{key} must be a non-negative integer, got {v!r}")
-                out[key] = v
-        if "dead_after_ms" in extra:
-            v, (lo, hi) = extra["dead_after_ms"], DEAD_AFTER_RANGE_MS
-            if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-                raise PluginConfigError(f"dead_after_ms must be an integer in [{lo}, {hi}], got {v!r}")
-            out["dead_after_ms"] = v
-        if "unavailable_fail" in extra:
-            out["unavailable_fail"] = bool(extra["unavailable_fail"])
-        return cls(**out)
+                f'{WHERE} needs "daemon", e.g. "ipc:///run/kvpush/engine-{{rank}}.sock"')
+        try:
+            values = parse_layer(WHERE, extra, parsers_of(cls))
+            cfg = cls(**values)
+            check_fields(cfg, WHERE)
+        except PluginConfigError:
+            raise
+        except ConfigError as e:
+            raise PluginConfigError(str(e)) from None
+        return cfg
+
+
+KEYS = tuple(f.name for f in fields(PluginConfig))

@@ -19,10 +19,10 @@ import argparse
 import logging
 import sys
 
-from aiohttp import web
-
-from kvpush.router.app import build_app
+from kvpush.proto.buildinfo import version_line
 from kvpush.router.router_config import Backend, RouterConfigError, load, parse_prefill
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 def _prefill(spec: str) -> Backend:
@@ -32,22 +32,37 @@ def _prefill(spec: str) -> Backend:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvpush-router", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", help="TOML file (see kvpush.router.router_config)")
-    ap.add_argument("--listen", help="HOST:PORT (default 127.0.0.1:8000)")
+    ap.add_argument("--version", action="version", version=version_line("kvpush-router"))
+    ap.add_argument("--config", metavar="FILE",
+                    help="router TOML file (keys: docs/configuration.md); flags override it")
+    ap.add_argument("--listen", metavar="HOST:PORT",
+                    help="address the OpenAI API listens on (default 127.0.0.1:8000)")
     ap.add_argument("--host", help=argparse.SUPPRESS)  # older spelling of --listen's parts
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--prefill", type=_prefill, action="append", default=[], metavar="URL=NODE")
-    ap.add_argument("--decode", action="append", default=[], metavar="URL")
-    ap.add_argument("--policy", choices=("least-loaded", "round-robin"))
-    ap.add_argument("--prefill-timeout", type=float, help="seconds for the prefill leg (300)")
-    ap.add_argument("--request-timeout", type=float, help="seconds for the decode leg (600)")
-    ap.add_argument("--shutdown-grace", type=float, help="seconds in-flight requests get at SIGTERM (30)")
-    ap.add_argument("--log-level", default="INFO")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s kvpush-router %(levelname)s %(message)s")
+    ap.add_argument("--prefill", type=_prefill, action="append", default=[], metavar="URL=NODE",
+                    help="a prefill engine and its node's kvpushd: URL=HOST:BASE_PORT[,tp=N] or "
+                         "URL=tcp://h:p[,tcp://h:p...] (repeat for several)")
+    ap.add_argument("--decode", action="append", default=[], metavar="URL",
+                    help="a decode engine's base URL, e.g. http://10.0.0.6:8200 (repeat for several)")
+    ap.add_argument("--policy", choices=("least-loaded", "round-robin"),
+                    help="how a request picks its engines among several (default least-loaded)")
+    ap.add_argument("--prefill-timeout", type=float, metavar="S",
+                    help="seconds for the prefill leg (default 300)")
+    ap.add_argument("--request-timeout", type=float, metavar="S",
+                    help="seconds for the decode leg (default 600)")
+    ap.add_argument("--shutdown-grace", type=float, metavar="S",
+                    help="seconds in-flight requests get at SIGTERM (default 30)")
+    ap.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default="INFO",
+                    help="log level (default INFO)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s kvpush-router %(levelname)s %(message)s")
     listen = args.listen
     if listen is None and (args.host or args.port):
         listen = f"{args.host or '127.0.0.1'}:{args.port or 8000}"
@@ -60,6 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     except RouterConfigError as exc:
         print(f"kvpush-router: {exc}", file=sys.stderr)
         return 2
+    # Imported here, not at the top: --version and --help work on a node without aiohttp.
+    from aiohttp import web
+
+    from kvpush.router.app import build_app
+
     logging.getLogger("kvpush.router").info(
         "listening on %s:%d; prefill %s; decode %s", cfg.host, cfg.port,
         ", ".join(f"{b.url} ({len(b.kv_endpoints)} daemon(s))" for b in cfg.prefill),

@@ -1,26 +1,23 @@
 """The router's Prometheus metrics (``GET /metrics``): one private registry per router.
 
-=================================== ========= ======================== ===========================
-name                                type      labels                   meaning
-=================================== ========= ======================== ===========================
-kvpush_router_requests_total        counter   path, code               requests answered (code:
-                                                                       the HTTP status sent)
-kvpush_router_legs_failed_total     counter   leg, cause               prefill / decode legs that
-                                                                       failed: status (engine
-                                                                       answered non-200), timeout,
-                                                                       connect, other
-kvpush_router_in_flight             gauge     pool, url                legs in progress per engine
-kvpush_router_ttft_seconds          histogram stream                   request in -> first byte of
-                                                                       the decode leg's answer
-kvpush_router_request_seconds       histogram stream                   request in -> last byte
-kvpush_router_draining              gauge     -                        1 once shutdown began
-=================================== ========= ======================== ===========================
+Every series, its labels and its meaning: docs/metrics.md (tests/integration/test_metrics.py
+checks it against a live router both ways).
 """
 
 from __future__ import annotations
 
 import aiohttp
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    disable_created_metrics,
+    generate_latest,
+)
+
+from kvpush.proto.buildinfo import build_info
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 CAUSES = ("status", "timeout", "connect", "other")
@@ -39,6 +36,9 @@ def cause_of(exc: BaseException | None) -> str:
 
 class RouterMetrics:
     def __init__(self) -> None:
+        # No *_created series (as the daemon): they double the scrape and are undocumented
+        # noise. Process-wide, which the router process owns.
+        disable_created_metrics()
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("kvpush_router_requests", "Requests answered", ["path", "code"], registry=r)
         self.legs_failed = Counter("kvpush_router_legs_failed", "Legs that failed, by cause", ["leg", "cause"],
@@ -53,6 +53,8 @@ class RouterMetrics:
         self.latency = Histogram("kvpush_router_request_seconds", "Request in to last byte", ["stream"],
                                  buckets=LATENCY_BUCKETS, registry=r)
         self.draining = Gauge("kvpush_router_draining", "1 once shutdown began", registry=r)
+        Info("kvpush_build", "What is installed: kvpush version, wire protocol, python, nixl",
+             registry=r).info(build_info())
 
     def leg_failed(self, leg: str, exc: BaseException | None) -> None:
         self.legs_failed.labels(leg, cause_of(exc)).inc()

@@ -26,8 +26,19 @@ from __future__ import annotations
 
 import re
 import tomllib
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
+
+from kvpush.configschema import (
+    ConfigError,
+    check_fields,
+    check_non_negative,
+    key,
+    p_str,
+    parse_layer,
+    parsers_of,
+    takes_strings,
+)
 
 __all__ = ["Backend", "RouterConfig", "RouterConfigError", "load", "node_endpoints", "parse_prefill"]
 
@@ -36,7 +47,7 @@ MAX_TP = 1024
 _HOSTPORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]+):(\d{1,5})$")
 
 
-class RouterConfigError(ValueError):
+class RouterConfigError(ConfigError):
     """A router setting is missing or malformed: the message names it."""
 
 
@@ -53,25 +64,29 @@ class Backend:
 
 @dataclass
 class RouterConfig:
+    """The router's settings; the fields made with ``key`` are the file's scalar keys
+    (kvpush.configschema), ``listen`` sets host and port, [[prefill]] / [[decode]] the pools."""
+
     prefill: list[Backend]
     decode: list[Backend]
-    policy: str = "least-loaded"
+    policy: str = key("least-loaded", "how a request picks its engines among several",
+                      choices=POLICIES)
     host: str = "127.0.0.1"
     port: int = 8000
-    connect_timeout_s: float = 10.0
-    prefill_timeout_s: float = 300.0
-    request_timeout_s: float = 600.0
-    shutdown_grace_s: float = 30.0
+    connect_timeout_s: float = key(10.0, "seconds to connect to an engine",
+                                   check=check_non_negative)
+    prefill_timeout_s: float = key(300.0, "seconds for the prefill leg", check=check_non_negative)
+    request_timeout_s: float = key(600.0, "seconds for the decode leg", check=check_non_negative)
+    shutdown_grace_s: float = key(30.0, "SIGTERM: stop taking requests, let those in flight "
+                                  "finish for this long", check=check_non_negative)
 
     def validate(self) -> None:
         if not self.prefill or not self.decode:
             raise RouterConfigError("the router needs at least one prefill and one decode engine")
-        if self.policy not in POLICIES:
-            raise RouterConfigError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        for name in ("connect_timeout_s", "prefill_timeout_s", "request_timeout_s", "shutdown_grace_s"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
-                raise RouterConfigError(f"{name} must be a non-negative number, got {v!r}")
+        try:
+            check_fields(self, "")
+        except ConfigError as e:
+            raise RouterConfigError(str(e)) from None
         if not 0 <= self.port < 65536:
             raise RouterConfigError(f"port {self.port} out of range")
         for b in [*self.prefill, *self.decode]:
@@ -147,8 +162,38 @@ def _decode_entry(i: int, d: Any) -> Backend:
     return Backend(d["url"].rstrip("/"))
 
 
+@takes_strings
+def _p_listen(v: Any) -> tuple[str, int]:
+    m = _HOSTPORT.match(p_str(v))
+    if m is None or not 0 <= int(m.group(2)) < 65536:
+        raise ValueError("must be HOST:PORT")
+    return m.group(1).strip("[]"), int(m.group(2))
+
+
+def _p_list(v: Any) -> list[Any]:
+    if not isinstance(v, list):
+        raise TypeError("expected an array of tables")
+    return v
+
+
+SCALARS = parsers_of(RouterConfig)
+# The file's keys: the scalars, listen, and the two pools (entries parsed one by one below).
+FILE_KEYS = {**SCALARS, "listen": _p_listen, "prefill": _p_list, "decode": _p_list}
+LISTEN_DOC = "HOST:PORT the OpenAI API listens on (default 127.0.0.1:8000)"
+
+
+def _layer(where: str, raw: dict[str, Any], known: dict[str, Any]) -> dict[str, Any]:
+    try:
+        return parse_layer(where, raw, known)
+    except RouterConfigError:
+        raise
+    except ConfigError as e:
+        raise RouterConfigError(str(e)) from None
+
+
 def load(path: str | None = None, overrides: dict[str, Any] | None = None) -> RouterConfig:
-    """File first, then ``overrides`` (flags): pools are added, scalars replaced; validated."""
+    """File first, then ``overrides`` (flags): pools are added, scalars replaced; validated.
+    Types are strict in both (a string where a number belongs is an error naming the key)."""
     raw: dict[str, Any] = {}
     if path:
         try:
@@ -156,21 +201,16 @@ def load(path: str | None = None, overrides: dict[str, Any] | None = None) -> Ro
                 raw = tomllib.load(f)
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise RouterConfigError(f"{path}: {exc}") from exc
+    file = _layer(f"router config {path}", raw, FILE_KEYS)
     o = dict(overrides or {})
-    scalars = {f.name for f in fields(RouterConfig)} - {"prefill", "decode", "host", "port"}
-    unknown = set(raw) - scalars - {"prefill", "decode", "listen"}
-    if unknown:
-        raise RouterConfigError(f"{path}: unknown key(s) {sorted(unknown)}")
-    prefill = [_prefill_entry(i, d) for i, d in enumerate(raw.get("prefill", []))] + list(o.pop("prefill", []))
-    decode = [_decode_entry(i, d) for i, d in enumerate(raw.get("decode", []))] + list(o.pop("decode", []))
-    kw: dict[str, Any] = {k: raw[k] for k in scalars if k in raw}
-    listen = o.pop("listen", None) or raw.get("listen")
+    prefill = [_prefill_entry(i, d) for i, d in enumerate(file.pop("prefill", []))] + list(o.pop("prefill", []))
+    decode = [_decode_entry(i, d) for i, d in enumerate(file.pop("decode", []))] + list(o.pop("decode", []))
+    flags = _layer("command line", {k: v for k, v in o.items() if v is not None},
+                   {**SCALARS, "listen": _p_listen})
+    kw: dict[str, Any] = {**file, **flags}
+    listen = kw.pop("listen", None)
     if listen is not None:
-        m = _HOSTPORT.match(str(listen))
-        if m is None:
-            raise RouterConfigError(f"listen must be HOST:PORT, got {listen!r}")
-        kw.update(host=m.group(1).strip("[]"), port=int(m.group(2)))
-    kw.update({k: v for k, v in o.items() if v is not None})
+        kw.update(host=listen[0], port=listen[1])
     cfg = RouterConfig(prefill=prefill, decode=decode, **kw)
     cfg.validate()
     return cfg

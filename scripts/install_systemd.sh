@@ -5,10 +5,15 @@
 # Creates the kvpush system user/group, a virtualenv in /opt/kvpush/venv with this repo
 # installed, the unit in /etc/systemd/system and the example config in
 # /etc/kvpush/kvpushd.toml (an existing config is kept), then reloads systemd.
-# Safe to run again after an upgrade. Environment:
+# Safe to run again after an upgrade. The daemons need the same torch build as the engines
+# (CUDA IPC handles cross between them), pinned: nixl would otherwise pull the newest torch
+# from the index. Say which, one of (docs/install.md, "Install matrix"):
+#   VLLM_PYTHON=/opt/vllm/venv/bin/python   pin the torch version of the engines' venv
+#   KVPUSH_TORCH="torch==2.9.0+cu128"       an explicit requirement
+# (on an upgrade, the torch already in the venv is kept when neither is given). Environment:
 #   PYTHON=python3.11      interpreter for the virtualenv (default: python3)
 #   KVPUSH_PREFIX=/opt/kvpush
-#   PIP_EXTRA="torch==2.13.0"  extra pip requirements installed with the repo
+#   PIP_EXTRA="--index-url https://download.pytorch.org/whl/cu128"  extra pip arguments
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -39,6 +44,22 @@ die() {
 command -v systemctl >/dev/null || die "systemctl not found: this script needs systemd"
 [[ -f $UNIT_SRC && -f $CONF_SRC ]] || die "run from a kvpush checkout ($ROOT)"
 
+# 0. Which torch the daemons get, decided before anything is changed on this host.
+torch_version() {  # the torch version installed for interpreter $1, or nothing
+  "$1" -c 'from importlib.metadata import version; print(version("torch"))' 2>/dev/null || true
+}
+TORCH_SPEC="${KVPUSH_TORCH:-}"
+if [[ -z $TORCH_SPEC && -n ${VLLM_PYTHON:-} ]]; then
+  v="$(torch_version "$VLLM_PYTHON")"
+  [[ -n $v ]] || die "VLLM_PYTHON=$VLLM_PYTHON has no torch"
+  TORCH_SPEC="torch==$v"
+fi
+if [[ -z $TORCH_SPEC ]]; then
+  v="$(torch_version "$VENV/bin/python")"
+  [[ -n $v ]] && TORCH_SPEC="torch==$v"
+fi
+[[ -n $TORCH_SPEC ]] || die "say which torch the daemons use: VLLM_PYTHON=<the engines' venv>/bin/python or KVPUSH_TORCH='torch==X.Y.Z' (docs/install.md)"
+
 # 1. The service account: a system user without login or home.
 if ! getent group kvpush >/dev/null; then
   groupadd --system kvpush
@@ -60,8 +81,10 @@ if [[ ! -x "$VENV/bin/python" ]]; then
   "$PY" -m venv "$VENV"
 fi
 read -r -a extra <<<"${PIP_EXTRA:-}"
+extras=daemon
+[[ $ROUTER == 1 ]] && extras=daemon,router
 "$VENV/bin/python" -m pip install --disable-pip-version-check -q --upgrade pip
-"$VENV/bin/python" -m pip install --disable-pip-version-check -q "$ROOT" "${extra[@]}"
+"$VENV/bin/python" -m pip install --disable-pip-version-check -q "${ROOT}[${extras}]" "$TORCH_SPEC" "${extra[@]}"
 install -m 0644 "$ROOT/README.md" "$PREFIX/README.md"
 [[ -x "$VENV/bin/kvpushd" ]] || die "$VENV/bin/kvpushd missing after pip install"
 ln -sf "$VENV/bin/kvpushctl" /usr/local/bin/kvpushctl

@@ -19,5 +19,5 @@ if ! command -v systemd-analyze >/dev/null || ! command -v shellcheck >/dev/null
 fi
 bash scripts/setup_env.sh "${KVPUSH_SETUP_ARGS:---vllm}"
 VENV="${KVPUSH_VENV:-$ROOT/.venv}"
-"$VENV/bin/ruff" check machine daemon engine_plugin proto router testing scripts tests
+"$VENV/bin/ruff" check machine configschema daemon engine_plugin proto router testing scripts tests
 exec "$VENV/bin/python" -m pytest "$@"

@@ -22,8 +22,11 @@ ROOT = ve.ROOT
 __all__ = ["ROOT", "PDStack", "free_port", "kvpush_transfer_config", "popen", "prompt_tokens_by_source"]
 
 
-def kvpush_transfer_config(role: str, engine_id: str, socket_path: str, **extra: Any) -> dict[str, Any]:
-    return {
+def kvpush_transfer_config(role: str, engine_id: str, socket_path: str, *, by_name: bool = False,
+                           **extra: Any) -> dict[str, Any]:
+    """The engine's --kv-transfer-config. ``by_name``: no kv_connector_module_path (vLLM finds
+    the connector through kvpush's vllm.general_plugins entry point)."""
+    cfg = {
         "kv_connector": "KVPushConnector",
         "kv_connector_module_path": "kvpush.engine_plugin",
         "kv_role": role,
@@ -31,6 +34,9 @@ def kvpush_transfer_config(role: str, engine_id: str, socket_path: str, **extra:
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"daemon": socket_path, **extra},
     }
+    if by_name:
+        del cfg["kv_connector_module_path"]
+    return cfg
 
 
 @dataclass
@@ -47,6 +53,8 @@ class PDStack:
     plugin_extra: dict[str, Any] = field(default_factory=dict)
     engine_env: dict[str, str] = field(default_factory=dict)  # extra env for both engines
     engine_args: list[str] = field(default_factory=list)  # extra flags for both engines (GPU: memory share)
+    engine_python: str | None = None  # interpreter of the engines' venv (default: vllm_env's)
+    by_name: frozenset[str] = frozenset()  # "prefill"/"decode": connector by name, no module path
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     # Cores: each engine's whole process group on its own core; the daemons and the router
     # share the decode engine's core. On two cores the prefill engine's core is the one the
@@ -108,13 +116,15 @@ class PDStack:
             d_args.append("--no-enable-prefix-caching")
         self.procs["prefill"] = ve.start_engine(
             self.model, self.p_port, self.work / "prefill.log", cpu_bind=self.p_cpus, extra_args=p_args,
-            env_extra=self.engine_env,
+            env_extra=self.engine_env, python=self.engine_python,
             kv_transfer_config=kvpush_transfer_config("kv_producer", "prefill", self.engine_socket(0),
+                                                      by_name="prefill" in self.by_name,
                                                       **self.plugin_extra))
         self.procs["decode"] = ve.start_engine(
             self.model, self.d_port, self.work / "decode.log", cpu_bind=self.d_cpus, extra_args=d_args,
-            env_extra=self.engine_env,
+            env_extra=self.engine_env, python=self.engine_python,
             kv_transfer_config=kvpush_transfer_config("kv_consumer", "decode", self.engine_socket(1),
+                                                      by_name="decode" in self.by_name,
                                                       **self.plugin_extra))
         if self.with_router:
             self.procs["router"] = popen(

@@ -127,6 +127,7 @@ def start_engine(
     kv_transfer_config: Mapping[str, Any] | None = None,
     env_extra: Mapping[str, str] | None = None,
     pin: bool = True,
+    python: str | None = None,
 ) -> subprocess.Popen[bytes]:
     """Start an engine in its own process group (so stop_group reaches EngineCore too).
 
@@ -143,7 +144,8 @@ def start_engine(
         cpus = parse_cpus(cpu_bind) if pin else None
         return subprocess.Popen(
             engine_cmd(
-                model_dir, port, extra_args=extra_args, kv_transfer_config=kv_transfer_config
+                model_dir, port, extra_args=extra_args, kv_transfer_config=kv_transfer_config,
+                python=python,
             ),
             preexec_fn=pin_to(cpus),
             stdout=log,

@@ -21,7 +21,7 @@ ENGINE_COUNTERS = ("vllm:prompt_tokens_by_source_total", "vllm:nixl_num_failed_t
                    "vllm:num_preemptions_total")
 DAEMON_HISTOGRAMS = ("kvpush_write_latency_seconds",)
 DAEMON_COUNTERS = ("kvpush_transfers_total", "kvpush_failures_total", "kvpush_timeouts_total",
-                   "kvpush_bytes_written_total")
+                   "kvpush_written_bytes_total")
 
 
 def _le(raw: str | None) -> float | None:

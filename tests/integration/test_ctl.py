@@ -213,7 +213,7 @@ def test_transfer_shows_in_peers_and_transfers(pair: Pair) -> None:
         # metrics: each daemon's exposition, labelled when there are several
         code, out, err = ctl("--config", str(pair.config), "metrics")
         assert code == 0, err
-        assert "# kvpushctl: cpu0" in out and 'kvpush_bytes_written_total{device="cpu0"}' in out
+        assert "# kvpushctl: cpu0" in out and 'kvpush_written_bytes_total{device="cpu0"}' in out
     finally:
         pe.close()
         de.close()

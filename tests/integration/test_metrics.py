@@ -1,5 +1,7 @@
 """The supervisor's /metrics with real device daemons: every documented kvpush_* family is
 exposed once, per device, and a transfer between the two daemons shows up in the counters.
+The live daemon's and a live router's series match docs/metrics.md both ways (names, types,
+labels).
 
 ``kvpushd --devices cpu0,cpu1`` runs as a subprocess (its own supervisor and children);
 the engines are harness Engines (DaemonClients) pointed at its engine sockets.
@@ -28,7 +30,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpush import proto
-from kvpush.daemon import metrics as metrics_mod
 from kvpush.daemon.ctl import main as ctl_main
 from kvpush.daemon.daemon_config import DeviceConfig
 from kvpush.testing.daemon_harness import Engine, ops_request
@@ -41,11 +42,48 @@ BIN = Path(sys.executable).parent
 DEVICES = ("cpu0", "cpu1")
 
 
+METRICS_DOC = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
+
+
+def documented(section: str) -> dict[str, tuple[str, frozenset[str]]]:
+    """series -> (type, labels) from the table under the docs/metrics.md heading that starts
+    with ``section``."""
+    text = METRICS_DOC.read_text()
+    body = text.split(f"\n## {section}", 1)[1].split("\n## ", 1)[0]
+    out: dict[str, tuple[str, frozenset[str]]] = {}
+    for name, kind, labels in re.findall(r"^\| `([\w:]+)` \| (\w+) \| ([^|]+) \|", body, re.M):
+        assert name not in out, f"{name} documented twice"
+        out[name] = (kind, frozenset() if labels.strip() == "-" else
+                     frozenset(x.strip() for x in labels.split(",")))
+    assert out, f"no table under '## {section}' in {METRICS_DOC}"
+    return out
+
+
+def live(fams: dict[str, Any]) -> dict[str, tuple[str, frozenset[str]]]:
+    """The scrape as series -> (type, labels): counters by their _total name, info families
+    by their _info name; labels seen on any sample (le of histograms left out)."""
+    out: dict[str, tuple[str, frozenset[str]]] = {}
+    for name, fam in fams.items():
+        series = name + {"counter": "_total", "info": "_info"}.get(fam.type, "")
+        kind = "gauge" if fam.type == "info" else fam.type
+        labels = frozenset(k for s in fam.samples for k in s.labels if k != "le")
+        out[series] = (kind, labels)
+    return out
+
+
+def assert_documented_both_ways(fams: dict[str, Any], section: str) -> None:
+    docs, got = documented(section), live(fams)
+    assert set(got) - set(docs) == set(), f"exposed but not in docs/metrics.md ({section})"
+    assert set(docs) - set(got) == set(), f"in docs/metrics.md ({section}) but not exposed"
+    for name, (kind, labels) in got.items():
+        assert docs[name][0] == kind, (name, kind, docs[name][0])
+        # a family without samples yet shows no labels; those it shows must be documented
+        assert labels <= docs[name][1], (name, labels, docs[name][1])
+
+
 def documented_families() -> set[str]:
-    """Metric names from the table in kvpush.daemon.metrics' docstring, without _total."""
-    names = re.findall(r"^(kvpush_\w+)\s", metrics_mod.__doc__ or "", flags=re.M)
-    assert len(names) >= 9
-    return {n.removesuffix("_total") for n in names}
+    """The daemon's documented series as the parser's family names (counters without _total)."""
+    return {n.removesuffix("_total") for n in documented("kvpushd")}
 
 
 def free_port() -> int:
@@ -147,12 +185,15 @@ def test_metrics_families_and_a_transfer(node: Node) -> None:
     assert documented_families() <= set(fams), documented_families() - set(fams)
     # families with samples before any traffic carry both devices
     for fam in ("kvpush_pending_rendezvous", "kvpush_transfers_in_flight",
-                "kvpush_bytes_written", "kvpush_write_latency_seconds", "kvpush_notifications"):
+                "kvpush_written_bytes", "kvpush_write_latency_seconds", "kvpush_notifications"):
         assert {s.labels.get("device") for s in fams[fam].samples} == set(DEVICES), fam
     for dev in DEVICES:
-        assert sample(fams, "kvpushd_child_metrics_ok", "kvpushd_child_metrics_ok", device=dev) == 1
-        assert sample(fams, "kvpush_bytes_written", "kvpush_bytes_written_total", device=dev) == 0
+        assert sample(fams, "kvpush_child_metrics_ok", "kvpush_child_metrics_ok", device=dev) == 1
+        assert sample(fams, "kvpush_written_bytes", "kvpush_written_bytes_total", device=dev) == 0
     assert not [s for s in fams["kvpush_transfers"].samples if s.value]
+    (build,) = fams["kvpush_build_info"].samples
+    assert build.value == 1 and set(build.labels) == {"version", "protocol", "python", "nixl"}
+    assert build.labels["protocol"] == str(proto.PROTOCOL_VERSION)
 
     lay, _ = make("amx", num_layers=2, num_blocks=32, block_size=16, num_heads=2, head_size=64,
                   dtype="bfloat16")
@@ -173,8 +214,8 @@ def test_metrics_families_and_a_transfer(node: Node) -> None:
         de.close()
 
     fams = node.scrape()
-    assert sample(fams, "kvpush_bytes_written", "kvpush_bytes_written_total", device="cpu0") == nbytes
-    assert sample(fams, "kvpush_bytes_written", "kvpush_bytes_written_total", device="cpu1") == 0
+    assert sample(fams, "kvpush_written_bytes", "kvpush_written_bytes_total", device="cpu0") == nbytes
+    assert sample(fams, "kvpush_written_bytes", "kvpush_written_bytes_total", device="cpu1") == 0
     assert sample(fams, "kvpush_transfers", "kvpush_transfers_total", device="cpu0",
                   side="prefill", result="ok") == 1
     assert sample(fams, "kvpush_transfers", "kvpush_transfers_total", device="cpu1",
@@ -182,7 +223,12 @@ def test_metrics_families_and_a_transfer(node: Node) -> None:
     assert sample(fams, "kvpush_write_latency_seconds", "kvpush_write_latency_seconds_count",
                   device="cpu0") == 1
     assert sample(fams, "kvpush_notifications", "kvpush_notifications_total", device="cpu1") == 1
-    assert sample(fams, "kvpushd_child_restarts", "kvpushd_child_restarts_total", device="cpu1") == 0
+    assert sample(fams, "kvpush_child_restarts", "kvpush_child_restarts_total", device="cpu1") == 0
+    # after a transfer every family with labels has samples: the docs match names and labels
+    assert_documented_both_ways(fams, "kvpushd")
+    assert {s.labels["state"] for s in fams["kvpush_pending_rendezvous"].samples} == {
+        "wait_prefill", "wait_register", "writing", "draining",
+        "waiting", "failing", "aborting", "superseded"}, "finished states are not pending"
 
     # kvpushctl metrics: the same counters, straight from each daemon (found by glob)
     out, err = io.StringIO(), io.StringIO()
@@ -191,7 +237,7 @@ def test_metrics_families_and_a_transfer(node: Node) -> None:
     assert ctl_main(["--config", str(conf), "metrics"], out=out, err=err) == 0, err.getvalue()
     text = out.getvalue()
     assert "# kvpushctl: cpu0" in text and "# kvpushctl: cpu1" in text
-    assert f'kvpush_bytes_written_total{{device="cpu0"}} {float(nbytes)}' in text
+    assert f'kvpush_written_bytes_total{{device="cpu0"}} {float(nbytes)}' in text
 
     # a crashed child: kvpushctl status says so, then shows the supervisor's restart count
     conf.write_text(f'devices = ["cpu0", "cpu1"]\nruntime_dir = "{node.tmp}"\n'
@@ -243,3 +289,49 @@ def test_blocks_held_for_nobody_are_visible_counted_and_said_once(node: Node) ->
     node.log.flush()
     said = Path(node.log.name).read_text().count("no decode side registered: is the decode engine using kvpush")
     assert said == 1
+
+
+def test_router_metrics_match_the_docs(tmp_path: Path) -> None:
+    """A live kvpush-router (its engines need not exist for /metrics): after one request that
+    fails its legs, every family has samples; names, types and labels match docs/metrics.md."""
+    port = free_port()
+    dead = free_port()  # nothing listens here: both legs fail with a connect error
+    log = open(tmp_path / "router.log", "w+")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [str(BIN / "kvpush-router"), "--listen", f"127.0.0.1:{port}",
+         "--prefill", f"http://127.0.0.1:{dead}=127.0.0.1:{free_port()}",
+         "--decode", f"http://127.0.0.1:{dead}", "--prefill-timeout", "2", "--request-timeout", "2"],
+        stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=2):
+                    break
+            except urllib.error.HTTPError:
+                break  # answering at all is enough: it is up
+            except (urllib.error.URLError, ConnectionError):
+                assert proc.poll() is None and time.monotonic() < deadline, "router never came up"
+                time.sleep(0.1)
+        req = urllib.request.Request(f"{base}/v1/completions", method="POST",
+                                     data=json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 1,
+                                                      "stream": False}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            urllib.request.urlopen(req, timeout=30).read()
+        except urllib.error.HTTPError:
+            pass  # the legs fail: the router answers an error, and counts it
+        with urllib.request.urlopen(f"{base}/metrics", timeout=5) as r:
+            fams = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+        assert_documented_both_ways(fams, "kvpush-router")
+        (build,) = fams["kvpush_build_info"].samples
+        assert build.labels["protocol"] == str(proto.PROTOCOL_VERSION)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()

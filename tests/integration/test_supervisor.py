@@ -189,12 +189,12 @@ def test_ready_health_restart_one_child_and_sigterm(runtime: Path) -> None:
         assert gone(pids["cpu1"]) and not gone(pids["cpu0"])
         code, text = node.get("/metrics")
         assert code == 200
-        assert 'kvpushd_child_restarts_total{device="cpu1"} 1.0' in text
-        assert 'kvpushd_child_restarts_total{device="cpu0"} 0.0' in text
-        assert 'kvpushd_child_up{device="cpu0"} 1.0' in text
-        assert "kvpushd_ready 1.0" in text
+        assert 'kvpush_child_restarts_total{device="cpu1"} 1.0' in text
+        assert 'kvpush_child_restarts_total{device="cpu0"} 0.0' in text
+        assert 'kvpush_child_up{device="cpu0"} 1.0' in text
+        assert "kvpush_ready 1.0" in text
         assert {f.name for f in text_string_to_metric_families(text)} >= {
-            "kvpushd_child_up", "kvpushd_child_restarts", "kvpushd_child_rss_bytes"}
+            "kvpush_child_up", "kvpush_child_restarts", "kvpush_child_rss_bytes"}
         assert node.get("/nope")[0] == 404
         # SIGTERM: STOPPING=1, children gone, exit 0
         live = [d["pid"] for d in h["devices"].values()]
@@ -276,10 +276,10 @@ def test_metrics_merges_children_over_ops(runtime: Path) -> None:
         # a scrape that got both (a child that never answers still fails the test).
         text = wait_for(lambda: scraped(node.get("/metrics")[1], ["cpu0", "cpu1"]), SLOW,
                         "a /metrics scrape that reached both children")
-        assert 'kvpush_bytes_written_total{device="cpu0"} 4096.0' in text
-        assert 'kvpush_bytes_written_total{device="cpu1"} 8192.0' in text
-        assert 'kvpushd_child_metrics_ok{device="cpu1"} 1.0' in text
-        assert text.count("# TYPE kvpush_bytes_written_total counter") == 1
+        assert 'kvpush_written_bytes_total{device="cpu0"} 4096.0' in text
+        assert 'kvpush_written_bytes_total{device="cpu1"} 8192.0' in text
+        assert 'kvpush_child_metrics_ok{device="cpu1"} 1.0' in text
+        assert text.count("# TYPE kvpush_written_bytes_total counter") == 1
         assert node.stop(timeout=SLOW) == 0
     finally:
         node.close()
@@ -287,7 +287,7 @@ def test_metrics_merges_children_over_ops(runtime: Path) -> None:
 
 def scraped(text: str, devices: list[str]) -> str:
     """``text`` if this /metrics scrape got every device's own metrics, else ""."""
-    ok = all(f'kvpushd_child_metrics_ok{{device="{d}"}} 1.0' in text for d in devices)
+    ok = all(f'kvpush_child_metrics_ok{{device="{d}"}} 1.0' in text for d in devices)
     return text if ok else ""
 
 
@@ -302,7 +302,7 @@ def test_merge_metrics_groups_families_by_name() -> None:
     merged = merge_metrics([], texts)
     fams = {f.name: f for f in text_string_to_metric_families(merged)}
     assert merged.count("# TYPE kvpush_write_latency_seconds histogram") == 1
-    assert {s.labels["device"] for s in fams["kvpush_bytes_written"].samples} == {"cuda0", "cuda1"}
+    assert {s.labels["device"] for s in fams["kvpush_written_bytes"].samples} == {"cuda0", "cuda1"}
     buckets = [s for s in fams["kvpush_write_latency_seconds"].samples
                if s.name.endswith("_bucket") and s.labels["device"] == "cuda1"]
     assert buckets[0].labels["le"] == "0.0001" and buckets[-1].labels["le"] == "+Inf"

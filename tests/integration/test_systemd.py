@@ -117,6 +117,8 @@ def test_unit_settings_and_example_config_agree() -> None:
     assert exec_start() == [INSTALLED_BIN, "--config", INSTALLED_CONFIG]
     assert one("Service", "RuntimeDirectory") == "kvpush"
     assert one("Service", "RuntimeDirectoryMode") == "0750"
+    # a restart (manual or on failure) keeps /run/kvpush: the shm ledger survives it
+    assert one("Service", "RuntimeDirectoryPreserve") == "restart"
     assert one("Service", "Restart") == "on-failure"
     assert one("Service", "KillMode") == "mixed"
     assert (one("Service", "User"), one("Service", "Group")) == ("kvpush", "kvpush")
@@ -343,6 +345,10 @@ def test_router_unit_verifies_and_its_example_config_loads(short_tmp: Path) -> N
     assert cfg.prefill[0].kv_endpoints == ["tcp://10.0.0.5:17500"] and cfg.shutdown_grace_s == 30
     text = ROUTER_UNIT.read_text()
     assert f"ExecStart={ROUTER_BIN} --config /etc/kvpush/router.toml" in text
+    # its own user: none of the daemons' group (sockets, keys, shared memory)
+    users = dict(re.findall(r"^(User|Group|DynamicUser)=(\S+)$", text, re.M))
+    assert users == {"User": "kvpush-router", "Group": "kvpush-router", "DynamicUser": "yes"}
+    assert "kvpush" not in re.findall(r"^SupplementaryGroups=(.*)$", text, re.M)
     # systemd waits longer than the router's own grace before SIGKILL
     stop = int(re.search(r"^TimeoutStopSec=(\d+)s$", text, re.M).group(1))  # type: ignore[union-attr]
     assert stop > cfg.shutdown_grace_s

@@ -465,3 +465,43 @@ def test_cli_print_config(capsys: pytest.CaptureFixture[str], tmp_path: Path,
     assert json.loads(capsys.readouterr().out)["devices"][0]["peer_port"] == 17501
     assert cli.main(["print-config", "--metrics-port", "99999"]) == 2
     assert "--metrics-port" in capsys.readouterr().err
+
+
+# ---- the default config file (/etc/kvpush/kvpushd.toml), as documented ----
+
+def _print_config(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    assert cli.main(["print-config", "--format", "json", *argv]) == 0
+    return capsys.readouterr().out
+
+
+def test_kvpushd_reads_the_default_file_when_it_exists(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvpush.daemon import daemon_config
+
+    default, other = tmp_path / "kvpushd.toml", tmp_path / "other.toml"
+    default.write_text(f'devices = ["cpu0"]\nruntime_dir = "{tmp_path}"\nbase_port = 18100\n')
+    other.write_text(f'devices = ["cpu0"]\nruntime_dir = "{tmp_path}"\nbase_port = 18200\n')
+    monkeypatch.delenv("KVPUSH_CONFIG", raising=False)
+    monkeypatch.setattr(daemon_config, "DEFAULT_CONFIG", str(default))
+    assert json.loads(_print_config(capsys))["devices"][0]["peer_port"] == 18100
+    # --config (and KVPUSH_CONFIG) override the default file.
+    assert json.loads(_print_config(capsys, "--config", str(other)))["devices"][0]["peer_port"] == 18200
+    monkeypatch.setenv("KVPUSH_CONFIG", str(other))
+    assert json.loads(_print_config(capsys))["devices"][0]["peer_port"] == 18200
+    # No default file: the built-in defaults.
+    monkeypatch.delenv("KVPUSH_CONFIG")
+    default.unlink()
+    assert json.loads(_print_config(capsys, "--devices", "cpu0"))["devices"][0]["peer_port"] == 17500
+
+
+def test_default_file_errors_name_the_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvpush.daemon import daemon_config
+
+    default = tmp_path / "kvpushd.toml"
+    default.write_text("base_prot = 1\n")
+    monkeypatch.delenv("KVPUSH_CONFIG", raising=False)
+    monkeypatch.setattr(daemon_config, "DEFAULT_CONFIG", str(default))
+    assert cli.main(["print-config"]) == 2
+    err = capsys.readouterr().err
+    assert str(default) in err and "base_prot" in err

@@ -308,7 +308,7 @@ def test_dead_after_ms_reaches_the_links_liveness_rule_and_is_bounded() -> None:
             w.shutdown()
         assert PluginConfig.from_extra({"daemon": "ipc:///x"}).dead_after_ms == 3000
         for bad in (1000, 60_001, True, 2.5, "3000"):
-            with pytest.raises(PluginConfigError, match=r"dead_after_ms must be an integer in \[1500, 60000\]"):
+            with pytest.raises(PluginConfigError, match=r"dead_after_ms: must be an integer in \[1500, 60000\]"):
                 PluginConfig.from_extra({"daemon": "ipc:///x", "dead_after_ms": bad})
     finally:
         shutil.rmtree(d, ignore_errors=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from kvpush.router.cli import main as router_main
@@ -73,3 +75,19 @@ def test_the_cli_refuses_a_bad_config_with_exit_2(tmp_path, capsys):
     f.write_text('[[decode]]\nurl = "http://d:1"\n')
     assert router_main(["--config", str(f)]) == 2
     assert "at least one prefill" in capsys.readouterr().err
+
+
+def test_a_bad_log_level_is_one_usage_line_not_a_traceback(capsys):
+    with pytest.raises(SystemExit) as e:
+        router_main(["--log-level", "loud"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --log-level: invalid choice: 'LOUD'" in err and "Traceback" not in err
+
+
+def test_every_router_flag_has_help_text():
+    from kvpush.router.cli import build_parser
+
+    for action in build_parser()._actions:
+        if action.option_strings and action.help != argparse.SUPPRESS:
+            assert action.help, action.option_strings

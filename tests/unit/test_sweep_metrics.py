@@ -176,8 +176,8 @@ def test_daemon_families_the_sweep_keeps_are_the_daemons_own() -> None:
     assert w["count"] == 2 and w["sum"] == pytest.approx(0.010)
     assert 0.0 < w["p50"] <= w["p99"]
     names = {k.split("{", 1)[0] for k in out["counters"]}
-    assert names == {"kvpush_bytes_written_total", "kvpush_transfers_total", "kvpush_failures_total"}
-    assert sum(v for k, v in out["counters"].items() if k.startswith("kvpush_bytes_written_total")) == 2 << 20
+    assert names == {"kvpush_written_bytes_total", "kvpush_transfers_total", "kvpush_failures_total"}
+    assert sum(v for k, v in out["counters"].items() if k.startswith("kvpush_written_bytes_total")) == 2 << 20
 
 
 # ---------------------------------------------------------------------------- the parser

@@ -23,9 +23,12 @@ from kvpush.configschema import (
     parsers_of,
     takes_strings,
 )
+from kvpush.proto.messages import ENGINE_DEAD_AFTER_MIN_S
 
 DEAD_AFTER_MS = 3000
-DEAD_AFTER_RANGE_MS = (1500, 60_000)  # above the 1 s heartbeat; below any sane load timeout
+# Above the 1 s heartbeat; below any sane load timeout. The floor is the contract a daemon
+# relies on to know when its engine may have given it up (proto.ENGINE_DEAD_AFTER_MIN_S).
+DEAD_AFTER_RANGE_MS = (round(ENGINE_DEAD_AFTER_MIN_S * 1000), 60_000)
 WHERE = "kv_connector_extra_config"
 
 

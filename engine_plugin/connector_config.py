@@ -20,12 +20,21 @@ Optional:
                     treats it as unavailable (default 3000, 1500..60000): lower fails the
                     transfers of a dead daemon sooner, higher rides out longer stalls of the
                     daemon or of the engine's own threads (the plugin cannot tell them apart)
+  daemon_user       the user (name or uid) kvpushd runs as, when it is neither root nor the
+                    engine's own user: the plugin dials only a daemon socket, and reads only a
+                    card, owned by root, the engine's uid or this user, in a directory no other
+                    uid can write, with a listener of those uids (engine_plugin/local_trust.py;
+                    default: the user "kvpush" if this host has one; root and the engine's
+                    own uid are always trusted)
 """
 
 from __future__ import annotations
 
+import pwd
 from dataclasses import dataclass
 from typing import Any
+
+from kvpush.engine_plugin.local_trust import trusted_uids
 
 DEAD_AFTER_MS = 3000
 DEAD_AFTER_RANGE_MS = (1500, 60_000)  # above the 1 s heartbeat; below any sane load timeout
@@ -44,6 +53,11 @@ class PluginConfig:
     unavailable_fail: bool = True
     idle_wait_ms: int = 2
     dead_after_ms: int = DEAD_AFTER_MS
+    daemon_uid: int | None = None  # daemon_user, resolved
+
+    def trusted_uids(self) -> frozenset[int]:
+        """Who may own the daemon's socket directory, socket and card, and listen on it."""
+        return trusted_uids(self.daemon_uid)
 
     def socket_for(self, rank: int) -> str:
         return self.daemon.format(rank=rank, device=rank + self.device_offset)
@@ -52,7 +66,7 @@ class PluginConfig:
     def from_extra(cls, extra: dict[str, Any] | None) -> PluginConfig:
         extra = dict(extra or {})
         known = {"daemon", "lease_ms", "timeout_ms", "device_offset", "unavailable_fail", "idle_wait_ms",
-                 "dead_after_ms"}
+                 "dead_after_ms", "daemon_user"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise PluginConfigError(f"unknown kv_connector_extra_config key(s) {unknown}; known: {sorted(known)}")
@@ -72,6 +86,20 @@ class PluginConfig:
             if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
                 raise PluginConfigError(f"dead_after_ms must be an integer in [{lo}, {hi}], got {v!r}")
             out["dead_after_ms"] = v
+        if "daemon_user" in extra:
+            out["daemon_uid"] = _uid(extra["daemon_user"])
         if "unavailable_fail" in extra:
             out["unavailable_fail"] = bool(extra["unavailable_fail"])
         return cls(**out)
+
+
+def _uid(v: Any) -> int:
+    """``daemon_user``: a user name known to this host, or a uid."""
+    if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**32:
+        return v
+    if isinstance(v, str) and v:
+        try:
+            return pwd.getpwnam(v).pw_uid
+        except KeyError:
+            raise PluginConfigError(f"daemon_user {v!r}: no such user on this host") from None
+    raise PluginConfigError(f"daemon_user must be a user name or a uid, got {v!r}")

@@ -6,6 +6,7 @@
     prefill_timeout_s = 300
     request_timeout_s = 600
     shutdown_grace_s = 30            # SIGTERM: stop taking requests, let these finish
+    max_body_bytes = 8388608         # a larger request body is refused (413), never forwarded
 
     [[prefill]]
     url = "http://10.0.0.5:8100"     # the prefill engine's OpenAI server
@@ -62,6 +63,7 @@ class RouterConfig:
     prefill_timeout_s: float = 300.0
     request_timeout_s: float = 600.0
     shutdown_grace_s: float = 30.0
+    max_body_bytes: int = 8 << 20  # a larger request body is refused (413): never buffered, never forwarded
 
     def validate(self) -> None:
         if not self.prefill or not self.decode:
@@ -72,6 +74,9 @@ class RouterConfig:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
                 raise RouterConfigError(f"{name} must be a non-negative number, got {v!r}")
+        v = self.max_body_bytes
+        if not isinstance(v, int) or isinstance(v, bool) or not 1024 <= v <= 1 << 30:
+            raise RouterConfigError(f"max_body_bytes must be an integer in [1024, 2**30], got {v!r}")
         if not 0 <= self.port < 65536:
             raise RouterConfigError(f"port {self.port} out of range")
         for b in [*self.prefill, *self.decode]:

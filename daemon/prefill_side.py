@@ -26,6 +26,7 @@ from kvpush.daemon.handshake import compat_error, make_hello, refusal
 from kvpush.daemon.peerauth import endpoint_host
 from kvpush.daemon.peers import Consumer
 from kvpush.daemon.planner import PlanError, addresses, block_pattern, plan
+from kvpush.machine.core import Held
 from kvpush.proto.notif import Notification
 
 log = logging.getLogger(__name__)
@@ -147,6 +148,12 @@ class PrefillSide:
         # The same endpoint under a new identity is a restarted peer: evict the old one.
         for old in [p for p in self.consumers.values() if p.endpoint == msg.endpoint and p.routing_id != ident]:
             self.evict(old, "peer restarted", now)
+        if ident not in self.consumers:  # a new session: within its identity's session cap
+            over = quotas.session_refusal(len(self._sessions_of(node)), self.cfg.max_sessions_per_peer)
+            if over:
+                self.ctx.bad("handshake", over)
+                self.ctx.wire.to_consumer(ident, proto.Error("overloaded", over))
+                return
         old = self.consumers.get(ident)
         if old is not None and (old.agent_name != msg.agent_name or old.node != node):
             self.evict(old, "peer re-handshook", now)
@@ -227,7 +234,16 @@ class PrefillSide:
             cur = self.rdv.info(msg.transfer_id)
             if cur is not None and msg.attempt <= cur.attempt:
                 return ""
-        return quotas.refusal(self.quota, self.rdv.peer_held(peer.key), stake, len(msg.block_ids))
+        return quotas.refusal(self.quota, self._identity_held(peer), stake, len(msg.block_ids))
+
+    def _sessions_of(self, node: str) -> list[Consumer]:
+        return [c for c in self.consumers.values() if c.node == node] if node else []
+
+    def _identity_held(self, peer: Consumer) -> Held:
+        """What ``peer``'s identity holds across its sessions (its own alone when anonymous):
+        one node opening more sessions gets no more of the rendezvous."""
+        mates = self._sessions_of(peer.node) or [peer]
+        return quotas.total(self.rdv.peer_held(c.key) for c in mates)
 
     def consumer(self, key: str) -> Consumer | None:
         try:

@@ -363,6 +363,14 @@ class DeviceConfig:
         1 << 20, "block IDs one decode peer (one certificate identity, all its sessions "
         "together) may hold registered here across its live transfers; a PeerRegister over it "
         "is refused (quota)", check=_check_count)
+    max_producers: int = key(
+        256, "decode side: prefill daemons this daemon (one engine rank) may be linked to at "
+        "once; the endpoints come from requests' kv_transfer_params, so a registration that "
+        "would dial one more fails at once instead", check=_check_count)
+    max_handshaking_producers: int = key(
+        16, "decode side: prefill daemons dialled but not yet answering the handshake; bounds "
+        "what registrations naming dead or closed endpoints cost (file descriptors, connects)",
+        check=_check_count)
     max_sessions_per_peer: int = key(
         64, "handshaken sessions one certificate identity may hold with this daemon (a decode "
         "node has one per decode daemon; restarts replace theirs); a Hello over it is refused",

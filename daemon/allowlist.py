@@ -50,13 +50,25 @@ class AllowlistError(ValueError):
     """A certificate file, or the directory, cannot be trusted or read."""
 
 
+ROLES = ("prefill", "decode")
+
+
 @dataclass(frozen=True)
 class NodeCert:
-    """One node's public certificate: its name, CURVE public key (z85) and hosts."""
+    """One node's public certificate: its name, CURVE public key (z85), hosts and roles.
+
+    ``roles``: what its daemons may be to ours: "prefill" (we may dial it as a producer,
+    i.e. a request's ``kv_transfer_params`` may name it), "decode" (it may say Hello and
+    register with our prefill daemons). A certificate without ``roles`` metadata (made before
+    roles existed, or by ``keygen`` without ``--role``) has both."""
 
     name: str
     public: bytes
     hosts: tuple[str, ...]
+    roles: tuple[str, ...] = ROLES
+
+    def may(self, role: str) -> bool:
+        return role in self.roles
 
 
 def parse_cert(text: str, fallback_name: str) -> NodeCert:
@@ -82,7 +94,12 @@ def parse_cert(text: str, fallback_name: str) -> NodeCert:
     meta = sections.get("metadata", {})
     name = meta.get("name") or fallback_name
     hosts = tuple(h.strip() for h in meta.get("hosts", "").split(",") if h.strip())
-    return NodeCert(name, public.encode(), hosts)
+    if "roles" not in meta:
+        return NodeCert(name, public.encode(), hosts)
+    roles = tuple(sorted({r.strip() for r in meta["roles"].split(",") if r.strip()}))
+    if not roles or set(roles) - set(ROLES):
+        raise AllowlistError(f"roles {meta['roles']!r}: use {', '.join(ROLES)} (comma-separated)")
+    return NodeCert(name, public.encode(), hosts, roles)
 
 
 def admit(certs: Iterable[tuple[str, NodeCert]]) -> tuple[dict[bytes, NodeCert], list[str]]:

@@ -27,7 +27,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from kvpush.daemon.allowlist import CERT_SUFFIX, Allowlist, NodeCert
+from kvpush.daemon.allowlist import CERT_SUFFIX, ROLES, Allowlist, NodeCert
 
 log = logging.getLogger(__name__)
 
@@ -78,15 +78,19 @@ def endpoint_host(endpoint: str) -> str:
     return endpoint.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
 
 
-def keygen(directory: str | Path, name: str, hosts: list[str]) -> tuple[Path, Path]:
+def keygen(directory: str | Path, name: str, hosts: list[str], roles: list[str] | None = None) -> tuple[Path, Path]:
     """Make a node key pair in ``directory``: (public certificate, secret certificate).
 
     The secret file is created 0600; the public one is what other nodes put in their
-    ``authorized_keys_dir``. ``hosts`` are the addresses this node's daemons advertise."""
+    ``authorized_keys_dir``. ``hosts`` are the addresses this node's daemons advertise;
+    ``roles`` ("prefill", "decode"; default both) what other nodes may use them as."""
     if not _NAME.match(name):
         raise PeerAuthError(f"node name {name!r}: use letters, digits, '_', '.', '-' (at most 64)")
     if not hosts or any("," in h or not h.strip() for h in hosts):
         raise PeerAuthError("keygen needs the node's advertised host(s), e.g. --host 10.0.0.5")
+    if roles is not None and (not roles or set(roles) - set(ROLES)):
+        raise PeerAuthError(f"roles {roles}: use {', '.join(ROLES)}")
+    role_line = f'    roles = "{",".join(sorted(set(roles)))}"\n' if roles else ""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True, mode=0o700)
     for suffix in (CERT_SUFFIX, SECRET_SUFFIX):
@@ -102,7 +106,7 @@ def keygen(directory: str | Path, name: str, hosts: list[str]) -> tuple[Path, Pa
     Path(pub).write_text(
         "#   kvpush node certificate (public): copy it into the authorized_keys_dir of every\n"
         "#   node this one works with (its own included); remove it there to revoke the node.\n"
-        f'metadata\n    name = "{name}"\n    hosts = "{",".join(hosts)}"\n'
+        f'metadata\n    name = "{name}"\n    hosts = "{",".join(hosts)}"\n{role_line}'
         f'curve\n    public-key = "{public.decode()}"\n', encoding="utf-8")
     os.chmod(pub, 0o644)
     os.chmod(sec, 0o600)
@@ -168,6 +172,9 @@ class PeerAuth:
         if cert is None:
             raise PeerAuthError(f"no authorized node certificate lists host {host!r} "
                                 f"(or more than one does): cannot dial {endpoint}")
+        if not cert.may("prefill"):  # we dial only producers; the endpoint came from a request
+            raise PeerAuthError(f"node {cert.name!r} at {endpoint} is not allowed the prefill role "
+                                f"(its certificate's roles: {', '.join(cert.roles)}): not dialling it")
         sock.curve_secretkey = self.secret
         sock.curve_publickey = self.me.public
         sock.curve_serverkey = cert.public

@@ -184,6 +184,8 @@ class PrefillSide:
         cert = auth.allow.named(node)
         if cert is None:
             return f"peer {node!r} is not in the allowlist"
+        if not cert.may("decode"):
+            return f"peer {node!r} is not allowed the decode role (its certificate's roles: {', '.join(cert.roles)})"
         if endpoint_host(msg.endpoint) not in cert.hosts:
             return f"peer {node!r} claims endpoint {msg.endpoint} on a host its certificate does not list"
         taken = [p for p in self.consumers.values() if p.endpoint == msg.endpoint and p.node != node]

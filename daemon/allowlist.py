@@ -17,7 +17,8 @@ read is a security decision, and it must never stall the daemon's loop. The rule
 * **Unique identities.** Two certificates with the same name, or listing the same host, are
   both refused (a log line names both files): a name is a session's identity and a host is
   what an endpoint claim is checked against, so each must belong to exactly one certificate.
-* **Off the loop.** A thread reloads every ``interval_s``; the loop only asks
+* **Off the loop.** A thread (started when the daemon serves its peer port) reloads every
+  ``interval_s``; the loop only asks
   :meth:`Allowlist.refresh` whether the set changed since it last asked (no I/O there).
 
 :func:`admit` is the pure rule (parsed certificates in, kept ones and refusals out);
@@ -241,7 +242,7 @@ class Allowlist:
     whether the set changed since its last call."""
 
     def __init__(self, directory: str, *, interval_s: float = RELOAD_S, max_cert_bytes: int = MAX_CERT_BYTES,
-                 start: bool = True) -> None:
+                 start: bool = False) -> None:
         self.directory = directory
         self.interval_s = interval_s
         self.max_cert_bytes = max_cert_bytes
@@ -254,6 +255,12 @@ class Allowlist:
         self.reload()
         self._seen = self._gen
         if start:
+            self.start()
+
+    def start(self) -> None:
+        """Reload every ``interval_s`` from now on (a daemon serving its peer port does; a
+        process that only reads the keys once, e.g. a config check, need not)."""
+        if self._thread is None and not self._stop.is_set():
             self._thread = threading.Thread(target=self._run, name="kvpush-allowlist", daemon=True)
             self._thread.start()
 

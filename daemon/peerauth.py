@@ -155,6 +155,7 @@ class PeerAuth:
 
     def serve(self, ctx: zmq.Context, sock: zmq.Socket) -> None:
         """Make ``sock`` (not yet bound) a CURVE server admitting only the allowlist."""
+        self.allow.start()  # from now on the allowlist follows its directory
         if self._zap is None:
             self._zap = _Zap(ctx, self.allow)
             self._zap.start()

@@ -155,3 +155,14 @@ def test_a_key_rotated_in_place_with_its_mtime_kept_takes_effect(nodes, tmp_path
     took = until(lambda: session(p.peer_endpoint, server, new, 500), 3, "the rotated key was not noticed")
     assert took < 2.0
     assert not session(p.peer_endpoint, server, old)
+
+
+def test_revocation_drops_sessions_within_1_5_s(nodes):
+    """The reload thread reads the directory every second and the loop asks it every 0.1 s:
+    a removed certificate's sessions are gone within ~1.1 s (NIXL reach: docs/security.md)."""
+    p, d, pe, de, kp, kd = nodes
+    assert isinstance(transfer(p, d, pe, de), proto.Received)
+    (Path(kp.authorized_dir) / "dnode.key").unlink()
+    took = until(lambda: not peers(p), 3, "revoked node still a peer")
+    print(f"revocation: sessions dropped {took:.2f} s after the certificate was removed")
+    assert took < 1.5

@@ -121,7 +121,7 @@ def test_rotation_in_place_with_mtime_kept_is_noticed(adir: Path, tmp_path: Path
     """Finding: ``cp -p`` of a new key over the old one kept the mtime, and the old key stayed
     in. The reload thread notices content changes within 2 s."""
     old = put(adir, "a.key", cert(tmp_path / "k1", "a", ("10.0.0.1",)))
-    allow = Allowlist(str(adir), interval_s=0.2)
+    allow = Allowlist(str(adir), interval_s=0.2, start=True)
     try:
         first = allow.named("a")
         assert first is not None

@@ -26,7 +26,7 @@ from typing import Any
 __all__ = [
     "ConfigError", "Key", "KeyDoc", "Parser", "Check", "key", "parsers_of", "parse_layer",
     "check_fields", "docs_of", "describe", "markdown_table", "unknown_key",
-    "p_str", "p_int", "p_float", "p_bool", "p_port", "p_mode", "p_upper", "takes_strings",
+    "accepts_strings", "p_str", "p_int", "p_float", "p_bool", "p_port", "p_mode", "p_upper", "takes_strings",
     "int_in", "check_port", "check_choice", "check_positive", "check_non_negative",
     "check_count", "check_nonempty",
 ]
@@ -42,6 +42,11 @@ class ConfigError(ValueError):
 # --------------------------------------------------------------------------- parsers
 
 _STRING_PARSERS: set[Parser] = set()
+
+
+def accepts_strings(parser: Parser) -> bool:
+    """Does ``parser`` take a string from a typed source (see :func:`takes_strings`)?"""
+    return parser in _STRING_PARSERS
 
 
 def takes_strings(parser: Parser) -> Parser:

@@ -4,7 +4,7 @@
             [--metrics-port N] [--backend UCX|LIBFABRIC] [--log-level LEVEL]
     kvpushd worker --device cuda0 [same flags]    # one accelerator's daemon, foreground
     kvpushd print-config [--format toml|json] [same flags]
-    kvpushd keygen --dir /etc/kvpush --host 10.0.0.5 [--host ...] [--name NODE]
+    kvpushd keygen --dir /etc/kvpush --host 10.0.0.5 [--host ...] [--name NODE] [--role prefill|decode ...]
 
 Flags beat ``KVPUSH_*`` environment variables, which beat the TOML file (see daemon_config.py).
 Exit codes: 0 clean stop, 1 runtime failure, 2 usage or configuration error.
@@ -87,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     kg.add_argument("--host", action="append", required=True,
                     help="an address this node's daemons advertise (repeat for several)")
     kg.add_argument("--name", default=None, help="node name (default: the host name)")
+    kg.add_argument("--role", action="append", choices=("prefill", "decode"), default=None,
+                    help="what other nodes may use this node's daemons as (repeat for both; "
+                    "default both): a decode daemon dials only nodes of the prefill role, a "
+                    "prefill daemon takes Hellos only from nodes of the decode role")
     return parser
 
 
@@ -97,7 +101,7 @@ def keygen(ns: argparse.Namespace) -> int:
     from kvpush.daemon.peerauth import keygen as make
 
     try:
-        pub, sec = make(ns.dir, ns.name or socket.gethostname().split(".")[0], ns.host)
+        pub, sec = make(ns.dir, ns.name or socket.gethostname().split(".")[0], ns.host, ns.role)
     except PeerAuthError as e:
         print(f"kvpushd keygen: {e}", file=sys.stderr)
         return 2

@@ -247,11 +247,25 @@ class DeviceConfig:
         "legitimate message (a Register of 262144 block IDs; a Hello with 1 MiB of NIXL "
         "metadata, a real one is ~1.3 KB), rounded up to 64 KiB", check=_check_message_size)
     max_transfers_per_peer: int = key(
-        4096, "live transfers one decode peer may hold registrations in; a PeerRegister over it "
-        "is refused (quota) and the other peers are not affected", check=_check_count)
+        4096, "live transfers one decode peer (one certificate identity, all its sessions "
+        "together) may hold registrations in; a PeerRegister over it is refused (quota) and "
+        "the other peers are not affected", check=_check_count)
     max_blocks_per_peer: int = key(
-        1 << 20, "block IDs one decode peer may hold registered here across its live transfers; "
-        "a PeerRegister over it is refused (quota)", check=_check_count)
+        1 << 20, "block IDs one decode peer (one certificate identity, all its sessions "
+        "together) may hold registered here across its live transfers; a PeerRegister over it "
+        "is refused (quota)", check=_check_count)
+    max_producers: int = key(
+        256, "decode side: prefill daemons this daemon (one engine rank) may be linked to at "
+        "once; the endpoints come from requests' kv_transfer_params, so a registration that "
+        "would dial one more fails at once instead", check=_check_count)
+    max_handshaking_producers: int = key(
+        16, "decode side: prefill daemons dialled but not yet answering the handshake; bounds "
+        "what registrations naming dead or closed endpoints cost (file descriptors, connects)",
+        check=_check_count)
+    max_sessions_per_peer: int = key(
+        64, "handshaken sessions one certificate identity may hold with this daemon (a decode "
+        "node has one per decode daemon; restarts replace theirs); a Hello over it is refused",
+        check=_check_count)
     poll_min_s: float = key(0.0005, "shortest sleep of the idle loop", check=_check_positive)
     poll_max_s: float = key(0.05, "longest sleep of the idle loop", check=_check_positive)
     max_prepped_descriptors: int = key(

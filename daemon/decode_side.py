@@ -112,7 +112,25 @@ class DecodeSide:
         now = time.monotonic()
         if peer is not None:
             peer.wanted = now
+        else:
+            over = self._fanout_refusal()
+            if over:  # registrations name endpoints; how many we dial is ours to bound
+                self.ctx.bad("register", over)
+                self._fail_one(endpoint, msg, f"cannot connect to {endpoint}: {over}")
+                return
         self._link(peer, endpoint, pr.Forward(), "", msg)
+
+    def _fanout_refusal(self) -> str:
+        """Why one more prefill daemon may not be dialled now, or "": the endpoints come from
+        the engine's registrations, i.e. from requests (``kv_transfer_params``), so the links
+        (one connection, file descriptors, a handshake each) are capped by configuration."""
+        if len(self.producers) >= self.cfg.max_producers:
+            return f"{len(self.producers)} prefill daemons linked (max_producers {self.cfg.max_producers})"
+        pending = sum(p.state is PeerLinkState.HANDSHAKING for p in self.producers.values())
+        if pending >= self.cfg.max_handshaking_producers:
+            return (f"{pending} prefill daemons not answering their handshake yet "
+                    f"(max_handshaking_producers {self.cfg.max_handshaking_producers})")
+        return ""
 
     def on_producer(self, endpoint: str, msg: Any, now: float) -> None:
         peer = self.producers.get(endpoint)

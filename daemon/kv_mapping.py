@@ -207,11 +207,39 @@ class ShmRegion(MappedRegion):
         self._mm = None
 
 
+def _check_cuda_owned(info: CudaIpcInfo, owner: ShmOwner) -> None:
+    """A CUDA IPC handle's owner check, as a shm file's: torch exports a CUDA storage with a
+    reference-counter file it creates for the purpose (``/torch_<pid>_<n>_<n>``, in /dev/shm);
+    it must be a torch export of the process that sent the Attach, a plain file of its uid.
+
+    What this cannot prove: the cudaIpcMemHandle bytes themselves name no process (CUDA
+    offers no way to ask who exported one), so a local engine that obtained another process's
+    handle bytes and pairs them with a counter file of its own still passes; see
+    docs/security.md."""
+    try:
+        name = info.ref_counter_handle.decode("ascii")
+    except UnicodeDecodeError:
+        raise RegionError("CUDA IPC handle's reference counter name is not ASCII") from None
+    if not torch_shm_name_ok(name, owner.pid):
+        raise RegionError(f"CUDA IPC reference counter {name!r} is not a torch export of process {owner.pid}")
+    path = SHM_DIR + name
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise RegionError(f"CUDA IPC reference counter {path}: {e.strerror}") from None
+    try:
+        _check_file(path, os.fstat(fd), owner)
+    finally:
+        os.close(fd)
+
+
 class CudaIpcRegion(MappedRegion):
     """A CUDA allocation of another process opened through torch's CUDA IPC."""
 
-    def __init__(self, h: MemoryHandle) -> None:
+    def __init__(self, h: MemoryHandle, owner: ShmOwner | None = None) -> None:
         info = cuda_info(h)
+        if owner is not None:  # before CUDA is touched: nothing of a foreign handle is opened
+            _check_cuda_owned(info, owner)
         if not torch.cuda.is_available():
             raise RegionError(
                 "a cuda_ipc handle needs CUDA in the daemon, and this process has none "
@@ -249,11 +277,12 @@ class CudaIpcRegion(MappedRegion):
 
 def open_region(h: MemoryHandle, owner: ShmOwner | None = None) -> MappedRegion:
     """Daemon side: map the memory a handle names, after checking it matches the handle
-    (and, given ``owner``, that a shm file is that process's own export)."""
+    (and, given ``owner``, that a shm file, or a CUDA handle's reference counter, is that
+    process's own export)."""
     if h.kind == "cpu_shm":
         return ShmRegion(h, owner)
     if h.kind == "cuda_ipc":
-        return CudaIpcRegion(h)
+        return CudaIpcRegion(h, owner)
     raise RegionError(f"unknown memory kind {h.kind!r}")
 
 

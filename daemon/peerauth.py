@@ -8,8 +8,9 @@ a prefill daemon must know that node's public key: it is the allowlisted certifi
 ``hosts`` metadata lists the host of the endpoint. So one directory of public certificates is
 both the allowlist (who may connect to us) and the directory of servers (whom we may dial).
 
-The allowlist is re-read when the directory changes, so adding, rotating or revoking a node
-is a file operation (README: "Peer keys"). Revoking stops new sessions at once; sessions
+The allowlist is re-read when the directory's contents change, so adding, rotating or
+revoking a node is a file operation (docs/security.md); how it is read and what it refuses
+is :mod:`kvpush.daemon.allowlist`. Revoking stops new sessions at once; sessions
 already open are not torn down by ZeroMQ, so a revoked node's open connections are dropped
 by the daemon when it sees the identity is no longer allowed.
 """
@@ -19,7 +20,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,9 +27,10 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
+from kvpush.daemon.allowlist import CERT_SUFFIX, ROLES, Allowlist, NodeCert
+
 log = logging.getLogger(__name__)
 
-CERT_SUFFIX = ".key"
 SECRET_SUFFIX = ".key_secret"
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _META = re.compile(r"^\s+([A-Za-z0-9_\-]+)\s*=\s*\"?([^\"]*)\"?\s*$")
@@ -37,15 +38,6 @@ _META = re.compile(r"^\s+([A-Za-z0-9_\-]+)\s*=\s*\"?([^\"]*)\"?\s*$")
 
 class PeerAuthError(ValueError):
     """Keys missing or unusable: the daemon does not open its peer port."""
-
-
-@dataclass(frozen=True)
-class NodeCert:
-    """One node's public certificate: its name, CURVE public key (z85) and hosts."""
-
-    name: str
-    public: bytes
-    hosts: tuple[str, ...]
 
 
 def _metadata(path: Path) -> dict[str, str]:
@@ -86,15 +78,19 @@ def endpoint_host(endpoint: str) -> str:
     return endpoint.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
 
 
-def keygen(directory: str | Path, name: str, hosts: list[str]) -> tuple[Path, Path]:
+def keygen(directory: str | Path, name: str, hosts: list[str], roles: list[str] | None = None) -> tuple[Path, Path]:
     """Make a node key pair in ``directory``: (public certificate, secret certificate).
 
     The secret file is created 0600; the public one is what other nodes put in their
-    ``authorized_keys_dir``. ``hosts`` are the addresses this node's daemons advertise."""
+    ``authorized_keys_dir``. ``hosts`` are the addresses this node's daemons advertise;
+    ``roles`` ("prefill", "decode"; default both) what other nodes may use them as."""
     if not _NAME.match(name):
         raise PeerAuthError(f"node name {name!r}: use letters, digits, '_', '.', '-' (at most 64)")
     if not hosts or any("," in h or not h.strip() for h in hosts):
         raise PeerAuthError("keygen needs the node's advertised host(s), e.g. --host 10.0.0.5")
+    if roles is not None and (not roles or set(roles) - set(ROLES)):
+        raise PeerAuthError(f"roles {roles}: use {', '.join(ROLES)}")
+    role_line = f'    roles = "{",".join(sorted(set(roles)))}"\n' if roles else ""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True, mode=0o700)
     for suffix in (CERT_SUFFIX, SECRET_SUFFIX):
@@ -110,67 +106,11 @@ def keygen(directory: str | Path, name: str, hosts: list[str]) -> tuple[Path, Pa
     Path(pub).write_text(
         "#   kvpush node certificate (public): copy it into the authorized_keys_dir of every\n"
         "#   node this one works with (its own included); remove it there to revoke the node.\n"
-        f'metadata\n    name = "{name}"\n    hosts = "{",".join(hosts)}"\n'
+        f'metadata\n    name = "{name}"\n    hosts = "{",".join(hosts)}"\n{role_line}'
         f'curve\n    public-key = "{public.decode()}"\n', encoding="utf-8")
     os.chmod(pub, 0o644)
     os.chmod(sec, 0o600)
     return Path(pub), Path(sec)
-
-
-class Allowlist:
-    """The public certificates in ``authorized_keys_dir``, re-read when the directory changes."""
-
-    def __init__(self, directory: str) -> None:
-        self.directory = directory
-        self._lock = threading.Lock()
-        self._by_key: dict[bytes, NodeCert] = {}
-        self._stamp: tuple[float, int] | None = None
-        self.refresh()
-
-    def refresh(self) -> bool:
-        """Re-read if the directory changed; True if it did."""
-        try:
-            st = os.stat(self.directory)
-            names = sorted(os.listdir(self.directory))
-        except OSError as exc:
-            raise PeerAuthError(f"authorized_keys_dir {self.directory}: {exc}") from None
-        stamp = (max([st.st_mtime, *(os.stat(os.path.join(self.directory, n)).st_mtime for n in names)]),
-                 len(names))
-        if stamp == self._stamp:
-            return False
-        certs: dict[bytes, NodeCert] = {}
-        for n in names:
-            if not n.endswith(CERT_SUFFIX):
-                continue
-            try:
-                c = read_cert(os.path.join(self.directory, n))
-            except PeerAuthError as exc:
-                log.warning("ignoring %s", exc)
-                continue
-            certs[c.public] = c
-        with self._lock:
-            self._by_key, self._stamp = certs, stamp
-        log.info("peer allowlist: %d node(s) in %s", len(certs), self.directory)
-        return True
-
-    def by_key(self, public_z85: bytes) -> NodeCert | None:
-        with self._lock:
-            return self._by_key.get(public_z85)
-
-    def named(self, name: str) -> NodeCert | None:
-        """The allowlisted node of that certificate name (a session's ZAP identity)."""
-        with self._lock:
-            return next((c for c in self._by_key.values() if c.name == name), None)
-
-    def names(self) -> set[str]:
-        with self._lock:
-            return {c.name for c in self._by_key.values()}
-
-    def server_for(self, host: str) -> NodeCert | None:
-        """The node whose certificate lists ``host`` (whose daemons we may dial there)."""
-        with self._lock:
-            found = [c for c in self._by_key.values() if host in c.hosts]
-        return found[0] if len(found) == 1 else None
 
 
 class _Zap(ThreadAuthenticator):
@@ -215,6 +155,7 @@ class PeerAuth:
 
     def serve(self, ctx: zmq.Context, sock: zmq.Socket) -> None:
         """Make ``sock`` (not yet bound) a CURVE server admitting only the allowlist."""
+        self.allow.start()  # from now on the allowlist follows its directory
         if self._zap is None:
             self._zap = _Zap(ctx, self.allow)
             self._zap.start()
@@ -232,12 +173,16 @@ class PeerAuth:
         if cert is None:
             raise PeerAuthError(f"no authorized node certificate lists host {host!r} "
                                 f"(or more than one does): cannot dial {endpoint}")
+        if not cert.may("prefill"):  # we dial only producers; the endpoint came from a request
+            raise PeerAuthError(f"node {cert.name!r} at {endpoint} is not allowed the prefill role "
+                                f"(its certificate's roles: {', '.join(cert.roles)}): not dialling it")
         sock.curve_secretkey = self.secret
         sock.curve_publickey = self.me.public
         sock.curve_serverkey = cert.public
         return cert.name
 
     def close(self) -> None:
+        self.allow.close()
         if self._zap is not None:
             self._zap.stop()
             self._zap = None

@@ -164,6 +164,12 @@ class PrefillSide:
         # The same endpoint under a new identity is a restarted peer: evict the old one.
         for old in [p for p in self.consumers.values() if p.endpoint == msg.endpoint and p.routing_id != ident]:
             self.evict(old, "peer restarted", now)
+        if ident not in self.consumers:  # a new session: within its identity's session cap
+            over = quotas.session_refusal(len(self._sessions_of(node)), self.cfg.max_sessions_per_peer)
+            if over:
+                self.ctx.bad("handshake", over)
+                self.ctx.wire.to_consumer(ident, proto.Error("overloaded", over))
+                return
         old = self.consumers.get(ident)
         if old is not None and (old.agent_name != msg.agent_name or old.node != node):
             self.evict(old, "peer re-handshook", now)
@@ -225,6 +231,8 @@ class PrefillSide:
         cert = auth.allow.named(node)
         if cert is None:
             return f"peer {node!r} is not in the allowlist"
+        if not cert.may("decode"):
+            return f"peer {node!r} is not allowed the decode role (its certificate's roles: {', '.join(cert.roles)})"
         if endpoint_host(msg.endpoint) not in cert.hosts:
             return f"peer {node!r} claims endpoint {msg.endpoint} on a host its certificate does not list"
         taken = [p for p in self.consumers.values() if p.endpoint == msg.endpoint and p.node != node]
@@ -264,6 +272,9 @@ class PrefillSide:
             msg.transfer_id, msg.attempt, peer.key, msg.dest_rank, msg.expected_dests, msg.block_ids,
             msg.num_tokens, now, now + max(0.0, deadline - margin), msg.first_token, peer.node,
         ))
+
+    def _sessions_of(self, node: str) -> list[Consumer]:
+        return [c for c in self.consumers.values() if c.node == node] if node else []
 
     def consumer(self, key: str) -> Consumer | None:
         try:

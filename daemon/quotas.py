@@ -1,5 +1,10 @@
 """Per-peer quotas of the prefill side: how much of the rendezvous one decode peer may hold.
 
+A "peer" is a certificate identity (a node) when peers are authenticated: every session a
+node opens (one per decode daemon, plus any it opens to get around a quota) counts towards
+one share, and the node may hold at most ``max_sessions_per_peer`` sessions. Without
+authentication (``insecure_peers``) each session is its own peer.
+
 Why: the rendezvous' capacity (``max_transfers``) and the memory of its registrations are
 shared by every decode peer; without a share per peer, one of them fills it and every other
 peer's transfers then fail "overloaded". Bounds come from configuration
@@ -10,6 +15,7 @@ they drop as that peer's transfers end and a check is O(1) per PeerRegister. Pur
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvpush.machine.core import Held
@@ -37,4 +43,20 @@ def refusal(quota: Quota, held: Held, stake: int | None, blocks: int) -> str:
     if total > quota.max_blocks:
         return (f"quota: {total} block IDs registered by this peer "
                 f"(max_blocks_per_peer {quota.max_blocks})")
+    return ""
+
+
+def total(helds: Iterable[Held]) -> Held:
+    """What one identity holds across its sessions."""
+    records = units = 0
+    for h in helds:
+        records += h.records
+        units += h.units
+    return Held(records, units)
+
+
+def session_refusal(sessions: int, cap: int) -> str:
+    """Why one more session of an identity that holds ``sessions`` is refused, or ``""``."""
+    if sessions >= cap:
+        return f"quota: this peer holds {sessions} sessions (max_sessions_per_peer {cap})"
     return ""

@@ -224,11 +224,13 @@ class _Reg:
     num_tokens: int
     deadline: float
     first_token: int = 0
+    holder: str = ""  # whose quota it counts in: the peer's identity (its session if anonymous)
 
 
 @dataclass
 class _Flight:
     peer: str
+    holder: str = ""  # as _Reg.holder
     confirm: bool = False  # the peer cancelled: answer ConfirmCancel when this ends
 
 
@@ -281,16 +283,17 @@ DEADLINES = {
 def _peer_holdings(rec: _Transfer) -> dict[str, int]:
     """Block IDs each decode peer has registered here that may still be written: the live
     attempt's registrations and any whose write is in flight (an older attempt's flight
-    counts as a transfer of 0 blocks). What a peer's quota counts; tombstones hold nothing."""
+    counts as a transfer of 0 blocks). What a peer's quota counts, by identity (one node's
+    sessions share one quota: opening more sessions buys nothing); tombstones hold nothing."""
     out: dict[str, int] = {}
     if rec.state in TOMBSTONES:
         return out
     for dest, reg in rec.regs.items():
         if rec.live or (rec.attempt, dest) in rec.inflight:
-            out[reg.peer] = out.get(reg.peer, 0) + len(reg.block_ids)
+            out[reg.holder] = out.get(reg.holder, 0) + len(reg.block_ids)
     for (attempt, _), f in rec.inflight.items():
         if attempt != rec.attempt:
-            out.setdefault(f.peer, 0)
+            out.setdefault(f.holder, 0)
     return out
 
 
@@ -321,14 +324,15 @@ class Rendezvous(Core[str, _Transfer]):
         """The transfer is known and not a tombstone (it may still write or release)."""
         return self._is_live(transfer_id)
 
-    def peer_held(self, peer: str) -> Held:
-        """The live transfers a decode peer holds registrations in, and their block IDs in
-        all (what its quota counts): kept up to date per transition, so O(1)."""
-        return self.held(peer)
+    def peer_held(self, holder: str) -> Held:
+        """The live transfers a decode peer's identity (:func:`quota_holder`) holds
+        registrations in, and their block IDs in all (what its quota counts): kept up to date
+        per transition, so O(1)."""
+        return self.held(holder)
 
-    def peer_stake(self, transfer_id: str, peer: str) -> int | None:
-        """Block IDs ``peer`` holds in this transfer; None if it holds none there."""
-        return self.held_in(transfer_id, peer)
+    def peer_stake(self, transfer_id: str, holder: str) -> int | None:
+        """Block IDs ``holder`` holds in this transfer; None if it holds none there."""
+        return self.held_in(transfer_id, holder)
 
     # ------------------------------------------------------------ Core hooks
 
@@ -389,10 +393,17 @@ def _why_over_quota(rv: Rendezvous, rec: _Transfer | None, ev: Registered) -> st
     a WRITE into those blocks may be in flight, so it must not hear a failure."""
     if rv.quota is None:
         return ""
-    stake = rv.held_in(ev.transfer_id, ev.peer)
+    holder = quota_holder(ev)
+    stake = rv.held_in(ev.transfer_id, holder)
     if stake is not None and rec is not None and ev.attempt <= rec.attempt:
         return ""
-    return refusal(rv.quota, rv.held(ev.peer), stake, len(ev.block_ids))
+    return refusal(rv.quota, rv.held(holder), stake, len(ev.block_ids))
+
+
+def quota_holder(ev: Registered) -> str:
+    """Whose share a registration counts in: its authenticated identity, across all of that
+    node's sessions; an unauthenticated peer's (insecure_peers) own session."""
+    return ev.identity or ev.peer
 
 
 def over_quota(rv: Rendezvous, rec: _Transfer | None, ev: Registered) -> bool:
@@ -568,7 +579,7 @@ def _start(rec: _Transfer, dest: int, out: list) -> None:
     assert rec.prefill is not None and dest not in rec.started
     reg = rec.regs[dest]
     rec.started.add(dest)
-    rec.inflight[(rec.attempt, dest)] = _Flight(reg.peer)
+    rec.inflight[(rec.attempt, dest)] = _Flight(reg.peer, reg.holder)
     out.append(
         StartWrite(
             rec.transfer_id,
@@ -632,7 +643,8 @@ def open_attempt(rv: Rendezvous, rec: _Transfer, ev: Registered, out: list) -> N
 
 def add_reg(rv: Rendezvous, rec: _Transfer, ev: Registered, out: list) -> None:
     rec.owner = rec.owner or ev.identity
-    rec.regs[ev.dest_rank] = _Reg(ev.peer, tuple(ev.block_ids), ev.num_tokens, ev.deadline, ev.first_token)
+    rec.regs[ev.dest_rank] = _Reg(ev.peer, tuple(ev.block_ids), ev.num_tokens, ev.deadline, ev.first_token,
+                                  quota_holder(ev))
     rv._index_add(rec.transfer_id, rec, ev.peer)
 
 

@@ -3,7 +3,9 @@
 A prefill engine behind a serial proxy answers with the decode leg's params, which must name
 its daemons' peer endpoints. The scheduler half reads them from the cards the daemons write
 next to their engine sockets: a stat per rank per call, the file read again only when it
-changed (a restarted daemon writes a new card). No socket, no waiting.
+changed (a restarted daemon writes a new card). No socket, no waiting: a card is opened
+``O_NONBLOCK | O_NOFOLLOW`` and read only if it is a regular file no untrusted uid owns or
+can write, in a directory no other uid can write (:mod:`kvpush.engine_plugin.local_trust`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import logging
 import os
 
 from kvpush.engine_plugin.connector_config import PluginConfig
+from kvpush.engine_plugin.local_trust import dir_refusal, file_refusal
 from kvpush.engine_plugin.logonce import OncePer
 from kvpush.proto.card import DaemonCard, card_path, read_card
 
@@ -23,7 +26,8 @@ class DaemonCards:
 
     def __init__(self, cfg: PluginConfig, tp_size: int) -> None:
         self.paths = [card_path(cfg.socket_for(r)) for r in range(tp_size)]
-        self._cache: dict[str, tuple[int, DaemonCard]] = {}
+        self.uids = cfg.trusted_uids()
+        self._cache: dict[str, tuple[tuple[int, int, int, int, int], DaemonCard]] = {}
         self._said = OncePer(64)  # why a card is unusable, logged once per (path, reason)
 
     def endpoints(self) -> tuple[str, ...] | None:
@@ -37,19 +41,26 @@ class DaemonCards:
 
     def _card(self, path: str) -> DaemonCard | None:
         try:
-            mtime = os.stat(path).st_mtime_ns
+            why = dir_refusal(os.lstat(os.path.dirname(path) or "."), self.uids)
+            st = os.lstat(path)
         except OSError as exc:
             self._say(path, f"no daemon card ({exc.strerror}); is kvpushd running for this rank?")
             return None
+        if why:
+            self._cache.pop(path, None)
+            self._say(path, f"refused: {why}")
+            return None
+        stamp = (st.st_ino, st.st_mtime_ns, st.st_size, st.st_uid, st.st_mode)
         hit = self._cache.get(path)
-        if hit is not None and hit[0] == mtime:
+        if hit is not None and hit[0] == stamp:
             return hit[1]
         try:
-            card = read_card(path)
+            card = read_card(path, lambda fst: file_refusal(fst, self.uids))
         except (OSError, ValueError) as exc:
+            self._cache.pop(path, None)
             self._say(path, str(exc))
             return None
-        self._cache[path] = (mtime, card)
+        self._cache[path] = (stamp, card)
         return card
 
     def _say(self, path: str, why: str) -> None:

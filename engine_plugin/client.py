@@ -13,7 +13,10 @@ and polls into the machine's events and carries out its actions. The first dial 
 first :meth:`DaemonClient.attach`, ``send`` or ``poll`` (the daemon closes a connection that
 stays silent past its handshake bound, and vLLM builds the worker long before its KV cache
 exists); a lost link is dialled again every RECONNECT_S from :meth:`DaemonClient.poll` (a
-daemon restarting under its supervisor).
+daemon restarting under its supervisor). Every dial first checks that the socket, its
+directory and the process listening on it belong to a trusted user
+(:mod:`kvpush.engine_plugin.local_trust`); a refusal is a failed dial, so the daemon stays
+unavailable and the engine recomputes.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import errno
 import logging
 import select
 import socket
+import struct
 import time
 from collections.abc import Callable, Iterable
 
@@ -41,6 +45,8 @@ from kvpush.engine_plugin.link import (
     Route,
     State,
 )
+from kvpush.engine_plugin.local_trust import path_refusal, peer_refusal, trusted_uids
+from kvpush.engine_plugin.logonce import OncePer
 from kvpush.proto import (
     Abort,
     Attach,
@@ -66,6 +72,16 @@ READ_CHUNK = 256 << 10
 RECONNECT_S = 0.1
 MAX_DRAIN = 10_000  # frames read per poll(), so one poll() stays bounded in time
 _TRANSIENT = frozenset({errno.ENOENT, errno.ECONNREFUSED, errno.EAGAIN, errno.EINTR})
+_UCRED = struct.Struct("3i")  # struct ucred {pid_t pid; uid_t uid; gid_t gid;}
+
+
+def _listener_uid(sock: socket.socket) -> int | None:
+    """The uid of the process that listens on a connected unix socket (``SO_PEERCRED``)."""
+    try:
+        pid, uid, _ = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+    except OSError:
+        return None
+    return uid if pid > 0 else None
 
 
 class DaemonClient:
@@ -79,7 +95,10 @@ class DaemonClient:
         heartbeat_s: float = 1.0,
         dead_after_s: float = 3.0,
         clock: Callable[[], float] = time.monotonic,
+        trusted: frozenset[int] | None = None,
     ) -> None:
+        """``trusted``: the uids that may own the socket and its directory and listen on it
+        (default: root and our own, :func:`kvpush.engine_plugin.local_trust.trusted_uids`)."""
         if max_queue < 0 or heartbeat_s <= 0 or dead_after_s <= 0:
             raise ValueError("max_queue >= 0, heartbeat_s > 0 and dead_after_s > 0 required")
         self.endpoint = endpoint
@@ -95,6 +114,9 @@ class DaemonClient:
         if path is None:
             raise ValueError(f"daemon endpoint must be ipc://<path>, got {endpoint!r}")
         self._path = path
+        self.trusted = trusted_uids() if trusted is None else trusted
+        self.refusals = 0  # dials refused by the local trust rules
+        self._said = OncePer(16)
         self._sock: socket.socket | None = None
         self._fds = select.poll()  # the socket's readability, without a recv that fails
         self._out = Outbox(OUT_MAX)  # the tail of frames the kernel did not take yet
@@ -379,6 +401,10 @@ class DaemonClient:
         success the link machine is to hear Connected (:meth:`_announce`), else the next try
         is RECONNECT_S away."""
         self._retry_at = time.monotonic() + RECONNECT_S
+        why = path_refusal(self._path, self.trusted)
+        if why:
+            self._refuse(why)
+            return
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.setblocking(False)
         err = sock.connect_ex(self._path)
@@ -387,9 +413,20 @@ class DaemonClient:
             if err not in _TRANSIENT:
                 log.debug("kvpush: connect to %s: %s", self.endpoint, errno.errorcode.get(err, err))
             return
+        why = peer_refusal(_listener_uid(sock), self.trusted)
+        if why:  # nothing was sent on it: the listener learns nothing but that we knocked
+            sock.close()
+            self._refuse(why)
+            return
         self._sock = sock
         self._fds.register(sock, select.POLLIN)
         self._unannounced = True
+
+    def _refuse(self, why: str) -> None:
+        self.refusals += 1
+        if self._said.first(why):
+            log.warning("kvpush: not dialling the daemon at %s: %s; it counts as unavailable "
+                        "(loads recompute) until this is fixed", self.endpoint, why)
 
     def _announce(self) -> None:
         self._unannounced = False

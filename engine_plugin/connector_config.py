@@ -9,6 +9,7 @@ delay); a decode side that never comes costs at most that long. Types are strict
 
 from __future__ import annotations
 
+import pwd
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -23,6 +24,7 @@ from kvpush.configschema import (
     parsers_of,
     takes_strings,
 )
+from kvpush.engine_plugin.local_trust import trusted_uids
 from kvpush.proto.messages import ENGINE_DEAD_AFTER_MIN_S
 
 DEAD_AFTER_MS = 3000
@@ -41,6 +43,19 @@ def _p_daemon(v: Any) -> str:
     if not p_str(v):
         raise ValueError('is empty; e.g. "ipc:///run/kvpush/engine-{rank}.sock"')
     return v
+
+
+@takes_strings
+def _p_user(v: Any) -> int:
+    """``daemon_user``: a user name known to this host, or a uid."""
+    if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**32:
+        return v
+    if isinstance(v, str) and v:
+        try:
+            return pwd.getpwnam(v).pw_uid
+        except KeyError:
+            raise ValueError(f"{v!r}: no such user on this host") from None
+    raise TypeError(f"must be a user name or a uid, got {v!r}")
 
 
 @dataclass(frozen=True)
@@ -66,6 +81,17 @@ class PluginConfig:
                              "unanswered before the plugin treats it as unavailable: lower fails "
                              "a dead daemon's transfers sooner, higher rides out longer stalls",
                              parse=int_in(*DEAD_AFTER_RANGE_MS))
+    daemon_user: int | None = key(None, "the user (name or uid) kvpushd runs as, when it is neither "
+                                  "root nor the engine's own user: the plugin dials only a daemon "
+                                  "socket, and reads only a card, owned by root, the engine's uid or "
+                                  "this user, in a directory no other uid can write, with a listener "
+                                  "of those uids; unset: the user \"kvpush\" if this host has one",
+                                  parse=_p_user, type_name="user name or uid",
+                                  shown_default="kvpush, if present")
+
+    def trusted_uids(self) -> frozenset[int]:
+        """Who may own the daemon's socket directory, socket and card, and listen on it."""
+        return trusted_uids(self.daemon_user)
 
     def socket_for(self, rank: int) -> str:
         return self.daemon.format(rank=rank, device=rank + self.device_offset)

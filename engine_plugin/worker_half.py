@@ -128,7 +128,7 @@ class KVPushWorker:
         self.model = model
         self.total_kv_heads = total_kv_heads
         self.endpoint = cfg.socket_for(rank)
-        self.client = DaemonClient(self.endpoint, dead_after_s=cfg.dead_after_ms / 1000)
+        self.client = DaemonClient(self.endpoint, dead_after_s=cfg.dead_after_ms / 1000, trusted=cfg.trusted_uids())
         self.counters = TransferCounters()
         self._said = OncePer(64)  # failure reasons already logged
         self.samples = TransferSamples()  # latency and bytes of finished transfers (stats hook)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 __all__ = ["CARD_SUFFIX", "MAX_CARD_BYTES", "DaemonCard", "card_path", "read_card", "remove_card", "write_card"]
@@ -62,10 +64,18 @@ def write_card(path: str, card: DaemonCard, mode: int = 0o600) -> None:
     os.replace(tmp, path)
 
 
-def read_card(path: str) -> DaemonCard:
-    """The card at ``path``; raises OSError (absent) or ValueError (malformed)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+def read_card(path: str, check: Callable[[os.stat_result], str] | None = None) -> DaemonCard:
+    """The card at ``path``; raises OSError (absent) or ValueError (malformed, or refused).
+
+    Never blocks (a FIFO or device planted there is opened non-blocking and refused: only a
+    regular file is read) and never follows a symlink. ``check``: the reader's trust rule on
+    the opened file (its fstat), returning why it is refused or ``""``."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY)
     try:
+        st = os.fstat(fd)
+        why = check(st) if check is not None else ("" if stat.S_ISREG(st.st_mode) else "not a regular file")
+        if why:
+            raise ValueError(f"card {path}: {why}")
         raw = os.read(fd, MAX_CARD_BYTES + 1)
     finally:
         os.close(fd)

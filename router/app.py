@@ -235,7 +235,7 @@ def _error(status: int, message: str) -> web.Response:
 
 def build_app(cfg: RouterConfig) -> web.Application:
     r = Router(cfg)
-    app = front_app(r, "/router/status")
+    app = front_app(r, "/router/status", cfg.max_body_bytes)
     app.router.add_get("/router/trace", r.trace_view)
     app.router.add_get("/metrics", r.metrics_view)
     app.on_shutdown.append(r.begin_shutdown)

@@ -119,15 +119,21 @@ async def json_body(req: web.Request) -> dict[str, Any]:
         body = await req.json()
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise BadRequest("request body is not JSON") from None
+    except RecursionError:  # nesting deeper than the parser's stack: the client's fault, not ours
+        raise BadRequest("request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     return body
 
 
-def front_app(front: Any, status_path: str) -> web.Application:
+MAX_BODY_BYTES = 8 << 20  # a request body larger is answered 413 before it is read whole
+
+
+def front_app(front: Any, status_path: str, max_body_bytes: int = MAX_BODY_BYTES) -> web.Application:
     """The OpenAI-API surface shared by the router and the baselines' proxy: ``front``
-    provides start/stop/health/models/status/completions."""
-    app = web.Application(client_max_size=64 << 20)
+    provides start/stop/health/models/status/completions. A body over ``max_body_bytes`` is
+    refused with 413 (aiohttp stops reading it), so no client makes us buffer more."""
+    app = web.Application(client_max_size=max_body_bytes)
     app.on_startup.append(front.start)
     app.on_cleanup.append(front.stop)
     app.router.add_get("/health", front.health)

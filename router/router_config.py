@@ -6,6 +6,7 @@
     prefill_timeout_s = 300
     request_timeout_s = 600
     shutdown_grace_s = 30            # SIGTERM: stop taking requests, let these finish
+    max_body_bytes = 8388608         # a larger request body is refused (413), never forwarded
 
     [[prefill]]
     url = "http://10.0.0.5:8100"     # the prefill engine's OpenAI server
@@ -62,6 +63,11 @@ class Backend:
     failed: int = 0
 
 
+def _check_body_bytes(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1024 <= value <= 1 << 30:
+        raise ConfigError(f"{name} must be an integer in [1024, 2**30], got {value!r}")
+
+
 @dataclass
 class RouterConfig:
     """The router's settings; the fields made with ``key`` are the file's scalar keys
@@ -79,6 +85,8 @@ class RouterConfig:
     request_timeout_s: float = key(600.0, "seconds for the decode leg", check=check_non_negative)
     shutdown_grace_s: float = key(30.0, "SIGTERM: stop taking requests, let those in flight "
                                   "finish for this long", check=check_non_negative)
+    max_body_bytes: int = key(8 << 20, "a larger request body is refused (413): never buffered, "
+                              "never forwarded", check=_check_body_bytes)
 
     def validate(self) -> None:
         if not self.prefill or not self.decode:

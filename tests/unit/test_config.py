@@ -322,6 +322,9 @@ EXAMPLES: dict[str, tuple[str, Any]] = {
     "max_message_bytes": ("1048576", lambda n: n.devices[0].max_message_bytes == 1 << 20),
     "max_transfers_per_peer": ("64", lambda n: n.devices[0].max_transfers_per_peer == 64),
     "max_blocks_per_peer": ("4096", lambda n: n.devices[0].max_blocks_per_peer == 4096),
+    "max_sessions_per_peer": ("8", lambda n: n.devices[0].max_sessions_per_peer == 8),
+    "max_producers": ("32", lambda n: n.devices[0].max_producers == 32),
+    "max_handshaking_producers": ("4", lambda n: n.devices[0].max_handshaking_producers == 4),
 }
 # CURVE keys only come in pairs; "config" names the file it is in.
 PARTNER = {"curve_secret_key_file": "authorized_keys_dir", "authorized_keys_dir": "curve_secret_key_file"}

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpush.configschema import ConfigError, describe, parse_layer, parsers_of
+from kvpush.configschema import ConfigError, accepts_strings, describe, parse_layer, parsers_of
 from kvpush.daemon.daemon_config import DeviceConfig, NodeConfig, load_config
 from kvpush.engine_plugin.connector_config import PluginConfig, PluginConfigError
 from kvpush.router.router_config import RouterConfig, RouterConfigError
@@ -110,7 +110,8 @@ SCHEMAS = [(DeviceConfig, ("device", "table")), (NodeConfig, ("node",)), (Plugin
            (RouterConfig, ())]
 ALL_KEYS = [(cls, name) for cls, scopes in SCHEMAS for name in parsers_of(cls, *scopes)]
 STRING_KEYS = {k.name for cls, scopes in SCHEMAS for k in describe(cls, *scopes)
-               if k.type == "string" or k.type.startswith('"')}
+               if k.type == "string" or k.type.startswith('"')
+               or accepts_strings(parsers_of(cls)[k.name])}  # e.g. daemon_user: a name or a uid
 
 
 @given(st.sampled_from(ALL_KEYS), st.one_of(st.none(), st.dictionaries(st.text(), st.integers()),

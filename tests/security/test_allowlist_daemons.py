@@ -1,0 +1,168 @@
+"""The allowlist's rules on running daemons: real kvpushd, ZeroMQ CURVE + ZAP and NIXL.
+
+Node P (prefill, 127.0.0.1) and node D (decode, 127.0.0.2) allowlist each other, as in
+test_peers_auth.py. Asserted (issue 28, items 4 and 7):
+
+* a second certificate named like D (another file) gets no session, and is no way to evict D:
+  both certificates are refused while both are there (fail closed; the log names both files),
+  and D is back once the impostor's file is gone;
+* a certificate that also lists D's host gets no session either;
+* the allowlist directory made world-writable revokes every node within 2 s, and is trusted
+  again once fixed;
+* a node's key rotated in place with its mtime kept (``cp -p``) takes effect within 2 s: the
+  old key gets no new session, the new one does.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from kvpush import proto
+from kvpush.daemon.peerauth import PeerAuth, keygen
+from kvpush.testing.daemon_harness import Daemon, Engine, device_config, ops_request
+from kvpush.testing.keys import allow, lab_keys
+from kvpush.testing.kvref import make
+
+pytestmark = pytest.mark.integration
+
+_ids = itertools.count()
+
+
+def lay():
+    return make("amx", num_layers=2, num_blocks=32, block_size=16, num_heads=2, head_size=64, dtype="bfloat16")[0]
+
+
+@pytest.fixture
+def nodes(tmp_path):
+    kp = lab_keys(tmp_path / "P", "pnode", ("127.0.0.1",))
+    kd = lab_keys(tmp_path / "D", "dnode", ("127.0.0.2",))
+    allow(kp, kd)
+    allow(kd, kp)
+    p = Daemon(device_config(tmp_path, 0, **kp.config()))
+    d = Daemon(device_config(tmp_path, 1, peer_host="127.0.0.2", advertise_host="127.0.0.2", **kd.config()))
+    pe, de = Engine(p, lay(), "prefill", seed=3), Engine(d, lay(), "decode", fill="zeros")
+    yield p, d, pe, de, kp, kd
+    pe.close()
+    de.close()
+    p.stop()
+    d.stop()
+
+
+def transfer(p, d, pe, de, blocks=(4, 5, 6)) -> object:
+    t = f"a{os.getpid()}-{next(_ids)}"
+    de.send(proto.Register(t, 0, blocks, 40, (p.peer_endpoint,), 1, 8000))
+    pe.send(proto.PrefillDone(t, (1, 2, 3), 40, 8000))
+    return de.result(t)
+
+
+def session(endpoint: str, server: bytes, me: PeerAuth, timeout_ms: int = 1500) -> bool:
+    """Does the daemon at ``endpoint`` give ``me`` a session (any reply to a Hello)?"""
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.curve_publickey, s.curve_secretkey, s.curve_serverkey = me.me.public, me.secret, server
+    s.connect(endpoint)
+    host = me.me.hosts[0]
+    hello = proto.Hello("probe", b"junk", lay(), (0,), proto.PROTOCOL_VERSION, lay().compat_key(), "X", 0, 1,
+                        f"tcp://{host}:1", False)
+    end = time.monotonic() + timeout_ms / 1000
+    try:
+        while True:
+            try:
+                s.send(proto.encode(hello), zmq.NOBLOCK)
+                break
+            except zmq.Again:
+                if time.monotonic() > end:
+                    return False
+                time.sleep(0.05)
+        return bool(s.poll(max(1, int((end - time.monotonic()) * 1000))))
+    finally:
+        s.close(0)
+
+
+def peers(p: Daemon) -> list[str]:
+    return [r["node"] for r in ops_request(p.cfg.ops_socket, "peers").data["peers"]]
+
+
+def until(cond, secs: float, what: str) -> float:
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < secs, what
+        time.sleep(0.1)
+    return time.monotonic() - t0
+
+
+def test_a_second_certificate_with_the_decode_nodes_name_gets_nothing(nodes, tmp_path):
+    p, d, pe, de, kp, kd = nodes
+    assert isinstance(transfer(p, d, pe, de), proto.Received)
+    server = PeerAuth.load(kp.secret_file, kp.authorized_dir).me.public
+    pub, sec = keygen(tmp_path / "evil", "dnode", ["127.0.0.7"])
+    shutil.copy(pub, Path(kp.authorized_dir) / "evil.key")
+    evil = PeerAuth.load(str(sec), kp.authorized_dir)
+    # Both "dnode" certificates are refused: the impostor gets no session, so no Hello and no
+    # eviction of D; D itself is out too while the ambiguity lasts (fail closed).
+    until(lambda: "dnode" not in peers(p), 3, "an ambiguous name stayed admitted")
+    assert not session(p.peer_endpoint, server, evil)
+    (Path(kp.authorized_dir) / "evil.key").unlink()
+    time.sleep(1.5)  # re-read within a second
+    assert not session(p.peer_endpoint, server, evil)
+    assert isinstance(transfer(p, d, pe, de, blocks=(7, 8, 9)), proto.Received)
+    assert peers(p) == ["dnode"]
+
+
+def test_a_certificate_listing_the_decode_nodes_host_gets_nothing(nodes, tmp_path):
+    p, d, pe, de, kp, kd = nodes
+    server = PeerAuth.load(kp.secret_file, kp.authorized_dir).me.public
+    pub, sec = keygen(tmp_path / "x", "xnode", ["127.0.0.3", "127.0.0.2"])
+    shutil.copy(pub, Path(kp.authorized_dir) / "xnode.key")
+    time.sleep(1.5)
+    x = PeerAuth.load(str(sec), kp.authorized_dir)
+    assert not session(p.peer_endpoint, server, x)
+
+
+def test_a_world_writable_allowlist_directory_revokes_everyone(nodes):
+    p, d, pe, de, kp, kd = nodes
+    assert isinstance(transfer(p, d, pe, de), proto.Received)
+    os.chmod(kp.authorized_dir, 0o777)
+    took = until(lambda: not peers(p), 3, "a world-writable allowlist still admitted D")
+    assert took < 2.5
+    assert isinstance(transfer(p, d, pe, de, blocks=(10, 11, 12)), proto.ReceiveFailed)
+    os.chmod(kp.authorized_dir, 0o700)
+    time.sleep(1.5)
+    assert isinstance(transfer(p, d, pe, de, blocks=(13, 14, 15)), proto.Received)
+
+
+def test_a_key_rotated_in_place_with_its_mtime_kept_takes_effect(nodes, tmp_path):
+    p, d, pe, de, kp, kd = nodes
+    server = PeerAuth.load(kp.secret_file, kp.authorized_dir).me.public
+    old_pub, old_sec = keygen(tmp_path / "x1", "xnode", ["127.0.0.3"])
+    new_pub, new_sec = keygen(tmp_path / "x2", "xnode", ["127.0.0.3"])
+    dest = Path(kp.authorized_dir) / "xnode.key"
+    shutil.copy(old_pub, dest)
+    old = PeerAuth.load(str(old_sec), kp.authorized_dir)
+    new = PeerAuth.load(str(new_sec), kp.authorized_dir)
+    until(lambda: session(p.peer_endpoint, server, old, 500), 3, "the old key was never admitted")
+    st = dest.stat()
+    os.utime(new_pub, ns=(st.st_atime_ns, st.st_mtime_ns))
+    shutil.copy2(new_pub, dest)  # cp -p: the new key, the old mtime
+    assert dest.stat().st_mtime_ns == st.st_mtime_ns
+    took = until(lambda: session(p.peer_endpoint, server, new, 500), 3, "the rotated key was not noticed")
+    assert took < 2.0
+    assert not session(p.peer_endpoint, server, old)
+
+
+def test_revocation_drops_sessions_within_1_5_s(nodes):
+    """The reload thread reads the directory every second and the loop asks it every 0.1 s:
+    a removed certificate's sessions are gone within ~1.1 s (NIXL reach: docs/security.md)."""
+    p, d, pe, de, kp, kd = nodes
+    assert isinstance(transfer(p, d, pe, de), proto.Received)
+    (Path(kp.authorized_dir) / "dnode.key").unlink()
+    took = until(lambda: not peers(p), 3, "revoked node still a peer")
+    print(f"revocation: sessions dropped {took:.2f} s after the certificate was removed")
+    assert took < 1.5

@@ -8,14 +8,14 @@ changed (a restarted daemon writes a new card). No socket, no waiting.
 
 from __future__ import annotations
 
-import logging
 import os
 
 from kvpush.engine_plugin.connector_config import PluginConfig
 from kvpush.engine_plugin.logonce import OncePer
+from kvpush.engine_plugin.logs import plugin_logger
 from kvpush.proto.card import DaemonCard, card_path, read_card
 
-log = logging.getLogger("kvpush.plugin")
+log = plugin_logger(__name__)
 
 
 class DaemonCards:

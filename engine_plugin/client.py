@@ -19,7 +19,6 @@ daemon restarting under its supervisor).
 from __future__ import annotations
 
 import errno
-import logging
 import select
 import socket
 import time
@@ -41,6 +40,7 @@ from kvpush.engine_plugin.link import (
     Route,
     State,
 )
+from kvpush.engine_plugin.logs import plugin_logger
 from kvpush.proto import (
     Abort,
     Attach,
@@ -58,7 +58,7 @@ from kvpush.proto.stream import Deframer, FrameTooLarge, Outbox, Put, frame
 
 __all__ = ["DaemonClient"]
 
-log = logging.getLogger(__name__)
+log = plugin_logger(__name__)
 
 OUT_MAX = 4 << 20  # bytes of frames the kernel has not taken yet; beyond, the link's queue
 MAX_FRAME = 64 << 20  # largest frame accepted from the daemon (its replies are small)

@@ -21,8 +21,9 @@ import sys
 
 from aiohttp import web
 
+from kvpush.daemon import logfmt
 from kvpush.router.app import build_app
-from kvpush.router.router_config import Backend, RouterConfigError, load, parse_prefill
+from kvpush.router.router_config import LOG_FORMATS, Backend, RouterConfigError, load, parse_prefill
 
 
 def _prefill(spec: str) -> Backend:
@@ -46,8 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--request-timeout", type=float, help="seconds for the decode leg (600)")
     ap.add_argument("--shutdown-grace", type=float, help="seconds in-flight requests get at SIGTERM (30)")
     ap.add_argument("--log-level", default="INFO")
+    ap.add_argument("--log-format", choices=LOG_FORMATS, help="log lines as text (default) or json, one object a line")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s kvpush-router %(levelname)s %(message)s")
     listen = args.listen
     if listen is None and (args.host or args.port):
         listen = f"{args.host or '127.0.0.1'}:{args.port or 8000}"
@@ -56,10 +57,12 @@ def main(argv: list[str] | None = None) -> int:
             "prefill": args.prefill, "decode": [Backend(u.rstrip("/")) for u in args.decode], "listen": listen,
             "policy": args.policy, "prefill_timeout_s": args.prefill_timeout,
             "request_timeout_s": args.request_timeout, "shutdown_grace_s": args.shutdown_grace,
+            "log_format": args.log_format,
         })
     except RouterConfigError as exc:
         print(f"kvpush-router: {exc}", file=sys.stderr)
         return 2
+    logfmt.configure(args.log_level.upper(), cfg.log_format, "%(asctime)s kvpush-router %(levelname)s %(message)s")
     logging.getLogger("kvpush.router").info(
         "listening on %s:%d; prefill %s; decode %s", cfg.host, cfg.port,
         ", ".join(f"{b.url} ({len(b.kv_endpoints)} daemon(s))" for b in cfg.prefill),

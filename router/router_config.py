@@ -6,6 +6,7 @@
     prefill_timeout_s = 300
     request_timeout_s = 600
     shutdown_grace_s = 30            # SIGTERM: stop taking requests, let these finish
+    log_format = "text"              # or "json": one object per line
 
     [[prefill]]
     url = "http://10.0.0.5:8100"     # the prefill engine's OpenAI server
@@ -32,6 +33,7 @@ from typing import Any
 __all__ = ["Backend", "RouterConfig", "RouterConfigError", "load", "node_endpoints", "parse_prefill"]
 
 POLICIES = ("least-loaded", "round-robin")
+LOG_FORMATS = ("text", "json")
 MAX_TP = 1024
 _HOSTPORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]+):(\d{1,5})$")
 
@@ -62,12 +64,15 @@ class RouterConfig:
     prefill_timeout_s: float = 300.0
     request_timeout_s: float = 600.0
     shutdown_grace_s: float = 30.0
+    log_format: str = "text"  # or "json": one object per line (kvpush.daemon.logfmt)
 
     def validate(self) -> None:
         if not self.prefill or not self.decode:
             raise RouterConfigError("the router needs at least one prefill and one decode engine")
         if self.policy not in POLICIES:
             raise RouterConfigError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.log_format not in LOG_FORMATS:
+            raise RouterConfigError(f"log_format must be one of {LOG_FORMATS}, got {self.log_format!r}")
         for name in ("connect_timeout_s", "prefill_timeout_s", "request_timeout_s", "shutdown_grace_s"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:

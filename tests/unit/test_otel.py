@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import aiohttp
@@ -26,6 +24,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from kvpush.daemon import otel  # noqa: E402
 from kvpush.proto.trace import ClockPair, TraceRing  # noqa: E402
 from kvpush.router.app import Backend, RouterConfig, build_app  # noqa: E402
+from kvpush.testing.otlp import OtlpReceiver  # noqa: E402
 
 TP = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
@@ -85,26 +84,6 @@ def test_a_serial_proxys_transfer_shares_one_derived_trace_across_daemons() -> N
 
 # ---------------------------------------------------------------- a real OTLP/HTTP receive
 
-class _Collector(BaseHTTPRequestHandler):
-    got: list[Any] = []
-
-    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
-        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-            ExportTraceServiceRequest,
-        )
-
-        body = self.rfile.read(int(self.headers["content-length"]))
-        req = ExportTraceServiceRequest()
-        req.ParseFromString(body)
-        type(self).got.append((self.path, self.headers.get("content-type"), req))
-        self.send_response(200)
-        self.send_header("content-type", "application/x-protobuf")
-        self.end_headers()
-
-    def log_message(self, *_a: Any) -> None:
-        pass
-
-
 def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -132,10 +111,8 @@ def _engine(seen: list[dict[str, Any]]) -> web.Application:
 
 def test_the_router_exports_over_otlp_http_and_forwards_the_trace(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")  # the batch processor's period, ms
-    _Collector.got = []
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Collector)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    endpoint = f"http://127.0.0.1:{server.server_address[1]}/v1/traces"
+    collector = OtlpReceiver()
+    endpoint = collector.endpoint
     p_seen: list[dict[str, Any]] = []
     d_seen: list[dict[str, Any]] = []
 
@@ -158,23 +135,17 @@ def test_the_router_exports_over_otlp_http_and_forwards_the_trace(monkeypatch: p
     try:
         assert asyncio.run(go()) == 200
         deadline = time.monotonic() + 15
-        while not _Collector.got and time.monotonic() < deadline:
+        while not collector.spans() and time.monotonic() < deadline:
             time.sleep(0.05)
     finally:
-        server.shutdown()
-    assert _Collector.got, "no OTLP/HTTP export arrived"
-    path, ctype, req = _Collector.got[0]
-    assert path == "/v1/traces" and ctype == "application/x-protobuf"
-    spans = [s for rs in req.resource_spans for ss in rs.scope_spans for s in ss.spans]
-    services = {a.value.string_value for rs in req.resource_spans for a in rs.resource.attributes
-                if a.key == "service.name"}
-    (span,) = spans
-    assert services == {"kvpush-router"} and span.name == "kvpush router"
+        collector.close()
+    assert collector.posts and collector.posts[0] == ("/v1/traces", "application/x-protobuf")
+    (span,) = collector.spans()
+    assert span["service"] == "kvpush-router" and span["name"] == "kvpush router"
     client = otel.parse_traceparent(TP)
-    assert int.from_bytes(span.trace_id, "big") == client.trace_id  # the client's trace
-    assert int.from_bytes(span.parent_span_id, "big") == client.span_id
-    mine = otel.TraceContext(client.trace_id, int.from_bytes(span.span_id, "big"))
-    assert [e.name for e in span.events][:2] == ["router.request_in", "router.legs_sent"]
+    assert span["trace_id"] == client.trace_id and span["parent_span_id"] == client.span_id  # the client's trace
+    mine = otel.TraceContext(client.trace_id, span["span_id"])
+    assert span["events"][:2] == ["router.request_in", "router.legs_sent"]
     # Both engines got the router's span as their parent (vLLM's spans nest under it) ...
     assert p_seen[0]["traceparent"] == d_seen[0]["traceparent"] == mine.traceparent
     # ... and both legs' transfer ID carries it to the daemons.

@@ -9,7 +9,7 @@ a prefill daemon must know that node's public key: it is the allowlisted certifi
 both the allowlist (who may connect to us) and the directory of servers (whom we may dial).
 
 The allowlist is re-read when the directory changes, so adding, rotating or revoking a node
-is a file operation (README: "Peer keys"). Revoking stops new sessions at once; sessions
+is a file operation (docs/operating.md: "Keys by host name or address"). Revoking stops new sessions at once; sessions
 already open are not torn down by ZeroMQ, so a revoked node's open connections are dropped
 by the daemon when it sees the identity is no longer allowed.
 """

@@ -43,11 +43,12 @@ class OtlpReceiver:
     def _add(self, path: str, ctype: str | None, req: Any) -> None:
         out = []
         for rs in req.resource_spans:
-            service = next((a.value.string_value for a in rs.resource.attributes if a.key == "service.name"), "")
+            resource = {a.key: a.value.string_value for a in rs.resource.attributes}
+            service = resource.get("service.name", "")
             for ss in rs.scope_spans:
                 for s in ss.spans:
                     attrs = {a.key: a.value.string_value for a in s.attributes}
-                    out.append({"service": service, "name": s.name, "trace_id": int.from_bytes(s.trace_id, "big"),
+                    out.append({"service": service, "resource": resource, "name": s.name, "trace_id": int.from_bytes(s.trace_id, "big"),
                                 "span_id": int.from_bytes(s.span_id, "big"),
                                 "parent_span_id": int.from_bytes(s.parent_span_id, "big") if s.parent_span_id else None,
                                 "transfer_id": attrs.get("kvpush.transfer_id"),

@@ -83,6 +83,31 @@ def external_by_replica(metrics_url: str) -> dict[str, float]:
             if s.name == COUNTER and s.label("source") == "external_kv_transfer" and v > 0}
 
 
+VLLM_SHM = ("psm_*", "sem.mp-*")  # vLLM's shared-memory message queues and their semaphores
+
+
+def _vllm_shm() -> set[str]:
+    return {p.name for g in VLLM_SHM for p in Path("/dev/shm").glob(g)}
+
+
+def _reap_vllm_shm(before: set[str]) -> list[str]:
+    """Ray stops replicas with ray.kill, so their engines leave vLLM's shared-memory queues
+    (hundreds of MB) in /dev/shm: remove the ones made during the test that no live process
+    maps any more."""
+    maps = ""
+    for m in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            maps += m.read_text()
+        except OSError:
+            pass
+    gone = []
+    for name in sorted(_vllm_shm() - before):
+        if name not in maps:
+            (Path("/dev/shm") / name).unlink(missing_ok=True)
+            gone.append(name)
+    return gone
+
+
 def test_ray_serve_pd_app_through_kvpush_equals_colocated(tiny_model: Path, tmp_path: Path) -> None:
     pytest.importorskip("pyarrow")
     ray = pytest.importorskip("ray")
@@ -97,6 +122,7 @@ def test_ray_serve_pd_app_through_kvpush_equals_colocated(tiny_model: Path, tmp_
                     daemon_toml=f'otlp_traces_endpoint = "{collector.endpoint}"\n')
     stack.start_daemons()  # kvpushd beside the engines: device 0 serves P, device 1 serves D
     mport, hport = free_port(), free_port()
+    shm_before = _vllm_shm()
     try:
         ray.init(num_cpus=8, include_dashboard=False, _metrics_export_port=mport)
         serve.start(http_options={"host": "127.0.0.1", "port": hport})
@@ -138,3 +164,4 @@ def test_ray_serve_pd_app_through_kvpush_equals_colocated(tiny_model: Path, tmp_
             ray.shutdown()
         finally:
             stack.stop()
+            _reap_vllm_shm(shm_before)

@@ -2,6 +2,7 @@
 
     kvpushd [--config FILE] [--devices all|cpu0,cpu1] [--runtime-dir DIR] [--base-port N]
             [--metrics-port N] [--backend UCX|LIBFABRIC] [--log-level LEVEL]
+            [--log-format text|json]
     kvpushd worker --device cuda0 [same flags]    # one accelerator's daemon, foreground
     kvpushd print-config [--format toml|json] [same flags]
     kvpushd keygen --dir /etc/kvpush --host 10.0.0.5 [--host ...] [--name NODE] [--role prefill|decode ...]
@@ -24,6 +25,7 @@ from kvpush.daemon.daemon_config import (
     BACKENDS,
     DEVICE_KINDS,
     KEY_DOCS,
+    LOG_FORMATS,
     LOG_LEVELS,
     ConfigError,
     dump_json,
@@ -37,7 +39,7 @@ log = logging.getLogger(__name__)
 # flag dest -> config key (same names: the flags are the top-level config keys)
 FLAG_KEYS = ("config", "devices", "count", "device_kind", "runtime_dir", "base_port",
              "peer_host", "advertise_host", "metrics_host", "metrics_port", "backend",
-             "log_level")
+             "log_level", "log_format")
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -59,6 +61,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help=KEY_DOCS["backend"])
     p.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default=s,
                    help=KEY_DOCS["log_level"])
+    p.add_argument("--log-format", choices=LOG_FORMATS, default=s, help=KEY_DOCS["log_format"])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -145,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from kvpush.daemon.peerauth import PeerAuth, PeerAuthError
     from kvpush.daemon.supervisor import Supervisor, configure_logging, ensure_runtime_dir
 
-    configure_logging(node.log_level)
+    configure_logging(node.log_level, node.log_format)
     try:  # fail at once with the reason, rather than crash-looping every worker on it
         for dev in node.devices:
             if not dev.insecure_peers:
@@ -156,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if cmd == "worker":
             cfg = node.devices[0]
-            configure_logging(cfg.log_level)
+            configure_logging(cfg.log_level, cfg.log_format)
             ensure_runtime_dir(cfg.runtime_dir, cfg.socket_mode)
             from kvpush.daemon.device_daemon import run_worker
 

@@ -19,6 +19,8 @@ variables, e.g. ``KVPUSH_METRICS_PORT=0``, ``KVPUSH_DEVICES=cpu0,cpu1``)::
     metrics_host = "127.0.0.1"
     metrics_port = 9470            # 0 disables /metrics and /health
     log_level = "INFO"
+    log_format = "text"             # or "json": one object per line, for a log pipeline
+    # otlp_traces_endpoint = "http://127.0.0.1:4318/v1/traces"  # OpenTelemetry spans (kvpush[otel])
     lease_s = 30.0                 # longest lease a PrefillDone may ask for
     register_timeout_s = 30.0      # longest timeout a Register may ask for
     # engine_socket / ops_socket are templates: {runtime_dir} {index} {name}
@@ -76,6 +78,7 @@ DEFAULT_MAX_MESSAGE = -(-largest_inbound() // (64 << 10)) * (64 << 10)  # 268697
 OPS_MAX_MESSAGE = largest_ops_request()  # the ops socket only ever receives an OpsRequest
 BACKENDS = ("UCX", "LIBFABRIC")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+LOG_FORMATS = ("text", "json")
 DEVICE_KINDS = ("cpu", "cuda")
 ENV_PREFIX = "KVPUSH_"
 UNIX_PATH_MAX = 107  # sun_path is 108 bytes including the NUL
@@ -273,6 +276,11 @@ class DeviceConfig:
         "descriptors a side (layers x blocks x pattern entries); above it a peer's WRITEs "
         "build their descriptors per transfer", check=_check_count)
     log_level: str = key("INFO", "log level", parse=_p_upper, choices=LOG_LEVELS)
+    log_format: str = key("text", "log line format: text, or json (one object per line)",
+                          choices=LOG_FORMATS)
+    otlp_traces_endpoint: str | None = key(
+        None, "OTLP/HTTP traces URL (e.g. http://collector:4318/v1/traces): export each "
+        "transfer's timeline as an OpenTelemetry span (needs kvpush[otel]); unset: off")
     # Not a field: the node's base_port, from which a peer_port left None is derived.
     base_port: InitVar[int] = DEFAULT_BASE_PORT
 
@@ -334,6 +342,9 @@ class NodeConfig:
                                  scope=NODE, check=_check_non_negative)
     log_level: str = key("INFO", "log level of the supervisor (and default of every device)",
                          scope=NODE, parse=_p_upper, choices=LOG_LEVELS)
+    log_format: str = key("text", "log line format of the supervisor (and default of every "
+                          "device): text, or json (one object per line)", scope=NODE,
+                          choices=LOG_FORMATS)
 
     def validate(self) -> None:
         if not self.devices:

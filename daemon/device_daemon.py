@@ -162,6 +162,11 @@ class Worker:
                                  ports.transport, WorkerMetrics(cfg.name), auth=ports.auth, fence=ports.fence)
         if ports.on_bad is not None:
             ports.on_bad.target = self.ctx.bad
+        if cfg.otlp_traces_endpoint:
+            from kvpush.daemon.otel import SpanSink
+
+            self.ctx.trace.sink = SpanSink(f"kvpushd {cfg.name}", cfg.otlp_traces_endpoint).on_end(
+                f"kvpushd {cfg.name}")
         self.prefill = PrefillSide(self.ctx)
         self.decode = DecodeSide(self.ctx)
         self.session = EngineSession(self.ctx, self.prefill, self.decode, open_region=ports.open_region,

@@ -9,8 +9,9 @@ a prefill daemon must know that node's public key: it is the allowlisted certifi
 both the allowlist (who may connect to us) and the directory of servers (whom we may dial).
 
 The allowlist is re-read when the directory's contents change, so adding, rotating or
-revoking a node is a file operation (docs/security.md); how it is read and what it refuses
-is :mod:`kvpush.daemon.allowlist`. Revoking stops new sessions at once; sessions
+revoking a node is a file operation (docs/security.md, docs/operating.md: "Keys by host name or
+address"); how it is read and what it refuses is :mod:`kvpush.daemon.allowlist`. Revoking stops
+new sessions at once; sessions
 already open are not torn down by ZeroMQ, so a revoked node's open connections are dropped
 by the daemon when it sees the identity is no longer allowed.
 """

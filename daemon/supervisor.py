@@ -50,7 +50,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpush.daemon import children as cm
-from kvpush.daemon import opsclient, sdnotify
+from kvpush.daemon import logfmt, opsclient, sdnotify
 from kvpush.daemon.children import ChildFacts, ChildState
 from kvpush.daemon.context import FENCE_EXIT_CODE
 from kvpush.daemon.daemon_config import DeviceConfig, NodeConfig
@@ -66,9 +66,9 @@ SCRAPE_TIMEOUT_S = 0.5
 WorkerTarget = Callable[[DeviceConfig, Any], int]
 
 
-def configure_logging(level: str) -> None:
-    """Human-readable lines on stderr (journald adds its own metadata)."""
-    logging.basicConfig(level=level, stream=sys.stderr, format=LOG_FORMAT, force=True)
+def configure_logging(level: str, fmt: str = "text") -> None:
+    """Lines on stderr (journald adds its own metadata): text, or JSON for a log pipeline."""
+    logfmt.configure(level, fmt, LOG_FORMAT)
 
 
 def ensure_runtime_dir(path: str, *socket_modes: int) -> None:
@@ -108,7 +108,7 @@ def _child_main(target: WorkerTarget, cfg: DeviceConfig, ready: Any, parent_pid:
         os.environ.pop(var, None)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-    configure_logging(cfg.log_level)
+    configure_logging(cfg.log_level, cfg.log_format)
     try:
         code = target(cfg, ready)
     except Exception:

@@ -10,15 +10,15 @@ can write, in a directory no other uid can write (:mod:`kvpush.engine_plugin.loc
 
 from __future__ import annotations
 
-import logging
 import os
 
 from kvpush.engine_plugin.connector_config import PluginConfig
 from kvpush.engine_plugin.local_trust import dir_refusal, file_refusal
 from kvpush.engine_plugin.logonce import OncePer
+from kvpush.engine_plugin.logs import plugin_logger
 from kvpush.proto.card import DaemonCard, card_path, read_card
 
-log = logging.getLogger("kvpush.plugin")
+log = plugin_logger(__name__)
 
 
 class DaemonCards:

@@ -22,7 +22,6 @@ unavailable and the engine recomputes.
 from __future__ import annotations
 
 import errno
-import logging
 import select
 import socket
 import struct
@@ -47,6 +46,7 @@ from kvpush.engine_plugin.link import (
 )
 from kvpush.engine_plugin.local_trust import path_refusal, peer_refusal, trusted_uids
 from kvpush.engine_plugin.logonce import OncePer
+from kvpush.engine_plugin.logs import plugin_logger
 from kvpush.proto import (
     Abort,
     Attach,
@@ -64,7 +64,7 @@ from kvpush.proto.stream import Deframer, FrameTooLarge, Outbox, Put, frame
 
 __all__ = ["DaemonClient"]
 
-log = logging.getLogger(__name__)
+log = plugin_logger(__name__)
 
 OUT_MAX = 4 << 20  # bytes of frames the kernel has not taken yet; beyond, the link's queue
 MAX_FRAME = 64 << 20  # largest frame accepted from the daemon (its replies are small)

@@ -15,7 +15,6 @@ Everything here runs on the engine loop and is O(requests touched).
 
 from __future__ import annotations
 
-import logging
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -23,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from kvpush.engine_plugin.cards import DaemonCards
 from kvpush.engine_plugin.connector_config import PluginConfig
 from kvpush.engine_plugin.logonce import OncePer
+from kvpush.engine_plugin.logs import plugin_logger
 from kvpush.engine_plugin.metadata import AbortReq, KVPushMetadata, RegisterReq, SendReq
 from kvpush.proto.params import DO_REMOTE_PREFILL, DecodeLeg, PrefillLeg, decode_leg, prefill_leg
 from kvpush.proto.trace import now_ns
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-log = logging.getLogger("kvpush.plugin")
+log = plugin_logger(__name__)
 WARN_KEY_SETS = 32  # distinct unusable decode-leg key sets logged, at most
 
 

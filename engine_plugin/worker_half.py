@@ -9,7 +9,6 @@ decode loads fail (vLLM recomputes) and prefill blocks are released.
 from __future__ import annotations
 
 import atexit
-import logging
 import re
 import time
 from collections import deque
@@ -23,12 +22,13 @@ from kvpush.engine_plugin.client import DaemonClient
 from kvpush.engine_plugin.connector_config import PluginConfig
 from kvpush.engine_plugin.kv_export import export_cpu_tensor, unlink_export
 from kvpush.engine_plugin.logonce import OncePer
+from kvpush.engine_plugin.logs import plugin_logger
 from kvpush.engine_plugin.metadata import KVPushMetadata, SendReq
 from kvpush.engine_plugin.stats import TransferSamples
 from kvpush.proto.layout import KVLayout, vllm_cpu_layout
 from kvpush.proto.trace import TraceRing, now_ns
 
-log = logging.getLogger("kvpush.plugin")
+log = plugin_logger(__name__)
 
 _LAYER_NUM = re.compile(r"\.(\d+)\.")
 TRACE_BATCH = 16  # TraceReports sent together once this many are queued ...

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +56,9 @@ HOPS: tuple[str, ...] = (
     "p.plugin.send_failed_seen",
 )
 HOP_SET = frozenset(HOPS)
+# Where a daemon's part of a transfer ends: its timeline is complete (an export may read it).
+END_HOPS = frozenset({"p.daemon.sent", "p.daemon.send_failed", "d.daemon.received_sent",
+                      "d.daemon.receive_failed"})
 
 MAX_TRANSFERS = 4096
 MAX_EVENTS = 64
@@ -77,9 +81,12 @@ class ClockPair:
 
 
 class TraceRing:
-    """Bounded timelines keyed by transfer ID. Not thread-safe (one owner thread)."""
+    """Bounded timelines keyed by transfer ID. Not thread-safe (one owner thread).
 
-    __slots__ = ("max_transfers", "max_events", "_t")
+    ``sink``, if set, is handed a copy of a timeline when an :data:`END_HOPS` hop is stamped
+    (the optional OpenTelemetry export, kvpush.daemon.otel); it must not block."""
+
+    __slots__ = ("max_transfers", "max_events", "_t", "sink")
 
     def __init__(self, max_transfers: int = MAX_TRANSFERS, max_events: int = MAX_EVENTS) -> None:
         if max_transfers <= 0 or max_events <= 0:
@@ -87,6 +94,7 @@ class TraceRing:
         self.max_transfers = max_transfers
         self.max_events = max_events
         self._t: OrderedDict[str, list[tuple[str, int]]] = OrderedDict()
+        self.sink: Callable[[str, list[tuple[str, int]]], None] | None = None
 
     def stamp(self, transfer_id: str, hop: str, t_ns: int | None = None) -> None:
         events = self._t.get(transfer_id)
@@ -96,6 +104,8 @@ class TraceRing:
             events = self._t[transfer_id] = []
         if len(events) < self.max_events:
             events.append((hop, time.monotonic_ns() if t_ns is None else t_ns))
+        if self.sink is not None and hop in END_HOPS:
+            self.sink(transfer_id, list(events))
 
     def extend(self, transfer_id: str, events: list[tuple[str, int]]) -> None:
         for hop, t in events:

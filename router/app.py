@@ -22,6 +22,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from kvpush.daemon import otel
 from kvpush.proto.params import DecodeLeg, PrefillLeg
 from kvpush.proto.trace import TraceRing
 from kvpush.router.front import (
@@ -51,6 +52,8 @@ class Router(Upstreams):
         # Per-request timeline (kvpushctl trace --router URL) and x-request-id -> transfer_id.
         self.trace = TraceRing()
         self.request_ids: dict[str, str] = {}
+        # Optional OpenTelemetry export of each request's timeline (kvpush.daemon.otel).
+        self.spans = otel.SpanSink("kvpush-router", cfg.otlp_traces_endpoint) if cfg.otlp_traces_endpoint else None
 
     def pick(self, pool: list[Backend], key: str) -> Backend:
         if self.cfg.policy == "round-robin":
@@ -126,7 +129,11 @@ class Router(Upstreams):
         except BadRequest as exc:
             return _error(400, str(exc))
         self.stats["requests"] += 1
-        transfer_id = f"kvp-{uuid.uuid4().hex}"
+        # One trace per request: the client's (or, when exporting, a new one) goes on to both
+        # engines (vLLM's spans) and, inside the transfer ID, to both daemons (kvpush.daemon.otel).
+        parent = otel.parse_traceparent(req.headers.get("traceparent"))
+        span = parent.child() if parent else otel.TraceContext.new() if self.spans else None
+        transfer_id = otel.transfer_id_for(span) if span else f"kvp-{uuid.uuid4().hex}"
         self.trace.stamp(transfer_id, "router.request_in")
         rid = req.headers.get("x-request-id", transfer_id)
         if len(self.request_ids) >= self.trace.max_transfers:
@@ -145,8 +152,11 @@ class Router(Upstreams):
         headers = {"x-request-id": rid, "content-type": "application/json"}
         if "authorization" in req.headers:
             headers["authorization"] = req.headers["authorization"]
+        if span is not None:
+            headers["traceparent"] = span.traceparent
         p.in_flight += 1
         d.in_flight += 1
+        ok = False
         prefill = asyncio.create_task(self._prefill(p, path, p_body, headers, transfer_id))
         decode = asyncio.ensure_future(self.session.post(
             f"{d.url}{path}", json=d_body, headers=headers,
@@ -183,6 +193,7 @@ class Router(Upstreams):
                 await prefill
                 await resp.write_eof()
                 d.served += 1
+                ok = True
                 return resp
         except LegFailed as exc:
             d.failed += 1
@@ -205,6 +216,9 @@ class Router(Upstreams):
                     task.cancel()
             p.in_flight -= 1
             d.in_flight -= 1
+            if self.spans is not None and span is not None:
+                self.spans.export("kvpush router", transfer_id, self.trace.get(transfer_id), ctx=span,
+                                  parent=parent, failed=not ok)
 
     async def _prefill(self, p: Backend, path: str, body: dict[str, Any], headers: dict[str, str],
                        transfer_id: str) -> None:

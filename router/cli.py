@@ -19,8 +19,9 @@ import argparse
 import logging
 import sys
 
+from kvpush.daemon import logfmt
 from kvpush.proto.buildinfo import version_line
-from kvpush.router.router_config import Backend, RouterConfigError, load, parse_prefill
+from kvpush.router.router_config import LOG_FORMATS, Backend, RouterConfigError, load, parse_prefill
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -57,12 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds in-flight requests get at SIGTERM (default 30)")
     ap.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default="INFO",
                     help="log level (default INFO)")
+    ap.add_argument("--log-format", choices=LOG_FORMATS,
+                    help="log lines as text (default) or json, one object a line")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s kvpush-router %(levelname)s %(message)s")
     listen = args.listen
     if listen is None and (args.host or args.port):
         listen = f"{args.host or '127.0.0.1'}:{args.port or 8000}"
@@ -71,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             "prefill": args.prefill, "decode": [Backend(u.rstrip("/")) for u in args.decode], "listen": listen,
             "policy": args.policy, "prefill_timeout_s": args.prefill_timeout,
             "request_timeout_s": args.request_timeout, "shutdown_grace_s": args.shutdown_grace,
+            "log_format": args.log_format,
         })
     except RouterConfigError as exc:
         print(f"kvpush-router: {exc}", file=sys.stderr)
@@ -80,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from kvpush.router.app import build_app
 
+    logfmt.configure(args.log_level, cfg.log_format, "%(asctime)s kvpush-router %(levelname)s %(message)s")
     logging.getLogger("kvpush.router").info(
         "listening on %s:%d; prefill %s; decode %s", cfg.host, cfg.port,
         ", ".join(f"{b.url} ({len(b.kv_endpoints)} daemon(s))" for b in cfg.prefill),

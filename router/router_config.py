@@ -7,6 +7,8 @@
     request_timeout_s = 600
     shutdown_grace_s = 30            # SIGTERM: stop taking requests, let these finish
     max_body_bytes = 8388608         # a larger request body is refused (413), never forwarded
+    log_format = "text"              # or "json": one object per line
+    # otlp_traces_endpoint = "http://127.0.0.1:4318/v1/traces"  # OpenTelemetry (kvpush[otel])
 
     [[prefill]]
     url = "http://10.0.0.5:8100"     # the prefill engine's OpenAI server
@@ -44,6 +46,7 @@ from kvpush.configschema import (
 __all__ = ["Backend", "RouterConfig", "RouterConfigError", "load", "node_endpoints", "parse_prefill"]
 
 POLICIES = ("least-loaded", "round-robin")
+LOG_FORMATS = ("text", "json")
 MAX_TP = 1024
 _HOSTPORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]+):(\d{1,5})$")
 
@@ -61,6 +64,11 @@ class Backend:
     in_flight: int = 0
     served: int = 0
     failed: int = 0
+
+
+def _check_otlp_url(name: str, value: Any) -> None:
+    if value is not None and not str(value).startswith(("http://", "https://")):
+        raise ConfigError(f"{name} must be an http(s) URL, got {value!r}")
 
 
 def _check_body_bytes(name: str, value: Any) -> None:
@@ -87,6 +95,11 @@ class RouterConfig:
                                   "finish for this long", check=check_non_negative)
     max_body_bytes: int = key(8 << 20, "a larger request body is refused (413): never buffered, "
                               "never forwarded", check=_check_body_bytes)
+    log_format: str = key("text", "log line format: text, or json (one object per line)",
+                          choices=LOG_FORMATS)
+    otlp_traces_endpoint: str | None = key(None, "OTLP/HTTP traces URL (kvpush[otel]): export "
+                                           "request timelines; unset: no export",
+                                           check=_check_otlp_url, type_name="http(s) URL")
 
     def validate(self) -> None:
         if not self.prefill or not self.decode:

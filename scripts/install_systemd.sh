@@ -103,7 +103,7 @@ fi
 # 4. Peer keys (authentication is on by default): this node's key pair, made once.
 #    KVPUSH_NODE_HOSTS: the addresses this node's daemons advertise (default: all of this
 #    host's addresses). Copy the public $CONF_DIR/<node>.key into every peer node's
-#    $CONF_DIR/authorized_keys/ (README: "Peer keys").
+#    $CONF_DIR/authorized_keys/ (docs/operating.md: "Keys by host name or address").
 NODE="$(hostname -s)"
 install -d -m 0750 -o root -g kvpush "$CONF_DIR/authorized_keys"
 if [[ ! -e $CONF_DIR/node.key_secret ]]; then

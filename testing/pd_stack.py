@@ -55,6 +55,7 @@ class PDStack:
     engine_args: list[str] = field(default_factory=list)  # extra flags for both engines (GPU: memory share)
     engine_python: str | None = None  # interpreter of the engines' venv (default: vllm_env's)
     by_name: frozenset[str] = frozenset()  # "prefill"/"decode": connector by name, no module path
+    daemon_toml: str = ""  # extra kvpushd.toml lines (e.g. otlp_traces_endpoint)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     # Cores: each engine's whole process group on its own core; the daemons and the router
     # share the decode engine's core. On two cores the prefill engine's core is the one the
@@ -103,7 +104,7 @@ class PDStack:
         cfg.write_text(
             f'devices = ["cpu0", "cpu1"]\nruntime_dir = "{self.rt}"\nbase_port = {self.base_port}\n'
             f'metrics_port = {self.metrics_port}\nucx_error_handling_mode = "{self.ucx_error_handling_mode}"\n'
-            + auth
+            + auth + self.daemon_toml
         )
         self.procs["kvpushd"] = popen([ve.vllm_python(), "-m", "kvpush.daemon.cli", "--config", str(cfg)],
                                       self.work / "kvpushd.log", cpus=self._aux())

@@ -299,6 +299,9 @@ EXAMPLES: dict[str, tuple[str, Any]] = {
     "stop_timeout_s": ("3.0", lambda n: n.stop_timeout_s == 3.0),
     "ready_timeout_s": ("0", lambda n: n.ready_timeout_s == 0),
     "log_level": ('"debug"', lambda n: n.devices[0].log_level == "DEBUG"),  # node: see precedence
+    "log_format": ('"json"', lambda n: n.devices[0].log_format == "json"),
+    "otlp_traces_endpoint": ('"http://127.0.0.1:4318/v1/traces"',
+                             lambda n: n.devices[0].otlp_traces_endpoint == "http://127.0.0.1:4318/v1/traces"),
     "engine_socket": ('"ipc://{{runtime_dir}}/e-{{name}}.sock"',
                       lambda n: n.devices[0].engine_socket == "ipc:///run/kvpush-test/e-cpu0.sock"),
     "ops_socket": ('"ipc:///tmp/o{{index}}.sock"', lambda n: n.devices[0].ops_socket == "ipc:///tmp/o0.sock"),

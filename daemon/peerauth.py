@@ -28,7 +28,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from kvpush.daemon.allowlist import CERT_SUFFIX, ROLES, Allowlist, NodeCert
+from kvpush.daemon.allowlist import CERT_SUFFIX, ROLES, Allowlist, NodeCert, canonical_host
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def _read(path: str | Path) -> tuple[NodeCert, bytes | None]:
     except (OSError, ValueError) as exc:
         raise PeerAuthError(f"certificate {p}: {exc}") from None
     name = meta.get("name") or p.name.removesuffix(SECRET_SUFFIX).removesuffix(CERT_SUFFIX)
-    hosts = tuple(h.strip() for h in meta.get("hosts", "").split(",") if h.strip())
+    hosts = tuple(canonical_host(h) for h in meta.get("hosts", "").split(",") if h.strip())
     return NodeCert(name, public, hosts), secret
 
 
@@ -75,8 +75,9 @@ def read_cert(path: str | Path) -> NodeCert:
 
 
 def endpoint_host(endpoint: str) -> str:
-    """The host of ``tcp://HOST:PORT`` (``[v6]`` brackets removed): what certificates list."""
-    return endpoint.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    """The host of ``tcp://HOST:PORT``, in the one spelling certificates' hosts are kept in
+    (:func:`kvpush.daemon.allowlist.canonical_host`)."""
+    return canonical_host(endpoint.split("://", 1)[-1].rsplit(":", 1)[0])
 
 
 def keygen(directory: str | Path, name: str, hosts: list[str], roles: list[str] | None = None) -> tuple[Path, Path]:

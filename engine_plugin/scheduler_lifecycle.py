@@ -20,7 +20,8 @@ Every request that ends becomes an ENDED tombstone, purged ``tombstone_s`` later
 remembers the transfer's attempt, so that a later request of the same transfer registers
 a newer one. That is what keeps attempt numbers increasing, with nothing kept forever.
 The tombstone time must exceed the daemon's counter's (whose records it must outlive),
-hence the default. A live record has no deadline: vLLM ends every request it matched
+hence the default. (A request ID reused within that time for another transfer keeps the
+newer transfer's attempt only; vLLM makes its request IDs unique.) A live record has no deadline: vLLM ends every request it matched
 with ``request_finished``, and the worker half bounds every wait for the daemon.
 
 Pure: no I/O, no clock (events carry ``now``); fresh transfer IDs come from an injected
@@ -196,7 +197,8 @@ DEADLINES: dict[State, Callable[[Any], float | None]] = {s: (lambda rec: None) f
 class Req(Record):
     req_id: str
     transfer_id: str | None = None  # decode: the leg's; prefill: the router's, or named here
-    attempt: int = -1  # decode: the attempt registered (-1: none)
+    attempt: int = -1  # decode: the attempt registered (-1: none) ...
+    registered: str | None = None  # ... of this transfer (kept when a tombstone's ID is reused)
 
 
 class SchedulerLifecycle(TrackedCore):
@@ -216,7 +218,7 @@ class SchedulerLifecycle(TrackedCore):
     def next_attempt(self, transfer_id: str) -> int:
         """One more than the newest attempt of this transfer on record (0 if none)."""
         seen = [self._recs[k].attempt for k in self._index_get(transfer_id)
-                if self._recs[k].transfer_id == transfer_id]
+                if self._recs[k].registered == transfer_id]
         return max(seen, default=-1) + 1
 
     def _route(self, ev: Any) -> Iterable[str]:
@@ -289,9 +291,9 @@ def confirms(sl: SchedulerLifecycle, rec: Req, ev: Finished) -> bool:
 
 
 def reuse(sl: SchedulerLifecycle, rec: Req, ev: Any, out: list) -> None:
-    """A tombstone's request ID came again: a new request (the old attempt stays on record
-    through the index until the tombstone is purged)."""
-    rec.attempt, rec.transfer_id = -1, None
+    """A tombstone's request ID came again: a new request. Its old attempt stays on record
+    (``registered``, the index) until this record is purged or registers a newer one."""
+    rec.transfer_id = None
 
 
 def claim(sl: SchedulerLifecycle, rec: Req, ev: Matched, out: list) -> None:
@@ -313,8 +315,8 @@ def register(sl: SchedulerLifecycle, rec: Req, ev: Allocated, out: list) -> None
     assert leg is not None
     first_token = ev.num_prompt - ev.external
     first_token -= first_token % sl.block_size  # a local hit ending inside a block: load it all
-    rec.transfer_id = leg.transfer_id
     rec.attempt = sl.next_attempt(leg.transfer_id)
+    rec.transfer_id = rec.registered = leg.transfer_id
     sl._index_add(rec.req_id, rec, leg.transfer_id)
     out.append(Register(RegisterReq(
         rec.req_id, leg.transfer_id, rec.attempt, list(ev.block_ids[first_token // sl.block_size:]),
@@ -371,48 +373,47 @@ _EARLY_ENDS = "an EARLY request's only token is sampled by the step that made it
 _ROUTED = "a Step is routed to LOADED and CANDIDATE records only"
 _NO_DEADLINE = "a live request has no deadline (vLLM ends it; the worker bounds the daemon)"
 _OURS = "external tokens come only from our claim"
-_MATCH_FIRST = "vLLM matches a request before it allocates it"
+_LAST_TOKEN = "vLLM computes a prompt's last token itself: a match always leaves tokens to load"
+_REMOTE = "a request waiting for remote KV is not scheduled"
+_ONE_REPORT = ("the worker reports a request once, and only the load of a LOADING request "
+               "or the blocks of a HELD or RELEASING one")
 
 TABLE = Table(State, (Matched, Allocated, Step, Finished, Recved, SendingDone, _Deadline), [
     # --- no record (or a tombstone whose request ID came again) ----------------------------
     *[r for s, first in ((None, ()), (_EN, (reuse,))) for r in (
         row(s, Matched, claims, _CL, *first, claim),
-        row(s, Matched, a_decode_leg, s),  # nothing left to load
+        row(s, Matched, a_decode_leg, s, unreachable=_LAST_TOKEN),
         row(s, Matched, early_candidate, _CA, *first, name),
         row(s, Matched, transfer_known, _PF, *first, name),
         row(s, Matched, None, s),  # not ours
     )],
-    row(None, Allocated, registers, _LG, register, unreachable=_OURS),
-    row(None, Allocated, None, None),
-    row(_EN, Allocated, None, _EN, unreachable=_MATCH_FIRST),
-    row(None, Finished, holds, _HD, name, hold_send),  # a serial leg whose daemons became known
-    row(None, Finished, None, None),
-    row(_EN, Finished, None, _EN, unreachable=_FINISHED_ONCE),
-    *[row(s, e, None, s) for s in (None, _EN) for e in (Recved, SendingDone)],  # late or not ours
+    *[r for s, first in ((None, ()), (_EN, (reuse,))) for r in (
+        row(s, Allocated, registers, _LG, *first, register, unreachable=_OURS),
+        row(s, Allocated, None, s),
+        row(s, Finished, holds, _HD, *first, name, hold_send),  # a serial leg whose daemons became known
+        row(s, Finished, None, s),
+    )],
     *[row(s, Step, None, s, unreachable=_ROUTED) for s in (None, _EN)],
     row(None, _Deadline, None, None, unreachable="a forgotten record has no deadline"),
     row(_EN, _Deadline, None, None),  # tombstone time is over
 
     # --- decode -----------------------------------------------------------------------------
     row(_CL, Matched, claims, _CL, claim),  # not allocated last step: claimed again
-    row(_CL, Matched, None, _CL),
+    row(_CL, Matched, None, _CL, unreachable=_LAST_TOKEN),
     row(_CL, Allocated, registers, _LG, register),
-    row(_CL, Allocated, None, _CL),
+    row(_CL, Allocated, None, _CL, unreachable="vLLM allocates for the tokens we claimed"),
     row(_CL, Finished, None, _EN),
-    *[row(_CL, e, None, _CL) for e in (Recved, SendingDone)],
     *[row(s, Matched, None, s) for s in (_LD, _DC)],  # preempted: never claimed again
-    row(_LG, Matched, None, _LG, unreachable="a request waiting for remote KV is not scheduled"),
-    row(_LG, Allocated, None, _LG, unreachable="a request waiting for remote KV is not scheduled"),
+    row(_LG, Matched, None, _LG, unreachable=_REMOTE),
+    row(_LG, Allocated, None, _LG, unreachable=_REMOTE),
     *[row(s, Allocated, None, s) for s in (_LD, _DC)],
     row(_LG, Recved, None, _LD),
-    row(_LG, SendingDone, None, _LG),
     row(_LG, Finished, None, _RL, abort_load),
     row(_LD, Step, None, _DC, first_step),
     row(_LD, Finished, None, _EN),
     row(_DC, Finished, None, _EN),
-    *[row(s, e, None, s) for s in (_LD, _DC) for e in (Recved, SendingDone)],
-    row(_RL, Recved, None, _RL),  # the load ended as it was aborted: Released still follows
     row(_RL, SendingDone, None, _EN),
+    row(_EN, Recved, None, _EN),  # its load failed (deadline) as its abort was freed: nothing to do
     *[row(_RL, e, None, _RL, unreachable=_FINISHED_ONCE) for e in (Matched, Allocated, Finished)],
 
     # --- prefill ----------------------------------------------------------------------------
@@ -428,12 +429,12 @@ TABLE = Table(State, (Matched, Allocated, Step, Finished, Recved, SendingDone, _
     *[row(s, Finished, None, _EN) for s in (_PF, _CA)],
     row(_EA, Finished, confirms, _HD, hold_send),
     row(_EA, Finished, None, _HD, withdraw),
-    *[row(s, e, None, s) for s in (_PF, _CA, _EA) for e in (Recved, SendingDone)],
     row(_HD, SendingDone, None, _EN),
-    row(_HD, Recved, None, _HD),
     *[row(_HD, e, None, _HD, unreachable=_FINISHED_ONCE) for e in (Matched, Allocated, Finished)],
 
     # --- rows no request takes --------------------------------------------------------------
+    *[row(s, Recved, None, s, unreachable=_ONE_REPORT) for s in (None, _CL, _LD, _DC, _RL, _PF, _CA, _EA, _HD)],
+    *[row(s, SendingDone, None, s, unreachable=_ONE_REPORT) for s in (None, _EN, _CL, _LG, _LD, _DC, _PF, _CA, _EA)],
     *[row(s, Step, None, s, unreachable=_ROUTED) for s in (_CL, _LG, _DC, _RL, _PF, _EA, _HD)],
     *[row(s, _Deadline, None, s, unreachable=_NO_DEADLINE) for s in State if s is not _EN],
 ])  # fmt: skip

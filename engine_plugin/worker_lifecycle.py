@@ -385,14 +385,15 @@ TABLE = Table(State, (*_RECV_EVENTS, *_SEND_EVENTS, Forward, Released, Unsent, L
     # --- no record ----------------------------------------------------------------------------
     row(None, Register, down, None, unavailable),
     row(None, Register, None, _LG, load_facts, publish_register),
-    row(None, AbortLoad, None, None, free_req),  # already answered here: nothing can land any more
+    row(None, AbortLoad, None, None, free_req),  # its load ended here (its deadline): nothing can land
     row(None, Send, early, _QU, send_facts),
     row(None, Send, down, None, free_req),
     row(None, Send, None, _SE, send_facts, publish_prefill_done),
     row(None, SendAbort, None, None, free_req,
         unreachable="an early send keeps its record until vLLM's confirmation (this or its Send)"),
     row(None, SendDone, None, None, report),  # the timeline of a send already reported free
-    *[row(None, e, None, None) for e in (Received, ReceiveFailed, Released, Unsent)],  # late, or not ours
+    *[row(None, e, None, None) for e in (Received, ReceiveFailed, Released)],  # late, or not ours
+    row(None, Unsent, None, None, unreachable="fed right after the publish its record asked for"),
     *[row(None, e, None, None, unreachable=_ROUTED) for e in (Forward, Lost, _Deadline)],
 
     # --- decode: LOADING ------------------------------------------------------------------------
@@ -416,7 +417,8 @@ TABLE = Table(State, (*_RECV_EVENTS, *_SEND_EVENTS, Forward, Released, Unsent, L
     row(_QU, Forward, None, _SE, publish_prefill_done),
     row(_QU, Send, None, _QU, confirm, unreachable=_NEXT_STEP),
     row(_QU, SendAbort, None, None, free_req, unreachable=_NEXT_STEP),
-    *[row(_QU, e, None, _QU) for e in (SendDone, Released)],  # not published: not ours
+    *[row(_QU, e, None, _QU, unreachable="not published yet; sends are named afresh per request")
+      for e in (SendDone, Released)],
     *[row(_QU, e, None, _QU, unreachable=_ROUTED) for e in (Unsent, Lost, _Deadline)],
 
     # --- prefill: SENDING -----------------------------------------------------------------------

@@ -16,9 +16,9 @@ did); once vLLM finished it normally its blocks are held (HELD) until the worker
 daemon is done with them. Preemption is not a hook of its own: a preempted request is
 matched and allocated again, which no state after CLAIMED turns into a second claim.
 
-Every request that ends becomes an ENDED tombstone, purged ``tombstone_s`` later: it
-remembers the transfer's attempt, so that a later request of the same transfer registers
-a newer one. That is what keeps attempt numbers increasing, with nothing kept forever.
+A request that registered an attempt ends as an ENDED tombstone, purged ``tombstone_s``
+later: it remembers the transfer's attempt, so that a later request of the same transfer
+registers a newer one. Every other request's record is forgotten when it ends. That is what keeps attempt numbers increasing, with nothing kept forever.
 The tombstone time must exceed the daemon's counter's (whose records it must outlive),
 hence the default. (A request ID reused within that time for another transfer keeps the
 newer transfer's attempt only; vLLM makes its request IDs unique.) A live record has no deadline: vLLM ends every request it matched
@@ -402,7 +402,7 @@ TABLE = Table(State, (Matched, Allocated, Step, Finished, Recved, SendingDone, _
     row(_CL, Matched, None, _CL, unreachable=_LAST_TOKEN),
     row(_CL, Allocated, registers, _LG, register),
     row(_CL, Allocated, None, _CL, unreachable="vLLM allocates for the tokens we claimed"),
-    row(_CL, Finished, None, _EN),
+    row(_CL, Finished, None, None),  # nothing registered: nothing to remember
     *[row(s, Matched, None, s) for s in (_LD, _DC)],  # preempted: never claimed again
     row(_LG, Matched, None, _LG, unreachable=_REMOTE),
     row(_LG, Allocated, None, _LG, unreachable=_REMOTE),
@@ -426,10 +426,10 @@ TABLE = Table(State, (Matched, Allocated, Step, Finished, Recved, SendingDone, _
     row(_CA, Step, whole_prompt, _EA, send_early),
     row(_CA, Step, None, _PF),  # chunked: PrefillDone goes out when vLLM finishes it
     *[row(s, Finished, holds, _HD, hold_send) for s in (_PF, _CA)],
-    *[row(s, Finished, None, _EN) for s in (_PF, _CA)],
+    *[row(s, Finished, None, None) for s in (_PF, _CA)],
     row(_EA, Finished, confirms, _HD, hold_send),
     row(_EA, Finished, None, _HD, withdraw),
-    row(_HD, SendingDone, None, _EN),
+    row(_HD, SendingDone, None, None),
     *[row(_HD, e, None, _HD, unreachable=_FINISHED_ONCE) for e in (Matched, Allocated, Finished)],
 
     # --- rows no request takes --------------------------------------------------------------

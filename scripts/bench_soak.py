@@ -1,7 +1,6 @@
-"""Soak benchmarks (testing/bench/soak.py): collections and RSS after many transfers."""
-
-import sys
-
+#!/usr/bin/env python3
+"""Thin entry point: soak benchmarks, collections and RSS after many transfers (``kvpush.testing.bench.soak``; ``--help`` there)."""
 from kvpush.testing.bench.soak import main
 
-sys.exit(main())
+if __name__ == "__main__":
+    raise SystemExit(main())

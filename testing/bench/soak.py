@@ -4,6 +4,15 @@ Each subcommand drives many transfers through real components and prints the siz
 every collection they keep, and the process RSS, at the start, the middle and the end; it
 also writes the table to ``docs/results/soak_<name>.md``.
 
+``daemons``: real transfers (one block each, 32 in flight) through a real prefill and decode
+daemon pair with engine stand-ins (:mod:`kvpush.testing.daemon_harness`), 1 in 10 aborted by
+the decode engine before its prefill (Released). The daemons' collections are their ops
+``status`` view (records per core state, peers, writes in flight) and the ``pending`` rows;
+their RSS is theirs (``status.rss_bytes``). The cores keep a tombstone 60 s, so a warm-up
+longer than that runs first (the tombstones' high-water mark) and the measurements around
+the run wait for the tombstones to go: growth is measured from after the warm-up (target:
+at most 1 MiB).
+
 ``plugin``: both halves of the engine plugin (KVPushScheduler + KVPushWorker) of a prefill
 engine and of a decode engine, in one process, called the way vLLM's scheduler and worker
 call them, with vLLM's own ``Request`` objects; each worker talks to a daemon stand-in over
@@ -261,7 +270,7 @@ class PluginSoak:
             d.sched.update_state_after_alloc(r, kv_blocks(r), 0)
         self.settle(d, lambda: aborted <= d.freed, fail, cached=running, what="aborted loads")
         d.freed.clear()
-        for t, r in dreqs.items():
+        for r in dreqs.values():
             if r.request_id in running:
                 r.status = RequestStatus.FINISHED_LENGTH_CAPPED
                 assert d.sched.request_finished(r, blocks(r)) == (False, None)
@@ -351,10 +360,104 @@ def main_plugin(args: argparse.Namespace) -> int:
     return 0 if not bad else 1
 
 
+# ------------------------------------------------------------------ the daemon pair soak
+
+TOMBSTONE_WAIT_S = 62.0  # the daemon cores' tombstone_s (60) and a tick
+
+
+def daemon_collections(d: Any) -> dict[str, int]:
+    st = d.ops("status")
+    out = {f"{k}.{s}": n for k, per in st["pending"].items() for s, n in per.items()}
+    out.update({f"peers.{k}": n for k, n in st["peers"].items()})
+    out["in_flight"] = st["in_flight"]
+    out["pending_rows"] = len(d.ops("pending")["pending"])
+    return out
+
+
+def run_daemons(transfers: int, warmup: int, window: int = 32, wait_s: float = TOMBSTONE_WAIT_S) -> dict[str, Any]:
+    from kvpush import proto
+    from kvpush.testing.bench.transfer import daemon_pair
+
+    snaps: dict[str, Any] = {}
+
+    def snap(label: str, p: Any, d: Any) -> None:
+        cols = {f"prefill.{k}": v for k, v in daemon_collections(p).items()}
+        cols.update({f"decode.{k}": v for k, v in daemon_collections(d).items()})
+        rss = {"prefill": p.ops("status")["rss_bytes"] / 2**20, "decode": d.ops("status")["rss_bytes"] / 2**20}
+        snaps[label] = (cols, rss)
+        print(f"[soak daemons] {label}: rss {rss}", file=sys.stderr)
+
+    def push(p: Any, d: Any, pe: Any, de: Any, first: int, n: int) -> None:
+        for base in range(first, first + n, window):
+            batch = [(f"soak-{i}", i % window) for i in range(base, min(base + window, first + n))]
+            for tid, b in batch:
+                de.client.send(proto.Register(tid, 0, (b,), 16, (p.peer_endpoint,), 1, 10_000))
+            aborted = {tid for tid, _ in batch if int(tid.split("-")[1]) % 10 == 9}
+            for tid in aborted:
+                de.client.send(proto.Abort(tid, 0, "client went away"))
+            for tid, b in batch:
+                if tid not in aborted:
+                    pe.client.send(proto.PrefillDone(tid, (b,), 16, 10_000))
+            for tid, _ in batch:
+                if tid in aborted:
+                    de.wait_for(lambda m, t=tid: isinstance(m, proto.Released) and m.transfer_id == t, 20)
+                else:
+                    assert isinstance(de.result(tid), proto.Received)
+                    assert isinstance(pe.result(tid), proto.Sent)
+            de.inbox.clear()
+            pe.inbox.clear()
+
+    t0 = time.monotonic()
+    with daemon_pair("peer", 64) as (p, d, pe, de):
+        snap("start", p, d)
+        # Warm-up: the same load for longer than the tombstones last, so the same high-water mark.
+        push(p, d, pe, de, 0, warmup)
+        time.sleep(wait_s)
+        snap("after_warmup", p, d)
+        push(p, d, pe, de, warmup, transfers // 2)
+        snap("middle", p, d)
+        push(p, d, pe, de, warmup + transfers // 2, transfers - transfers // 2)
+        snap("end_before_purge", p, d)
+        time.sleep(wait_s)
+        snap("end", p, d)
+    return {"transfers": transfers, "warmup": warmup, "seconds": time.monotonic() - t0, "snaps": snaps}
+
+
+def main_daemons(args: argparse.Namespace) -> int:
+    res = run_daemons(args.transfers, args.warmup, wait_s=args.wait_s)
+    snaps = res["snaps"]
+    cols = ["start", "after_warmup", "middle", "end_before_purge", "end"]
+    names = sorted(set().union(*(snaps[c][0] for c in cols)))
+    lines = ["| collection | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
+    lines += [f"| {n} | " + " | ".join(str(snaps[c][0].get(n, "")) for c in cols) + " |" for n in names]
+    for side in ("prefill", "decode"):
+        lines.append(f"| **{side} RSS MiB** | " + " | ".join(f"{snaps[c][1][side]:.1f}" for c in cols) + " |")
+    growth = {s: snaps["end"][1][s] - snaps["after_warmup"][1][s] for s in ("prefill", "decode")}
+    ok = all(g <= 1.0 for g in growth.values())
+    body = "\n".join(lines)
+    verdict = ", ".join(f"{s} RSS {g:+.2f} MiB after warm-up" for s, g in growth.items())
+    verdict += " (target <= 1 MiB: " + ("met" if ok else "NOT met") + ")"
+    print(body)
+    print(f"{res['transfers']} transfers after a warm-up of {res['warmup']}, {res['seconds']:.0f} s: {verdict}")
+    header = (f"# Soak: a real daemon pair, {res['transfers']} transfers after a warm-up of {res['warmup']}\n\n"
+              f"`python scripts/bench_soak.py daemons --transfers {args.transfers} --warmup {args.warmup}` on {time.strftime('%Y-%m-%d')} "
+              f"({os.cpu_count()} CPUs, shared machine, noisy): one 64 KiB block per transfer, 32 in flight, "
+              f"1 in 10 aborted by the decode engine before its prefill. Collections: the daemons' ops `status` "
+              f"(records per core state; tombstones included) and `pending` rows. Every snapshot but `middle` and "
+              f"`end_before_purge` waits {args.wait_s:.0f} s for the cores' tombstones to go. "
+              f"{res['seconds']:.0f} s.\n\nResult: {verdict}.")
+    print(f"wrote {write_result('daemons', header, body)}", file=sys.stderr)
+    return 0 if ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     pl = sub.add_parser("plugin", help="transfers through both plugin halves in memory")
     pl.add_argument("--transfers", type=int, default=100_000)
+    dm = sub.add_parser("daemons", help="real transfers through a real daemon pair")
+    dm.add_argument("--transfers", type=int, default=20_000)
+    dm.add_argument("--warmup", type=int, default=8000, help="transfers first, not measured (> 60 s of them)")
+    dm.add_argument("--wait-s", type=float, default=TOMBSTONE_WAIT_S, help="for the cores' tombstones to go")
     args = ap.parse_args(argv)
-    return {"plugin": main_plugin}[args.cmd](args)
+    return {"plugin": main_plugin, "daemons": main_daemons}[args.cmd](args)

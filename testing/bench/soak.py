@@ -13,6 +13,13 @@ longer than that runs first (the tombstones' high-water mark) and the measuremen
 the run wait for the tombstones to go: growth is measured from after the warm-up (target:
 at most 1 MiB).
 
+``router``: requests through the real router (:mod:`kvpush.router.app`) in front of a
+prefill and a decode engine stand-in (aiohttp on loopback: a JSON answer, an SSE stream),
+64 in flight; 1 in 10 prefill legs fail (500), 1 in 10 clients go away mid-stream. The
+router's collections are walked like the plugin's; the asyncio tasks and the session's
+open connections are counted too. The router, the stand-ins and the client share the
+process, so the RSS is theirs together.
+
 ``plugin``: both halves of the engine plugin (KVPushScheduler + KVPushWorker) of a prefill
 engine and of a decode engine, in one process, called the way vLLM's scheduler and worker
 call them, with vLLM's own ``Request`` objects; each worker talks to a daemon stand-in over
@@ -450,6 +457,144 @@ def main_daemons(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+# ------------------------------------------------------------------ the router soak
+
+
+async def _router_soak(requests: int, concurrency: int) -> dict[str, Any]:
+    import asyncio
+    import json
+    import socket
+
+    import aiohttp
+    from aiohttp import web
+
+    from kvpush.router.app import Backend, RouterConfig, build_app
+
+    def port() -> int:
+        with socket.socket() as sk:
+            sk.bind(("127.0.0.1", 0))
+            return int(sk.getsockname()[1])
+
+    async def serve(app: web.Application) -> tuple[web.AppRunner, str]:
+        runner = web.AppRunner(app)
+        await runner.setup()
+        pt = port()
+        await web.TCPSite(runner, "127.0.0.1", pt).start()
+        return runner, f"http://127.0.0.1:{pt}"
+
+    async def prefill(req: web.Request) -> web.Response:
+        body = await req.json()
+        if body.get("prompt") == "fail":
+            return web.json_response({"error": {"message": "boom"}}, status=500)
+        return web.json_response({"choices": [{"text": "x", "index": 0}], "kv_transfer_params": None})
+
+    async def decode(req: web.Request) -> web.StreamResponse:
+        await req.json()
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(req)
+        try:
+            for i in range(4):
+                await resp.write(f"data: {json.dumps({'choices': [{'text': str(i), 'index': 0}]})}\n\n".encode())
+                await asyncio.sleep(0.001)
+            await resp.write(b"data: [DONE]\n\n")
+        except ConnectionError:  # the router closed the leg (its client left, or the prefill failed)
+            pass
+        return resp
+
+    papp, dapp = web.Application(), web.Application()
+    papp.router.add_post("/v1/completions", prefill)
+    dapp.router.add_post("/v1/completions", decode)
+    (pr, p_url), (dr, d_url) = await serve(papp), await serve(dapp)
+    app = build_app(RouterConfig(prefill=[Backend(p_url, ["tcp://127.0.0.1:1"])], decode=[Backend(d_url, [])]))
+    rr, url = await serve(app)
+    router = app["router"]
+    snaps: dict[str, Any] = {}
+    outcome = {"ok": 0, "failed": 0, "gone": 0}
+
+    def snap(label: str) -> None:
+        gc.collect()
+        cols = collections_of(router, "router.")
+        cols["asyncio.tasks"] = len(asyncio.all_tasks())
+        conn = router.session.connector if router.session is not None else None
+        cols["session.connections"] = sum(len(v) for v in getattr(conn, "_conns", {}).values())
+        cols["session.acquired"] = len(getattr(conn, "_acquired", ()))
+        snaps[label] = (cols, rss_mib())
+
+    async def one(s: aiohttp.ClientSession, i: int) -> None:
+        body = {"model": "tiny", "prompt": "fail" if i % 10 == 9 else "hi", "max_tokens": 4, "stream": True}
+        try:
+            async with s.post(f"{url}/v1/completions", json=body) as r:
+                if r.status != 200:
+                    outcome["failed"] += 1
+                    await r.read()
+                    return
+                async for line in r.content:
+                    if i % 10 == 8:  # the client goes away mid-stream
+                        outcome["gone"] += 1
+                        return
+                    if b'"error"' in line:  # a leg failed after the 200: the stream's last event
+                        outcome["failed"] += 1
+                        return
+                outcome["ok"] += 1
+        except aiohttp.ClientError:
+            outcome["failed"] += 1
+
+    t0 = time.monotonic()
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as s:
+            await one(s, 0)
+            snap("start")
+            sem = asyncio.Semaphore(concurrency)
+
+            async def bounded(i: int) -> None:
+                async with sem:
+                    await one(s, i)
+
+            half = requests // 2
+            await asyncio.gather(*(bounded(i) for i in range(1, half)))
+            await asyncio.sleep(2.0)  # legs the router cancelled finish closing
+            snap("middle")
+            await asyncio.gather(*(bounded(i) for i in range(half, requests)))
+            await asyncio.sleep(2.0)
+            snap("end")
+    finally:
+        for runner in (rr, pr, dr):
+            await runner.cleanup()
+    return {"requests": requests, "seconds": time.monotonic() - t0, "snaps": snaps, "outcome": outcome}
+
+
+def run_router(requests: int, concurrency: int = 64) -> dict[str, Any]:
+    import asyncio
+
+    return asyncio.run(_router_soak(requests, concurrency))
+
+
+#: the router's bounded caches: its trace ring and the request-id map it trims to the ring's size
+ROUTER_BOUNDED = {"router.trace._t": 4096, "router.request_ids": 4096}
+
+
+def main_router(args: argparse.Namespace) -> int:
+    res = run_router(args.requests)
+    snaps = res["snaps"]
+    cols = ["start", "middle", "end"]
+    # Baseline: the middle (half the requests in): pooled keep-alive connections, and the
+    # server tasks that serve them, are there from the first burst on and bounded by it.
+    mid, end = snaps["middle"][0], snaps["end"][0]
+    bad = {n: (mid.get(n, 0), v) for n, v in end.items() if v > ROUTER_BOUNDED.get(n, mid.get(n, 0))}
+    verdict = "nothing above its size at the middle, or its cap" if not bad else f"GREW: {bad}"
+    body = table(snaps, cols)
+    print(body)
+    print(f"{res['requests']} requests in {res['seconds']:.1f} s ({res['outcome']}): {verdict}")
+    header = (f"# Soak: the router, {res['requests']} requests\n\n"
+              f"`python scripts/bench_soak.py router --requests {args.requests}` on {time.strftime('%Y-%m-%d')} "
+              f"({os.cpu_count()} CPUs, shared machine): the router in front of aiohttp engine stand-ins, 64 in "
+              f"flight, 1 in 10 prefill legs failing, 1 in 10 clients leaving mid-stream ({res['outcome']}). "
+              f"Bounded: {', '.join(f'{k} <= {v}' for k, v in ROUTER_BOUNDED.items())}. RSS: router, stand-ins "
+              f"and client in one process. {res['seconds']:.1f} s.\n\nResult: {verdict}.")
+    print(f"wrote {write_result('router', header, body)}", file=sys.stderr)
+    return 0 if not bad else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -459,5 +604,7 @@ def main(argv: list[str] | None = None) -> int:
     dm.add_argument("--transfers", type=int, default=20_000)
     dm.add_argument("--warmup", type=int, default=8000, help="transfers first, not measured (> 60 s of them)")
     dm.add_argument("--wait-s", type=float, default=TOMBSTONE_WAIT_S, help="for the cores' tombstones to go")
+    ro = sub.add_parser("router", help="requests through the router in front of engine stand-ins")
+    ro.add_argument("--requests", type=int, default=10_000)
     args = ap.parse_args(argv)
-    return {"plugin": main_plugin, "daemons": main_daemons}[args.cmd](args)
+    return {"plugin": main_plugin, "daemons": main_daemons, "router": main_router}[args.cmd](args)

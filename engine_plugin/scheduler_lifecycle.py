@@ -49,9 +49,11 @@ __all__ = [
 TOMBSTONE_S = 120.0  # > the daemon counter's default tombstone (60 s): attempts stay increasing
 
 # --------------------------------------------------------------------------- events
+# Events and actions are plain slotted dataclasses, not frozen ones: they are made on vLLM's
+# engine loop for every request, and a frozen one costs several times more to build.
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Matched:
     """get_num_new_matched_tokens: vLLM asks how many prompt tokens we will load."""
 
@@ -64,7 +66,7 @@ class Matched:
     single_token: bool  # max_tokens == 1: its one token is sampled by the step ending its prompt
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Allocated:
     """update_state_after_alloc: the request's blocks, and how many tokens vLLM expects us to load."""
 
@@ -76,7 +78,7 @@ class Allocated:
     decode: DecodeLeg | None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class NewReq:
     """A request scheduled for the first time this step (SchedulerOutput.scheduled_new_reqs)."""
 
@@ -86,7 +88,7 @@ class NewReq:
     block_ids: tuple[int, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Step:
     """build_connector_meta of a step that runs a forward."""
 
@@ -95,7 +97,7 @@ class Step:
     new: Mapping[str, NewReq]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Finished:
     """request_finished: vLLM is done with the request (finished, aborted or evicted)."""
 
@@ -108,7 +110,7 @@ class Finished:
     endpoints: tuple[str, ...] | None  # this engine's daemons, for the answer; None: unknown
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Recved:
     """update_connector_output: the worker reported the request's load ended (ok or failed)."""
 
@@ -116,7 +118,7 @@ class Recved:
     now: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SendingDone:
     """update_connector_output: the worker reported the request's blocks free."""
 
@@ -129,41 +131,41 @@ Event = Matched | Allocated | Step | Finished | Recved | SendingDone
 # -------------------------------------------------------------------------- actions
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Claim:
     """Answer get_num_new_matched_tokens with (count, True): an async load."""
 
     count: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Hold:
     """Answer request_finished with (True, answer): vLLM keeps the blocks until finished_sending."""
 
     answer: dict[str, Any] | None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Register:
     req: RegisterReq
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Send:
     req: SendReq
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class AbortLoad:
     req: AbortReq
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class AbortSend:
     req: AbortReq
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Stamp:
     """A timeline stamp for the transfer (taken by the shell: the core has no clock)."""
 

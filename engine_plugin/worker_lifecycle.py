@@ -39,9 +39,11 @@ __all__ = [
 ]
 
 # --------------------------------------------------------------------------- events
+# Events and actions are plain slotted dataclasses, not frozen ones: they are made on vLLM's
+# engine loop for every request, and a frozen one costs several times more to build.
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Register:
     """Metadata: register these blocks for the transfer's KV (decode)."""
 
@@ -57,7 +59,7 @@ class Register:
     down: bool
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class AbortLoad:
     """Metadata: vLLM finished a request while its registration was live (decode)."""
 
@@ -68,7 +70,7 @@ class AbortLoad:
     down: bool
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Send:
     """Metadata: the request's KV is in these blocks (prefill). ``early``: publish after
     this step's forward; else vLLM finished the request (it confirms an early one)."""
@@ -82,7 +84,7 @@ class Send:
     down: bool
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SendAbort:
     """Metadata: an early-published request vLLM finished abnormally (prefill)."""
 
@@ -92,7 +94,7 @@ class SendAbort:
     down: bool
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Forward:
     """The step's forward ran (vLLM's wait_for_save): the early PrefillDones may go out."""
 
@@ -100,14 +102,14 @@ class Forward:
     down: bool
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Received:
     transfer_id: str
     attempt: int
     now: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ReceiveFailed:
     transfer_id: str
     attempt: int
@@ -115,7 +117,7 @@ class ReceiveFailed:
     now: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SendDone:
     """The daemon's Sent (``ok``) or SendFailed: it is done with the blocks."""
 
@@ -124,7 +126,7 @@ class SendDone:
     now: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Released:
     """The daemon no longer touches the blocks of this aborted registration (or send)."""
 
@@ -133,7 +135,7 @@ class Released:
     now: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Unsent:
     """The link refused the publish this record asked for (its queue is full, or it is closed)."""
 
@@ -141,7 +143,7 @@ class Unsent:
     now: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Lost:
     """The daemon is unavailable, or restarted (a new daemon ID): nothing it held will answer."""
 
@@ -149,7 +151,7 @@ class Lost:
     now: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Tick:
     """Time passed: expire what is due."""
 
@@ -161,7 +163,7 @@ Event = Register | AbortLoad | Send | SendAbort | Forward | Received | ReceiveFa
 # -------------------------------------------------------------------------- actions
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Publish:
     """Hand ``msg`` to the daemon link; if refused, feed ``Unsent(key)``. ``counter``: the
     transfer counter a successful publish bumps; ``stamp``: the timeline hop, taken first."""
@@ -172,7 +174,7 @@ class Publish:
     stamp: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class LoadEnded:
     """Report the request in finished_recving; if not ``ok``, its blocks as load errors (vLLM
     recomputes them). ``say``: the daemon's reason, worth a (once-per-reason) log line."""
@@ -186,21 +188,21 @@ class LoadEnded:
     say: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Free:
     """Report the request in finished_sending: vLLM may reuse its blocks."""
 
     req_id: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ReportTrace:
     """The transfer is behind us on this rank: queue its stamps for the daemon."""
 
     transfer_id: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SendSample:
     seconds: float
     blocks: int

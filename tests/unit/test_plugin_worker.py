@@ -324,3 +324,27 @@ def test_dead_after_ms_reaches_the_links_liveness_rule_and_is_bounded() -> None:
                 PluginConfig.from_extra({"daemon": "ipc:///x", "dead_after_ms": bad})
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_restarted_daemon_fails_the_loads_and_frees_the_blocks_it_held(stack) -> None:
+    """A new daemon ID in an AttachAck: nothing the old daemon held will answer. The pending
+    load fails (its blocks are load errors, vLLM recomputes), a held prefill send is freed, an
+    aborted load's blocks are free; nothing is left in the lifecycle."""
+    import torch
+
+    w, daemon = stack
+    buf = torch.zeros(2 * 4 * 16 * 128, dtype=torch.bfloat16)
+    w.register_kv_caches({f"model.layers.{i}.self_attn.attn": buf[i * buf.numel() // 2:(i + 1) * buf.numel() // 2]
+                          .view(4, 1, 16, 128) for i in range(2)})
+    settle(w, daemon, lambda d: w._daemon_id == "d1")
+    step(w, KVPushMetadata(registers=[RegisterReq("r1", "t1", 0, [1, 2], 32, 0, ["tcp://p:1"], 1),
+                                      RegisterReq("r2", "t2", 0, [3], 16, 0, ["tcp://p:1"], 1)],
+                           sends=[SendReq("r3", "t3", [0], 16)]), forward=False)
+    step(w, KVPushMetadata(aborts=[AbortReq("r2", "t2", 0)]), forward=False)
+    settle(w, daemon, lambda d: any(isinstance(m, proto.Abort) for m in d.got))
+    assert loading(w, "t1") and sending(w, "t3") and w.lifecycle.live_count() == 3
+    daemon.send(proto.AttachAck("agent-d2", "d2"))  # the daemon restarted
+    fs, fr = settle(w, daemon, lambda d: w._daemon_id == "d2")
+    assert fr == {"r1"} and fs == {"r2", "r3"}
+    assert w.take_load_errors() == {1, 2}
+    assert w.lifecycle.live_count() == 0

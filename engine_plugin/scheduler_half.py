@@ -103,9 +103,9 @@ class KVPushScheduler:
                     "with these keys are not logged", ", ".join(keys))
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        if num_external_tokens <= 0 and self.lifecycle.state(request.request_id) is None:
-            return  # not ours (the common case on every engine): no event at all
-        block_ids = tuple(blocks.get_block_ids()[0]) if num_external_tokens > 0 else ()
+        if num_external_tokens <= 0:
+            return  # the table's Allocated rows without tokens to load change nothing (a unit test checks)
+        block_ids = tuple(blocks.get_block_ids()[0])
         self._apply(sl.Allocated(request.request_id, time.monotonic(), num_external_tokens, block_ids,
                                  request.num_prompt_tokens, decode_leg(request.kv_transfer_params)))
 

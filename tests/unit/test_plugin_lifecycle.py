@@ -352,7 +352,7 @@ def test_a_transfer_s_attempts_only_increase_while_the_daemon_may_remember_it(se
     last attempt is on record here (the tombstone outlives the daemon counter's). Not when a
     request ID is reused for another transfer within the tombstone time: the record then
     remembers the newer transfer's attempt only (vLLM makes request IDs unique)."""
-    sim = Sim(random.Random(seed), 120.0, reuse_ids=False)
+    sim = Sim(random.Random(seed), 1e9, reuse_ids=False)  # never purged within the run
     last: dict[str, int] = {}
     sched = sim.sched
 
@@ -384,3 +384,14 @@ def test_the_old_attempt_map_would_grow_the_new_core_does_not() -> None:
     assert s.live_count() == 0 and s.count(sl.State.ENDED) <= 101  # one tombstone second's worth
     s.handle(sl.SendingDone("nobody", now + 2))
     assert all(v == 0 for v in s.sizes().values()), s.sizes()
+
+
+def test_an_allocation_without_tokens_to_load_changes_nothing() -> None:
+    """The scheduler half skips update_state_after_alloc with no external tokens (every plain
+    request on every engine): sound only while every Allocated row but the registering ones
+    keeps its state and does nothing."""
+    for r in sl.TABLE.rows:
+        if r.event is sl.Allocated and r.guard is not sl.registers:
+            assert r.to is r.state and r.steps == (), str(r)
+    leg = DecodeLeg("t", ("tcp://p:1",), 1)
+    assert not sl.registers(None, None, sl.Allocated("r", 0.0, 0, (1,), 16, leg))  # type: ignore[arg-type]

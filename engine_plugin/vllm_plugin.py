@@ -10,12 +10,12 @@ explicit form keeps working.
 
 from __future__ import annotations
 
-import logging
+from kvpush.engine_plugin.logs import plugin_logger
 
 CONNECTOR_NAME = "KVPushConnector"
 MODULE_PATH = "kvpush.engine_plugin.connector"
 
-log = logging.getLogger(__name__)
+log = plugin_logger(__name__)
 
 
 def register() -> None:

@@ -1,9 +1,15 @@
 """Worker half of KVPushConnector: attaches the KV memory, publishes, reports completions.
 
 It owns the rank's DaemonClient. Every call is non-blocking: publishing is a
-zmq send with a bounded local queue, completions come from a zero-timeout poll.
+send on the engine link (a unix stream socket) with a bounded local queue, completions come
+from a zero-timeout poll.
 No NIXL, no threads. If the daemon is unreachable the engine keeps serving:
 decode loads fail (vLLM recomputes) and prefill blocks are released.
+
+Each registration's and send's lifecycle is one record of
+:mod:`kvpush.engine_plugin.worker_lifecycle`; this shell turns the step's metadata and the
+daemon's replies into its events, and carries out its actions (publishes, vLLM's finished
+sets and load errors). What it keeps itself is per step (those sets) or bounded (traces).
 """
 
 from __future__ import annotations
@@ -12,18 +18,20 @@ import atexit
 import re
 import time
 from collections import deque
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from kvpush import proto
+from kvpush.engine_plugin import worker_lifecycle as wl
 from kvpush.engine_plugin.client import DaemonClient
 from kvpush.engine_plugin.connector_config import PluginConfig
 from kvpush.engine_plugin.kv_export import export_cpu_tensor, unlink_export
 from kvpush.engine_plugin.logonce import OncePer
 from kvpush.engine_plugin.logs import plugin_logger
-from kvpush.engine_plugin.metadata import KVPushMetadata, SendReq
+from kvpush.engine_plugin.metadata import KVPushMetadata
 from kvpush.engine_plugin.stats import TransferSamples
 from kvpush.proto.layout import KVLayout, vllm_cpu_layout
 from kvpush.proto.trace import TraceRing, now_ns
@@ -34,14 +42,6 @@ _LAYER_NUM = re.compile(r"\.(\d+)\.")
 TRACE_BATCH = 16  # TraceReports sent together once this many are queued ...
 TRACE_FLUSH_S = 0.2  # ... or this long after the last batch, or when no transfer is pending
 TRACE_BATCH_MAX = 512  # queued at most (oldest dropped, counted in trace_dropped)
-
-
-@dataclass
-class _Pending:
-    req_id: str
-    attempt: int
-    block_ids: list[int]
-    since: float
 
 
 @dataclass
@@ -132,18 +132,13 @@ class KVPushWorker:
         self.counters = TransferCounters()
         self._said = OncePer(64)  # failure reasons already logged
         self.samples = TransferSamples()  # latency and bytes of finished transfers (stats hook)
-        self._send_since: dict[str, tuple[float, int]] = {}  # prefill: tid -> (published, blocks)
         self.layout: KVLayout | None = None
-        self._recv: dict[str, _Pending] = {}  # transfer_id -> decode registration
-        self._send: dict[str, str] = {}  # transfer_id -> req_id (prefill, blocks held)
-        self._releasing: dict[str, str] = {}  # transfer_id -> req_id (decode abort)
+        self.lifecycle = wl.WorkerLifecycle(timeout_ms=cfg.timeout_ms, lease_ms=cfg.lease_ms)
+        # Per step, handed to vLLM by collect() / take_load_errors() and emptied there:
         self._load_errors: set[int] = set()
         self._finished_sending: set[str] = set()
         self._finished_recving: set[str] = set()
         self._reported: list[str] = []  # received this step: stamp when handed to vLLM
-        self._after_forward: list[SendReq] = []  # early PrefillDones of the current step
-        self._unconfirmed: set[str] = set()  # early-published, vLLM not yet finished them
-        self._done_early: dict[str, str] = {}  # daemon done before vLLM finished: tid -> req_id
         self._whole: torch.Tensor | None = None
         self._daemon_id: str | None = None
         self._down_logged = False
@@ -212,74 +207,64 @@ class KVPushWorker:
             self._handle(self.client.poll())  # an AttachAck or a liveness change may be waiting
         down = self._daemon_down()
         for r in meta.registers:
-            self._recv[r.transfer_id] = _Pending(r.req_id, r.attempt, r.block_ids, now)
-            self.trace.stamp(r.transfer_id, "d.plugin.register_published")  # before it can arrive
-            sent = not down and self.client.send(proto.Register(
-                r.transfer_id, r.attempt, tuple(r.block_ids), r.num_tokens, tuple(r.prefill_endpoints),
-                r.prefill_tp_size, self.cfg.timeout_ms, r.first_token,
-            ))
-            if sent:
-                self.counters.registered += 1
-            else:
-                self._fail_recv(r.transfer_id, "kvpush: daemon unavailable")
+            self._apply(wl.Register(r.transfer_id, r.attempt, r.req_id, tuple(r.block_ids), r.num_tokens,
+                                    r.first_token, tuple(r.prefill_endpoints), r.prefill_tp_size, now, down))
         for s in meta.sends:
-            if s.early:
-                self._after_forward.append(s)  # its KV is computed by this step's forward
-            elif s.transfer_id in self._unconfirmed:
-                self._confirm(s.transfer_id)  # vLLM finished it normally: may be freed now
-            else:
-                self._send[s.transfer_id] = s.req_id
-                self._prefill_done(s, down)
+            self._apply(wl.Send(s.transfer_id, s.req_id, tuple(s.block_ids), s.num_tokens, s.early, now, down))
         for a in meta.send_aborts:
-            # Aborted after its early PrefillDone: the daemon must let go of the blocks first.
-            if a.transfer_id in self._send and (down or not self.client.publish_abort(
-                    a.transfer_id, a.attempt, "prefill request aborted")):
-                self._finish_send(a.transfer_id)
-            self._confirm(a.transfer_id)
+            self._apply(wl.SendAbort(a.transfer_id, a.req_id, now, down))
         for a in meta.aborts:
-            pending = self._recv.pop(a.transfer_id, None)
-            if pending is None and a.transfer_id not in self._recv:
-                # Already finished here (or never registered): nothing can land any more.
-                self._finished_sending.add(a.req_id)
-                continue
-            self._releasing[a.transfer_id] = a.req_id
-            if down or not self.client.publish_abort(a.transfer_id, a.attempt, "request aborted"):
-                self._finished_sending.add(a.req_id)
-                self._releasing.pop(a.transfer_id, None)
-
-    def _prefill_done(self, s: SendReq, down: bool) -> None:
-        self.trace.stamp(s.transfer_id, "p.plugin.prefill_done_published")  # before it can arrive
-        if down or not self.client.publish_prefill_done(s.transfer_id, s.block_ids, s.num_tokens, self.cfg.lease_ms):
-            self._finish_send(s.transfer_id)
-        else:
-            self.counters.prefill_done += 1
-            if len(self._send_since) < 65536:  # bounded like everything the engine keeps
-                self._send_since[s.transfer_id] = (time.monotonic(), len(s.block_ids))
+            self._apply(wl.AbortLoad(a.transfer_id, a.attempt, a.req_id, now, down))
 
     def after_forward(self) -> None:
         """Right after the step's forward (vLLM's wait_for_save): publish the PrefillDone of
         requests whose last prompt token this forward computed, a whole step earlier than
         request_finished could. Their blocks are reported free only once the scheduler
         confirmed that vLLM finished them (the plain SendReq or a send_abort)."""
-        if not self._after_forward:
+        if not self.lifecycle.count(wl.State.QUEUED):
             return
         if self._whole is not None and self._whole.device.type == "cuda":
             torch.cuda.current_stream().synchronize()  # the daemon reads what the kernels wrote
-        down = self._daemon_down()
-        batch, self._after_forward = self._after_forward, []
-        for s in batch:
-            self._send[s.transfer_id] = s.req_id
-            self._unconfirmed.add(s.transfer_id)
-            self._prefill_done(s, down)
+        self._apply(wl.Forward(time.monotonic(), self._daemon_down()))
 
-    def _confirm(self, tid: str) -> None:
-        if tid not in self._unconfirmed:
-            return
-        self._unconfirmed.discard(tid)
-        rid = self._done_early.pop(tid, None)
-        if rid is not None:
-            self._finished_sending.add(rid)
-            self._report_trace(tid)  # the daemon answered before vLLM finished the request
+    def _apply(self, ev: Any) -> None:
+        """Feed one event to the lifecycle and carry out its actions (a refused publish is
+        fed back as Unsent, whose actions are carried out in turn)."""
+        todo = self.lifecycle.handle(ev)
+        while todo:
+            a = todo.pop(0)
+            if isinstance(a, wl.Publish):
+                tid = a.msg.transfer_id
+                if a.stamp is not None:
+                    self.trace.stamp(tid, a.stamp)  # before it can arrive
+                if self.client.send(a.msg):
+                    if a.counter is not None:
+                        setattr(self.counters, a.counter, getattr(self.counters, a.counter) + 1)
+                else:
+                    todo.extend(self._unsent(a.key))
+            elif isinstance(a, wl.Free):
+                self._finished_sending.add(a.req_id)
+            elif isinstance(a, wl.LoadEnded):
+                self._finished_recving.add(a.req_id)
+                if a.ok:
+                    self.counters.received += 1
+                    self.samples.record("load", a.seconds, len(a.block_ids) * self._block_bytes)
+                    self.trace.stamp(a.transfer_id, "d.plugin.received_seen")
+                    self._reported.append(a.transfer_id)
+                else:
+                    if a.say:
+                        self._say_once("not received", a.transfer_id, a.reason, "recomputing")
+                    self.counters.load_failed += 1
+                    self._load_errors.update(a.block_ids)
+                    self.trace.stamp(a.transfer_id, "d.plugin.load_failed")
+                    log.debug("kvpush: load of %s failed: %s", a.transfer_id, a.reason)
+            elif isinstance(a, wl.SendSample):
+                self.samples.record("send", a.seconds, a.blocks * self._block_bytes)
+            elif isinstance(a, wl.ReportTrace):
+                self._report_trace(a.transfer_id)
+
+    def _unsent(self, key: Hashable) -> list[Any]:
+        return self.lifecycle.handle(wl.Unsent(key, time.monotonic()))
 
     def _daemon_down(self) -> bool:
         """Is the daemon known to be unreachable? Not merely "no answer yet": right after
@@ -290,26 +275,6 @@ class KVPushWorker:
         if self._daemon_id is not None:
             return True
         return time.monotonic() - self._created > self.client.dead_after_s
-
-    def _fail_recv(self, tid: str, why: str) -> None:
-        p = self._recv.pop(tid, None)
-        if p is None:
-            return
-        self.counters.load_failed += 1
-        self._load_errors.update(p.block_ids)
-        self._finished_recving.add(p.req_id)
-        self.trace.stamp(tid, "d.plugin.load_failed")
-        log.debug("kvpush: load of %s failed: %s", tid, why)
-
-    def _finish_send(self, tid: str) -> None:
-        self._send_since.pop(tid, None)
-        rid = self._send.pop(tid, None)
-        if rid is None:
-            return
-        if tid in self._unconfirmed:
-            self._done_early[tid] = rid  # vLLM has not finished the request yet: not free
-        else:
-            self._finished_sending.add(rid)
 
     def collect(self) -> tuple[set[str], set[str]]:
         """Poll the daemon and return (finished_sending, finished_recving).
@@ -326,7 +291,7 @@ class KVPushWorker:
         """
         msgs = self.client.poll()
         if (not msgs and self.idle_step and self.cfg.idle_wait_ms
-                and (self._recv or (self._send and self.tp_size > 1)) and self.client.available):
+                and self._waits_for_daemon() and self.client.available):
             if self.client.wait(self.cfg.idle_wait_ms / 1000.0):
                 msgs = self.client.poll()
         self._handle(msgs)
@@ -337,7 +302,7 @@ class KVPushWorker:
                 self._down_logged = True
             self._daemon_lost("daemon unavailable")
         now = time.monotonic()
-        self._expire(now)
+        self._apply(wl.Tick(now))  # a load unanswered long past its deadline fails
         self._flush_traces(now)
         fs, fr = self._finished_sending, self._finished_recving
         self._finished_sending, self._finished_recving = set(), set()
@@ -357,8 +322,8 @@ class KVPushWorker:
 
     def _report_trace(self, tid: str) -> None:
         """Queue this rank's stamps of ``tid`` for the daemon; they go out in batches
-        (_flush_traces): every zmq send wakes libzmq's I/O thread, which on a core shared
-        with the engine preempts it, so one send per request per step was measurable."""
+        (_flush_traces): every send is a system call that wakes the daemon, which on a core
+        shared with the engine preempts it, so one send per request per step was measurable."""
         events = self.trace.pop(tid)
         if not events:
             return
@@ -367,7 +332,9 @@ class KVPushWorker:
         self._trace_out.append(proto.TraceReport(tid, tuple(h for h, _ in events), tuple(t for _, t in events)))
 
     def _flush_traces(self, now: float) -> None:
-        quiet = self.idle_step or not (self._recv or self._send or self._releasing)
+        lc = self.lifecycle
+        quiet = self.idle_step or not (lc.count(wl.State.LOADING) or lc.count(wl.State.SENDING)
+                                       or lc.count(wl.State.RELEASING))
         if not self._trace_out or (len(self._trace_out) < TRACE_BATCH and now - self._trace_flushed < TRACE_FLUSH_S
                                    and not quiet):
             return
@@ -377,47 +344,33 @@ class KVPushWorker:
         if not self.client.available:
             self.trace_dropped += len(batch)
             return
-        for msg in batch:  # back to back: libzmq's I/O thread wakes once for the lot
+        for msg in batch:  # back to back: the daemon wakes once for the lot
             if not self.client.send(msg):
                 self.trace_dropped += 1
 
+    def _waits_for_daemon(self) -> bool:
+        """A load is pending, or a send on a TP > 1 engine (see collect)."""
+        lc = self.lifecycle
+        return bool(lc.count(wl.State.LOADING) or (lc.count(wl.State.SENDING) and self.tp_size > 1))
+
     def _handle(self, msgs: list[Any]) -> None:
         for m in msgs:
-            tid = getattr(m, "transfer_id", None)
+            now = time.monotonic()
             if isinstance(m, proto.Received):
-                p = self._recv.get(tid)
-                if p is not None and p.attempt == m.attempt:
-                    del self._recv[tid]
-                    self.counters.received += 1
-                    self.samples.record("load", time.monotonic() - p.since, len(p.block_ids) * self._block_bytes)
-                    self._finished_recving.add(p.req_id)
-                    self.trace.stamp(tid, "d.plugin.received_seen")
-                    self._reported.append(tid)
+                self._apply(wl.Received(m.transfer_id, m.attempt, now))
             elif isinstance(m, proto.ReceiveFailed):
-                p = self._recv.get(tid)
-                if p is not None and p.attempt == m.attempt:
-                    self._say_once("not received", tid, m.reason, "recomputing")
-                    self._fail_recv(tid, m.reason)
+                self._apply(wl.ReceiveFailed(m.transfer_id, m.attempt, m.reason, now))
             elif isinstance(m, (proto.Sent, proto.SendFailed)):
                 if isinstance(m, proto.SendFailed):
                     self.counters.send_failed += 1
-                    self._say_once("not sent", tid, m.reason, "its blocks are free")
-                    self.trace.stamp(tid, "p.plugin.send_failed_seen")
+                    self._say_once("not sent", m.transfer_id, m.reason, "its blocks are free")
+                    self.trace.stamp(m.transfer_id, "p.plugin.send_failed_seen")
                 else:
                     self.counters.sent += 1
-                    self.trace.stamp(tid, "p.plugin.sent_seen")
-                    since = self._send_since.get(tid)
-                    if since is not None:
-                        self.samples.record("send", time.monotonic() - since[0], since[1] * self._block_bytes)
-                self._finish_send(tid)
-                if tid not in self._unconfirmed:  # else once vLLM finished it (_confirm)
-                    self._report_trace(tid)
+                    self.trace.stamp(m.transfer_id, "p.plugin.sent_seen")
+                self._apply(wl.SendDone(m.transfer_id, isinstance(m, proto.Sent), now))
             elif isinstance(m, proto.Released):
-                rid = self._releasing.pop(tid, None)
-                if rid is not None:
-                    self._finished_sending.add(rid)
-                elif tid in self._send:  # an aborted prefill the daemon no longer held
-                    self._finish_send(tid)
+                self._apply(wl.Released(m.transfer_id, m.attempt, now))
             elif isinstance(m, proto.Error):
                 log.warning("kvpush: daemon error %s: %s (%s)", m.code, m.message, m.ref)
             elif isinstance(m, proto.AttachAck):
@@ -442,20 +395,16 @@ class KVPushWorker:
                     "(vLLM's KV Transfer metrics), not logged", tid, what, reason, then)
 
     def _daemon_lost(self, why: str) -> None:
-        for tid in list(self._recv):
-            self._fail_recv(tid, why)
-        for tid in list(self._send):
-            self._finish_send(tid)
-        for tid, rid in list(self._releasing.items()):
-            self._finished_sending.add(rid)
-            del self._releasing[tid]
+        """Nothing the daemon held will answer: fail the loads, free the blocks."""
+        if self.lifecycle.live_count():
+            self._apply(wl.Lost(why, time.monotonic()))
 
-    def _expire(self, now: float) -> None:
-        """The engine never waits unbounded: a load with no answer long past its
-        deadline fails (the daemon enforces the real deadline well before this)."""
-        limit = 2 * self.cfg.timeout_ms / 1000.0 + 5.0
-        for tid in [t for t, p in self._recv.items() if now - p.since > limit]:
-            self._fail_recv(tid, "no answer from the daemon")
+    def sizes(self) -> dict[str, int]:
+        """Every collection this half keeps, and its size (the soak benchmark's view)."""
+        return {**{f"lifecycle.{k}": v for k, v in self.lifecycle.sizes().items()},
+                "finished_sending": len(self._finished_sending), "finished_recving": len(self._finished_recving),
+                "load_errors": len(self._load_errors), "reported": len(self._reported),
+                "trace_ring": len(self.trace._t), "trace_out": len(self._trace_out), "said": len(self._said._seen)}
 
     def stats_totals(self) -> dict[str, int]:
         """Every counter of this rank, cumulative: the transfers' and the daemon link's."""

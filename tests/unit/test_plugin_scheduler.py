@@ -13,6 +13,7 @@ from vllm.v1.request import Request  # noqa: E402
 
 from kvpush.engine_plugin.connector_config import PluginConfig  # noqa: E402
 from kvpush.engine_plugin.scheduler_half import KVPushScheduler  # noqa: E402
+from kvpush.engine_plugin.scheduler_lifecycle import State  # noqa: E402
 
 
 def req(rid: str, params: dict, n: int = 64) -> Request:
@@ -81,7 +82,8 @@ def test_a_serial_prefill_leg_answers_a_decode_leg_the_decode_engine_claims(tmp_
     # Another serial request gets another transfer.
     r2 = req("p2", SERIAL_P)
     assert s.request_finished(finished(r2), [7])[1]["transfer_id"] != answer["transfer_id"]
-    assert not s._named
+    # Each named transfer lives in its request's record only, held until the daemon is done.
+    assert s.lifecycle.live_count() == s.lifecycle.count(State.HELD) == 2
 
 
 def test_a_serial_leg_without_a_daemon_card_does_not_hold_its_blocks(tmp_path, caplog):
@@ -91,7 +93,7 @@ def test_a_serial_leg_without_a_daemon_card_does_not_hold_its_blocks(tmp_path, c
             r = req(f"p{i}", SERIAL_P)
             s.get_num_new_matched_tokens(r, 0)
             assert s.request_finished(finished(r), [1, 2]) == (False, None)
-    assert not s._meta.sends and not s._held and not s._named
+    assert not s._meta.sends and not s.lifecycle.live_count() and not s.has_pending_push_work()
     assert len([m for m in caplog.messages if "no daemon card" in m]) == 1  # said once per card
 
 

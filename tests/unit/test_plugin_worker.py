@@ -22,6 +22,7 @@ from kvpush import proto  # noqa: E402
 from kvpush.engine_plugin.connector_config import PluginConfig  # noqa: E402
 from kvpush.engine_plugin.metadata import AbortReq, KVPushMetadata, RegisterReq, SendReq  # noqa: E402
 from kvpush.engine_plugin.worker_half import KVPushWorker  # noqa: E402
+from kvpush.engine_plugin.worker_lifecycle import State  # noqa: E402
 from kvpush.testing.engine_peer import FakeDaemon  # noqa: E402
 
 
@@ -62,6 +63,17 @@ def settle(w: KVPushWorker, daemon: FakeDaemon, cond, timeout: float = 5.0) -> t
         time.sleep(0.002)
 
 
+def sending(w: KVPushWorker, tid: str | None = None) -> bool:
+    """A PrefillDone is out and the daemon has not answered it (any, or ``tid``'s)."""
+    if tid is None:
+        return w.lifecycle.count(State.SENDING) > 0
+    return w.lifecycle.state(("send", tid)) is State.SENDING
+
+
+def loading(w: KVPushWorker, tid: str, attempt: int = 0) -> bool:
+    return w.lifecycle.state(("recv", tid, attempt)) is State.LOADING
+
+
 def step(w: KVPushWorker, meta: KVPushMetadata, forward: bool = True) -> None:
     w.idle_step = meta.idle
     w.publish(meta)
@@ -81,7 +93,7 @@ def test_early_prefill_done_is_freed_only_after_vllm_finished_it(stack, order) -
     assert prefill_dones(daemon)[0] == proto.PrefillDone("t1", (4, 5), 200, w.cfg.lease_ms)
     if order == "daemon_first":
         daemon.send(proto.Sent("t1", 0))
-        fs, _ = settle(w, daemon, lambda d: not w._send)  # the Sent was handled ...
+        fs, _ = settle(w, daemon, lambda d: not sending(w))  # the Sent was handled ...
         assert fs == set()  # ... but vLLM has not finished the request: not free yet
         step(w, KVPushMetadata(sends=[SendReq("r1", "t1", [4, 5], 200)]), forward=False)
         fs, _ = w.collect()
@@ -90,7 +102,7 @@ def test_early_prefill_done_is_freed_only_after_vllm_finished_it(stack, order) -
         step(w, KVPushMetadata(sends=[SendReq("r1", "t1", [4, 5], 200)]), forward=False)
         assert w.collect()[0] == set()
         daemon.send(proto.Sent("t1", 0))
-        fs, _ = settle(w, daemon, lambda d: not w._send)
+        fs, _ = settle(w, daemon, lambda d: not sending(w))
         assert fs == {"r1"}
     assert len(prefill_dones(daemon)) == 1  # the confirmation is not a second PrefillDone
 
@@ -103,7 +115,7 @@ def test_early_prefill_done_of_an_aborted_request_is_withdrawn(stack) -> None:
     fs, _ = settle(w, daemon, lambda d: any(isinstance(m, proto.Abort) for m in d.got))
     assert fs == set()  # the daemon may still be reading the blocks
     daemon.send(proto.SendFailed("t2", 0, "aborted"))
-    fs, _ = settle(w, daemon, lambda d: not w._send)
+    fs, _ = settle(w, daemon, lambda d: not sending(w))
     assert fs == {"r2"}
 
 
@@ -138,7 +150,7 @@ def test_idle_wait_only_while_a_transfer_is_pending(stack) -> None:
     assert time.monotonic() - t0 >= 0.9
     daemon.send(proto.Sent("t4", 0))
     t0 = time.monotonic()
-    fs, _ = settle(w, daemon, lambda d: "t4" not in w._send)
+    fs, _ = settle(w, daemon, lambda d: not sending(w, "t4"))
     assert "r4" in fs and time.monotonic() - t0 < 0.9  # the answer ends the wait at once
     w.tp_size = 1
     step(w, KVPushMetadata(registers=[RegisterReq("r5", "t5", 0, [7], 10, 0, ["tcp://p:1"], 1)], idle=True),
@@ -150,7 +162,7 @@ def test_idle_wait_only_while_a_transfer_is_pending(stack) -> None:
     daemon.serve()
     daemon.send(proto.Received("t5", 0))
     t0 = time.monotonic()
-    _, fr = settle(w, daemon, lambda d: "r5" not in {p.req_id for p in w._recv.values()})
+    _, fr = settle(w, daemon, lambda d: not loading(w, "t5"))
     assert "r5" in fr and time.monotonic() - t0 < 0.9
 
 
@@ -182,7 +194,7 @@ def test_worker_counts_reach_vllm_stats_aggregated_over_ranks_and_steps(stack) -
     step(w, KVPushMetadata(sends=[SendReq("r1", "t1", [4, 5], 200)]), forward=False)
     settle(w, daemon, lambda d: len(prefill_dones(d)) == 1)
     daemon.send(proto.Sent("t1", 0))
-    settle(w, daemon, lambda d: not w._send)
+    settle(w, daemon, lambda d: not sending(w))
     first = delta.take(w.stats_totals(), w.samples.take())
     assert isinstance(first, KVPushStats)
     assert first.data["prefill_done"] == 1 and first.data["sent"] == 1
@@ -262,7 +274,7 @@ def test_a_persistent_load_failure_is_logged_once_and_counted(stack, caplog) -> 
             settle(w, daemon, lambda d, i=i: any(isinstance(m, proto.Register) and m.transfer_id == f"t{i}"
                                                  for m in d.got))
             daemon.send(proto.ReceiveFailed(f"t{i}", 0, "prefill daemon tcp://10.9.9.9:1 unreachable"))
-            _, fr = settle(w, daemon, lambda d, i=i: f"t{i}" not in w._recv)
+            _, fr = settle(w, daemon, lambda d, i=i: not loading(w, f"t{i}"))
             assert fr == {f"r{i}"}
     said = [r for r in caplog.records if "not received" in r.getMessage()]
     assert len(said) == 1 and "unreachable" in said[0].getMessage()
@@ -312,3 +324,27 @@ def test_dead_after_ms_reaches_the_links_liveness_rule_and_is_bounded() -> None:
                 PluginConfig.from_extra({"daemon": "ipc:///x", "dead_after_ms": bad})
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_restarted_daemon_fails_the_loads_and_frees_the_blocks_it_held(stack) -> None:
+    """A new daemon ID in an AttachAck: nothing the old daemon held will answer. The pending
+    load fails (its blocks are load errors, vLLM recomputes), a held prefill send is freed, an
+    aborted load's blocks are free; nothing is left in the lifecycle."""
+    import torch
+
+    w, daemon = stack
+    buf = torch.zeros(2 * 4 * 16 * 128, dtype=torch.bfloat16)
+    w.register_kv_caches({f"model.layers.{i}.self_attn.attn": buf[i * buf.numel() // 2:(i + 1) * buf.numel() // 2]
+                          .view(4, 1, 16, 128) for i in range(2)})
+    settle(w, daemon, lambda d: w._daemon_id == "d1")
+    step(w, KVPushMetadata(registers=[RegisterReq("r1", "t1", 0, [1, 2], 32, 0, ["tcp://p:1"], 1),
+                                      RegisterReq("r2", "t2", 0, [3], 16, 0, ["tcp://p:1"], 1)],
+                           sends=[SendReq("r3", "t3", [0], 16)]), forward=False)
+    step(w, KVPushMetadata(aborts=[AbortReq("r2", "t2", 0)]), forward=False)
+    settle(w, daemon, lambda d: any(isinstance(m, proto.Abort) for m in d.got))
+    assert loading(w, "t1") and sending(w, "t3") and w.lifecycle.live_count() == 3
+    daemon.send(proto.AttachAck("agent-d2", "d2"))  # the daemon restarted
+    fs, fr = settle(w, daemon, lambda d: w._daemon_id == "d2")
+    assert fr == {"r1"} and fs == {"r2", "r3"}
+    assert w.take_load_errors() == {1, 2}
+    assert w.lifecycle.live_count() == 0

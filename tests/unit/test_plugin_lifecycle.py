@@ -1,0 +1,397 @@
+"""The plugin's two lifecycle tables, driven together the way vLLM and the daemon drive them.
+
+A model of vLLM's scheduler loop (requests arrive, are matched and allocated, run forwards,
+finish, are aborted or preempted at any point) feeds the scheduler half's core; its actions
+become the step's metadata, which feeds the worker half's core; the worker's publishes go
+to a model daemon that answers them (or not: it may go down, restart with a new ID, refuse a
+publish, or stay silent past the load deadline), and the worker's finished sets go back to
+the scheduler core as vLLM would hand them over. Checked:
+
+* every row of each table is taken by some sequence, or documented unreachable and never taken;
+* vLLM's contract: a request whose blocks were held is reported free exactly once, a load is
+  reported ended exactly once, and never for a request that was not waiting for it;
+* nothing is left for a finished request: once vLLM has finished every request and the daemon
+  has answered (or been lost), no live record remains in either core, and once tombstone time
+  passed every collection either core keeps is empty.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpush import proto
+from kvpush.engine_plugin import scheduler_lifecycle as sl
+from kvpush.engine_plugin import worker_lifecycle as wl
+from kvpush.machine import Row
+from kvpush.proto.params import DecodeLeg, PrefillLeg
+
+BLOCK = 16
+EPS = ("tcp://10.0.0.1:17500",)
+
+
+@dataclass
+class Req:
+    """One request as vLLM's scheduler sees it."""
+
+    rid: str
+    kind: str  # "decode", "prefill", "serial" (a serial proxy's prefill leg) or "plain"
+    prompt: int
+    max_tokens: int
+    tid: str
+    status: str = "waiting"  # waiting, remote (waiting for remote KV), running, finished
+    computed: int = 0
+    out_tokens: int = 0
+    new: bool = True  # scheduled for the first time (SchedulerOutput.scheduled_new_reqs)
+    started: bool = False
+    blocks: tuple[int, ...] = ()
+    held: bool = False  # request_finished answered True: blocks wait for finished_sending
+    freed: int = 0  # times reported in finished_sending
+    loads_ended: int = 0  # times reported in finished_recving
+
+    def decode(self) -> DecodeLeg | None:
+        return DecodeLeg(self.tid, ("tcp://p:1",), 1) if self.kind == "decode" else None
+
+    def prefill(self) -> PrefillLeg | None:
+        return {"prefill": PrefillLeg(self.tid), "serial": PrefillLeg(None)}.get(self.kind)
+
+
+@dataclass
+class Sim:
+    rng: random.Random
+    tombstone_s: float
+    now: float = 0.0
+    reqs: dict[str, Req] = field(default_factory=dict)
+    daemon: list[Any] = field(default_factory=list)  # published, not answered yet
+    down: bool = False
+    seen: list[Any] = field(default_factory=list)  # recently published
+    reuse_ids: bool = True  # a client may send a request ID again once vLLM forgot it
+    late: set[int] = field(default_factory=set)  # aborts answered by a late result: Released owed
+    cards: bool = True  # this engine's daemon cards are readable (serial legs need them)
+    names: Any = field(default_factory=lambda: (f"kvps-{i}" for i in itertools.count()))
+    ids: Any = field(default_factory=itertools.count)
+
+    def __post_init__(self) -> None:
+        self.s = sl.SchedulerLifecycle(BLOCK, name_transfer=lambda: next(self.names), tombstone_s=self.tombstone_s)
+        self.w = wl.WorkerLifecycle(timeout_ms=1000, lease_ms=1000)
+        self.meta: list[Any] = []  # scheduler actions for this step's metadata
+        self.fs: set[str] = set()  # worker's finished_sending, this step
+        self.fr: set[str] = set()
+
+    # -------------------------------------------------------------- the cores' I/O
+
+    def sched(self, ev: Any) -> list[Any]:
+        out = self.s.handle(ev)
+        self.meta += [a for a in out if isinstance(a, (sl.Register, sl.Send, sl.AbortLoad, sl.AbortSend))]
+        return out
+
+    def work(self, ev: Any) -> None:
+        todo = self.w.handle(ev)
+        while todo:
+            a = todo.pop(0)
+            if isinstance(a, wl.Publish):
+                if self.rng.random() < 0.04:  # the link's queue is full
+                    todo += self.w.handle(wl.Unsent(a.key, self.now))
+                else:
+                    self.daemon.append(a.msg)
+            elif isinstance(a, wl.Free):
+                assert a.req_id not in self.fs, f"{a.req_id} freed twice in one step"
+                self.fs.add(a.req_id)
+            elif isinstance(a, wl.LoadEnded):
+                assert a.req_id not in self.fr
+                self.fr.add(a.req_id)
+
+    # -------------------------------------------------------------------- vLLM
+
+    def arrive(self) -> None:
+        n = next(self.ids)
+        kind = self.rng.choice(["decode", "decode", "prefill", "prefill", "serial", "plain"])
+        tid = f"t{self.rng.randrange(n // 3 + 1)}" if kind == "decode" else f"t{n}"  # retries reuse IDs
+        reuse = self.reuse_ids and self.reqs and self.rng.random() < 0.05
+        rid = self.rng.choice(list(self.reqs)) if reuse else f"r{n}"
+        old = self.reqs.get(rid)
+        if old is not None and (old.status != "finished" or (old.held and not old.freed)):
+            return  # vLLM keeps a request (and its ID) until its blocks are free
+        self.reqs[rid] = Req(rid, kind, self.rng.randrange(1, 5) * BLOCK + self.rng.randrange(BLOCK),
+                             self.rng.choice([1, 1, 3]), tid)
+
+    def schedule(self) -> tuple[dict[str, int], dict[str, sl.NewReq]]:
+        """Matched and Allocated for waiting requests; tokens for running ones."""
+        scheduled: dict[str, int] = {}
+        new: dict[str, sl.NewReq] = {}
+        for r in list(self.reqs.values()):
+            if r.status == "waiting" and self.rng.random() < 0.7:
+                eps = EPS if self.cards else None
+                out = self.sched(sl.Matched(r.rid, self.now, r.prompt - r.computed, r.decode(), r.prefill(),
+                                            eps if r.kind == "serial" else None, r.max_tokens == 1))
+                claim = next((a.count for a in out if isinstance(a, sl.Claim)), 0)
+                if self.rng.random() < 0.1:
+                    continue  # no free blocks this step: matched again later
+                r.blocks = tuple(range(100, 100 + r.prompt // BLOCK + 1))
+                self.sched(sl.Allocated(r.rid, self.now, claim, r.blocks if claim else (), r.prompt, r.decode()))
+                if claim:
+                    r.status = "remote"
+                    continue
+                r.status, r.new, r.started = "running", not r.started, True  # resumed: not new
+            if r.status == "running":
+                left = r.prompt - r.computed
+                n = left if left <= BLOCK or self.rng.random() < 0.6 else BLOCK  # chunked prefill
+                scheduled[r.rid] = max(n, 1)
+                if r.new:
+                    new[r.rid] = sl.NewReq(r.prompt, r.computed, scheduled[r.rid], r.blocks)
+                    r.new = False
+        return scheduled, new
+
+    def step(self) -> None:
+        scheduled, new = self.schedule()
+        idle = not scheduled
+        if not idle:
+            self.sched(sl.Step(self.now, scheduled, new))
+        # the worker: bind (publish), forward, wait_for_save, get_finished
+        meta, self.meta = self.meta, []
+        for a in meta:
+            q = a.req
+            if isinstance(a, sl.Register):
+                self.work(wl.Register(q.transfer_id, q.attempt, q.req_id, tuple(q.block_ids), q.num_tokens,
+                                      q.first_token, tuple(q.prefill_endpoints), q.prefill_tp_size, self.now,
+                                      self.down))
+            elif isinstance(a, sl.Send):
+                self.work(wl.Send(q.transfer_id, q.req_id, tuple(q.block_ids), q.num_tokens, q.early, self.now,
+                                  self.down))
+            elif isinstance(a, sl.AbortSend):
+                self.work(wl.SendAbort(q.transfer_id, q.req_id, self.now, self.down))
+            else:
+                self.work(wl.AbortLoad(q.transfer_id, q.attempt, q.req_id, self.now, self.down))
+        if self.w.count(wl.State.QUEUED):
+            self.work(wl.Forward(self.now, self.down))
+        self.answer()
+        if self.down:  # collect: the worker sees its daemon unavailable
+            self.lose_daemon("daemon unavailable")
+        self.work(wl.Tick(self.now))
+        fs, fr, self.fs, self.fr = self.fs, self.fr, set(), set()
+        # update_from_output: the forward's tokens, the connector's finished sets, finishing
+        for rid, n in scheduled.items():
+            r = self.reqs[rid]
+            r.computed = min(r.prompt, r.computed + n)
+            if r.computed == r.prompt:
+                r.out_tokens += 1
+        for rid in fs:
+            self.sched(sl.SendingDone(rid, self.now))
+            r = self.reqs.get(rid)
+            assert r is not None and r.held and r.status == "finished", f"{rid} freed but not held"
+            r.freed += 1
+            assert r.freed == 1, f"{rid} freed twice"
+        for rid in fr:
+            self.sched(sl.Recved(rid, self.now))
+            r = self.reqs.get(rid)
+            assert r is not None and r.kind == "decode", rid
+            r.loads_ended += 1
+            if r.status == "remote":
+                r.status, r.computed = "waiting", r.prompt  # loaded, or recomputed after a failure
+            else:
+                assert r.status == "finished", (rid, r.status)  # ended as it was aborted
+        if self.rng.random() < 0.1:
+            self.cards = not self.cards  # a card written or removed while the step ran
+        for r in list(self.reqs.values()):
+            if r.status == "running" and r.out_tokens >= r.max_tokens:
+                self.finish(r, ok=True)
+
+    def finish(self, r: Req, ok: bool) -> None:
+        """request_finished: vLLM frees the blocks unless told to hold them."""
+        eps = EPS if self.cards else None
+        out = self.sched(sl.Finished(r.rid, self.now, ok, r.prefill(), r.blocks, r.prompt,
+                                     eps if r.prefill() is not None else None))
+        r.status = "finished"
+        r.held = any(isinstance(a, sl.Hold) for a in out)
+
+    def abort(self) -> None:
+        live = [r for r in self.reqs.values() if r.status != "finished"]
+        if live:
+            self.finish(self.rng.choice(live), ok=False)
+
+    def preempt(self) -> None:
+        running = [r for r in self.reqs.values() if r.status == "running" and r.out_tokens < r.max_tokens]
+        if running:
+            r = self.rng.choice(running)
+            r.status, r.computed = "waiting", 0  # resumed later: not a new request
+
+    # ------------------------------------------------------------------- the daemon
+
+    def answer(self) -> None:
+        """Answer some published messages (in any order), and now and then a stray reply."""
+        keep = []
+        self.seen += [m for m in self.daemon if m not in self.seen[-20:]]
+        del self.seen[:-20]
+        for m in self.daemon:
+            if self.rng.random() < 0.5:
+                keep.append(m)
+            elif isinstance(m, proto.Register):
+                ok = self.rng.random() < 0.8
+                self.work(wl.Received(m.transfer_id, m.attempt, self.now) if ok
+                          else wl.ReceiveFailed(m.transfer_id, m.attempt, "boom", self.now))
+            elif isinstance(m, proto.PrefillDone):
+                self.work(wl.SendDone(m.transfer_id, self.rng.random() < 0.8, self.now))
+            elif isinstance(m, proto.Abort):
+                if id(m) in self.late or self.rng.random() < 0.5:
+                    self.late.discard(id(m))
+                    self.work(wl.Released(m.transfer_id, m.attempt, self.now))
+                else:  # a prefill abort: the daemon's SendFailed; a decode one: a late result, then Released
+                    self.work(wl.SendDone(m.transfer_id, False, self.now))
+                    self.work(wl.Received(m.transfer_id, m.attempt, self.now))
+                    self.late.add(id(m))
+                    keep.append(m)
+        self.daemon = keep
+        if self.rng.random() < 0.15:  # stray: unknown transfers, wrong attempts, duplicates
+            tid = f"t{self.rng.randrange(50)}"
+            if self.seen and self.rng.random() < 0.7:
+                tid = self.rng.choice(self.seen).transfer_id
+            self.work(self.rng.choice([wl.Received(tid, 7, self.now), wl.ReceiveFailed(tid, 0, "x", self.now),
+                                       wl.SendDone(tid, True, self.now), wl.Released(tid, 0, self.now)]))
+
+    def lose_daemon(self, why: str) -> None:
+        self.daemon.clear()
+        self.late.clear()  # what it held will not answer
+        self.work(wl.Lost(why, self.now))
+
+    # ------------------------------------------------------------------------ runs
+
+    def run(self, n: int) -> None:
+        for _ in range(n):
+            self.between_steps()
+            while self.rng.random() < 0.3:  # several things may happen between two steps
+                self.between_steps()
+            self.step()
+            self.now += 0.01
+
+    def between_steps(self) -> None:
+        if True:
+            k = self.rng.random()
+            if k < 0.25:
+                self.arrive()
+            elif k < 0.3:
+                self.abort()
+            elif k < 0.33:
+                self.preempt()
+            elif k < 0.345:
+                self.lose_daemon("daemon restarted")
+            elif k < 0.385:
+                self.down = not self.down  # the worker fails what it holds at its next collect
+            elif k < 0.42:
+                self.cards = not self.cards  # a daemon's card written or gone
+            elif k < 0.47:
+                self.now += self.rng.choice([0.5, 3.0, 8.0])  # 8 s: past a load's deadline
+
+    def drain(self) -> None:
+        """vLLM finishes everything; the daemon answers all; then tombstone time passes."""
+        self.down = False
+        for _ in range(400):
+            for r in self.reqs.values():
+                if r.status != "finished" and self.rng.random() < 0.3:
+                    self.finish(r, ok=self.rng.random() < 0.5)
+            self.step()
+            self.now += 0.05
+            if all(r.status == "finished" for r in self.reqs.values()) and not self.w.live_count() \
+                    and not self.s.count(sl.State.HELD) and not self.s.count(sl.State.RELEASING):
+                break
+        self.now += 100.0  # past every load deadline
+        self.step()
+
+
+def _sim(seed: int, tombstone_s: float) -> Sim:
+    return Sim(random.Random(seed), tombstone_s)
+
+
+# ------------------------------------------------------------ every row, or why not
+
+
+def test_every_row_is_taken_or_documented_unreachable() -> None:
+    taken: set[Row] = set()
+    for seed in range(400):
+        sim = _sim(seed, tombstone_s=2.0 if seed % 2 else 60.0)  # IDs reused before or after the purge
+        sim.s.on_transition = sim.w.on_transition = lambda key, old, ev, r: taken.add(r)
+        sim.run(250)
+        sim.drain()
+    for table in (sl.TABLE, wl.TABLE):
+        never = [str(r) for r in table.rows if r not in taken and not r.unreachable]
+        assert never == [], "rows never taken (take them, or document why they cannot be):\n" + "\n".join(never)
+        wrong = [str(r) for r in table.rows if r in taken and r.unreachable]
+        assert wrong == [], "rows documented unreachable but taken:\n" + "\n".join(wrong)
+
+
+# -------------------------------------------------- nothing is left for a finished request
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.integers(0, 2**32), st.sampled_from([2.0, 120.0]))
+def test_nothing_is_left_once_every_request_finished(seed: int, tombstone_s: float) -> None:
+    sim = _sim(seed, tombstone_s)
+    sim.run(200)
+    sim.drain()
+    unfinished = [r.rid for r in sim.reqs.values() if r.status != "finished"]
+    assert unfinished == []
+    stuck = [r.rid for r in sim.reqs.values() if r.held and r.freed != 1]
+    assert stuck == [], "held blocks never reported free"
+    assert sim.w.live_count() == 0 and sim.s.live_count() == 0
+    assert all(v == 0 for v in sim.w.sizes().values()), sim.w.sizes()
+    # Only ENDED tombstones remain, and only until tombstone time passed.
+    assert set(sim.s.counts()) == set(sl.State) and sum(sim.s.counts().values()) == sim.s.count(sl.State.ENDED)
+    sim.now += tombstone_s + 1
+    sim.s.handle(sl.SendingDone("nobody", sim.now))
+    assert all(v == 0 for v in sim.s.sizes().values()), sim.s.sizes()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32))
+def test_a_transfer_s_attempts_only_increase_while_the_daemon_may_remember_it(seed: int) -> None:
+    """Requests of one transfer (a retry) register ever newer attempts while the transfer's
+    last attempt is on record here (the tombstone outlives the daemon counter's). Not when a
+    request ID is reused for another transfer within the tombstone time: the record then
+    remembers the newer transfer's attempt only (vLLM makes request IDs unique)."""
+    sim = Sim(random.Random(seed), 1e9, reuse_ids=False)  # never purged within the run
+    last: dict[str, int] = {}
+    sched = sim.sched
+
+    def watch(ev: Any) -> list[Any]:
+        out = sched(ev)
+        for a in out:
+            if isinstance(a, sl.Register):
+                tid, att = a.req.transfer_id, a.req.attempt
+                assert att > last.get(tid, -1), (tid, att, last)
+                last[tid] = att
+        return out
+
+    sim.sched = watch  # type: ignore[method-assign]
+    sim.run(300)
+
+
+def test_the_old_attempt_map_would_grow_the_new_core_does_not() -> None:
+    """5,000 decode transfers, each through Matched, Allocated, the load's end and finish:
+    with tombstones purged, the core keeps nothing (the old ``_attempts`` kept 5,000)."""
+    s = sl.SchedulerLifecycle(BLOCK, name_transfer=lambda: "x", tombstone_s=1.0)
+    now = 0.0
+    for i in range(5000):
+        now += 0.01
+        leg = DecodeLeg(f"t{i}", ("tcp://p:1",), 1)
+        s.handle(sl.Matched(f"r{i}", now, 32, leg, None, None, False))
+        s.handle(sl.Allocated(f"r{i}", now, 32, (1, 2), 32, leg))
+        s.handle(sl.Recved(f"r{i}", now))
+        s.handle(sl.Finished(f"r{i}", now, True, None, (1, 2), 32, None))
+    assert s.live_count() == 0 and s.count(sl.State.ENDED) <= 101  # one tombstone second's worth
+    s.handle(sl.SendingDone("nobody", now + 2))
+    assert all(v == 0 for v in s.sizes().values()), s.sizes()
+
+
+def test_an_allocation_without_tokens_to_load_changes_nothing() -> None:
+    """The scheduler half skips update_state_after_alloc with no external tokens (every plain
+    request on every engine): sound only while every Allocated row but the registering ones
+    keeps its state and does nothing."""
+    for r in sl.TABLE.rows:
+        if r.event is sl.Allocated and r.guard is not sl.registers:
+            assert r.to is r.state and r.steps == (), str(r)
+    leg = DecodeLeg("t", ("tcp://p:1",), 1)
+    assert not sl.registers(None, None, sl.Allocated("r", 0.0, 0, (1,), 16, leg))  # type: ignore[arg-type]

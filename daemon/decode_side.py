@@ -181,9 +181,9 @@ class DecodeSide:
             peer.state = new
         for act in actions:
             if act is LinkAction.DIAL:
-                peer = self._dial(endpoint)
+                peer, error = self._dial(endpoint)
                 if peer is None:
-                    self._fail_one(endpoint, msg, f"cannot connect to {endpoint}")
+                    self._fail_one(endpoint, msg, f"cannot connect to {endpoint}: {error}")
                     return
             elif act is LinkAction.QUEUE:
                 assert peer is not None
@@ -233,13 +233,14 @@ class DecodeSide:
                 assert peer is not None
                 self._forget(peer)
 
-    def _dial(self, endpoint: str) -> Producer | None:
+    def _dial(self, endpoint: str) -> tuple[Producer | None, str]:
+        """A new link to ``endpoint``, or None and why it cannot be dialled."""
         now = time.monotonic()
         peer = Producer(endpoint, since=now, last_seen=now, wanted=now)
         if not self._open(peer):
-            return None
+            return None, peer.error
         self.producers[endpoint] = peer
-        return peer
+        return peer, ""
 
     def _open(self, peer: Producer) -> bool:
         """Open a connection to the producer and send our Hello; False if it cannot be dialled."""

@@ -64,7 +64,7 @@ class HandshakeLost:
 
 @dataclass(frozen=True)
 class HandshakeTimeout:
-    """No Hello reply within peer_timeout_s."""
+    """No Hello reply within peer_timeout_s (a quarter of it while recovering)."""
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,7 @@ LINK_TABLE = Table(PeerLinkState, EVENTS, [
     row(RC, HelloOk, None, R, FLUSH),  # back: registrations flow again from now on
     row(RC, Refused, None, None, *_GIVE_UP),  # back, but refusing us: forget; a new one dials again
     row(RC, HandshakeLost, None, RC),  # a late answer to a frame of the connection we replaced
-    row(RC, HandshakeTimeout, None, RC, REDIAL),  # still down: a fresh connection, a fresh Hello
+    row(RC, HandshakeTimeout, None, RC, REDIAL),  # no answer yet: a fresh connection, a fresh Hello
     row(RC, Silent, None, RC, unreachable=_NOT_DUE),
     row(RC, PingDue, None, RC, unreachable=_NOT_DUE),
     row(RC, Idle, None, None, CLOSE),
@@ -193,7 +193,11 @@ class Producer:
     def due(self, now: float, timeout_s: float, idle_s: float) -> Any:
         """The clock's event for this link now, if any."""
         if self.state is not PeerLinkState.READY:
-            if now - self.since <= timeout_s:
+            # A first handshake gets the whole timeout; a lost producer is asked again every
+            # quarter of it, so that one that is back (or allows us again) is ready within that,
+            # not a whole timeout later (a Hello it dropped is not answered).
+            wait = timeout_s / 4 if self.state is PeerLinkState.RECOVERING else timeout_s
+            if now - self.since <= wait:
                 return None
             if self.state is PeerLinkState.RECOVERING and now - self.wanted > idle_s:
                 return Idle()

@@ -90,6 +90,11 @@ def peers(p: Daemon) -> list[str]:
     return [r["node"] for r in ops_request(p.cfg.ops_socket, "peers").data["peers"]]
 
 
+def ready_producers(d: Daemon) -> list[str]:
+    return [r["endpoint"] for r in ops_request(d.cfg.ops_socket, "peers").data["peers"]
+            if r["role"] == "producer" and r["state"] == "ready"]
+
+
 def until(cond, secs: float, what: str) -> float:
     t0 = time.monotonic()
     while not cond():
@@ -134,7 +139,10 @@ def test_a_world_writable_allowlist_directory_revokes_everyone(nodes):
     assert took < 2.5
     assert isinstance(transfer(p, d, pe, de, blocks=(10, 11, 12)), proto.ReceiveFailed)
     os.chmod(kp.authorized_dir, 0o700)
-    time.sleep(1.5)
+    # Fixed: D is admitted again, and its link (re-handshaking every quarter peer_timeout_s since
+    # P evicted it) is ready within a bound, not a whole timeout later.
+    took = until(lambda: ready_producers(d) == [p.peer_endpoint], 3, "D never re-handshook with P")
+    assert took < 2.5
     assert isinstance(transfer(p, d, pe, de, blocks=(13, 14, 15)), proto.Received)
 
 

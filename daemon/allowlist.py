@@ -85,8 +85,8 @@ class NodeCert:
         return role in self.roles
 
 
-def parse_cert(text: str, fallback_name: str) -> NodeCert:
-    """A zmq.auth certificate's ``metadata`` (name, hosts) and ``curve`` public key."""
+def cert_sections(text: str) -> dict[str, dict[str, str]]:
+    """The ``key = value`` lines of a zmq.auth certificate file (ZPL), by section."""
     sections: dict[str, dict[str, str]] = {}
     section = ""
     for line in text.splitlines():
@@ -98,6 +98,12 @@ def parse_cert(text: str, fallback_name: str) -> NodeCert:
         m = _META.match(line)
         if m:
             sections.setdefault(section, {})[m.group(1)] = m.group(2)
+    return sections
+
+
+def parse_cert(text: str, fallback_name: str) -> NodeCert:
+    """A zmq.auth certificate's ``metadata`` (name, hosts) and ``curve`` public key."""
+    sections = cert_sections(text)
     public = sections.get("curve", {}).get("public-key", "")
     try:
         ok = len(public) == 40 and len(zmq.utils.z85.decode(public.encode())) == 32

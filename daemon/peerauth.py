@@ -28,13 +28,19 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from kvpush.daemon.allowlist import CERT_SUFFIX, ROLES, Allowlist, NodeCert, canonical_host
+from kvpush.daemon.allowlist import (
+    CERT_SUFFIX,
+    ROLES,
+    Allowlist,
+    NodeCert,
+    canonical_host,
+    cert_sections,
+)
 
 log = logging.getLogger(__name__)
 
 SECRET_SUFFIX = ".key_secret"
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
-_META = re.compile(r"^\s+([A-Za-z0-9_\-]+)\s*=\s*\"?([^\"]*)\"?\s*$")
 
 
 class PeerAuthError(ValueError):
@@ -42,19 +48,8 @@ class PeerAuthError(ValueError):
 
 
 def _metadata(path: Path) -> dict[str, str]:
-    """The ``metadata`` section of a zmq.auth certificate file (ZPL key = value lines)."""
-    out: dict[str, str] = {}
-    section = ""
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if not line.strip() or line.lstrip().startswith("#"):
-            continue
-        if not line[0].isspace():
-            section = line.strip()
-            continue
-        m = _META.match(line)
-        if section == "metadata" and m:
-            out[m.group(1)] = m.group(2)
-    return out
+    """The ``metadata`` section of a zmq.auth certificate file."""
+    return cert_sections(path.read_text(encoding="utf-8")).get("metadata", {})
 
 
 def _read(path: str | Path) -> tuple[NodeCert, bytes | None]:

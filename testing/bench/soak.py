@@ -463,24 +463,13 @@ def main_daemons(args: argparse.Namespace) -> int:
 async def _router_soak(requests: int, concurrency: int) -> dict[str, Any]:
     import asyncio
     import json
-    import socket
 
     import aiohttp
     from aiohttp import web
 
     from kvpush.router.app import Backend, RouterConfig, build_app
+    from kvpush.testing.aioserve import serve
 
-    def port() -> int:
-        with socket.socket() as sk:
-            sk.bind(("127.0.0.1", 0))
-            return int(sk.getsockname()[1])
-
-    async def serve(app: web.Application) -> tuple[web.AppRunner, str]:
-        runner = web.AppRunner(app)
-        await runner.setup()
-        pt = port()
-        await web.TCPSite(runner, "127.0.0.1", pt).start()
-        return runner, f"http://127.0.0.1:{pt}"
 
     async def prefill(req: web.Request) -> web.Response:
         body = await req.json()

@@ -10,7 +10,6 @@ own ``kv_transfer_params`` never reach an engine (both legs carry the router's).
 from __future__ import annotations
 
 import asyncio
-import socket
 from typing import Any
 
 import aiohttp
@@ -19,20 +18,7 @@ from aiohttp import web
 
 from kvpush.router.app import Backend, RouterConfig, build_app
 from kvpush.router.router_config import RouterConfigError
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = _port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner, f"http://127.0.0.1:{port}"
+from kvpush.testing.aioserve import serve
 
 
 async def _engine(seen: list[dict[str, Any]]) -> tuple[web.AppRunner, str]:
@@ -43,7 +29,7 @@ async def _engine(seen: list[dict[str, Any]]) -> tuple[web.AppRunner, str]:
 
     app = web.Application(client_max_size=256 << 20)
     app.router.add_post("/v1/completions", completions)
-    return await _serve(app)
+    return await serve(app)
 
 
 async def _scenario(max_body: int | None, posts: list[bytes]) -> tuple[list[tuple[int, str]], list, list]:
@@ -52,7 +38,7 @@ async def _scenario(max_body: int | None, posts: list[bytes]) -> tuple[list[tupl
     (pr, p_url), (dr, d_url) = await _engine(p_seen), await _engine(d_seen)
     kw = {} if max_body is None else {"max_body_bytes": max_body}
     cfg = RouterConfig(prefill=[Backend(p_url, ["tcp://127.0.0.1:1"])], decode=[Backend(d_url, [])], **kw)
-    runner, url = await _serve(build_app(cfg))
+    runner, url = await serve(build_app(cfg))
     out: list[tuple[int, str]] = []
     try:
         async with aiohttp.ClientSession() as s:

@@ -9,7 +9,6 @@ it with opentelemetry-proto, while engine stand-ins record what the router forwa
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from typing import Any
 
@@ -24,6 +23,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from kvpush.daemon import otel  # noqa: E402
 from kvpush.proto.trace import ClockPair, TraceRing  # noqa: E402
 from kvpush.router.app import Backend, RouterConfig, build_app  # noqa: E402
+from kvpush.testing.aioserve import serve
 from kvpush.testing.otlp import OtlpReceiver  # noqa: E402
 
 TP = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
@@ -84,19 +84,6 @@ def test_a_serial_proxys_transfer_shares_one_derived_trace_across_daemons() -> N
 
 # ---------------------------------------------------------------- a real OTLP/HTTP receive
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = _port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner, f"http://127.0.0.1:{port}"
-
 
 def _engine(seen: list[dict[str, Any]]) -> web.Application:
     async def completions(req: web.Request) -> web.Response:
@@ -117,10 +104,10 @@ def test_the_router_exports_over_otlp_http_and_forwards_the_trace(monkeypatch: p
     d_seen: list[dict[str, Any]] = []
 
     async def go() -> int:
-        (pr, p_url), (dr, d_url) = await _serve(_engine(p_seen)), await _serve(_engine(d_seen))
+        (pr, p_url), (dr, d_url) = await serve(_engine(p_seen)), await serve(_engine(d_seen))
         cfg = RouterConfig(prefill=[Backend(p_url, ["tcp://127.0.0.1:1"])], decode=[Backend(d_url, [])],
                            otlp_traces_endpoint=endpoint)
-        runner, url = await _serve(build_app(cfg))
+        runner, url = await serve(build_app(cfg))
         try:
             async with aiohttp.ClientSession() as s:
                 async with s.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2},

@@ -3,40 +3,25 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import aiohttp
 from aiohttp import web
 
 from kvpush.router.app import Backend, RouterConfig, build_app
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
-    """Serve ``app`` on a free loopback port; the runner (to clean up) and its base URL."""
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = _port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner, f"http://127.0.0.1:{port}"
+from kvpush.testing.aioserve import serve
 
 
 async def _router(p_url: str, d_url: str) -> tuple[web.AppRunner, str]:
     """The router in front of one prefill and one decode engine stand-in."""
     cfg = RouterConfig(prefill=[Backend(p_url, ["tcp://127.0.0.1:1"])], decode=[Backend(d_url, [])])
-    return await _serve(build_app(cfg))
+    return await serve(build_app(cfg))
 
 
 async def _engine(healthy: bool) -> tuple[web.AppRunner, str]:
     app = web.Application()
     app.router.add_get("/health", lambda _r: web.Response(status=200 if healthy else 503))
     app.router.add_get("/v1/models", lambda _r: web.json_response({"data": [{"id": "tiny"}]}))
-    return await _serve(app)
+    return await serve(app)
 
 
 DOWN: list[str] = []
@@ -89,7 +74,7 @@ async def _streaming_decode_then_failing_prefill() -> list[str]:
     for handler in (prefill, decode):
         app = web.Application()
         app.router.add_post("/v1/completions", handler)
-        servers.append(await _serve(app))
+        servers.append(await serve(app))
     (_, p_url), (_, d_url) = servers
     router, url = await _router(p_url, d_url)
     try:

@@ -2,7 +2,7 @@
 
 Daemon end to end = from the prefill engine publishing PrefillDone (the decode side
 registered first) to the decode engine hearing Received: the plan, a fresh NIXL transfer,
-the WRITE, its notification, the counter and two ZeroMQ hops. Raw NIXL = back-to-back
+the WRITE, its notification, the counter and two engine-link hops. Raw NIXL = back-to-back
 WRITEs of one prepared transfer between two processes that do nothing else
 (scripts/bench_raw_nixl.py), on /dev/shm memory like the engines' KV (``raw_nixl_gbps``,
 the baseline of ``daemon_vs_raw``) and on anonymous memory (``raw_nixl_anon_gbps``).

@@ -26,8 +26,7 @@ import zmq
 
 from kvpush import proto
 from kvpush.daemon.peerauth import PeerAuth, keygen
-from kvpush.testing.daemon_harness import Daemon, Engine, device_config, ops_request
-from kvpush.testing.keys import allow, lab_keys
+from kvpush.testing.daemon_harness import Daemon, ops_request
 from kvpush.testing.kvref import make
 
 pytestmark = pytest.mark.integration
@@ -37,22 +36,6 @@ _ids = itertools.count()
 
 def lay():
     return make("amx", num_layers=2, num_blocks=32, block_size=16, num_heads=2, head_size=64, dtype="bfloat16")[0]
-
-
-@pytest.fixture
-def nodes(tmp_path):
-    kp = lab_keys(tmp_path / "P", "pnode", ("127.0.0.1",))
-    kd = lab_keys(tmp_path / "D", "dnode", ("127.0.0.2",))
-    allow(kp, kd)
-    allow(kd, kp)
-    p = Daemon(device_config(tmp_path, 0, **kp.config()))
-    d = Daemon(device_config(tmp_path, 1, peer_host="127.0.0.2", advertise_host="127.0.0.2", **kd.config()))
-    pe, de = Engine(p, lay(), "prefill", seed=3), Engine(d, lay(), "decode", fill="zeros")
-    yield p, d, pe, de, kp, kd
-    pe.close()
-    de.close()
-    p.stop()
-    d.stop()
 
 
 def transfer(p, d, pe, de, blocks=(4, 5, 6)) -> object:

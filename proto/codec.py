@@ -157,6 +157,15 @@ def _strs(v: Any, lim: Limits, path: str) -> tuple[str, ...]:
     return tuple(v)
 
 
+def _bytess(v: Any, lim: Limits, path: str) -> tuple[bytes, ...]:
+    # LayerEvents.handles: a pool of IPC handles, as many as MAX_REGIONS at most.
+    if type(v) is not list:
+        raise ProtocolError(f"{path}: expected array of bytes, got {_tname(v)}")
+    if len(v) > MAX_REGIONS:
+        raise ProtocolError(f"{path}: {len(v)} entries exceed {MAX_REGIONS}")
+    return tuple(_bytes(item, lim, f"{path}[{i}]") for i, item in enumerate(v))
+
+
 _JSON_SCALARS = (type(None), bool, int, float, str)
 
 
@@ -236,6 +245,8 @@ def _converter(hint: Any, owner: str) -> tuple[_Converter, type | None]:
         return _ints, None
     if origin is tuple and args == (str, Ellipsis):
         return _strs, None
+    if origin is tuple and args == (bytes, Ellipsis):
+        return _bytess, None
     if hint is dict or origin is dict:
         return _json, None
     if origin is tuple and len(args) == 2 and args[1] is Ellipsis and dataclasses.is_dataclass(args[0]):

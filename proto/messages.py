@@ -17,11 +17,12 @@ from kvpush.proto.layout import KVLayout
 
 # 2: Attach carries one MemoryHandle per region, Hello one base per region.
 # 3: PeerRegister.timeout_ms (was deadline_ms: it always was a duration, not a deadline).
-PROTOCOL_VERSION = 3
+# 4: layer-wise streaming (LayerProgress, LayerEvents), least-reach handshakes and bound transfers.
+PROTOCOL_VERSION = 4
 #: Older versions whose ``Error`` message is this version's, field for field: a sender on one
 #: of them is refused with an Error in its own envelope (it can read why), and its refusals
 #: of us are read too. Every other message of another version is refused as a whole.
-ERROR_COMPATIBLE_VERSIONS = frozenset({2})
+ERROR_COMPATIBLE_VERSIONS = frozenset({2, 3})
 
 MEMORY_KINDS = frozenset({"cpu_shm", "cuda_ipc"})
 MEM_TYPES = frozenset({"DRAM", "VRAM"})  # NIXL memory types of registered regions
@@ -104,6 +105,52 @@ class PrefillDone:
     block_ids: tuple[int, ...]
     num_tokens: int
     lease_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class LayerChunk:
+    """One request's part of a forward, as far as a :class:`LayerProgress` reports it.
+
+    ``block_ids`` are the request's blocks holding tokens ``[first_token, num_tokens)`` (this
+    chunk; ``first_token`` is a multiple of the block size less any partial block the chunk
+    completes), ``first_block`` the index of ``block_ids[0]`` among the request's blocks.
+    ``epoch`` counts the request's restarts in this engine (preemption): progress of an
+    earlier epoch is void, and the blocks it named may already belong to another request."""
+
+    transfer_id: str
+    epoch: int
+    first_block: int
+    block_ids: tuple[int, ...]
+    first_token: int
+    num_tokens: int
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class LayerProgress:
+    """Prefill side, during a forward: layers ``[layer_lo, layer_hi)`` of these chunks are in
+    their blocks (one frame per layer group for all streamed requests of the forward).
+
+    Progress only: the seal is still the request's PrefillDone, which names every block and
+    covers whatever the stream did not (prefix hits, unreported layers). ``event`` (GPU):
+    1 + the index in the engine's :class:`LayerEvents` pool of the event recorded after these
+    layers; the daemon posts nothing of them before it has fired. 0: none (CPU: the hook
+    runs after the layer's kernels finished). Wire ints are never negative."""
+
+    layer_lo: int
+    layer_hi: int
+    chunks: tuple[LayerChunk, ...]
+    event: int = 0
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class LayerEvents:
+    """Prefill side, GPU, once after Attach: the interprocess CUDA events a LayerProgress
+    names by index (``torch.cuda.Event(interprocess=True).ipc_handle()``), on ``device``."""
+
+    handles: tuple[bytes, ...]
+    device: int
 
 
 @message
@@ -337,6 +384,8 @@ Message = (
     Attach
     | Register
     | PrefillDone
+    | LayerProgress
+    | LayerEvents
     | Abort
     | Heartbeat
     | TraceReport

@@ -29,6 +29,9 @@ from kvpush.proto import (
     HeartbeatAck,
     Hello,
     Limits,
+    LayerChunk,
+    LayerEvents,
+    LayerProgress,
     MemoryHandle,
     OpsReply,
     OpsRequest,
@@ -178,6 +181,11 @@ STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
     ),
     Register: st.builds(Register, text, u63, ids, u63, endpoints, u63, u63),
     PrefillDone: st.builds(PrefillDone, text, ids, u63, u63),
+    LayerProgress: st.builds(
+        LayerProgress, u63, u63,
+        st.lists(st.builds(LayerChunk, text, u63, u63, ids, u63, u63), max_size=4).map(tuple), u63,
+    ),
+    LayerEvents: st.builds(LayerEvents, st.lists(st.binary(max_size=64), max_size=4).map(tuple), u63),
     Abort: st.builds(Abort, text, u63, text),
     Heartbeat: st.builds(Heartbeat, u63),
     TraceReport: st.builds(TraceReport, text, endpoints, ids),
@@ -288,7 +296,7 @@ def test_hand_encoded_dicts_decode() -> None:
             "timeout_ms": 500,
             "t": "Register",
             "block_ids": [1, 2, 3],
-            "v": 3,
+            "v": 4,
             "transfer_id": "abc",
             "attempt": 0,
             "num_tokens": 33,
@@ -297,12 +305,12 @@ def test_hand_encoded_dicts_decode() -> None:
         }
     )
     assert decode(reg) == Register("abc", 0, (1, 2, 3), 33, ("tcp://p:1", "tcp://p:2"), 2, 500)
-    assert decode(pack({"v": 3, "t": "OpsRequest", "cmd": "status"})) == OpsRequest("status")
-    assert decode(pack({"v": 3, "t": "Error", "code": "E", "message": "m"})) == Error("E", "m")
+    assert decode(pack({"v": 4, "t": "OpsRequest", "cmd": "status"})) == OpsRequest("status")
+    assert decode(pack({"v": 4, "t": "Error", "code": "E", "message": "m"})) == Error("E", "m")
     lay = small_layout()
     lay_map = dataclasses.asdict(lay)  # nested Packing maps, tuples as arrays
     att = {
-        "v": 3,
+        "v": 4,
         "t": "Attach",
         "engine_id": "e",
         "rank": 0,
@@ -341,9 +349,9 @@ def test_block_ids_must_be_ints() -> None:
 
 def test_versions() -> None:
     good = wire(Heartbeat(1))
-    assert good["v"] == PROTOCOL_VERSION == 3
+    assert good["v"] == PROTOCOL_VERSION == 4
     text = rejects(pack({**good, "v": 7}))
-    assert text == "unsupported protocol version 7 (this side speaks 3)"
+    assert text == "unsupported protocol version 7 (this side speaks 4)"
     rejects(pack({**good, "v": 0}), "unsupported protocol version 0")
     rejects(pack({**good, "v": 1}), "unsupported protocol version 1")  # one region per Attach
     rejects(pack({**good, "v": True}), "'v'", "bool")  # True == 1, but is not the version
@@ -670,11 +678,11 @@ def test_version_2_peers_are_refused_in_words_they_can_read() -> None:
 
     old = {"v": 2, "t": "PeerRegister", "transfer_id": "t", "attempt": 0, "block_ids": [1],
            "num_tokens": 16, "dest_rank": 0, "dest_tp_size": 1, "expected_dests": 1, "deadline_ms": 500}
-    with pytest.raises(VersionMismatch, match="unsupported protocol version 2 .this side speaks 3.") as e:
+    with pytest.raises(VersionMismatch, match="unsupported protocol version 2 .this side speaks 4.") as e:
         decode(pack(old))
     assert e.value.version == 2 and 2 in ERROR_COMPATIBLE_VERSIONS
     with pytest.raises(ProtocolError, match="unexpected field.*deadline_ms"):
-        decode(pack({**old, "v": 3}))  # the old field name under the new version: missing field
+        decode(pack({**old, "v": 4}))  # the old field name under the new version: missing field
     refusal = Error("protocol", str(e.value))
     raw = encode(refusal, version=2)
     assert msgpack.unpackb(raw)["v"] == 2 and decode(raw) == refusal

@@ -567,25 +567,44 @@ def unknown_write(rv: Rendezvous, rec: _Transfer, ev: WriteDone | WriteFailed) -
     return not f.final if ev.group == 0 else ev.group not in f.groups
 
 
-def _posts_final(rec: _Transfer, ev: WriteDone | WriteFailed) -> bool:
-    """This group's landing lets the deferred final write of a live attempt go out."""
+def _frees_final(rec: _Transfer, ev: WriteDone | WriteFailed) -> bool:
+    """This group is the last one before the deferred final write of a live attempt."""
     f = rec.inflight[(ev.attempt, ev.dest_rank)]
     return (ev.group > 0 and isinstance(ev, WriteDone) and f.final_due and not f.confirm
             and set(f.groups) == {ev.group} and not f.final and _of_live_attempt(rec, ev))
 
 
-def _ends_flight(rec: _Transfer, ev: WriteDone | WriteFailed) -> bool:
+def _in_time(rv: Rendezvous, rec: _Transfer, dest: int) -> bool:
+    return rv.now < rec.regs[dest].deadline
+
+
+def _posts_final(rv: Rendezvous, rec: _Transfer, ev: WriteDone | WriteFailed) -> bool:
+    """This group's landing lets the deferred final write go out (within the registration's
+    deadline, as every write)."""
+    return _frees_final(rec, ev) and _in_time(rv, rec, ev.dest_rank)
+
+
+def final_too_late(rv: Rendezvous, rec: _Transfer, ev: WriteDone) -> bool:
+    """The groups landed after the registration's deadline: the final write may not go."""
+    return _frees_final(rec, ev) and not _in_time(rv, rec, ev.dest_rank)
+
+
+def final_too_late_last(rv: Rendezvous, rec: _Transfer, ev: WriteDone) -> bool:
+    return final_too_late(rv, rec, ev) and len(rec.inflight) == 1
+
+
+def _ends_flight(rv: Rendezvous, rec: _Transfer, ev: WriteDone | WriteFailed) -> bool:
     f = rec.inflight.get((ev.attempt, ev.dest_rank))
     if f is None:
         return False
     if ev.group == 0:
         return f.final and not f.groups
-    return set(f.groups) == {ev.group} and not f.final and not _posts_final(rec, ev)
+    return set(f.groups) == {ev.group} and not f.final and not _posts_final(rv, rec, ev)
 
 
 def last_write(rv: Rendezvous, rec: _Transfer, ev: WriteDone | WriteFailed) -> bool:
     """This write is the only one still in flight (and posts nothing after it)."""
-    return len(rec.inflight) == 1 and _ends_flight(rec, ev)
+    return len(rec.inflight) == 1 and _ends_flight(rv, rec, ev)
 
 
 def busy(rv: Rendezvous, rec: _Transfer, ev: object) -> bool:
@@ -853,7 +872,7 @@ def land(rv: Rendezvous, rec: _Transfer, ev: WriteDone | WriteFailed, out: list)
     if flight.groups or flight.final:
         return
     if (not final_landed and flight.final_due and isinstance(ev, WriteDone)
-            and _of_live_attempt(rec, ev) and not flight.confirm):
+            and _of_live_attempt(rec, ev) and not flight.confirm and _in_time(rv, rec, ev.dest_rank)):
         del rec.inflight[key]
         _post_final(rec, ev.dest_rank, out)
         return
@@ -976,6 +995,10 @@ def pump(rv: Rendezvous, rec: _Transfer, ev: object, out: list) -> None:
                                    tuple(rec.groups[n:]), reg.block_ids, reg.first_token))
 
 
+def fail_late(rv: Rendezvous, rec: _Transfer, ev: WriteDone, out: list) -> None:
+    _fail(rec, "registration deadline passed while the stream's writes landed", Cause.TIMEOUT, out)
+
+
 def fail_timeout(rv: Rendezvous, rec: _Transfer, ev: _Deadline, out: list) -> None:
     _fail(rec, "prefill did not complete in time", Cause.TIMEOUT, out)
 
@@ -1000,6 +1023,7 @@ TABLE = Table(State, (Registered, Prefilled, LayersReady, WriteDone, WriteFailed
     row(None, Registered, None, _WP, open_attempt, add_reg),
 
     row(_WP, Registered, over_quota, _WP, reject_quota),
+    row(_WP, Registered, repeats_write, _WP),  # a group WRITE into its blocks answers it
     row(_WP, Registered, invalid, _WP, reject_invalid),
     row(_WP, Registered, stale, _WP, reject_stale),
     row(_WP, Registered, duplicate, _WP),
@@ -1077,6 +1101,8 @@ TABLE = Table(State, (Registered, Prefilled, LayersReady, WriteDone, WriteFailed
     row(_WP, WriteFailed, fails_attempt_last, _FL, land, fail_write, release),
     row(_WP, WriteFailed, fails_attempt, _DR, land, fail_write),
     *[row(_WP, e, None, _WP, land, pump) for e in (WriteDone, WriteFailed)],
+    *[row(s, WriteDone, final_too_late_last, _FL, land, fail_late, release) for s in (_WR, _WG)],
+    *[row(s, WriteDone, final_too_late, _DR, land, fail_late) for s in (_WR, _WG)],
     row(_WR, WriteDone, None, _WR, land, count_done),  # the live attempt is incomplete
     row(_WG, WriteDone, completes_last, _OK, land, count_done, decide_ok, release),
     row(_WG, WriteDone, completes, _DR, land, count_done, decide_ok),  # older writes read

@@ -336,6 +336,7 @@ class _Transfer(Record):
     stream_off: bool = False  # too many groups: the final write covers everything
     seq: int = 0  # last group number handed out
     hold_until: float = 0.0  # STREAMED: forget the progress then
+    ended: tuple[str, Cause] = ("attempt ended", Cause.CLOSED)  # why the current attempt ended
 
 
 def _earliest_registration(rec: _Transfer) -> float:
@@ -523,6 +524,14 @@ def inconsistent(rv: Rendezvous, rec: _Transfer, ev: Registered) -> bool:
     return ev.attempt == rec.attempt and ev.expected_dests != rec.expected
 
 
+def attempt_over(rv: Rendezvous, rec: _Transfer, ev: object) -> bool:
+    return not rec.live
+
+
+def inconsistent_busy(rv: Rendezvous, rec: _Transfer, ev: Registered) -> bool:
+    return inconsistent(rv, rec, ev) and bool(rec.inflight)
+
+
 def repeats_write(rv: Rendezvous, rec: _Transfer, ev: Registered) -> bool:
     """A registration whose write is in flight is answered by that write's end; any
     earlier word (e.g. "superseded") would let the decode side free blocks NIXL is
@@ -704,6 +713,7 @@ def _end_attempt(
     if not rec.live:
         return
     rec.live = False
+    rec.ended = (reason, cause)
     for dest, reg in sorted(rec.regs.items()):
         if (rec.attempt, dest) in rec.inflight or dest in rec.done or dest in rec.told:
             continue
@@ -886,8 +896,8 @@ def land(rv: Rendezvous, rec: _Transfer, ev: WriteDone | WriteFailed, out: list)
     elif final_landed or _of_live_attempt(rec, ev):
         return  # the peer has its notification, or more of a live attempt is to come
     else:  # group WRITEs of an ended attempt: the peer never gets a notification
-        reason = rec.verdict.reason if rec.verdict else "attempt ended"
-        cause = rec.verdict.cause if rec.verdict else Cause.SUPERSEDED
+        reason, cause = rec.ended if ev.attempt == rec.attempt else (
+            f"superseded by attempt {rec.attempt}", Cause.SUPERSEDED)
     if ev.attempt == rec.attempt:
         rec.told.add(ev.dest_rank)
     out.append(NotifyFailure(rec.transfer_id, ev.attempt, flight.peer, ev.dest_rank, reason, cause))
@@ -996,7 +1006,8 @@ def pump(rv: Rendezvous, rec: _Transfer, ev: object, out: list) -> None:
 
 
 def fail_late(rv: Rendezvous, rec: _Transfer, ev: WriteDone, out: list) -> None:
-    _fail(rec, "registration deadline passed while the stream's writes landed", Cause.TIMEOUT, out)
+    _fail(rec, "prefill did not complete in time (the stream's writes landed after the registration's "
+          "deadline)", Cause.TIMEOUT, out)
 
 
 def fail_timeout(rv: Rendezvous, rec: _Transfer, ev: _Deadline, out: list) -> None:
@@ -1027,6 +1038,8 @@ TABLE = Table(State, (Registered, Prefilled, LayersReady, WriteDone, WriteFailed
     row(_WP, Registered, invalid, _WP, reject_invalid),
     row(_WP, Registered, stale, _WP, reject_stale),
     row(_WP, Registered, duplicate, _WP),
+    row(_WP, Registered, ended, _WP, reject_ended),  # its groups drain (cancelled, inconsistent)
+    row(_WP, Registered, inconsistent_busy, _WP, reject_inconsistent, end_inconsistent),  # drains
     row(_WP, Registered, inconsistent, _EX, reject_inconsistent, end_inconsistent),
     row(_WP, Registered, None, _WP, open_attempt, add_reg, pump),
 
@@ -1073,6 +1086,7 @@ TABLE = Table(State, (Registered, Prefilled, LayersReady, WriteDone, WriteFailed
     # --- Prefilled ------------------------------------------------------------------
     row(None, Prefilled, overloaded, None, release_overloaded),
     row(None, Prefilled, None, _WR, hold),
+    row(_WP, Prefilled, attempt_over, _WR, hold),  # the ended attempt's groups drain
     row(_WP, Prefilled, any_tokens_differ, _WR, hold, end_mismatch_all),
     row(_WP, Prefilled, all_registered, _WG, hold, start_all),
     row(_WP, Prefilled, None, _WR, hold, start_all),

@@ -109,6 +109,7 @@ class DaemonClient:
         self._link = DaemonLink(clock(), max_queue=max_queue, heartbeat_s=heartbeat_s,
                           dead_after_s=dead_after_s)
         self._attach_frame = b""
+        self._attach_then: tuple[bytes, ...] = ()  # frames each new link sends right after the Attach
 
         path = ipc_path(endpoint)
         if path is None:
@@ -226,9 +227,12 @@ class DaemonClient:
         """Either side gives up on one attempt of a transfer."""
         return self.send(Abort(transfer_id, attempt, reason))
 
-    def attach(self, msg: Attach) -> None:
-        """Remember ``msg``; send it now if a link is up, else as a new link's first frame."""
+    def attach(self, msg: Attach, then: tuple[Message, ...] = ()) -> None:
+        """Remember ``msg``; send it now if a link is up, else as a new link's first frame.
+        ``then``: what every link (a re-attach too) sends right after it (LayerEvents: a
+        restarted daemon knows nothing of the engine's event pool)."""
         self._attach_frame = encode(msg)
+        self._attach_then = tuple(encode(m) for m in then)
         if self._link.state is State.CLOSED:
             return
         if self._sock is None:
@@ -274,6 +278,8 @@ class DaemonClient:
                     self._flush()
             elif a is Act.SEND_ATTACH:
                 if self._raw_send(self._attach_frame):
+                    for data in self._attach_then:  # right behind it; lost only with the link
+                        self._raw_send(data)
                     self._run(link.handle(AttachSent()))
             elif a is Act.SEND_HEARTBEAT:
                 if self._raw_send(encode(Heartbeat(link.hb_seq))):

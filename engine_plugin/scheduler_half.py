@@ -145,7 +145,9 @@ class KVPushScheduler:
     def _cached(self, out: SchedulerOutput) -> dict[str, sl.CachedReq]:
         """The streamed requests among those scheduled again: where their chunk starts and
         the blocks vLLM added (or, resumed from preemption, gave them anew)."""
-        c = out.scheduled_cached_reqs
+        c = getattr(out, "scheduled_cached_reqs", None)  # vLLM's always has it; a bench's stand-in may not
+        if c is None:
+            return {}
         lc = self.lifecycle
         resumed = getattr(c, "resumed_req_ids", ())
         return {rid: sl.CachedReq(c.num_computed_tokens[i], tuple(nb[0]) if (nb := c.new_block_ids[i]) else (),

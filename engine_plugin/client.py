@@ -217,6 +217,21 @@ class DaemonClient:
             return True
         return link.enqueue(data)
 
+    def send_encoded(self, data: bytes) -> bool:
+        """send() of a message the caller encoded itself (a LayerProgress built from parts made
+        once per forward: engine_plugin.layer_stream). Same routing, same counters."""
+        link = self._link
+        self._connect()
+        if link.state is not State.CLOSED and link.queue:
+            self._flush()
+        route = link.route()
+        if route is Route.REFUSE:
+            return False
+        if route is Route.DIRECT and self._raw_send(data):
+            link.counters.sent += 1
+            return True
+        return link.enqueue(data)
+
     def publish_prefill_done(
         self, transfer_id: str, block_ids: Iterable[int], num_tokens: int, lease_ms: int
     ) -> bool:

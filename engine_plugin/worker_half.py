@@ -30,7 +30,7 @@ from kvpush.engine_plugin.client import DaemonClient
 from kvpush.engine_plugin.connector_config import PluginConfig
 from kvpush.engine_plugin.kv_export import export_cpu_tensor, unlink_export
 from kvpush.engine_plugin.layer_events import CpuEvents, CudaEvents, EventSource, pool_size
-from kvpush.engine_plugin.layer_stream import LayerStream
+from kvpush.engine_plugin.layer_stream import LayerStream, frame_bytes
 from kvpush.engine_plugin.logonce import OncePer
 from kvpush.engine_plugin.logs import plugin_logger
 from kvpush.engine_plugin.metadata import KVPushMetadata, StreamChunk
@@ -245,7 +245,7 @@ class KVPushWorker:
         span = st.ends.get(layer_name)
         if span is None:
             return
-        ok = self.client.send(st.frame(span, self.events.record()))
+        ok = self.client.send_encoded(frame_bytes(st.head, span, self.events.record()))
         st.sent(ok)
         if ok:
             self.counters.layer_frames += 1

@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("vllm")
 
@@ -28,7 +30,7 @@ from vllm.v1.request import Request  # noqa: E402
 from kvpush import proto  # noqa: E402
 from kvpush.engine_plugin.connector_config import PluginConfig  # noqa: E402
 from kvpush.engine_plugin.layer_events import FakeEvents, pool_size  # noqa: E402
-from kvpush.engine_plugin.layer_stream import group_ends  # noqa: E402
+from kvpush.engine_plugin.layer_stream import chunks_bytes, frame_bytes, group_ends, span_bytes  # noqa: E402
 from kvpush.engine_plugin.metadata import StreamChunk  # noqa: E402
 from kvpush.engine_plugin.scheduler_half import KVPushScheduler  # noqa: E402
 from kvpush.engine_plugin.worker_half import KVPushWorker  # noqa: E402
@@ -257,3 +259,16 @@ def test_group_ends_cover_every_layer_once() -> None:
             assert spans[0][0] == 0 and spans[-1][1] == n
             assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
             assert all(0 < hi - lo <= g for lo, hi in spans)
+
+
+_chunk = st.builds(proto.LayerChunk, st.text(min_size=1, max_size=40), st.integers(0, 2**40), st.integers(0, 2**20),
+                   st.lists(st.integers(0, 2**31), max_size=300).map(tuple), st.integers(0, 2**20),
+                   st.integers(0, 2**20))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(_chunk, min_size=1, max_size=20), st.integers(0, 4096), st.integers(0, 4096), st.integers(0, 2**16))
+def test_a_frame_built_from_parts_is_the_codec_s_layer_progress(chunks: list, lo: int, hi: int, event: int) -> None:
+    """The worker never encodes a whole frame: the codec must read its parts as the message."""
+    data = frame_bytes(chunks_bytes(tuple(chunks)), span_bytes(lo, hi), event)
+    assert proto.decode(data) == proto.LayerProgress(lo, hi, tuple(chunks), event)

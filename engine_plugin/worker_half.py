@@ -426,6 +426,12 @@ class KVPushWorker:
             elif isinstance(m, proto.Released):
                 self._apply(wl.Released(m.transfer_id, m.attempt, now))
             elif isinstance(m, proto.Error):
+                if m.code == "unexpected" and m.message.startswith("LayerProgress") and self.stream is not None:
+                    # A daemon without layer-wise streaming: whole-request pushes, as with "off".
+                    log.warning("kvpush: daemon %s does not take layer-wise progress (%s); pushing whole "
+                                "requests", self.endpoint, m.message)
+                    self.stream = None
+                    continue
                 log.warning("kvpush: daemon error %s: %s (%s)", m.code, m.message, m.ref)
             elif isinstance(m, proto.AttachAck):
                 if self._daemon_id is not None and m.daemon_id != self._daemon_id:

@@ -272,3 +272,23 @@ def test_a_frame_built_from_parts_is_the_codec_s_layer_progress(chunks: list, lo
     """The worker never encodes a whole frame: the codec must read its parts as the message."""
     data = frame_bytes(chunks_bytes(tuple(chunks)), span_bytes(lo, hi), event)
     assert proto.decode(data) == proto.LayerProgress(lo, hi, tuple(chunks), event)
+
+
+def test_a_daemon_without_streaming_turns_it_off_and_pushes_whole_requests(endpoint: str) -> None:
+    """What a daemon that does not take LayerProgress answers (engine_session: "unexpected")."""
+    d = FakeDaemon(endpoint, "d1")
+    w = worker(endpoint, d, layer_group=4)
+    try:
+        forward(w, CH)
+        settle(w, d, lambda: len(frames(d)) == 3)
+        d.send(proto.Error("unexpected", "LayerProgress not accepted here"))
+        settle(w, d, lambda: w.stream is None)
+        forward(w, CH)
+        time.sleep(0.05)
+        d.serve()
+        assert len(frames(d)) == 3  # nothing more
+        d.send(proto.Error("unexpected", "Heartbeat not accepted here"))  # other errors change nothing else
+        w.collect()
+    finally:
+        w.shutdown()
+        d.close()

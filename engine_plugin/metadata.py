@@ -79,9 +79,11 @@ class KVPushMetadata(KVConnectorMetadata):
     send_aborts: list[AbortReq] = field(default_factory=list)
     # Prefill side, layer-wise: the chunks this step's forward computes, of streamed requests.
     streams: list[StreamChunk] = field(default_factory=list)
+    # Prefill side, layer-wise: streamed requests that ended unsealed (the daemon drops them).
+    stream_aborts: list[AbortReq] = field(default_factory=list)
     idle: bool = False  # the step runs no forward: the worker may wait briefly for the daemon
     # Timeline stamps taken by the scheduler half: (transfer_id, hop, monotonic ns).
     stamps: list[tuple[str, str, int]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.registers or self.sends or self.aborts or self.send_aborts)
+        return bool(self.registers or self.sends or self.aborts or self.send_aborts or self.stream_aborts)

@@ -67,6 +67,8 @@ class KVPushScheduler:
                 meta.registers.append(a.req)
             elif isinstance(a, sl.Stream):
                 meta.streams.append(a.chunk)
+            elif isinstance(a, sl.StreamAbort):
+                meta.stream_aborts.append(a.req)
             elif isinstance(a, sl.Send):
                 meta.sends.append(a.req)
             elif isinstance(a, sl.AbortLoad):
@@ -169,5 +171,6 @@ class KVPushScheduler:
         """Every collection this half keeps, and its size (the soak benchmark's view)."""
         m = self._meta
         return {**{f"lifecycle.{k}": v for k, v in self.lifecycle.sizes().items()},
-                "meta": len(m.registers) + len(m.sends) + len(m.aborts) + len(m.send_aborts) + len(m.stamps),
+                "meta": len(m.registers) + len(m.sends) + len(m.aborts) + len(m.send_aborts) + len(m.stamps)
+                + len(m.streams) + len(m.stream_aborts),
                 "warned": len(self._warned._seen)}

@@ -43,7 +43,7 @@ from kvpush.proto.params import DecodeLeg, PrefillLeg
 
 __all__ = [
     "AbortLoad", "AbortSend", "Allocated", "CachedReq", "Claim", "Finished", "Hold", "Matched", "NewReq",
-    "Recved", "Register", "SchedulerLifecycle", "Send", "SendingDone", "Stamp", "State", "Step", "Stream",
+    "Recved", "Register", "SchedulerLifecycle", "Send", "SendingDone", "Stamp", "State", "Step", "Stream", "StreamAbort",
     "TABLE", "TOMBSTONES",
 ]
 
@@ -186,6 +186,14 @@ class Stream:
 
 
 @dataclass(slots=True)
+class StreamAbort:
+    """A streamed request ended unsealed (aborted, or finished with nobody to fetch it): the
+    daemon drops its progress at once instead of when its lease runs out."""
+
+    req: AbortReq
+
+
+@dataclass(slots=True)
 class Stamp:
     """A timeline stamp for the transfer (taken by the shell: the core has no clock)."""
 
@@ -193,7 +201,7 @@ class Stamp:
     hop: str
 
 
-Action = Claim | Hold | Register | Send | AbortLoad | AbortSend | Stream | Stamp
+Action = Claim | Hold | Register | Send | AbortLoad | AbortSend | Stream | StreamAbort | Stamp
 
 # --------------------------------------------------------------------------- states
 
@@ -336,6 +344,11 @@ def holds(sl: SchedulerLifecycle, rec: Req | None, ev: Finished) -> bool:
     return not ev.prefill.serial or ev.endpoints is not None
 
 
+def streamed(sl: SchedulerLifecycle, rec: Req, ev: Finished) -> bool:
+    """Some chunk of it was named to the worker (in this epoch or an earlier one)."""
+    return rec.streamed or rec.epoch > 0
+
+
 def confirms(sl: SchedulerLifecycle, rec: Req, ev: Finished) -> bool:
     """An early PrefillDone whose request finished normally, with someone to fetch it."""
     return ev.ok and (ev.endpoints is not None or ev.prefill is None or not ev.prefill.serial)
@@ -428,6 +441,11 @@ def send_early(sl: SchedulerLifecycle, rec: Req, ev: Step, out: list) -> None:
     assert rec.transfer_id is not None
     n = ev.new[rec.req_id]
     out.append(Send(SendReq(rec.req_id, rec.transfer_id, list(n.block_ids), n.num_prompt, early=True)))
+
+
+def abort_stream(sl: SchedulerLifecycle, rec: Req, ev: Finished, out: list) -> None:
+    assert rec.transfer_id is not None
+    out.append(StreamAbort(AbortReq(rec.req_id, rec.transfer_id, 0)))
 
 
 def _answer(rec: Req, ev: Finished) -> dict[str, Any] | None:
@@ -525,6 +543,7 @@ TABLE = Table(State, (Matched, Allocated, Step, Finished, Recved, SendingDone, _
     row(_PF, Step, streams_chunk, _PF, stream),  # a later chunk
     row(_PF, Step, None, _PF),  # streamed, past its prompt (decoding: max_tokens > 1)
     *[row(s, Finished, holds, _HD, hold_send) for s in (_PF, _CA)],
+    *[row(s, Finished, streamed, None, abort_stream) for s in (_PF, _CA)],  # ended mid-stream, unsealed
     *[row(s, Finished, None, None) for s in (_PF, _CA)],
     row(_EA, Finished, confirms, _HD, hold_send),
     row(_EA, Finished, None, _HD, withdraw),

@@ -267,6 +267,8 @@ class KVPushWorker:
             self._apply(wl.SendAbort(a.transfer_id, a.req_id, now, down))
         for a in meta.aborts:
             self._apply(wl.AbortLoad(a.transfer_id, a.attempt, a.req_id, now, down))
+        for a in meta.stream_aborts:  # no record, nothing to free: a refused one costs the daemon's lease
+            self.client.send(proto.Abort(a.transfer_id, 0, "request ended mid-stream"))
 
     def after_forward(self) -> None:
         """Right after the step's forward (vLLM's wait_for_save): publish the PrefillDone of

@@ -127,6 +127,27 @@ def test_off_and_auto_below_the_threshold_stream_nothing() -> None:
     assert len(s.build_connector_meta(out(new=[(r, list(range(17)), 256)])).streams) == 1
 
 
+def test_a_request_aborted_mid_stream_tells_the_daemon_to_drop_its_progress() -> None:
+    from vllm.v1.request import RequestStatus
+
+    s = sched("on")
+    r = prefill_req("a", 40)
+    match(s, r)
+    s.build_connector_meta(out(new=[(r, [7, 3], 20)]))
+    r.status = RequestStatus.FINISHED_ABORTED
+    assert s.request_finished(r, [7, 3]) == (False, None)  # nothing held: vLLM frees the blocks
+    m = s.build_connector_meta(out())
+    assert [(a.transfer_id, a.attempt) for a in m.stream_aborts] == [("t-a", 0)] and m
+    # not streamed (off): no such abort, as before
+    s = sched("off")
+    r = prefill_req("b", 40)
+    match(s, r)
+    s.build_connector_meta(out(new=[(r, [7, 3], 20)]))
+    r.status = RequestStatus.FINISHED_ABORTED
+    s.request_finished(r, [7, 3])
+    assert s.build_connector_meta(out()).stream_aborts == []
+
+
 # ------------------------------------------------------------------ the worker half
 
 
@@ -188,6 +209,21 @@ def test_one_frame_per_layer_group_for_all_streamed_chunks(endpoint: str) -> Non
         assert all(f.chunks == want and f.event == 0 for f in got)  # CPU: no event
         assert w.counters.layer_frames == 3 and w.counters.layer_refused == 0
         assert not any(isinstance(m, proto.LayerEvents) for m in d.got)  # CPU: no pool
+    finally:
+        w.shutdown()
+        d.close()
+
+
+def test_a_stream_abort_is_published_as_an_abort(endpoint: str) -> None:
+    from kvpush.engine_plugin.metadata import AbortReq, KVPushMetadata
+
+    d = FakeDaemon(endpoint, "d1")
+    w = worker(endpoint, d)
+    try:
+        w.publish(KVPushMetadata(stream_aborts=[AbortReq("r1", "t1", 0)]))
+        settle(w, d, lambda: any(isinstance(m, proto.Abort) for m in d.got))
+        ab = next(m for m in d.got if isinstance(m, proto.Abort))
+        assert (ab.transfer_id, ab.attempt) == ("t1", 0) and w.lifecycle.live_count() == 0
     finally:
         w.shutdown()
         d.close()

@@ -87,6 +87,7 @@ class Sim:
     stream_min: int | None = None  # layerwise: None off, 0 on, else auto's threshold
     free: list[int] = field(default_factory=lambda: list(range(40)))  # vLLM's block pool (LIFO: reused soon)
     chunks: int = 0  # Stream actions checked
+    stream_aborts: int = 0
 
     def __post_init__(self) -> None:
         self.s = sl.SchedulerLifecycle(BLOCK, name_transfer=lambda: next(self.names), tombstone_s=self.tombstone_s,
@@ -271,11 +272,19 @@ class Sim:
                                      eps if r.prefill() is not None else None))
         r.status = "finished"
         r.held = any(isinstance(a, sl.Hold) for a in out)
+        ended = [a for a in out if isinstance(a, sl.StreamAbort)]
+        if ended:  # only a streamed request its daemon will not be sealed for
+            assert not r.held and (r.streamed or r.epoch > 0) and ended[0].req.req_id == r.rid
+            self.stream_aborts += 1
         if not r.held:
             self.give_back(r)
 
     def abort(self) -> None:
         live = [r for r in self.reqs.values() if r.status != "finished"]
+        # matched, not allocated yet (after a preemption too): rare, and where a stream ends unscheduled
+        back = [r for r in live if r.status == "waiting" and self.s.state(r.rid) is sl.State.CANDIDATE]
+        if back and self.rng.random() < 0.5:
+            live = back
         if live:
             self.finish(self.rng.choice(live), ok=False)
 

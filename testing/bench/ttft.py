@@ -92,7 +92,10 @@ async def one(session: Any, url: str, ids: list[int], out_len: int) -> dict[str,
     return {"ttft_ms": (first - t0) * 1e3 if first else None, "text": "".join(text), "transfer_id": tid}
 
 
-async def run_mode(url: str, lengths: list[int], n: int, out_len: int, conc: int, seed: int) -> dict[str, Any]:
+async def run_mode(url: str, lengths: list[int], n: int, out_len: int, conc: int, seed: int,
+                   pause_s: float = 0.05) -> dict[str, Any]:
+    """``pause_s`` between sequential requests (0: back to back, the way a user's client loop
+    sends them); ``conc`` 0 skips the concurrency pass."""
     import aiohttp
 
     res: dict[str, Any] = {"sequential": {}, "concurrent": []}
@@ -103,7 +106,8 @@ async def run_mode(url: str, lengths: list[int], n: int, out_len: int, conc: int
             rows = []
             for i in range(n):
                 rows.append(await one(s, url, prompt_ids(L, i, seed), out_len))
-                await asyncio.sleep(0.05)
+                if pause_s:
+                    await asyncio.sleep(pause_s)
             res["sequential"][L] = rows
         sem = asyncio.Semaphore(conc)
 
@@ -114,7 +118,7 @@ async def run_mode(url: str, lengths: list[int], n: int, out_len: int, conc: int
 
         t0 = time.perf_counter()
         res["concurrent"] = await asyncio.gather(*(limited(i) for i in range(conc * 8)))
-        res["concurrent_wall_s"] = time.perf_counter() - t0
+        res["concurrent_wall_s"] = max(time.perf_counter() - t0, 1e-9)
     return res
 
 
@@ -162,11 +166,42 @@ def summarize(mode_res: dict[str, Any]) -> dict[str, Any]:
     out["errors"] += len(mode_res["concurrent"]) - len(conc)
     out["concurrent"] = stats(conc)
     n = len(mode_res["concurrent"])
+    if not n:
+        return out
     out["concurrent"]["requests_per_s"] = round(n / mode_res["concurrent_wall_s"], 2)
     out["concurrent"]["p50_by_length"] = {
         str(L): round(pct([r["ttft_ms"] for r in mode_res["concurrent"] if r["len"] == L and r.get("ttft_ms")], 50), 2)
         for L in sorted({r["len"] for r in mode_res["concurrent"]})}
     return out
+
+
+def table_md(result: dict[str, Any], argv: list[str]) -> str:
+    """The run as a markdown table: per length, each mode's p50/p90 and kvpush's delta over colocated,
+    then the median kvpush request's hops."""
+    cfg, summary = result["config"], result["summary"]
+    modes = [m for m in cfg["modes"] if m in summary]
+    load = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else []
+    lines = [f"# TTFT, streaming, {cfg['requests']} requests per length, {cfg['output_len']} output tokens, "
+             f"pause {cfg['pause_ms']:g} ms between requests",
+             "", f"Command: `scripts/bench_ttft.py {' '.join(argv)}`  ",
+             f"Load average at the end: {' '.join(load)} (figures are noisy when it exceeds 2).", "",
+             "| tokens | " + " | ".join(f"{m} p50 / p90 ms" for m in modes) + " | kvpush − colocated p50 / p90 ms |",
+             "|---:|" + "---:|" * (len(modes) + 1)]
+    for L in map(str, cfg["lengths"]):
+        cells = [f"{summary[m]['sequential'][L]['p50']:.1f} / {summary[m]['sequential'][L]['p90']:.1f}"
+                 if summary[m]["sequential"].get(L) else "–" for m in modes]
+        v = result["verdict"].get(L)
+        delta = f"{v['added_p50_ms']:+.1f} / {v['added_p90_ms']:+.1f}" if v else "–"
+        lines.append(f"| {L} | " + " | ".join(cells) + f" | {delta} |")
+    hops = result.get("kvpush_segment_p50") or {}
+    if hops:
+        segs = list(dict.fromkeys(s for h in hops.values() for s in h))
+        lines += ["", "kvpush, each segment's p50 over the requests of a length, ms between consecutive hops "
+                  "(kvpushctl trace; a segment missing from half the requests is left out):", "",
+                  "| segment | " + " | ".join(hops) + " |", "|---|" + "---:|" * len(hops)]
+        for seg in segs:
+            lines.append(f"| {seg} | " + " | ".join(f"{h[seg]:.2f}" if seg in h else "–" for h in hops.values()) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,7 +217,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="also write the JSON here")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--idle-seconds", type=float, default=5.0, help="idle CPU sample per mode (0: skip)")
+    ap.add_argument("--pause-ms", type=float, default=50.0, help="pause between sequential requests (0: back to back)")
+    ap.add_argument("--user-way", action="store_true",
+                    help="a new user's measurement: colocated and kvpush only, requests back to back "
+                         "(no pause), no concurrency pass, no idle sample; writes --table")
+    ap.add_argument("--table", default=None, help="write a markdown table of p50/p90 and kvpush's delta here")
     args = ap.parse_args(argv)
+    if args.user_way:
+        args.modes, args.pause_ms, args.concurrency, args.idle_seconds = "colocated,kvpush", 0.0, 0, 0.0
+        args.table = args.table or str(ROOT / "docs" / "results" / "ttft_back_to_back.md")
     lengths = [int(x) for x in args.lengths.split(",")]
     modes = [m for m in args.modes.split(",") if m]
     bad = set(modes) - set(MODES)
@@ -196,11 +239,13 @@ def main(argv: list[str] | None = None) -> int:
     idle: dict[str, dict[str, float]] = {}
     writes: dict[str, Any] = {}
     hops: dict[str, Any] = {}
+    seg_p50: dict[str, dict[str, float]] = {}
     texts: dict[str, dict[str, str]] = {}
 
     def measure(mode: str, url: str) -> None:
         log(f"[{mode}] measuring at {url}")
-        raw[mode] = asyncio.run(run_mode(url, lengths, args.requests, args.output_len, args.concurrency, args.seed))
+        raw[mode] = asyncio.run(run_mode(url, lengths, args.requests, args.output_len, args.concurrency, args.seed,
+                                         args.pause_ms / 1e3))
         texts[mode] = {f"{L}:{i}": r.get("text", "") for L, rows in raw[mode]["sequential"].items()
                        for i, r in enumerate(rows)}
 
@@ -233,6 +278,20 @@ def main(argv: list[str] | None = None) -> int:
                     per_len[str(L)] = {"ttft_ms": round(med["ttft_ms"], 2), "transfer_id": med["transfer_id"],
                                        "hops_ms": breakdown(tl)}
                 hops = per_len
+                seg_p50 = {}  # every request's hops, not only the median one: each segment's p50
+                for L, rows in raw["kvpush"]["sequential"].items():
+                    ttft = {r["transfer_id"]: r["ttft_ms"] for r in rows
+                            if r.get("ttft_ms") is not None and r.get("transfer_id")}
+                    tids = list(ttft)
+                    segs: dict[str, list[float]] = {}
+                    for tid, tl in timelines(stack, stack.router_url, tids).items():
+                        for seg, v in breakdown(tl).items():
+                            segs.setdefault(seg, []).append(v)
+                        if "router.request_in" in tl and "router.decode_first_byte" in tl:
+                            inside = (tl["router.decode_first_byte"] - tl["router.request_in"]) / 1e6
+                            segs.setdefault("router.request_in -> router.decode_first_byte", []).append(inside)
+                            segs.setdefault("client (TTFT outside the router)", []).append(ttft[tid] - inside)
+                    seg_p50[str(L)] = {seg: round(pct(v, 50), 3) for seg, v in segs.items() if len(v) * 2 >= len(tids)}
                 raw["kvpush"]["decode_prompt_tokens_by_source"] = prompt_tokens_by_source(stack.d_url)
                 writes = write_latencies(stack)
             if args.idle_seconds:
@@ -316,12 +375,15 @@ def main(argv: list[str] | None = None) -> int:
                                   for L, v in summary["pull"]["sequential"].items()
                                   if v and summary["kvpush"]["sequential"].get(L)}
     result = {"config": {"lengths": lengths, "requests": args.requests, "output_len": args.output_len,
-                         "concurrency": args.concurrency, "modes": modes},
-              "summary": summary, "verdict": verdict, "kvpush_median_breakdown": hops, "idle_cores": idle,
+                         "concurrency": args.concurrency, "modes": modes, "pause_ms": args.pause_ms},
+              "summary": summary, "verdict": verdict, "kvpush_median_breakdown": hops,
+              "kvpush_segment_p50": seg_p50, "idle_cores": idle,
               "kvpush_write_latency": writes,
               "decode_prompt_tokens_by_source": raw.get("kvpush", {}).get("decode_prompt_tokens_by_source")}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    if args.table:
+        Path(args.table).write_text(table_md(result, argv if argv is not None else sys.argv[1:]))
     if args.json:
         print(json.dumps(result, indent=2))
         return 0

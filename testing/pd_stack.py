@@ -64,6 +64,7 @@ class PDStack:
     p_cpus: str = "0"
     d_cpus: str = "1"
     aux_cpus: str | None = "1"  # daemons + router; None: wherever the kernel puts them
+    router_cpus: str | None = None  # the router alone elsewhere (None: with the daemons, on aux_cpus)
 
     def __post_init__(self) -> None:
         self.work.mkdir(parents=True, exist_ok=True)
@@ -131,7 +132,7 @@ class PDStack:
             self.procs["router"] = popen(
                 [ve.vllm_python(), "-m", "kvpush.router.cli", "--listen", f"127.0.0.1:{self.r_port}",
                  "--prefill", f"{self.p_url}=127.0.0.1:{self.base_port},tp=1", "--decode", self.d_url],
-                self.work / "router.log", cpus=self._aux())
+                self.work / "router.log", cpus=ve.parse_cpus(self.router_cpus) if self.router_cpus else self._aux())
         try:
             ve.wait_healthy(f"{self.p_url}/health", timeout, self.procs["prefill"])
             ve.wait_healthy(f"{self.d_url}/health", timeout, self.procs["decode"])

@@ -221,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--user-way", action="store_true",
                     help="a new user's measurement: colocated and kvpush only, requests back to back "
                          "(no pause), no concurrency pass, no idle sample; writes --table")
+    ap.add_argument("--aux-cpus", default=None,
+                    help="cores of the kvpush stack's daemons and router (default: PDStack's, the decode engine's)")
+    ap.add_argument("--router-cpus", default=None, help="cores of the kvpush router (default: with the daemons)")
     ap.add_argument("--table", default=None, help="write a markdown table of p50/p90 and kvpush's delta here")
     args = ap.parse_args(argv)
     if args.user_way:
@@ -260,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             ve.stop_group(proc, grace=10)
     if "kvpush" in modes or "prefill" in modes:
-        stack = PDStack(model, work / "kvpush")
+        placement = {k: v for k, v in (("aux_cpus", args.aux_cpus), ("router_cpus", args.router_cpus)) if v}
+        stack = PDStack(model, work / "kvpush", **placement)
         stack.start()
         try:
             if "prefill" in modes:
@@ -375,7 +379,8 @@ def main(argv: list[str] | None = None) -> int:
                                   for L, v in summary["pull"]["sequential"].items()
                                   if v and summary["kvpush"]["sequential"].get(L)}
     result = {"config": {"lengths": lengths, "requests": args.requests, "output_len": args.output_len,
-                         "concurrency": args.concurrency, "modes": modes, "pause_ms": args.pause_ms},
+                         "concurrency": args.concurrency, "modes": modes, "pause_ms": args.pause_ms,
+                         "aux_cpus": args.aux_cpus, "router_cpus": args.router_cpus},
               "summary": summary, "verdict": verdict, "kvpush_median_breakdown": hops,
               "kvpush_segment_p50": seg_p50, "idle_cores": idle,
               "kvpush_write_latency": writes,

@@ -65,6 +65,10 @@ class PDStack:
     d_cpus: str = "1"
     aux_cpus: str | None = "1"  # daemons + router; None: wherever the kernel puts them
     router_cpus: str | None = None  # the router alone elsewhere (None: with the daemons, on aux_cpus)
+    # Each device daemon beside its own engine (kvpushd's per-device ``cpus``): the prefill
+    # daemon on the prefill engine's core, the decode daemon on the decode engine's, the
+    # router and the supervisor on aux_cpus. False: every daemon on aux_cpus.
+    daemons_beside_engines: bool = True
 
     def __post_init__(self) -> None:
         self.work.mkdir(parents=True, exist_ok=True)
@@ -106,6 +110,8 @@ class PDStack:
             f'devices = ["cpu0", "cpu1"]\nruntime_dir = "{self.rt}"\nbase_port = {self.base_port}\n'
             f'metrics_port = {self.metrics_port}\nucx_error_handling_mode = "{self.ucx_error_handling_mode}"\n'
             + auth + self.daemon_toml
+            + (f'[device.cpu0]\ncpus = "{self.p_cpus}"\n[device.cpu1]\ncpus = "{self.d_cpus}"\n'
+               if self.daemons_beside_engines else "")
         )
         self.procs["kvpushd"] = popen([ve.vllm_python(), "-m", "kvpush.daemon.cli", "--config", str(cfg)],
                                       self.work / "kvpushd.log", cpus=self._aux())

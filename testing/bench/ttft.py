@@ -5,7 +5,9 @@ whole process group pinned to one core (``vllm_env.start_engine``):
 
 - ``colocated``: one engine, no connector (core 0): the floor;
 - ``prefill``: the kvpush stack's prefill engine asked directly (no KV parameters);
-- ``kvpush``: kvpushd + KVPushConnector + the kvpush router (``kvpush.testing.pd_stack.PDStack``);
+- ``kvpush``: kvpushd + KVPushConnector + the kvpush router (``kvpush.testing.pd_stack.PDStack``),
+  each device daemon on its own engine's core, the router on the decode engine's;
+- ``kvpush_shared``: the same, both daemons on the decode engine's core (the placement before);
 - ``kvpush_insecure``: the same stack with ``insecure_peers = true`` (what peer authentication costs);
 - ``kvpush_serial``: the kvpush stack behind the same sequential (serial) proxy as ``pull``
   (P first; P's answered ``kv_transfer_params`` forwarded to D): a drop-in behind serial proxies;
@@ -17,6 +19,9 @@ identical across modes, so no prefix cache hides a transfer), then a concurrency
 (``--concurrency`` clients, lengths cycling). It prints TTFT p50/p90/p99 per mode and length,
 what kvpush adds over colocated, and for kvpush the median request's breakdown by hop from
 the timeline (router + both daemons + both engine plugins, ``kvpushctl trace``).
+
+A new user's measurement (``--user-way``): the same prompts sent back to back (no pause),
+8 output tokens, colocated on one core against kvpush, one table in docs/results/.
 
     .venv/bin/python scripts/bench_ttft.py [--json] [--lengths 16,256,1024,2000] [--requests 20]
         [--modes colocated,prefill,kvpush,kvpush_insecure,pull] [--out FILE]
@@ -50,7 +55,7 @@ from kvpush.testing.sse import sse_data
 from kvpush.testing.sweep.launchers import start_nixl
 
 ROOT = ve.ROOT
-MODES = ("colocated", "prefill", "kvpush", "kvpush_insecure", "kvpush_serial", "pull")
+MODES = ("colocated", "prefill", "kvpush", "kvpush_shared", "kvpush_insecure", "kvpush_serial", "pull")
 VOCAB = 1000  # token IDs drawn below the tiny model's vocabulary size
 
 
@@ -180,19 +185,21 @@ def table_md(result: dict[str, Any], argv: list[str]) -> str:
     then the median kvpush request's hops."""
     cfg, summary = result["config"], result["summary"]
     modes = [m for m in cfg["modes"] if m in summary]
+    base = summary.get("colocated", {}).get("sequential", {})
     load = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else []
     lines = [f"# TTFT, streaming, {cfg['requests']} requests per length, {cfg['output_len']} output tokens, "
              f"pause {cfg['pause_ms']:g} ms between requests",
              "", f"Command: `scripts/bench_ttft.py {' '.join(argv)}`  ",
              f"Load average at the end: {' '.join(load)} (figures are noisy when it exceeds 2).", "",
-             "| tokens | " + " | ".join(f"{m} p50 / p90 ms" for m in modes) + " | kvpush − colocated p50 / p90 ms |",
+             "| tokens | " + " | ".join(f"{m} p50 / p90 ms" for m in modes) + " | minus colocated, p50 / p90 ms |",
              "|---:|" + "---:|" * (len(modes) + 1)]
     for L in map(str, cfg["lengths"]):
         cells = [f"{summary[m]['sequential'][L]['p50']:.1f} / {summary[m]['sequential'][L]['p90']:.1f}"
                  if summary[m]["sequential"].get(L) else "–" for m in modes]
-        v = result["verdict"].get(L)
-        delta = f"{v['added_p50_ms']:+.1f} / {v['added_p90_ms']:+.1f}" if v else "–"
-        lines.append(f"| {L} | " + " | ".join(cells) + f" | {delta} |")
+        deltas = [f"{m}: {summary[m]['sequential'][L]['p50'] - base[L]['p50']:+.1f} / "
+                  f"{summary[m]['sequential'][L]['p90'] - base[L]['p90']:+.1f}"
+                  for m in modes if m.startswith("kvpush") and summary[m]["sequential"].get(L) and base.get(L)]
+        lines.append(f"| {L} | " + " | ".join(cells) + f" | {'; '.join(deltas) or '–'} |")
     hops = result.get("kvpush_segment_p50") or {}
     if hops:
         segs = list(dict.fromkeys(s for h in hops.values() for s in h))
@@ -227,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--table", default=None, help="write a markdown table of p50/p90 and kvpush's delta here")
     args = ap.parse_args(argv)
     if args.user_way:
-        args.modes, args.pause_ms, args.concurrency, args.idle_seconds = "colocated,kvpush", 0.0, 0, 0.0
+        args.modes = args.modes if args.modes != ",".join(MODES) else "colocated,kvpush"
+        args.pause_ms, args.concurrency, args.idle_seconds = 0.0, 0, 0.0
         args.table = args.table or str(ROOT / "docs" / "results" / "ttft_back_to_back.md")
     lengths = [int(x) for x in args.lengths.split(",")]
     modes = [m for m in args.modes.split(",") if m]
@@ -300,6 +308,13 @@ def main(argv: list[str] | None = None) -> int:
                 writes = write_latencies(stack)
             if args.idle_seconds:
                 idle["kvpush"] = idle_cores(dict(stack.procs), 3.0, args.idle_seconds)
+        finally:
+            stack.stop()
+    if "kvpush_shared" in modes:  # the placement before daemons_beside_engines: every daemon on D's core
+        stack = PDStack(model, work / "kvpush_shared", daemons_beside_engines=False)
+        stack.start()
+        try:
+            measure("kvpush_shared", stack.router_url)
         finally:
             stack.stop()
     if "kvpush_insecure" in modes:  # the same stack with insecure_peers = true: what auth costs

@@ -511,3 +511,29 @@ def test_default_file_errors_name_the_file(
     assert cli.main(["print-config"]) == 2
     err = capsys.readouterr().err
     assert str(default) in err and "base_prot" in err
+
+
+# ----------------------------------------------------------------------------- placement
+
+def test_device_cpus_pin_each_daemon_beside_its_engine(tmp_path: Path) -> None:
+    path = toml(tmp_path, """
+        devices = ["cpu0", "cpu1"]
+        [device.cpu0]
+        cpus = "0"
+        [device.cpu1]
+        cpus = "1-3,5"
+    """)
+    cpu0, cpu1 = load(path).devices
+    assert (cpu0.cpus, cpu1.cpus) == ("0", "1-3,5")
+    assert load().devices[0].cpus == ""  # default: not pinned
+
+
+@pytest.mark.parametrize("bad", ["x", "3-1", "0,,1", "-1", "99999"])
+def test_device_cpus_refuses_what_is_not_a_cpu_list(tmp_path: Path, bad: str) -> None:
+    with pytest.raises(ConfigError, match="cpus"):
+        load(toml(tmp_path, f'[device.cpu0]\ncpus = "{bad}"\n'))
+
+
+def test_device_cpus_is_a_per_device_key(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="unknown key 'cpus'"):  # one core list for every daemon: a mistake
+        load(toml(tmp_path, 'cpus = "0"\n'))

@@ -307,6 +307,7 @@ EXAMPLES: dict[str, tuple[str, Any]] = {
     "ops_socket": ('"ipc:///tmp/o{{index}}.sock"', lambda n: n.devices[0].ops_socket == "ipc:///tmp/o0.sock"),
     "peer_host": ('"127.0.0.3"', lambda n: n.devices[0].peer_endpoint == "tcp://127.0.0.3:17500"),
     "peer_port": ("17777", lambda n: n.devices[0].peer_port == 17777),
+    "cpus": ('"0"', lambda n: n.devices[0].cpus == "0"),
     "advertise_host": ('"10.0.0.5"', lambda n: n.devices[0].peer_endpoint == "tcp://10.0.0.5:17500"),
     "backend": ('"libfabric"', lambda n: n.devices[0].backend == "LIBFABRIC"),
     "ucx_error_handling_mode": ('"none"', lambda n: n.devices[0].ucx_error_handling_mode == "none"),
@@ -383,7 +384,7 @@ def test_node_key_in_a_device_table_and_table_key_at_top_are_explained(tmp_path:
 def test_every_key_is_an_env_variable_and_a_table_key_is_not() -> None:
     for name in TOP_KEYS:
         assert env_var(name) == "KVPUSH_" + name.upper()
-    assert "peer_port" not in TOP_KEYS and set(TABLE_KEYS) - set(TOP_KEYS) == {"peer_port"}
+    assert "peer_port" not in TOP_KEYS and set(TABLE_KEYS) - set(TOP_KEYS) == {"peer_port", "cpus"}
     assert {"devices", "count", "base_port", "metrics_port"}.isdisjoint(TABLE_KEYS)
 
 

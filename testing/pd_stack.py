@@ -57,8 +57,9 @@ class PDStack:
     by_name: frozenset[str] = frozenset()  # "prefill"/"decode": connector by name, no module path
     daemon_toml: str = ""  # extra kvpushd.toml lines (e.g. otlp_traces_endpoint)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
-    # Cores: each engine's whole process group on its own core; the daemons and the router
-    # share the decode engine's core. On two cores the prefill engine's core is the one the
+    # Cores: each engine's whole process group on its own core; the router (and the kvpushd
+    # supervisor) share the decode engine's core, each device daemon its own engine's
+    # (daemons_beside_engines). On two cores the prefill engine's core is the one the
     # critical path needs (prefill compute); a router or daemon woken there preempts it
     # (measured: concurrency-4 TTFT 60 ms with the router on P's core, 38 ms on D's).
     p_cpus: str = "0"

@@ -200,6 +200,10 @@ def table_md(result: dict[str, Any], argv: list[str]) -> str:
                   f"{summary[m]['sequential'][L]['p90'] - base[L]['p90']:+.1f}"
                   for m in modes if m.startswith("kvpush") and summary[m]["sequential"].get(L) and base.get(L)]
         lines.append(f"| {L} | " + " | ".join(cells) + f" | {'; '.join(deltas) or '–'} |")
+    same = [f"{m} {summary[m]['tokens_equal_reference']}/{summary[m]['requests']}" for m in modes
+            if summary[m].get("tokens_equal_reference") is not None and m != "colocated"]
+    if same:
+        lines += ["", "Requests whose tokens equal the reference mode's (colocated): " + ", ".join(same) + "."]
     hops = result.get("kvpush_segment_p50") or {}
     if hops:
         segs = list(dict.fromkeys(s for h in hops.values() for s in h))

@@ -140,17 +140,15 @@ class DecodeSide:
         if isinstance(msg, proto.Hello):
             if not msg.reply:
                 return
-            why = compat_error(self.ctx, msg)
-            if not why:
-                try:
-                    agent = self.ctx.transport.add_peer(msg.agent_metadata)
-                except Exception as exc:
-                    why = str(exc)
+            # Nothing of the producer's NIXL agent is loaded (any metadata it sends is ignored):
+            # the WRITE target needs none to receive WRITEs and their notifications, and this
+            # daemon never initiates a transfer. Its agent name only attributes notifications.
+            why = compat_error(self.ctx, msg) or ("" if msg.agent_name else "empty NIXL agent name")
             if why:
                 self._link(peer, endpoint, pr.Refused(), f"prefill daemon {endpoint}: {why}")
                 return
-            peer.agent_name, peer.layout, peer.rank, peer.tp_size = agent, msg.layout, msg.rank, msg.tp_size
-            peer.engine_id, peer.region_bases = msg.engine_id, msg.region_bases
+            peer.agent_name, peer.layout, peer.rank, peer.tp_size = msg.agent_name, msg.layout, msg.rank, msg.tp_size
+            peer.engine_id = msg.engine_id
             log.info("prefill peer %s (%s rank %d) handshaken", endpoint, msg.engine_id, msg.rank)
             self._link(peer, endpoint, pr.HelloOk(), "")
         elif isinstance(msg, proto.Error):

@@ -8,8 +8,9 @@ Two records, because the two directions differ:
   routing id; we WRITE into its memory. It exists only after its Hello was accepted, so it
   has no handshake states; silence evicts it.
 
-A link is usable only after a Hello in each direction succeeded (NIXL metadata loaded,
-layouts compatible). A peer not heard from within ``peer_timeout_s`` is lost: what waited on
+A link is usable only after a Hello in each direction succeeded (layouts compatible; the
+consumer's NIXL metadata loaded by the producer, never the other way: push needs only the
+destination writable by its producer). A peer not heard from within ``peer_timeout_s`` is lost: what waited on
 it fails, and the link re-handshakes at once (RECOVERING) instead of being forgotten, so the
 daemon knows the producer is down: a registration for it fails at once (vLLM recomputes)
 rather than queueing behind a handshake that the producer, when it answers, may answer
@@ -48,7 +49,7 @@ class Forward:
 
 @dataclass(frozen=True)
 class HelloOk:
-    """Its Hello reply is compatible and its NIXL metadata loaded."""
+    """Its Hello reply is compatible (nothing of its NIXL agent is loaded: a WRITE target needs none)."""
 
 
 @dataclass(frozen=True)
@@ -178,7 +179,6 @@ class Producer:
     state: PeerLinkState = PeerLinkState.HANDSHAKING
     agent_name: str = ""
     layout: KVLayout | None = None
-    region_bases: tuple[int, ...] = ()
     rank: int = 0
     tp_size: int = 1
     engine_id: str = ""

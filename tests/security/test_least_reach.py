@@ -29,44 +29,13 @@ from kvpush.daemon.peerauth import PeerAuth
 from kvpush.testing.daemon_harness import Daemon, Engine, device_config, ops_request
 from kvpush.testing.keys import allow, lab_keys
 from kvpush.testing.kvref import make
+from kvpush.testing.nixl_probe import MEDIA, agent, register, xfer
 
 pytestmark = pytest.mark.integration
-
-# UCX_TLS per medium: "shm,tcp" lets UCX take shared memory between processes of one host
-# ("shm" alone cannot start a NIXL agent here: it needs TCP for its own wire-up).
-MEDIA = {"shm": "shm,tcp", "tcp": "tcp"}
 
 
 def lay():
     return make("amx", num_layers=2, num_blocks=32, block_size=16, num_heads=2, head_size=64, dtype="bfloat16")[0]
-
-
-def agent(name: str) -> object:
-    from nixl._api import nixl_agent, nixl_agent_config
-
-    a = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=[]))
-    a.create_backend("UCX", {})
-    return a
-
-
-def register(a, buf: np.ndarray) -> object:
-    return a.register_memory(np.array([[buf.ctypes.data, buf.nbytes, 0]], dtype=np.uint64), "DRAM")
-
-
-def xfer(a, op: str, local: np.ndarray, remote_addr: int, peer: str, notif: bytes = b"") -> str:
-    """One READ or WRITE of all of ``local``; "DONE", "ERR", or the exception's name."""
-    loc = a.get_xfer_descs(np.array([[local.ctypes.data, local.nbytes, 0]], dtype=np.uint64), "DRAM")
-    rem = a.get_xfer_descs(np.array([[remote_addr, local.nbytes, 0]], dtype=np.uint64), "DRAM")
-    try:
-        h = a.initialize_xfer(op, loc, rem, peer, notif)
-        st = a.transfer(h)
-        end = time.monotonic() + 5
-        while st == "PROC" and time.monotonic() < end:
-            st = a.check_xfer_state(h)
-        a.release_xfer_handle(h)
-        return st
-    except Exception as e:  # NIXL refuses: no such agent, no registration, disconnected
-        return type(e).__name__
 
 
 # ---------------------------------------------------------------- what the target needs

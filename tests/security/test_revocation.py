@@ -24,14 +24,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import zmq
 
 from kvpush import proto
-from kvpush.daemon.peerauth import PeerAuth
 from kvpush.testing.daemon_harness import Daemon, Engine, device_config, ops_request
 from kvpush.testing.keys import allow, lab_keys
 from kvpush.testing.kvref import make, reference_copy
-from kvpush.testing.nixl_probe import MEDIA, agent, register, xfer
+from kvpush.testing.nixl_probe import MEDIA, FakeProducer, agent, register, xfer
 
 pytestmark = pytest.mark.integration
 
@@ -135,43 +133,6 @@ def lay():
     return make("amx", num_layers=2, num_blocks=32, block_size=16, num_heads=2, head_size=64, dtype="bfloat16")
 
 
-class FakeProducer:
-    """Node X as a compromised prefill node: a CURVE server with X's key that answers a decode
-    daemon's Hello (keeping its NIXL metadata and region base) and refuses its registrations."""
-
-    def __init__(self, keys, host: str) -> None:
-        me = PeerAuth.load(keys.secret_file, keys.authorized_dir)
-        self.s = zmq.Context.instance().socket(zmq.ROUTER)
-        self.s.setsockopt(zmq.LINGER, 0)
-        self.s.curve_server = True
-        self.s.curve_publickey, self.s.curve_secretkey = me.me.public, me.secret
-        port = self.s.bind_to_random_port(f"tcp://{host}")
-        self.endpoint = f"tcp://{host}:{port}"
-        self.hellos: list[proto.Hello] = []
-
-    def serve(self, seconds: float) -> None:
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            if not self.s.poll(50):
-                continue
-            ident, frame = self.s.recv_multipart()
-            msg = proto.decode(frame)
-            if isinstance(msg, proto.Hello) and not msg.reply:
-                self.hellos.append(msg)
-                lay_ = lay()[0]
-                self.s.send_multipart([ident, proto.encode(proto.Hello(
-                    "xagent", b"", lay_, (), proto.PROTOCOL_VERSION, lay_.compat_key(), "X", 0, 1,
-                    self.endpoint, True))])
-            elif isinstance(msg, proto.PeerRegister):
-                self.s.send_multipart([ident, proto.encode(
-                    proto.WriteFailedNotice(msg.transfer_id, msg.attempt, 0, "not writing"))])
-            elif isinstance(msg, proto.Heartbeat):
-                self.s.send_multipart([ident, proto.encode(proto.HeartbeatAck(msg.seq, "x"))])
-
-    def close(self) -> None:
-        self.s.close(0)
-
-
 def u8(a: np.ndarray) -> np.ndarray:
     return a.view(np.uint8).reshape(-1)
 
@@ -229,7 +190,7 @@ def test_a_revoked_producer_reaches_nothing_from_1_s_after_removal(tmp_path, mon
     p = Daemon(device_config(tmp_path, 0, **kp.config()), env=env)
     d = Daemon(device_config(tmp_path, 1, peer_host="127.0.0.2", advertise_host="127.0.0.2", **kd.config()), env=env)
     pe, de = Engine(p, lay()[0], "prefill", seed=3), Engine(d, lay()[0], "decode", fill="zeros")
-    x = FakeProducer(kx, "127.0.0.3")
+    x = FakeProducer(kx, "127.0.0.3", lay()[0])
     legit = Legit(p, pe, de)
     try:
         legit.run((4, 5, 6))

@@ -232,6 +232,7 @@ def test_a_revoked_producer_reaches_nothing_from_1_s_after_removal(tmp_path, mon
         # The remaining producer re-handshook with D's new agent and keeps transferring.
         peers = ops_request(d.cfg.ops_socket, "peers").data["peers"]
         assert [r["node"] for r in peers] == ["pnode"]
+        assert ops_request(d.cfg.ops_socket, "status").data["agent"].endswith("-r1")  # one rotation, shown
         legit.run((15, 16, 17))
     finally:
         x.close()

@@ -135,14 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="docs/results/rotation.md")
     ap.add_argument("--ucx-tls", default="tcp,shm,tcp", help="comma-separated media, each a UCX_TLS value "
                     "('tcp' or 'shm,tcp'); default both")
-    ap.add_argument("--before", type=int, default=30)
-    ap.add_argument("--after-s", type=float, default=4.0)
+    ap.add_argument("--before", type=int, default=20)
+    ap.add_argument("--after-s", type=float, default=3.0)
     args = ap.parse_args(argv)
     media = ["tcp", "shm,tcp"] if args.ucx_tls == "tcp,shm,tcp" else [args.ucx_tls]
     rows = []
     for tls in media:
         os.environ["UCX_TLS"] = tls
-        sizes = {s: rotate_ms(s) for s in (1 << 20, 64 << 20, 1 << 30)}
+        sizes = {s: rotate_ms(s) for s in (1 << 20, 64 << 20, 256 << 20)}
         with tempfile.TemporaryDirectory(prefix="kvpush-rot-") as tmp:
             r = daemons_run(Path(tmp), tls, args.before, args.after_s)
         rows.append((tls, sizes, r))
@@ -156,13 +156,13 @@ def main(argv: list[str] | None = None) -> int:
         "Transfers: P -> D back to back (3 blocks, 40 tokens), latency from Register to Received;",
         "X (a prefill node D had dialled) is removed from D's allowlist mid-run.",
         "",
-        "| UCX_TLS | rotate 1 MiB (ms) | rotate 64 MiB (ms) | rotate 1 GiB (ms) | transfer p50 before (ms) "
+        "| UCX_TLS | rotate 1 MiB (ms) | rotate 64 MiB (ms) | rotate 256 MiB (ms) | transfer p50 before (ms) "
         "| transfer p50 after (ms) | failed (in flight at rotation) | removal to first OK transfer (ms) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for tls, sizes, r in rows:
         lines.append(
-            f"| `{tls}` | {sizes[1 << 20]:.1f} | {sizes[64 << 20]:.1f} | {sizes[1 << 30]:.1f} "
+            f"| `{tls}` | {sizes[1 << 20]:.1f} | {sizes[64 << 20]:.1f} | {sizes[256 << 20]:.1f} "
             f"| {r['before_p50_ms']:.2f} | {r['after_p50_ms']:.2f} | {r['failed']} of {r['transfers_after_removal']} "
             f"| {r['removal_to_first_ok_ms']:.0f} |")
     Path(args.out).write_text("\n".join(lines) + "\n")

@@ -91,7 +91,8 @@ def daemons_run(tmp: Path, tls: str, before: int, after_s: float) -> dict[str, A
         n += 1
         t = f"rot{os.getpid()}-{n}"
         t0 = time.monotonic()
-        de.send(proto.Register(t, 0, (4, 5, 6), 40, (p.peer_endpoint,), 1, 8000))
+        k = 12 + (n % 6) * 3  # destination blocks 12..29, cycled (10, 11: X's registration)
+        de.send(proto.Register(t, 0, (k, k + 1, k + 2), 40, (p.peer_endpoint,), 1, 8000))
         pe.send(proto.PrefillDone(t, (1, 2, 3), 40, 8000))
         got = de.result(t)
         return t0, (time.monotonic() - t0) * 1e3, isinstance(got, proto.Received)

@@ -190,7 +190,7 @@ class Worker:
 
         return DaemonView(
             device=self.cfg.name, backend=self.cfg.backend, engine_socket=self.cfg.engine_socket,
-            daemon_id=ctx.daemon_id, agent=ctx.agent_name, started=ctx.started,
+            daemon_id=ctx.daemon_id, agent=lambda: ctx.agent_name, started=ctx.started,
             peer_endpoint=ctx.peer_endpoint, peer_auth="insecure" if auth is None else "curve",
             node="" if auth is None else auth.me.name,
             engine=lambda: ctx.attached,

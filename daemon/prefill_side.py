@@ -154,7 +154,8 @@ class PrefillSide:
         only replace (evict) a peer of its own identity."""
         # An identity violation is never explained; a layout mismatch is, to an allowlisted node.
         bad_identity = self._identity_error(msg, node)
-        why = bad_identity or self._role_error() or compat_error(self.ctx, msg)
+        why = (bad_identity or self._role_error() or ("a Hello reply where a Hello was expected" if msg.reply else "")
+               or compat_error(self.ctx, msg))
         if why:
             self.ctx.bad("handshake", why)
             self._remember(ident, _Seen.REFUSED)

@@ -273,12 +273,16 @@ class Error:
 @message
 @dataclass(frozen=True, slots=True)
 class Hello:
-    """Peer handshake: NIXL agent metadata, layout and compatibility hash of one rank."""
+    """Peer handshake: NIXL agent metadata, layout and compatibility hash of one rank.
+
+    Only the dialling decode daemon's Hello (``reply=False``: the WRITE target) carries its
+    NIXL metadata and region addresses. The prefill daemon's reply carries ``b""`` and ``()``:
+    a producer's memory is never exposed to anyone (least reach, issue 28)."""
 
     agent_name: str
-    agent_metadata: bytes
+    agent_metadata: bytes  # b"" in a reply
     layout: KVLayout
-    region_bases: tuple[int, ...]  # address of each registered region, in the layout's order
+    region_bases: tuple[int, ...]  # address of each registered region, in the layout's order; () in a reply
     version: int
     compat: str
     engine_id: str

@@ -737,7 +737,7 @@ def park(rv: Rendezvous, rec: _Transfer, ev: Registered, out: list) -> None:
     why = _why_invalid(rv, ev)  # its own fields; the owner rule is what parking defers
     key = (ev.identity, ev.dest_rank)
     if why is None and key not in rec.parked and len(rec.parked) >= rv.max_parked:
-        why = f"more than {rv.max_parked} rival registrations for one transfer"
+        why = f"overloaded: more than {rv.max_parked} rival registrations for one transfer"
         cause = Cause.OVERLOADED
     else:
         cause = Cause.INVALID

@@ -21,7 +21,14 @@ import sys
 
 from kvpush.daemon import logfmt
 from kvpush.proto.buildinfo import version_line
-from kvpush.router.router_config import LOG_FORMATS, Backend, RouterConfigError, load, parse_decode, parse_prefill
+from kvpush.router.router_config import (
+    LOG_FORMATS,
+    Backend,
+    RouterConfigError,
+    load,
+    parse_decode,
+    parse_prefill,
+)
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 

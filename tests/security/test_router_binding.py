@@ -22,8 +22,6 @@ from kvpush.router.app import Backend, RouterConfig, build_app
 from kvpush.testing.aioserve import serve
 
 
-
-
 async def _engine(seen: list[dict[str, Any]]) -> tuple[web.AppRunner, str]:
     """An engine stand-in answering as vLLM does: the request's kv_transfer_params come back in
     a non-streamed body; a streamed one is two SSE chunks."""

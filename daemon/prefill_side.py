@@ -487,7 +487,7 @@ class PrefillSide:
                     self.ctx.trace.stamp(act.transfer_id, "p.daemon.sent" if act.ok else "p.daemon.send_failed")
                     self.ctx.to_engine(msg)
                 elif isinstance(act, rv.NotifyFailure):
-                    if act.cause is rv.Cause.QUOTA:
+                    if act.cause in (rv.Cause.QUOTA, rv.Cause.UNBOUND):  # an insider's doing, or a bug
                         self.ctx.bad("register", act.reason)
                     peer = self.consumer(act.peer)
                     if peer is not None:

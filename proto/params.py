@@ -104,8 +104,8 @@ def prefill_leg(params: Mapping[str, Any] | None) -> PrefillLeg | None:
     if not params or params.get(DO_REMOTE_DECODE) is not True:
         return None
     node, secret = params.get(DECODE_NODE), params.get(SECRET)
-    node = "" if node is None else _text(node, MAX_NODE)
-    secret = "" if secret is None else _text(secret, MAX_SECRET)
+    node = "" if node in (None, "") else _text(node, MAX_NODE)
+    secret = "" if secret in (None, "") else _text(secret, MAX_SECRET)
     if node is None or secret is None:
         return None
     tid = params.get(TRANSFER_ID)
@@ -144,7 +144,7 @@ def decode_leg(params: Mapping[str, Any] | None) -> DecodeLeg | None:
     if not params or not params.get(DO_REMOTE_PREFILL):
         return None
     secret = params.get(SECRET)
-    secret = "" if secret is None else _text(secret, MAX_SECRET)
+    secret = "" if secret in (None, "") else _text(secret, MAX_SECRET)
     if secret is None:
         return None
     tid, endpoints = params.get(TRANSFER_ID), params.get(PREFILL_ENDPOINTS)

@@ -23,6 +23,7 @@ from kvpush.daemon.handshake import compat_error, make_hello
 from kvpush.daemon.peers import LinkAction, PeerLinkState, Producer
 from kvpush.daemon.planner import PlanError, producer_fanout
 from kvpush.proto.notif import Notification
+from kvpush.proto.params import MAX_SECRET
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,8 @@ class DecodeSide:
         why = check_blocks(a.layout, msg.block_ids, msg.num_tokens, "register", msg.first_token)
         if why:
             return refuse(why)
+        if len(msg.secret) > MAX_SECRET:
+            return refuse(f"secret of {len(msg.secret)} chars exceeds {MAX_SECRET}")
         if msg.prefill_tp_size <= 0 or len(msg.prefill_endpoints) != msg.prefill_tp_size:
             return refuse(f"{len(msg.prefill_endpoints)} prefill endpoints for prefill TP {msg.prefill_tp_size}")
         try:
@@ -89,7 +92,7 @@ class DecodeSide:
         timeout_ms = int(bounded_s(msg.timeout_ms, self.cfg.register_timeout_s) * 1000)
         forwards = tuple(
             proto.PeerRegister(tid, msg.attempt, msg.block_ids, msg.num_tokens, a.rank, a.tp_size, dests,
-                               timeout_ms, msg.first_token)
+                               timeout_ms, msg.first_token, msg.secret)
             for _, dests in fanout
         )
         endpoints = tuple(msg.prefill_endpoints[r] for r, _ in fanout)

@@ -25,6 +25,7 @@ class RegisterReq:
     first_token: int
     prefill_endpoints: list[str]
     prefill_tp_size: int
+    secret: str = ""  # the transfer's secret from the decode leg's params
 
 
 @dataclass
@@ -42,6 +43,8 @@ class SendReq:
     block_ids: list[int]
     num_tokens: int
     early: bool = False
+    bind_node: str = ""  # who may register: this decode node, or whoever presents bind_secret
+    bind_secret: str = ""
 
 
 @dataclass

@@ -39,7 +39,7 @@ from kvpush.engine_plugin.lifecycle import TrackedCore
 from kvpush.engine_plugin.metadata import AbortReq, RegisterReq, SendReq, StreamChunk
 from kvpush.machine import Record, Table, row
 from kvpush.machine.core import _Deadline
-from kvpush.proto.params import DecodeLeg, PrefillLeg
+from kvpush.proto.params import DecodeLeg, PrefillLeg, new_secret
 
 __all__ = [
     "AbortLoad", "AbortSend", "Allocated", "CachedReq", "Claim", "Finished", "Hold", "Matched", "NewReq",
@@ -238,6 +238,8 @@ class Req(Record):
     epoch: int = 0  # restarts (preemption) since it streamed first: LayerChunk.epoch
     streamed: bool = False  # a chunk was streamed in this epoch (a restart voids it)
     blocks: list[int] = field(default_factory=list)  # its blocks as of its last streamed step
+    bind_node: str = ""  # prefill: the decode node the router bound the transfer to ...
+    secret: str = ""  # ... and its secret (the router's, or made here for a serial leg)
 
 
 class SchedulerLifecycle(TrackedCore):
@@ -245,11 +247,13 @@ class SchedulerLifecycle(TrackedCore):
     amortised per event; a Step touches only the requests it concerns."""
 
     def __init__(self, block_size: int, *, name_transfer: Callable[[], str],
-                 tombstone_s: float = TOMBSTONE_S, stream_min_tokens: int | None = None) -> None:
+                 make_secret: Callable[[], str] = new_secret, tombstone_s: float = TOMBSTONE_S,
+                 stream_min_tokens: int | None = None) -> None:
         super().__init__(TABLE, TOMBSTONES, DEADLINES, tracked=(State.LOADED, State.CANDIDATE),
                          tombstone_s=tombstone_s)
         self.block_size = block_size
         self.name_transfer = name_transfer
+        self.make_secret = make_secret
         self.stream_min_tokens = stream_min_tokens  # None: layerwise off (PluginConfig)
 
     def streaming(self, req_id: str) -> bool:
@@ -373,10 +377,15 @@ def claim(sl: SchedulerLifecycle, rec: Req, ev: Matched, out: list) -> None:
 
 
 def name(sl: SchedulerLifecycle, rec: Req, ev: Matched | Finished, out: list) -> None:
-    """The transfer: the router's, or named here once per request (a serial proxy's leg)."""
+    """The transfer: the router's, or named here once per request (a serial proxy's leg).
+    Its binding too: the router's, or for a serial leg a fresh secret, which only the answer
+    (to the front, which forwards it to the decode engine) carries."""
     if rec.transfer_id is None:
-        given = ev.prefill.transfer_id if ev.prefill is not None else None
+        leg = ev.prefill
+        given = leg.transfer_id if leg is not None else None
         rec.transfer_id = given if given is not None else sl.name_transfer()
+        rec.bind_node = leg.decode_node if leg is not None else ""
+        rec.secret = leg.secret if leg is not None and leg.secret else sl.make_secret() if given is None else ""
 
 
 def policy(sl: SchedulerLifecycle, rec: Req, ev: Matched, out: list) -> None:
@@ -428,7 +437,7 @@ def register(sl: SchedulerLifecycle, rec: Req, ev: Allocated, out: list) -> None
     sl._index_add(rec.req_id, rec, leg.transfer_id)
     out.append(Register(RegisterReq(
         rec.req_id, leg.transfer_id, rec.attempt, list(ev.block_ids[first_token // sl.block_size:]),
-        ev.num_prompt, first_token, list(leg.prefill_endpoints), leg.prefill_tp_size)))
+        ev.num_prompt, first_token, list(leg.prefill_endpoints), leg.prefill_tp_size, leg.secret)))
 
 
 def first_step(sl: SchedulerLifecycle, rec: Req, ev: Step, out: list) -> None:
@@ -440,7 +449,8 @@ def first_step(sl: SchedulerLifecycle, rec: Req, ev: Step, out: list) -> None:
 def send_early(sl: SchedulerLifecycle, rec: Req, ev: Step, out: list) -> None:
     assert rec.transfer_id is not None
     n = ev.new[rec.req_id]
-    out.append(Send(SendReq(rec.req_id, rec.transfer_id, list(n.block_ids), n.num_prompt, early=True)))
+    out.append(Send(SendReq(rec.req_id, rec.transfer_id, list(n.block_ids), n.num_prompt, early=True,
+                            bind_node=rec.bind_node, bind_secret=rec.secret)))
 
 
 def abort_stream(sl: SchedulerLifecycle, rec: Req, ev: Finished, out: list) -> None:
@@ -451,14 +461,17 @@ def abort_stream(sl: SchedulerLifecycle, rec: Req, ev: Finished, out: list) -> N
 def _answer(rec: Req, ev: Finished) -> dict[str, Any] | None:
     """The decode leg's params this engine answers with (a serial proxy forwards them)."""
     eps = ev.endpoints
-    return None if eps is None or rec.transfer_id is None else DecodeLeg(rec.transfer_id, eps, len(eps)).to_params()
+    if eps is None or rec.transfer_id is None:
+        return None
+    return DecodeLeg(rec.transfer_id, eps, len(eps), rec.secret).to_params()
 
 
 def hold_send(sl: SchedulerLifecycle, rec: Req, ev: Finished, out: list) -> None:
     """Keep the blocks; PrefillDone goes out with this step (or confirms the early one)."""
     assert rec.transfer_id is not None
     out.append(Stamp(rec.transfer_id, "p.plugin.prefill_finished"))
-    out.append(Send(SendReq(rec.req_id, rec.transfer_id, list(ev.block_ids), ev.num_prompt)))
+    out.append(Send(SendReq(rec.req_id, rec.transfer_id, list(ev.block_ids), ev.num_prompt,
+                            bind_node=rec.bind_node, bind_secret=rec.secret)))
     out.append(Hold(_answer(rec, ev)))
 
 

@@ -260,9 +260,11 @@ class KVPushWorker:
         down = self._daemon_down()
         for r in meta.registers:
             self._apply(wl.Register(r.transfer_id, r.attempt, r.req_id, tuple(r.block_ids), r.num_tokens,
-                                    r.first_token, tuple(r.prefill_endpoints), r.prefill_tp_size, now, down))
+                                    r.first_token, tuple(r.prefill_endpoints), r.prefill_tp_size, now, down,
+                                    r.secret))
         for s in meta.sends:
-            self._apply(wl.Send(s.transfer_id, s.req_id, tuple(s.block_ids), s.num_tokens, s.early, now, down))
+            self._apply(wl.Send(s.transfer_id, s.req_id, tuple(s.block_ids), s.num_tokens, s.early, now, down,
+                                s.bind_node, s.bind_secret))
         for a in meta.send_aborts:
             self._apply(wl.SendAbort(a.transfer_id, a.req_id, now, down))
         for a in meta.aborts:

@@ -94,6 +94,7 @@ class Register:
     prefill_tp_size: int
     timeout_ms: int
     first_token: int = 0  # block_ids cover tokens [first_token, num_tokens): a local prefix hit
+    secret: str = ""  # the transfer's secret from the decode leg's params, for the PeerRegisters
 
 
 @message
@@ -105,6 +106,9 @@ class PrefillDone:
     block_ids: tuple[int, ...]
     num_tokens: int
     lease_ms: int
+    # Who may register (either suffices; both "": anyone allowlisted, the first one owns it):
+    bind_node: str = ""  # the decode node's certificate name
+    bind_secret: str = ""  # the transfer's secret, presented in PeerRegister.secret
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,6 +312,7 @@ class PeerRegister:
     expected_dests: int
     timeout_ms: int  # how long from now the decode side waits for the WRITE (capped by config)
     first_token: int = 0  # as in Register: destination blocks start at this token
+    secret: str = ""  # the transfer's secret (as in Register), for a transfer bound to one
 
 
 @message

@@ -138,7 +138,8 @@ class PDStack:
         if self.with_router:
             self.procs["router"] = popen(
                 [ve.vllm_python(), "-m", "kvpush.router.cli", "--listen", f"127.0.0.1:{self.r_port}",
-                 "--prefill", f"{self.p_url}=127.0.0.1:{self.base_port},tp=1", "--decode", self.d_url],
+                 "--prefill", f"{self.p_url}=127.0.0.1:{self.base_port},tp=1", "--decode", self.d_url,
+                 "--expose-transfer-id"],  # the tests and benchmarks follow each request by its ID
                 self.work / "router.log", cpus=ve.parse_cpus(self.router_cpus) if self.router_cpus else self._aux())
         try:
             ve.wait_healthy(f"{self.p_url}/health", timeout, self.procs["prefill"])

@@ -490,3 +490,55 @@ def test_layerwise_off_names_no_chunk() -> None:
         sim = Sim(random.Random(seed), 60.0, stream_min=None)
         sim.run(150)
         assert sim.chunks == 0
+# ---------------------------------------------------------------- binding (docs/security.md)
+
+
+def _prefill_through(leg: PrefillLeg, endpoints: tuple[str, ...] | None) -> tuple[list, dict | None]:
+    s = sl.SchedulerLifecycle(BLOCK, name_transfer=lambda: "named", make_secret=lambda: "fresh-secret")
+    s.handle(sl.Matched("r", 0.0, 0, None, leg, endpoints, False))
+    out = s.handle(sl.Finished("r", 0.1, True, leg, (1, 2), 32, endpoints))
+    sends = [a.req for a in out if isinstance(a, sl.Send)]
+    answers = [a.answer for a in out if isinstance(a, sl.Hold)]
+    return sends, answers[0]
+
+
+def test_a_serial_leg_gets_a_fresh_secret_in_its_answer_and_its_prefill_done() -> None:
+    sends, answer = _prefill_through(PrefillLeg(None), ("tcp://p:1",))
+    assert answer is not None and answer["kvpush_secret"] == "fresh-secret"
+    assert [(r.transfer_id, r.bind_node, r.bind_secret) for r in sends] == [("named", "", "fresh-secret")]
+    # The decode engine parses it back from the forwarded answer, and registers with it.
+    from kvpush.proto.params import decode_leg
+    leg = decode_leg(answer)
+    assert leg is not None and leg.secret == "fresh-secret"
+    s = sl.SchedulerLifecycle(BLOCK, name_transfer=lambda: "x")
+    s.handle(sl.Matched("d", 0.0, 32, leg, None, None, False))
+    regs = [a.req for a in s.handle(sl.Allocated("d", 0.0, 32, (1, 2), 32, leg)) if isinstance(a, sl.Register)]
+    assert [r.secret for r in regs] == ["fresh-secret"]
+
+
+def test_a_router_leg_keeps_the_router_s_binding_and_a_plain_leg_stays_unbound() -> None:
+    sends, answer = _prefill_through(PrefillLeg("t1", "dnode", "router-secret"), None)
+    assert answer is None  # the router knows both legs: nothing to answer
+    assert [(r.transfer_id, r.bind_node, r.bind_secret) for r in sends] == [("t1", "dnode", "router-secret")]
+    sends, _ = _prefill_through(PrefillLeg("t2"), None)  # a client naming the transfer itself
+    assert [(r.bind_node, r.bind_secret) for r in sends] == [("", "")]
+
+
+def test_a_secret_is_128_bit_random_and_malformed_bindings_are_not_a_leg() -> None:
+    from kvpush.proto import params as pp
+    a, b = pp.new_secret(), pp.new_secret()
+    assert a != b and len(a) >= 22  # 16 bytes, url-safe base64
+    assert pp.prefill_leg({"do_remote_decode": True, "kvpush_secret": 5}) is None
+    assert pp.prefill_leg({"do_remote_decode": True, "kvpush_decode_node": "x" * 65}) is None
+    assert pp.decode_leg({"do_remote_prefill": True, "transfer_id": "t", "prefill_endpoints": ["tcp://p:1"],
+                          "kvpush_secret": "s" * 129}) is None
+
+
+def test_the_worker_publishes_the_binding_in_prefill_done_and_the_secret_in_register() -> None:
+    w = wl.WorkerLifecycle(timeout_ms=1000, lease_ms=1000)
+    out = w.handle(wl.Send("t", "r", (1, 2), 32, False, 0.0, False, "dnode", "s3"))
+    done = [a.msg for a in out if isinstance(a, wl.Publish) and isinstance(a.msg, proto.PrefillDone)]
+    assert [(m.bind_node, m.bind_secret) for m in done] == [("dnode", "s3")]
+    out = w.handle(wl.Register("u", 0, "q", (1, 2), 32, 0, ("tcp://p:1",), 1, 0.0, False, "s3"))
+    regs = [a.msg for a in out if isinstance(a, wl.Publish) and isinstance(a.msg, proto.Register)]
+    assert [m.secret for m in regs] == ["s3"]

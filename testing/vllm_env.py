@@ -253,13 +253,14 @@ def completion(
     return post_json(f"http://127.0.0.1:{port}/v1/completions", body)
 
 
-def ensure_tiny_model(out: str | Path, timeout: float = 600.0) -> Path:
-    """Build the tiny model into `out` (no-op if complete) with the vllm venv's interpreter.
+def ensure_tiny_model(out: str | Path, timeout: float = 600.0, preset: str = "tiny") -> Path:
+    """Build the tiny model (or another preset of kvpush.testing.tiny_model, e.g. "deep")
+    into `out` (no-op if complete) with the vllm venv's interpreter.
 
     Why: transformers/tokenizers live only in the vllm venv, not in the shared one.
     """
     subprocess.run(
-        [vllm_python(), "-m", "kvpush.testing.tiny_model", "--out", str(out)],
+        [vllm_python(), "-m", "kvpush.testing.tiny_model", "--out", str(out), "--preset", preset],
         check=True,
         timeout=timeout,
         stdout=subprocess.DEVNULL,

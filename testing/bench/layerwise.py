@@ -22,9 +22,9 @@ Steps, in one run, the same prompts (token-ID lists, one seed) for every mode:
    is free), and ``auto`` against ``whole`` at 16-2,000 tokens.
 
 The layer-wise modes need streaming in the installed kvpush: the connector must accept the
-``layerwise`` key and the prefill daemon must say a transfer went out per layer group. Until
-then those modes fail loudly (:func:`streaming_missing`), never measure whole-request under a
-layer-wise name.
+``layerwise`` key (:func:`streaming_missing`), and the prefill daemon's transfer rows
+(``kvpushctl transfers``) must say each transfer went out layer-wise (:func:`check_modes`).
+Otherwise the mode fails loudly; it never measures whole-request under a layer-wise name.
 """
 
 from __future__ import annotations
@@ -72,18 +72,12 @@ def num_layers(model: Path) -> int:
 
 def streaming_missing() -> str:
     """Why the installed kvpush cannot stream per layer, or "" when it can: the connector's
-    schema has the ``layerwise`` key and the daemon's transfer rows carry a ``mode``."""
+    schema has the ``layerwise`` key (it refuses unknown keys). That the daemon then really
+    streams is checked after each run from its transfer rows (:func:`check_modes`)."""
     from kvpush.engine_plugin.connector_config import KEYS
 
     if "layerwise" not in KEYS:
         return "the installed KVPushConnector has no `layerwise` key (layer-wise streaming has not landed)"
-    try:
-        from kvpush.daemon import ops_views
-    except ImportError:
-        return "kvpush.daemon.ops_views is missing"
-    src = Path(ops_views.__file__).read_text()
-    if '"mode"' not in src and "'mode'" not in src:
-        return "the daemon's `kvpushctl transfers` rows carry no transfer mode (layer-wise or whole)"
     return ""
 
 
@@ -270,14 +264,26 @@ def prefill_daemon_transfers(stack: Any) -> list[dict[str, Any]]:
     return stack.client(fetch, timeout=30)  # type: ignore[no-any-return]
 
 
+def row_mode(row: dict[str, Any]) -> str | None:
+    """A transfer row's mode as "layerwise" or "whole" (the daemon's own spelling may differ:
+    anything naming layers or a stream is layer-wise); None when the row says nothing."""
+    m = row.get("mode")
+    if m is None or m == "":
+        return None
+    m = str(m).lower()
+    return "layerwise" if ("layer" in m or "stream" in m) else "whole"
+
+
 def check_modes(rows: list[dict[str, Any]], want: str) -> str:
-    """"" when every prefill-side transfer row says mode ``want``; else why not (loudly)."""
+    """"" when every prefill-side transfer row went out as ``want`` ("layerwise" or "whole");
+    else why not (a row without a mode is a failure too: loud, never assumed)."""
     pre = [r for r in rows if r.get("side") == "prefill"]
     if not pre:
         return "the prefill daemon reported no transfers"
-    modes = {str(r.get("mode")) for r in pre}
+    modes = {row_mode(r) for r in pre}
     if modes != {want}:
-        return f"asked for {want!r} transfers, the prefill daemon reports modes {sorted(modes)}"
+        raw = sorted({str(r.get("mode")) for r in pre})
+        return f"asked for {want!r} transfers, the prefill daemon reports modes {raw}"
     return ""
 
 

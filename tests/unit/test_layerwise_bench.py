@@ -74,6 +74,9 @@ def test_check_modes_refuses_whole_request_under_a_layerwise_name():
     assert lw.check_modes([{"side": "prefill"}], "layerwise")  # no mode reported: a failure, not a pass
     assert lw.check_modes([], "layerwise")
     assert lw.check_modes([{"side": "prefill", "mode": "layerwise"}], "layerwise") == ""
+    assert lw.check_modes([{"side": "prefill", "mode": "layer_groups"}, {"side": "decode"}], "layerwise") == ""
+    assert lw.check_modes([{"side": "prefill", "mode": "whole_request"}], "whole") == ""
+    assert lw.check_modes([{"side": "prefill", "mode": "whole_request"}], "layerwise")
 
 
 def test_streaming_missing_follows_the_connector_schema(monkeypatch):

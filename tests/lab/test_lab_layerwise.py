@@ -90,7 +90,7 @@ def stack(request, lab_ok, deep_model, tmp_path_factory, reference):
     if not missing:
         extra["layerwise"] = mode
     sweep_stale()
-    lab = Lab(("p0", "d0", "rt"), name=f"t{os.getpid()}{mode[:2]}").up()
+    lab = Lab(("p0", "d0", "rt"), name=f"t{os.getpid()}-lw{mode}").up()
     s = LabStack(lab, deep_model, tmp_path_factory.mktemp(f"lablw-{mode}"),
                  [EngineSpec("p0", "prefill", "0"), EngineSpec("d0", "decode", "1")], ucx_log=False,
                  plugin_extra=extra, daemon_extra={"peer_timeout_s": 3.0, "write_timeout_s": WRITE_TIMEOUT_S},

@@ -241,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="capped: colocated is always run; from whole,layerwise,pull (default all). "
                          "loopback: from whole,layerwise,auto (default all)")
     lw.add_argument("--cap", default=None, help="e.g. 300mbit (default: computed from the calibration)")
+    lw.add_argument("--layer-group", type=int, default=None,
+                    help="the connector's layer_group for the layer-wise mode (default: its own); sets the TTFT bound")
     lw.add_argument("--loopback", action="store_true", help="no cap, one host: what streaming costs")
     lw.add_argument("--results-dir", default=str(ve.ROOT / "docs" / "results"))
     lw.add_argument("--workdir", default=None)
@@ -279,7 +281,8 @@ def _layerwise(args: argparse.Namespace, argv: list[str] | None) -> int:
     else:
         lengths = [int(x) for x in (args.lengths or "512,2000,4000").split(",")]
         modes = (args.modes or "whole,layerwise,pull").split(",")
-        out = lw.bench_layerwise(model, lengths, args.requests, args.seed, args.output_len, modes, args.cap, work)
+        out = lw.bench_layerwise(model, lengths, args.requests, args.seed, args.output_len, modes, args.cap, work,
+                                 args.layer_group)
         (results / "layerwise.md").write_text(lw.table_capped(out, command))
         (results / "deep-model.md").write_text(lw.table_model(out["calibration"], command))
     for m in out["modes"].values():

@@ -200,14 +200,17 @@ def start_colocated(model: Path, work: Path) -> Front:
     return Front(f"http://127.0.0.1:{port}", lambda: ve.stop_group(proc, grace=10), _direct, {})
 
 
-def start_kvpush(lab: Any, model: Path, work: Path, layerwise: str | None) -> Front:
+def start_kvpush(lab: Any, model: Path, work: Path, layerwise: str | None, layer_group: int | None = None) -> Front:
     """1P1D across the lab (P on p0, D on d0, router on rt); ``layerwise`` is the connector's
-    key (None: not sent at all, whole-request as today's kvpush)."""
+    key (None: not sent at all, whole-request as today's kvpush); ``layer_group`` likewise
+    (None: the connector's default)."""
     from kvpush.testing.labstack import EngineSpec, LabStack
 
     extra: dict[str, Any] = {"timeout_ms": 30_000, "lease_ms": 30_000}
     if layerwise is not None:
         extra["layerwise"] = layerwise
+    if layer_group is not None:
+        extra["layer_group"] = layer_group
     stack = LabStack(lab, model, work, [EngineSpec("p0", "prefill", "0"), EngineSpec("d0", "decode", "1")],
                      ucx_log=False, plugin_extra=extra, daemon_extra={"write_timeout_s": 20.0},
                      engine_args=["--kv-cache-memory-bytes", str(KV_CACHE_BYTES)])
@@ -340,14 +343,14 @@ def hidden(whole: dict[str, Any], lw: dict[str, Any], L: int) -> float | None:
 
 
 def bench_layerwise(model: Path, lengths: list[int], n: int, seed: int, out_len: int, modes: list[str],
-                    cap: str | None, work: Path) -> dict[str, Any]:
+                    cap: str | None, work: Path, layer_group: int | None = None) -> dict[str, Any]:
     """The capped-link run: calibrate, the cap, every mode across it (see the module docstring)."""
     from kvpush.testing.netlab import Lab, sweep_stale
 
     per_tok = kv_bytes_per_token(model)
     out: dict[str, Any] = {"model": {"dir": model.name, "layers": num_layers(model), "kv_bytes_per_token": per_tok},
                            "lengths": lengths, "requests": n, "seed": seed, "output_len": out_len,
-                           "deployment": deployment_ratio(), "modes": {}}
+                           "deployment": deployment_ratio(), "layer_group": layer_group, "modes": {}}
     # 1. prefill per length on one core, and the colocated mode, from one engine
     front = start_colocated(model, work)
     try:
@@ -375,7 +378,7 @@ def bench_layerwise(model: Path, lengths: list[int], n: int, seed: int, out_len:
         lab.cap("p0", c["rate"], burst="1mb", latency="200ms")
         starts = {"whole": (lambda: start_kvpush(lab, model, work / "whole", "off" if not streaming_missing() else None),
                             None),
-                  "layerwise": (lambda: start_kvpush(lab, model, work / "layerwise", "on"), "layerwise"),
+                  "layerwise": (lambda: start_kvpush(lab, model, work / "layerwise", "on", layer_group), "layerwise"),
                   "pull": (lambda: start_pull(lab, model, work / "pull"), None)}
         for m in modes:
             if m not in starts:
@@ -434,11 +437,27 @@ def bench_loopback(model: Path, lengths: list[int], n: int, seed: int, out_len: 
     return out
 
 
+def over_bound(out: dict[str, Any], L: int) -> float | None:
+    """Layer-wise TTFT p50 over GOALS' bound max(prefill, transfer) + one group's transfer +
+    10 ms (<= 1 meets it); a group is ``layer_group`` layers of the model's (1 if unknown)."""
+    lw_p50 = out["modes"]["layerwise"]["ttft"][L].get("p50")
+    tx = out["modes"]["whole"].get("transfer_ms", {}).get(L)
+    pre = out["calibration"]["lengths"][L].get("prefill_ms_p50")
+    if not (lw_p50 and tx and pre):
+        return None
+    group = out.get("layer_group") or 1
+    bound = max(pre, tx) + tx * group / out["model"]["layers"] + 10.0
+    return round(lw_p50 / bound, 3)
+
+
 def _verdict(out: dict[str, Any], lengths: list[int]) -> None:
     m = out["modes"]
     v: dict[str, Any] = {}
     if "ttft" in m.get("whole", {}) and "ttft" in m.get("layerwise", {}):
         v["hidden_fraction"] = {L: hidden(m["whole"], m["layerwise"], L) for L in lengths}
+    if "ttft" in m.get("layerwise", {}) and "transfer_ms" in m.get("whole", {}):
+        v["layerwise_ttft_over_bound"] = {L: b for L in lengths
+                                          if (b := over_bound(out, L)) is not None}
     if "ttft" in m.get("layerwise", {}) and "ttft" in m.get("pull", {}):
         v["layerwise_over_pull_p50"] = {L: round(m["layerwise"]["ttft"][L]["p50"] / m["pull"]["ttft"][L]["p50"], 3)
                                         for L in lengths if m["pull"]["ttft"][L].get("p50") and m["layerwise"]["ttft"][L].get("p50")}

@@ -58,6 +58,16 @@ def test_hidden_fraction():
     assert lw.hidden({"ttft": {2000: {"p50": 2500.0}}}, lay, 2000) is None  # no transfer time: no figure
 
 
+def test_ttft_bound_of_goals():
+    out = {"model": {"layers": 24}, "layer_group": 4,
+           "calibration": {"lengths": {2000: {"prefill_ms_p50": 1000.0}}},
+           "modes": {"whole": {"transfer_ms": {2000: 1200.0}}, "layerwise": {"ttft": {2000: {"p50": 1410.0}}}}}
+    # bound = max(1000, 1200) + 1200 * 4 / 24 + 10 = 1410
+    assert lw.over_bound(out, 2000) == 1.0
+    out["layer_group"] = None  # unknown: one layer a group, a tighter bound
+    assert lw.over_bound(out, 2000) == round(1410 / (1200 + 50 + 10), 3)
+
+
 def test_transfer_rows_matched_to_lengths_by_bytes():
     per = 24576
     rows = [{"side": "prefill", "result": "ok", "bytes": 512 * per, "latency_ms": 300.0},

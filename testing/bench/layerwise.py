@@ -253,18 +253,23 @@ def start_pull(lab: Any, model: Path, work: Path) -> Front:
     return Front(front, stop, lambda fn, *a, timeout=900: lab.call("rt", fn, *a, timeout=timeout), {})
 
 
-def prefill_daemon_transfers(stack: Any) -> list[dict[str, Any]]:
-    """The prefill daemon's recent transfer rows (``kvpushctl transfers``), from p0."""
+def daemon_transfers(stack: Any, host: str = "p0") -> list[dict[str, Any]]:
+    """The recent transfer rows (``kvpushctl transfers``) of ``host``'s daemon (rank 0)."""
     from kvpush import proto
     from kvpush.daemon.ctl import Target, ask
     from kvpush.proto import naming
 
     def fetch() -> list[dict[str, Any]]:
-        t = Target(naming.ops_socket(str(stack.rt("p0")), 0), "cpu0")
+        t = Target(naming.ops_socket(str(stack.rt(host)), 0), "cpu0")
         ask([t], proto.OpsRequest("transfers"), 5.0)
         return list((t.data or {}).get("recent") or [])
 
     return stack.client(fetch, timeout=30)  # type: ignore[no-any-return]
+
+
+def prefill_daemon_transfers(stack: Any) -> list[dict[str, Any]]:
+    """The prefill daemon's recent transfer rows, from p0."""
+    return daemon_transfers(stack, "p0")
 
 
 def row_mode(row: dict[str, Any]) -> str | None:

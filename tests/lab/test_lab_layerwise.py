@@ -167,7 +167,9 @@ def test_partition_mid_stream_then_heal(stack, reference):
     assert took < REQUEST_BOUND_S * 2, f"the batch took {took:.0f}s"
     # Did the fault hit? The decode daemon failed a load of this batch, or (a fenced daemon was
     # restarted and forgot) the engine recomputed at least one prompt (>= 500 tokens) more than
-    # the same-sized batch after the heal.
+    # the same-sized batch after the heal. Known gap (2026-12-03, busy machine): with the
+    # partition line removed this still passed once, so a load failed, or D recomputed, without
+    # any fault; find which before trusting this check.
     failed = [r for r in decode_rows(stack) if r.get("transfer_id") not in seen and r.get("result") != "ok"]
     local_partition = local(stack) - local0
     time.sleep(2.0)

@@ -97,10 +97,12 @@ class PluginConfig:
                                   "of those uids; unset: the user \"kvpush\" if this host has one",
                                   parse=_p_user, type_name="user name or uid",
                                   shown_default="kvpush, if present")
-    layerwise: str = key("auto", "prefill side: stream each request's KV per layer group while its "
+    layerwise: str = key("off", "prefill side: stream each request's KV per layer group while its "
                          "prompt is computed (the daemon WRITEs beside the forward): \"on\" every "
                          "pushed prompt, \"auto\" prompts of layerwise_min_tokens or more, \"off\" "
-                         "whole-request pushes only (PrefillDone after the forward)",
+                         "whole-request pushes only (PrefillDone after the forward). Preview: this "
+                         "release's daemon refuses the frames, and the engine then falls back to "
+                         "whole-request pushes with one warning",
                          choices=LAYERWISE_MODES)
     layer_group: int = key(LAYER_GROUP, "layers per progress frame while streaming: fewer frames cost "
                            "the engine less, more let the daemon start sooner",

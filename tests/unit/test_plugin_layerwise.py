@@ -161,6 +161,7 @@ def endpoint() -> Iterator[str]:
 
 
 def worker(ep: str, daemon: FakeDaemon, **cfg: Any) -> KVPushWorker:
+    cfg.setdefault("layerwise", "on")  # off by default until the daemon streams
     w = KVPushWorker(PluginConfig(daemon=ep, **cfg), engine_id="e", role="prefill", rank=0, tp_size=1,
                      model="m", total_kv_heads=1)
     buf = torch.zeros(LAYERS * 4 * 16 * 128, dtype=torch.bfloat16)  # vLLM-cpu: views of one storage

@@ -25,3 +25,4 @@ class Cause(enum.StrEnum):
     PRODUCER_FAILED = "producer_failed"  # decode side: a producer said it will not write
     OVERLOADED = "overloaded"  # the core holds max_live records
     QUOTA = "quota"  # prefill side: the registering peer would go over its share
+    UNBOUND = "unbound"  # prefill side: the transfer is bound to another party (identity or secret)

@@ -112,6 +112,32 @@ def parse_device_name(name: str) -> tuple[str, int]:
     return m.group(1), int(m.group(2))
 
 
+_CPU_LIST = re.compile(r"^\s*\d+(\s*-\s*\d+)?(\s*,\s*\d+(\s*-\s*\d+)?)*\s*$")
+MAX_CPU = 1 << 16  # a CPU number beyond this is a typo, not a core
+
+
+def cpu_set(spec: str) -> set[int]:
+    """"0", "0-3", "0,2-3" (taskset's list syntax) -> the set of CPU numbers."""
+    if not _CPU_LIST.match(spec):
+        raise ConfigError(f"cpus {spec!r} is not a CPU list like \"0\", \"0-3\" or \"0,2-3\"")
+    out: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.strip().partition("-")
+        a, b = int(lo), int(hi or lo)
+        if a > b or b >= MAX_CPU:
+            raise ConfigError(f"cpus {spec!r}: range {part.strip()!r} is empty or beyond CPU {MAX_CPU - 1}")
+        out.update(range(a, b + 1))
+    return out
+
+
+def _check_cpus(key: str, value: Any) -> None:
+    if value:
+        try:
+            cpu_set(value)
+        except ConfigError as exc:
+            raise ConfigError(f"{key}: {exc}") from None
+
+
 def peer_port_for(base_port: int, index: int) -> int:
     """Device ``index``'s peer port: base_port + index (base_port 0: ephemeral, 0)."""
     if not base_port:
@@ -211,6 +237,10 @@ class DeviceConfig:
     advertise_host: str | None = key(None, "address peers are told to use (default: peer_host)",
                                      check=_check_advertise, shown_default="peer_host")
     backend: str = key("UCX", "NIXL backend", parse=_p_upper, choices=BACKENDS)
+    cpus: str = key("", 'cores this device\'s daemon runs on, e.g. its engine\'s ("0", "0-3", "0,2-3"): '
+                    "the daemon works while its engine waits for it (PrefillDone, Received), so beside "
+                    "its own engine it neither queues behind the other engine's busy loop nor "
+                    "preempts its compute. Empty: wherever kvpushd runs", scope=TABLE, check=_check_cpus)
     ucx_error_handling_mode: str = key(
         "peer", 'UCX only: "peer" reports a dead peer as an error on the WRITE; "none" makes '
         "same-host WRITEs one-sided shared-memory copies (3-20x faster here, no receiver "

@@ -23,6 +23,7 @@ from kvpush.daemon.handshake import compat_error, make_hello
 from kvpush.daemon.peers import LinkAction, PeerLinkState, Producer
 from kvpush.daemon.planner import PlanError, producer_fanout
 from kvpush.proto.notif import Notification
+from kvpush.proto.params import MAX_SECRET
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,9 @@ class DecodeSide:
         self.counter = ctr.CompletionCounter(cancel_grace_s=min(CANCEL_GRACE_MAX_S, self.cfg.peer_timeout_s))
         self.producers: dict[str, Producer] = {}  # endpoint -> prefill daemon
         self.hinted: dict[str, float] = {}  # transfer -> poll tightly until (monotonic)
+        self.rotate_due = ""  # why our NIXL agent must be replaced (a revoked node held its metadata)
+        self.rotations = 0  # NIXL agents replaced so far (each name is new)
+        self._agent_base = ctx.agent_name
 
     @property
     def handshaking(self) -> bool:
@@ -76,6 +80,8 @@ class DecodeSide:
         why = check_blocks(a.layout, msg.block_ids, msg.num_tokens, "register", msg.first_token)
         if why:
             return refuse(why)
+        if len(msg.secret) > MAX_SECRET:
+            return refuse(f"secret of {len(msg.secret)} chars exceeds {MAX_SECRET}")
         if msg.prefill_tp_size <= 0 or len(msg.prefill_endpoints) != msg.prefill_tp_size:
             return refuse(f"{len(msg.prefill_endpoints)} prefill endpoints for prefill TP {msg.prefill_tp_size}")
         try:
@@ -86,7 +92,7 @@ class DecodeSide:
         timeout_ms = int(bounded_s(msg.timeout_ms, self.cfg.register_timeout_s) * 1000)
         forwards = tuple(
             proto.PeerRegister(tid, msg.attempt, msg.block_ids, msg.num_tokens, a.rank, a.tp_size, dests,
-                               timeout_ms, msg.first_token)
+                               timeout_ms, msg.first_token, msg.secret)
             for _, dests in fanout
         )
         endpoints = tuple(msg.prefill_endpoints[r] for r, _ in fanout)
@@ -140,17 +146,15 @@ class DecodeSide:
         if isinstance(msg, proto.Hello):
             if not msg.reply:
                 return
-            why = compat_error(self.ctx, msg)
-            if not why:
-                try:
-                    agent = self.ctx.transport.add_peer(msg.agent_metadata)
-                except Exception as exc:
-                    why = str(exc)
+            # Nothing of the producer's NIXL agent is loaded (any metadata it sends is ignored):
+            # the WRITE target needs none to receive WRITEs and their notifications, and this
+            # daemon never initiates a transfer. Its agent name only attributes notifications.
+            why = compat_error(self.ctx, msg) or ("" if msg.agent_name else "empty NIXL agent name")
             if why:
                 self._link(peer, endpoint, pr.Refused(), f"prefill daemon {endpoint}: {why}")
                 return
-            peer.agent_name, peer.layout, peer.rank, peer.tp_size = agent, msg.layout, msg.rank, msg.tp_size
-            peer.engine_id, peer.region_bases = msg.engine_id, msg.region_bases
+            peer.agent_name, peer.layout, peer.rank, peer.tp_size = msg.agent_name, msg.layout, msg.rank, msg.tp_size
+            peer.engine_id = msg.engine_id
             log.info("prefill peer %s (%s rank %d) handshaken", endpoint, msg.engine_id, msg.rank)
             self._link(peer, endpoint, pr.HelloOk(), "")
         elif isinstance(msg, proto.Error):
@@ -221,8 +225,8 @@ class DecodeSide:
                 if isinstance(event, pr.Silent | pr.Revoked) and old is PeerLinkState.READY:
                     self._fail_waiting(endpoint, why, may_land=open_)
                 else:
-                    self._fail_waiting(endpoint, why, may_land=open_ and isinstance(event, pr.HandshakeLost),
-                                       only_hinted=True)
+                    self._fail_waiting(endpoint, why, only_hinted=True,
+                                       may_land=open_ and isinstance(event, pr.HandshakeLost | pr.Rotated))
             elif act is LinkAction.REDIAL:
                 assert peer is not None
                 self.ctx.wire.close_producer(endpoint)
@@ -232,6 +236,8 @@ class DecodeSide:
             elif act is LinkAction.CLOSE:
                 assert peer is not None
                 self._forget(peer)
+            elif act is LinkAction.ROTATE:
+                self.rotate_due = why
 
     def _dial(self, endpoint: str) -> tuple[Producer | None, str]:
         """A new link to ``endpoint``, or None and why it cannot be dialled."""
@@ -271,9 +277,37 @@ class DecodeSide:
         peer.queued.clear()
 
     def revoke(self, allowed: set[str]) -> None:
-        """The allowlist changed: drop links to nodes no longer in it (their waiters fail)."""
+        """The allowlist changed: drop links to nodes no longer in it (their waiters fail). Each
+        held our NIXL metadata (our Hello went out when we dialled): the link table says ROTATE,
+        and one rotation replaces our agent for all of them."""
         for p in [p for p in self.producers.values() if p.node and p.node not in allowed]:
             self._link(p, p.endpoint, pr.Revoked(), f"prefill node {p.node!r} was removed from the allowlist")
+        if self.rotate_due:
+            self.rotate(self.rotate_due)
+
+    def rotate(self, why: str) -> None:
+        """Replace our NIXL agent (new UCX worker, new keys): what a revoked producer loaded
+        reaches nothing any more. Every remaining link gets ``Rotated`` (the table re-dials it
+        with our new Hello). If the agent cannot be replaced, fence: a daemon that cannot
+        close what a revoked node can reach must not go on serving."""
+        self.rotate_due = ""
+        t0 = time.monotonic()
+        name = f"{self._agent_base}-r{self.rotations + 1}"
+        try:
+            self.ctx.transport.rotate(name)
+        except Exception as exc:
+            self.ctx.fence(f"NIXL agent rotation after a revocation failed: {exc}")
+            return
+        self.ctx.agent_name = name
+        links = list(self.producers.values())
+        for p in links:
+            self._link(p, p.endpoint, pr.Rotated(), f"prefill daemon {p.endpoint}: our NIXL agent was "
+                                                    f"replaced ({why}); re-handshaking with the new one")
+        took = time.monotonic() - t0
+        self.rotations += 1
+        self.ctx.metrics.failure("nixl_rotation")
+        log.warning("NIXL agent rotated in %.1f ms (%s): %d remaining link(s) re-handshake", took * 1e3, why,
+                    len(links))
 
     def drop_all(self, why: str) -> None:
         """Forget every link (our memory changed, or we stop): the next Register re-handshakes."""

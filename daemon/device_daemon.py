@@ -33,7 +33,7 @@ import zmq
 
 from kvpush import proto
 from kvpush.daemon.context import DaemonContext, exit_fence
-from kvpush.daemon.daemon_config import DeviceConfig
+from kvpush.daemon.daemon_config import DeviceConfig, cpu_set
 from kvpush.daemon.decode_side import DecodeSide
 from kvpush.daemon.endpoints import Endpoints
 from kvpush.daemon.engine_session import EngineSession, LocalTrust, RegionOpener, map_engine_region
@@ -190,7 +190,7 @@ class Worker:
 
         return DaemonView(
             device=self.cfg.name, backend=self.cfg.backend, engine_socket=self.cfg.engine_socket,
-            daemon_id=ctx.daemon_id, agent=ctx.agent_name, started=ctx.started,
+            daemon_id=ctx.daemon_id, agent=lambda: ctx.agent_name, started=ctx.started,
             peer_endpoint=ctx.peer_endpoint, peer_auth="insecure" if auth is None else "curve",
             node="" if auth is None else auth.me.name,
             engine=lambda: ctx.attached,
@@ -369,6 +369,14 @@ def _tight_timers() -> None:
         pass
 
 
+def pin(cfg: DeviceConfig) -> None:
+    """Confine this daemon (every thread it starts later too) to ``cfg.cpus``, if set."""
+    if cfg.cpus:
+        cpus = cpu_set(cfg.cpus)
+        os.sched_setaffinity(0, cpus)
+        log.info("daemon %s pinned to CPUs %s", cfg.name, ",".join(map(str, sorted(cpus))))
+
+
 def run_worker(cfg: DeviceConfig, ready_event: Any = None) -> int:
     """Entry point of one accelerator's daemon (a supervisor child or `kvpushd worker`)."""
     logging.basicConfig(
@@ -380,6 +388,7 @@ def run_worker(cfg: DeviceConfig, ready_event: Any = None) -> int:
     # `kill -USR1 <pid>` dumps every thread's stack to stderr: what is this daemon doing?
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     _tight_timers()
+    pin(cfg)
     w = Worker(cfg, real_ports(cfg))
 
     def stop(signum: int, _frame: Any) -> None:

@@ -16,11 +16,19 @@ REFUSED = "handshake refused"
 
 
 def make_hello(ctx: DaemonContext, *, reply: bool) -> proto.Hello:
-    """This daemon's Hello (only with an engine attached: it carries the engine's layout)."""
+    """This daemon's Hello (only with an engine attached: it carries the engine's layout).
+
+    Only the dialling side (a decode daemon, the WRITE target) sends its NIXL metadata and
+    region addresses: push needs the destination writable by its producer and nothing more.
+    The reply (a prefill daemon's) carries neither, so a node that says Hello to a prefill
+    daemon learns nothing with which to read or write its engine's KV: the target receives
+    the WRITEs' notifications without ever loading the producer's metadata (measured with
+    UCX over shm and TCP: tests/security/test_least_reach.py)."""
     a = ctx.attached
     assert a is not None
     return proto.Hello(
-        ctx.agent_name, ctx.transport.metadata(), a.layout, a.bases, proto.PROTOCOL_VERSION,
+        ctx.agent_name, b"" if reply else ctx.transport.metadata(), a.layout, () if reply else a.bases,
+        proto.PROTOCOL_VERSION,
         a.layout.compat_key(), a.engine_id, a.rank, a.tp_size, ctx.peer_endpoint, reply,
         a.regions[0].mem_type, a.regions[0].device,
     )
@@ -35,7 +43,7 @@ def compat_error(ctx: DaemonContext, msg: proto.Hello) -> str:
         return f"protocol version {msg.version} (this side speaks {proto.PROTOCOL_VERSION})"
     if msg.compat != msg.layout.compat_key():
         return "compatibility hash does not match the layout sent"
-    if len(msg.region_bases) != len(msg.layout.regions):
+    if not msg.reply and len(msg.region_bases) != len(msg.layout.regions):
         return f"{len(msg.region_bases)} region bases for a layout of {len(msg.layout.regions)} regions"
     try:
         check_compatible(msg.layout, a.layout, ("there", "here"))

@@ -30,7 +30,7 @@ class DaemonView:
     backend: str
     engine_socket: str
     daemon_id: str
-    agent: str
+    agent: Callable[[], str]  # a decode daemon's agent is replaced on a revocation (a new name)
     started: float
     peer_endpoint: str
     peer_auth: str  # "insecure" or "curve"
@@ -80,7 +80,7 @@ def status(w: DaemonView) -> po.StatusReply:
         daemon_id=w.daemon_id,
         version=proto.PROTOCOL_VERSION,
         backend=w.backend,
-        agent=w.agent,
+        agent=w.agent(),
         uptime_s=round(now - w.started, 1),
         draining=w.draining(),
         peer_endpoint=w.peer_endpoint,

@@ -8,8 +8,9 @@ Two records, because the two directions differ:
   routing id; we WRITE into its memory. It exists only after its Hello was accepted, so it
   has no handshake states; silence evicts it.
 
-A link is usable only after a Hello in each direction succeeded (NIXL metadata loaded,
-layouts compatible). A peer not heard from within ``peer_timeout_s`` is lost: what waited on
+A link is usable only after a Hello in each direction succeeded (layouts compatible; the
+consumer's NIXL metadata loaded by the producer, never the other way: push needs only the
+destination writable by its producer). A peer not heard from within ``peer_timeout_s`` is lost: what waited on
 it fails, and the link re-handshakes at once (RECOVERING) instead of being forgotten, so the
 daemon knows the producer is down: a registration for it fails at once (vLLM recomputes)
 rather than queueing behind a handshake that the producer, when it answers, may answer
@@ -48,7 +49,7 @@ class Forward:
 
 @dataclass(frozen=True)
 class HelloOk:
-    """Its Hello reply is compatible and its NIXL metadata loaded."""
+    """Its Hello reply is compatible (nothing of its NIXL agent is loaded: a WRITE target needs none)."""
 
 
 @dataclass(frozen=True)
@@ -87,8 +88,14 @@ class Revoked:
     """Its node left the allowlist."""
 
 
+@dataclass(frozen=True)
+class Rotated:
+    """This daemon replaced its NIXL agent (new UCX worker, new memory keys) because a node
+    that held its metadata was revoked: the producer's copy is dead, it needs our new one."""
+
+
 EVENTS: tuple[type, ...] = (Forward, HelloOk, Refused, HandshakeLost, HandshakeTimeout, Silent, PingDue, Idle,
-                            Revoked)
+                            Revoked, Rotated)
 
 
 class LinkAction(enum.Enum):
@@ -101,6 +108,7 @@ class LinkAction(enum.Enum):
     FAIL_WAITING = "fail_waiting"  # fail every registration that waits on this producer
     REDIAL = "redial"  # close the connection, open a new one, send our Hello again
     CLOSE = "close"  # disconnect (the record is forgotten)
+    ROTATE = "rotate"  # it held our NIXL metadata: replace our agent (every other link gets Rotated)
 
 
 def _do(action: LinkAction) -> Any:
@@ -111,7 +119,7 @@ def _do(action: LinkAction) -> Any:
     return step
 
 
-DIAL, QUEUE, SEND, FAIL_NOW, FLUSH, PING, FAIL_WAITING, REDIAL, CLOSE = map(_do, LinkAction)
+DIAL, QUEUE, SEND, FAIL_NOW, FLUSH, PING, FAIL_WAITING, REDIAL, CLOSE, ROTATE = map(_do, LinkAction)
 
 H, R, RC = PeerLinkState.HANDSHAKING, PeerLinkState.READY, PeerLinkState.RECOVERING
 _NO_RECORD = "the shell feeds link events only to a link it holds (frames of a dropped link are ignored)"
@@ -119,6 +127,9 @@ _NOT_DUE = "Producer.due never gives this event in this state"
 _NOT_READY = "an Error before the first handshake completed is translated as Refused"
 _LOST = (FAIL_WAITING, REDIAL)
 _GIVE_UP = (FAIL_WAITING, CLOSE)
+# Our Hello (NIXL metadata: write access to our engine's region) went out the moment we dialled,
+# so a revoked producer in any state holds it: what it can reach dies with our agent.
+_REVOKE = (*_GIVE_UP, ROTATE)
 
 LINK_TABLE = Table(PeerLinkState, EVENTS, [
     row(None, Forward, None, H, DIAL, QUEUE),
@@ -133,7 +144,8 @@ LINK_TABLE = Table(PeerLinkState, EVENTS, [
     row(H, Silent, None, H, unreachable=_NOT_DUE),
     row(H, PingDue, None, H, unreachable=_NOT_DUE),
     row(H, Idle, None, H, unreachable=_NOT_DUE),
-    row(H, Revoked, None, None, *_GIVE_UP),
+    row(H, Revoked, None, None, *_REVOKE),
+    row(H, Rotated, None, H, REDIAL),  # the Hello it may have loaded is dead: send the new one
 
     row(R, Forward, None, R, SEND),
     row(R, HelloOk, None, R, FLUSH),  # a repeated reply
@@ -143,7 +155,11 @@ LINK_TABLE = Table(PeerLinkState, EVENTS, [
     row(R, Silent, None, RC, *_LOST),
     row(R, PingDue, None, R, PING),
     row(R, Idle, None, R, unreachable=_NOT_DUE),
-    row(R, Revoked, None, None, *_GIVE_UP),
+    row(R, Revoked, None, None, *_REVOKE),
+    # A WRITE it posted to our old agent cannot complete: what waits on it fails (as after a lost
+    # handshake: only an announced WRITE may still land); new registrations queue until the new
+    # Hello is answered.
+    row(R, Rotated, None, H, FAIL_WAITING, REDIAL),
 
     # Re-handshaking: the producer may have lost its prefills (its engine gives up on a silent
     # daemon), so a registration fails now rather than wait out its timeout there.
@@ -155,7 +171,8 @@ LINK_TABLE = Table(PeerLinkState, EVENTS, [
     row(RC, Silent, None, RC, unreachable=_NOT_DUE),
     row(RC, PingDue, None, RC, unreachable=_NOT_DUE),
     row(RC, Idle, None, None, CLOSE),
-    row(RC, Revoked, None, None, *_GIVE_UP),
+    row(RC, Revoked, None, None, *_REVOKE),
+    row(RC, Rotated, None, RC, REDIAL),
 ])
 """Every transition of a producer link; ``None`` is "no record" (a new link, a forgotten one)."""
 
@@ -178,7 +195,6 @@ class Producer:
     state: PeerLinkState = PeerLinkState.HANDSHAKING
     agent_name: str = ""
     layout: KVLayout | None = None
-    region_bases: tuple[int, ...] = ()
     rank: int = 0
     tp_size: int = 1
     engine_id: str = ""

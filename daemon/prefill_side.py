@@ -29,8 +29,16 @@ from kvpush.daemon.peerauth import endpoint_host
 from kvpush.daemon.peers import Consumer
 from kvpush.daemon.planner import PlanError, addresses, block_pattern, plan
 from kvpush.proto.notif import Notification
+from kvpush.proto.params import MAX_NODE, MAX_SECRET
 
 log = logging.getLogger(__name__)
+
+
+def _binding_error(msg: proto.PrefillDone) -> str:
+    """Who may register, as the engine bound it, within the bounds every leg is parsed with."""
+    if len(msg.bind_node) > MAX_NODE or len(msg.bind_secret) > MAX_SECRET:
+        return f"binding of {len(msg.bind_node)}/{len(msg.bind_secret)} chars exceeds {MAX_NODE}/{MAX_SECRET}"
+    return ""
 
 # Poll cap while one of our WRITEs is in flight. NIXL runs without UCX's progress thread, so a
 # WRITE over TCP moves bytes only while we poll it: backing off like an idle loop would cap a
@@ -98,14 +106,15 @@ class PrefillSide:
         a = self.ctx.attached
         assert a is not None
         why = "daemon is draining" if self.ctx.draining else check_blocks(
-            a.layout, msg.block_ids, msg.num_tokens, "prefill")
+            a.layout, msg.block_ids, msg.num_tokens, "prefill") or _binding_error(msg)
         if why:
             self.ctx.bad("prefill", why)
             self.ctx.to_engine(proto.SendFailed(msg.transfer_id, 0, why))
             return
         self.ctx.trace.stamp(msg.transfer_id, "p.daemon.prefill_done_in")
         lease = bounded_s(msg.lease_ms, self.cfg.lease_s)
-        self.apply(rv.Prefilled(msg.transfer_id, msg.block_ids, msg.num_tokens, now, now + lease))
+        self.apply(rv.Prefilled(msg.transfer_id, msg.block_ids, msg.num_tokens, now, now + lease,
+                                msg.bind_node, msg.bind_secret))
 
     def on_layer_progress(self, msg: proto.LayerProgress, now: float) -> list[rv.LayersReady]:
         """Check a LayerProgress against the attached layout and the configured bounds (a bad
@@ -178,7 +187,8 @@ class PrefillSide:
         only replace (evict) a peer of its own identity."""
         # An identity violation is never explained; a layout mismatch is, to an allowlisted node.
         bad_identity = self._identity_error(msg, node)
-        why = bad_identity or self._role_error() or compat_error(self.ctx, msg)
+        why = (bad_identity or self._role_error() or ("a Hello reply where a Hello was expected" if msg.reply else "")
+               or compat_error(self.ctx, msg))
         if why:
             self.ctx.bad("handshake", why)
             self._remember(ident, _Seen.REFUSED)
@@ -276,6 +286,8 @@ class PrefillSide:
             why = f"registration for rank {msg.dest_rank}/{msg.dest_tp_size} from peer rank {peer.rank}/{peer.tp_size}"
         elif msg.expected_dests == 0:
             why = "expected_dests must be positive"
+        elif len(msg.secret) > MAX_SECRET:
+            why = f"secret of {len(msg.secret)} chars exceeds {MAX_SECRET}"
         else:
             why = check_blocks(peer.layout, msg.block_ids, msg.num_tokens, "peer register", msg.first_token)
         # The decode side gives up at its deadline even with a WRITE in flight, so the last
@@ -294,7 +306,7 @@ class PrefillSide:
         self.ctx.trace.stamp(msg.transfer_id, "p.daemon.register_in")
         self.apply(rv.Registered(
             msg.transfer_id, msg.attempt, peer.key, msg.dest_rank, msg.expected_dests, msg.block_ids,
-            msg.num_tokens, now, now + max(0.0, deadline - margin), msg.first_token, peer.node,
+            msg.num_tokens, now, now + max(0.0, deadline - margin), msg.first_token, peer.node, msg.secret,
         ))
 
     def _sessions_of(self, node: str) -> list[Consumer]:
@@ -500,7 +512,7 @@ class PrefillSide:
                     self.ctx.trace.stamp(act.transfer_id, "p.daemon.sent" if act.ok else "p.daemon.send_failed")
                     self.ctx.to_engine(msg)
                 elif isinstance(act, rv.NotifyFailure):
-                    if act.cause is rv.Cause.QUOTA:
+                    if act.cause in (rv.Cause.QUOTA, rv.Cause.UNBOUND):  # an insider's doing, or a bug
                         self.ctx.bad("register", act.reason)
                     peer = self.consumer(act.peer)
                     if peer is not None:

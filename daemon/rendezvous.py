@@ -25,7 +25,12 @@ Safety rules the table upholds (each one is a bug seen in other systems):
 * ``NotifyFailure`` / ``ConfirmCancel`` to a decode peer never while a write into its
   blocks for that attempt is in flight (the decode side frees its blocks on them);
 * every deadline is honoured no matter in which order entries were inserted (a heap
-  with lazy invalidation; expiry never stops at the first unexpired entry).
+  with lazy invalidation; expiry never stops at the first unexpired entry);
+* a transfer the engine bound (``Prefilled.bind_identity`` / ``bind_secret``) is written only
+  to a registration of that identity or presenting that secret. A registration by another
+  identity that arrives before the prefill is *parked*, not refused: the prefill's binding
+  then picks the bound party, so a hijacker that registered first neither gets the KV nor
+  locks the bound decode side out.
 
 Layer-wise streaming (``LayersReady``, DESIGN §9) adds group WRITEs (``StartGroupWrite``, no
 notification) before the seal (``Prefilled``), tracked in the same per-(attempt, destination)
@@ -51,6 +56,7 @@ flight as the final write, so every fence above covers them too:
 from __future__ import annotations
 
 import enum
+import hmac
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -83,6 +89,7 @@ class Registered:
     deadline: float
     first_token: int = 0  # block_ids cover tokens [first_token, num_tokens) (decode prefix hit)
     identity: str = ""  # the registering peer's authenticated node ("" when unauthenticated)
+    secret: str = ""  # the transfer's secret as the decode side presents it ("" none)
 
 
 @dataclass(frozen=True)
@@ -94,7 +101,22 @@ class Prefilled:
     num_tokens: int
     now: float
     lease_deadline: float
+    bind_identity: str = ""  # only this decode identity may register ("" unbound by identity)
+    bind_secret: str = ""  # or only a registration presenting this secret ("" none)
     epoch: int = -1  # the request's epoch at the seal; -1: unknown (no streamed part is trusted)
+
+    @property
+    def bound(self) -> bool:
+        return bool(self.bind_identity or self.bind_secret)
+
+    def admits(self, identity: str, secret: str) -> bool:
+        """May a registration by ``identity`` presenting ``secret`` be written? (Constant-time
+        compare of the secret: its length is the only thing a timing can tell.)"""
+        if not self.bound:
+            return True
+        if self.bind_identity and identity == self.bind_identity:
+            return True
+        return bool(self.bind_secret) and hmac.compare_digest(secret.encode(), self.bind_secret.encode())
 
 
 @dataclass(frozen=True)
@@ -111,6 +133,10 @@ class LayersReady:
     block_ids: tuple[int, ...]
     now: float
     hold_deadline: float
+    # The binding the seal will carry (Prefilled.bind_identity, bind_secret), known before it:
+    # a group is written only to registrations it admits. None: not known (a frame that does
+    # not say): nothing is streamed, the final write after the seal's check covers it all.
+    binding: tuple[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -295,6 +321,19 @@ class _Reg:
     deadline: float
     first_token: int = 0
     holder: str = ""  # whose quota it counts in: the peer's identity (its session if anonymous)
+    identity: str = ""  # the registering node ("" unauthenticated)
+    secret: str = ""  # what it presented
+
+
+@dataclass
+class _Parked:
+    """A registration by another identity than the owner's, before the prefill said who is
+    bound: kept (not refused, not written) until the prefill or the owner's expiry decides."""
+
+    attempt: int
+    dest_rank: int
+    expected: int
+    reg: _Reg
 
 
 @dataclass
@@ -329,7 +368,9 @@ class _Transfer(Record):
     inflight: dict[tuple[int, int], _Flight] = field(default_factory=dict)  # (attempt, dest)
     verdict: _Verdict | None = None
     owner: str = ""  # identity of its first registration: only it may register (supersede) again
+    parked: dict[tuple[str, int], _Parked] = field(default_factory=dict)  # (identity, dest): WAIT_PREFILL only
     epoch: int = -1  # the stream's current epoch
+    binding: tuple[str, str] | None = None  # the stream's (LayersReady.binding); None: unknown
     groups: list[Part] = field(default_factory=list)  # ready parts of that epoch, in order
     posted: dict[int, int] = field(default_factory=dict)  # dest -> groups posted (attempt, epoch)
     told: set[int] = field(default_factory=set)  # current attempt: dests told of its failure
@@ -340,7 +381,7 @@ class _Transfer(Record):
 
 
 def _earliest_registration(rec: _Transfer) -> float:
-    return min(r.deadline for r in rec.regs.values())
+    return min(r.deadline for r in [*rec.regs.values(), *(p.reg for p in rec.parked.values())])
 
 
 def _lease(rec: _Transfer) -> float:
@@ -376,6 +417,8 @@ def _peer_holdings(rec: _Transfer) -> dict[str, int]:
     for (attempt, _), f in rec.inflight.items():
         if attempt != rec.attempt:
             out.setdefault(f.holder, 0)
+    for p in rec.parked.values():
+        out[p.reg.holder] = out.get(p.reg.holder, 0) + len(p.reg.block_ids)
     return out
 
 
@@ -387,11 +430,12 @@ class Rendezvous(Core[str, _Transfer]):
     """
 
     def __init__(self, *, tombstone_s: float = 60.0, max_transfers: int = 100_000,
-                 quota: Quota | None = None, max_groups: int = 256, max_group_writes: int = 4,
-                 max_group_writes_total: int = 64) -> None:
+                 quota: Quota | None = None, max_parked: int = 8, max_groups: int = 256,
+                 max_group_writes: int = 4, max_group_writes_total: int = 64) -> None:
         super().__init__(TABLE, TOMBSTONES, DEADLINES, tombstone_s=tombstone_s, max_live=max_transfers,
                          holdings=_peer_holdings)
         self.quota = quota  # each decode peer's share (None: no per-peer bound)
+        self.max_parked = max_parked  # rival registrations one transfer keeps before its prefill
         self.max_groups = max_groups  # ready groups kept per transfer and epoch
         self.max_group_writes = max_group_writes  # group WRITEs in flight per transfer
         self.max_group_writes_total = max_group_writes_total  # ... and in all
@@ -697,6 +741,83 @@ def writes_to_peer_busy(rv: Rendezvous, rec: _Transfer, ev: PeerLost) -> bool:
     return writes_to_peer(rv, rec, ev) and bool(rec.inflight)
 
 
+# ---- binding: parked rivals and the prefill's choice of party (see the module docstring)
+
+
+def contends(rv: Rendezvous, rec: _Transfer, ev: Registered) -> bool:
+    """Before the prefill, another identity than the owner's registers: it may be the bound
+    party (the owner a hijacker that came first), so it is parked, not refused."""
+    return rec.prefill is None and bool(rec.owner) and bool(ev.identity) and ev.identity != rec.owner
+
+
+def unbound(rv: Rendezvous, rec: _Transfer, ev: Registered) -> bool:
+    """The prefill bound the transfer to another identity or secret."""
+    return rec.prefill is not None and not rec.prefill.admits(ev.identity, ev.secret)
+
+
+def _heir(rv: Rendezvous, rec: _Transfer, prefill: Prefilled | None) -> list[_Parked]:
+    """The parked registrations that would take the transfer over: the first parked identity
+    (admitted by ``prefill``'s binding, if given) with a live registration, its newest attempt."""
+    live = [p for p in rec.parked.values() if p.reg.deadline > rv.now
+            and (prefill is None or prefill.admits(p.reg.identity, p.reg.secret))]
+    if not live:
+        return []
+    who = live[0].reg.identity
+    top = max(p.attempt for p in live if p.reg.identity == who)
+    mine = [p for p in live if p.reg.identity == who and p.attempt == top]
+    return [p for p in mine if p.expected == mine[0].expected]
+
+
+def _keeps_owner(rec: _Transfer, ev: Prefilled) -> bool:
+    return all(ev.admits(r.identity, r.secret) for r in rec.regs.values())
+
+
+def _settled(rv: Rendezvous, rec: _Transfer, ev: Prefilled) -> list[tuple[int, _Reg]]:
+    """The registrations (dest, reg) the transfer has once ``ev``'s binding is applied."""
+    if _keeps_owner(rec, ev):
+        return sorted(rec.regs.items())
+    return [(p.dest_rank, p.reg) for p in _heir(rv, rec, ev)]
+
+
+def contested(rv: Rendezvous, rec: _Transfer, ev: Prefilled) -> bool:
+    """Rivals are parked, or the binding ousts the owner's registrations."""
+    return bool(rec.parked) or not _keeps_owner(rec, ev)
+
+
+def contested_mismatch(rv: Rendezvous, rec: _Transfer, ev: Prefilled) -> bool:
+    return contested(rv, rec, ev) and any(r.num_tokens != ev.num_tokens for _, r in _settled(rv, rec, ev))
+
+
+def contested_complete(rv: Rendezvous, rec: _Transfer, ev: Prefilled) -> bool:
+    if not contested(rv, rec, ev):
+        return False
+    if _keeps_owner(rec, ev):
+        return len(rec.regs) == rec.expected
+    heir = _heir(rv, rec, ev)
+    return bool(heir) and len({p.dest_rank for p in heir}) == heir[0].expected
+
+
+def _owner_expired(rv: Rendezvous, rec: _Transfer) -> bool:
+    return any(r.deadline <= rv.now for r in rec.regs.values())
+
+
+def parked_expired(rv: Rendezvous, rec: _Transfer, ev: object) -> bool:
+    """Only parked registrations are due: the owner's attempt goes on."""
+    return not _owner_expired(rv, rec)
+
+
+def heir_after_timeout(rv: Rendezvous, rec: _Transfer, ev: object) -> bool:
+    return bool(_heir(rv, rec, None))
+
+
+def cancels_with_heir(rv: Rendezvous, rec: _Transfer, ev: Aborted) -> bool:
+    return cancels_attempt(rv, rec, ev) and bool(_heir(rv, rec, None))
+
+
+def lost_with_heir(rv: Rendezvous, rec: _Transfer, ev: PeerLost) -> bool:
+    return writes_to_peer(rv, rec, ev) and bool(_heir(rv, rec, None))
+
+
 # ============================================================================= steps
 # (core, record, event, out): change the record's facts, append actions. No states.
 
@@ -773,6 +894,92 @@ def _refuse(ev: Registered, reason: str, cause: Cause, out: list) -> None:
     out.append(NotifyFailure(ev.transfer_id, ev.attempt, ev.peer, ev.dest_rank, reason, cause))
 
 
+def _promote(rv: Rendezvous, rec: _Transfer, heir: list[_Parked]) -> None:
+    """The heir's registrations become the transfer's (the owner's attempt is over)."""
+    first = heir[0]
+    rec.attempt, rec.live, rec.expected, rec.owner = first.attempt, True, first.expected, first.reg.identity
+    rec.regs, rec.started, rec.done = {p.dest_rank: p.reg for p in heir}, set(), set()
+    for p in heir:
+        del rec.parked[(p.reg.identity, p.dest_rank)]
+        rv._index_add(rec.transfer_id, rec, p.reg.peer)
+
+
+def _refuse_parked(rec: _Transfer, reason: str, cause: Cause, out: list, now: float | None = None) -> None:
+    """Answer parked registrations (all, or those due at ``now``) and forget them."""
+    for key, p in sorted(rec.parked.items()):
+        if now is None or p.reg.deadline <= now:
+            del rec.parked[key]
+            out.append(NotifyFailure(rec.transfer_id, p.attempt, p.reg.peer, p.dest_rank, reason, cause))
+
+
+def park(rv: Rendezvous, rec: _Transfer, ev: Registered, out: list) -> None:
+    """Keep a rival's registration until the prefill's binding (or the owner's end) decides."""
+    why = _why_invalid(rv, ev)  # its own fields; the owner rule is what parking defers
+    key = (ev.identity, ev.dest_rank)
+    if why is None and key not in rec.parked and len(rec.parked) >= rv.max_parked:
+        why = f"overloaded: more than {rv.max_parked} rival registrations for one transfer"
+        cause = Cause.OVERLOADED
+    else:
+        cause = Cause.INVALID
+    old = rec.parked.get(key)
+    if why is None and old is not None and ev.attempt < old.attempt:
+        why, cause = f"superseded by attempt {old.attempt}", Cause.SUPERSEDED
+    if why is not None:
+        _refuse(ev, why, cause, out)
+        return
+    rec.parked[key] = _Parked(ev.attempt, ev.dest_rank, ev.expected_dests, _Reg(
+        ev.peer, tuple(ev.block_ids), ev.num_tokens, ev.deadline, ev.first_token, quota_holder(ev),
+        ev.identity, ev.secret))
+
+
+def reject_unbound(rv: Rendezvous, rec: _Transfer, ev: Registered, out: list) -> None:
+    _refuse(ev, "transfer is bound to another party", Cause.UNBOUND, out)
+
+
+def settle(rv: Rendezvous, rec: _Transfer, ev: Prefilled, out: list) -> None:
+    """Apply the prefill's binding: the owner keeps the transfer if admitted, else the first
+    admitted parked identity takes it (or nobody yet); every other rival is refused."""
+    if not _keeps_owner(rec, ev):
+        heir = _heir(rv, rec, ev)
+        _end_attempt(rec, "transfer is bound to another party", Cause.UNBOUND, out)
+        if heir:
+            _promote(rv, rec, heir)
+        else:
+            rec.attempt, rec.expected, rec.regs, rec.owner = -1, 0, {}, ""
+    if ev.bound:
+        _refuse_parked(rec, "transfer is bound to another party", Cause.UNBOUND, out)
+    else:
+        _refuse_parked(rec, "transfer was registered by another peer", Cause.INVALID, out)
+
+
+def expire_parked(rv: Rendezvous, rec: _Transfer, ev: object, out: list) -> None:
+    _refuse_parked(rec, "prefill did not complete in time", Cause.TIMEOUT, out, now=rv.now)
+
+
+def promote_heir(rv: Rendezvous, rec: _Transfer, ev: object, out: list) -> None:
+    """The owner's attempt ended before the prefill: the first parked identity takes over."""
+    heir = _heir(rv, rec, None)
+    assert heir
+    _promote(rv, rec, heir)
+
+
+def end_owner_timeout(rv: Rendezvous, rec: _Transfer, ev: _Deadline, out: list) -> None:
+    _end_attempt(rec, "prefill did not complete in time", Cause.TIMEOUT, out)
+
+
+def end_owner_cancelled(rv: Rendezvous, rec: _Transfer, ev: Aborted, out: list) -> None:
+    _end_attempt(rec, f"cancelled by {ev.peer}: {ev.reason}", Cause.CANCELLED, out, skip_peer=ev.peer)
+
+
+def end_owner_lost(rv: Rendezvous, rec: _Transfer, ev: PeerLost, out: list) -> None:
+    _end_attempt(rec, f"peer lost: {ev.peer}", Cause.PEER_LOST, out)
+
+
+def refuse_parked(rv: Rendezvous, rec: _Transfer, ev: object, out: list) -> None:
+    """The transfer ends before the prefill: parked rivals hear it too."""
+    _refuse_parked(rec, "transfer ended before its prefill", Cause.CLOSED, out)
+
+
 def reject_invalid(rv: Rendezvous, rec: _Transfer | None, ev: Registered, out: list) -> None:
     why = _why_invalid(rv, ev, rec)
     assert why is not None
@@ -820,7 +1027,7 @@ def open_attempt(rv: Rendezvous, rec: _Transfer, ev: Registered, out: list) -> N
 def add_reg(rv: Rendezvous, rec: _Transfer, ev: Registered, out: list) -> None:
     rec.owner = rec.owner or ev.identity
     rec.regs[ev.dest_rank] = _Reg(ev.peer, tuple(ev.block_ids), ev.num_tokens, ev.deadline, ev.first_token,
-                                  quota_holder(ev))
+                                  quota_holder(ev), ev.identity, ev.secret)
     rv._index_add(rec.transfer_id, rec, ev.peer)
 
 
@@ -835,8 +1042,11 @@ def end_mismatch(rv: Rendezvous, rec: _Transfer, ev: Registered, out: list) -> N
 
 
 def hold(rv: Rendezvous, rec: _Transfer, ev: Prefilled, out: list) -> None:
-    """Keep the engine's blocks until ReleaseBlocks."""
+    """Keep the engine's blocks until ReleaseBlocks. A binding the owner does not meet frees
+    the transfer for the bound party (the owner's registrations, if any, are over)."""
     rec.prefill = ev
+    if ev.bound and not any(ev.admits(r.identity, r.secret) for r in rec.regs.values()):
+        rec.owner = ""
 
 
 def start_all(rv: Rendezvous, rec: _Transfer, ev: Prefilled, out: list) -> None:
@@ -972,6 +1182,11 @@ def note_progress(rv: Rendezvous, rec: _Transfer, ev: LayersReady, out: list) ->
         rec.hold_until = max(rec.hold_until, ev.hold_deadline)
     if ev.epoch > rec.epoch:
         rec.epoch, rec.groups, rec.posted = ev.epoch, [], {}
+    if rec.binding is None or ev.binding != rec.binding:
+        # first word of the binding, or a frame that says otherwise: trust only agreement
+        rec.binding = ev.binding if rec.binding is None else None
+        if rec.binding is None:
+            rec.stream_off = True
     if rec.stream_off:
         return
     if len(rec.groups) >= rv.max_groups:
@@ -980,10 +1195,19 @@ def note_progress(rv: Rendezvous, rec: _Transfer, ev: LayersReady, out: list) ->
     rec.groups.append(Part(ev.layer_lo, ev.layer_hi, ev.first_block, tuple(ev.block_ids), ev.epoch))
 
 
+def _stream_admits(rec: _Transfer) -> bool:
+    """Before the seal, KV goes only where the binding the stream announced admits every
+    registration, and while no rival is parked (the seal may yet pick another party)."""
+    if rec.binding is None or rec.parked:
+        return False
+    who = Prefilled(rec.transfer_id, (), 0, 0.0, 0.0, *rec.binding)
+    return all(who.admits(r.identity, r.secret) for r in rec.regs.values())
+
+
 def pump(rv: Rendezvous, rec: _Transfer, ev: object, out: list) -> None:
     """Post the ready groups each registered destination of the live attempt has not had,
     as one WRITE, within the bounds; never over a WRITE of an older epoch to it."""
-    if not rec.live or rec.stream_off or rec.prefill is not None:
+    if not rec.live or rec.stream_off or rec.prefill is not None or not _stream_admits(rec):
         return
     for dest, reg in sorted(rec.regs.items()):
         n = rec.posted.get(dest, 0)
@@ -1035,14 +1259,16 @@ TABLE = Table(State, (Registered, Prefilled, LayersReady, WriteDone, WriteFailed
 
     row(_WP, Registered, over_quota, _WP, reject_quota),
     row(_WP, Registered, repeats_write, _WP),  # a group WRITE into its blocks answers it
+    row(_WP, Registered, contends, _WP, park),
     row(_WP, Registered, invalid, _WP, reject_invalid),
     row(_WP, Registered, stale, _WP, reject_stale),
     row(_WP, Registered, duplicate, _WP),
     row(_WP, Registered, ended, _WP, reject_ended),  # its groups drain (cancelled, inconsistent)
-    row(_WP, Registered, inconsistent_busy, _WP, reject_inconsistent, end_inconsistent),  # drains
-    row(_WP, Registered, inconsistent, _EX, reject_inconsistent, end_inconsistent),
+    row(_WP, Registered, inconsistent_busy, _WP, reject_inconsistent, end_inconsistent, refuse_parked),  # drains
+    row(_WP, Registered, inconsistent, _EX, reject_inconsistent, end_inconsistent, refuse_parked),
     row(_WP, Registered, None, _WP, open_attempt, add_reg, pump),
 
+    row(_WR, Registered, unbound, _WR, reject_unbound),
     row(_WR, Registered, over_quota, _WR, reject_quota),
     row(_WR, Registered, repeats_write, _WR),
     row(_WR, Registered, invalid, _WR, reject_invalid),
@@ -1054,6 +1280,7 @@ TABLE = Table(State, (Registered, Prefilled, LayersReady, WriteDone, WriteFailed
     row(_WR, Registered, completes_set, _WG, open_attempt, add_reg, start_reg),
     row(_WR, Registered, None, _WR, open_attempt, add_reg, start_reg),
 
+    row(_WG, Registered, unbound, _WG, reject_unbound),
     row(_WG, Registered, over_quota, _WG, reject_quota),
     row(_WG, Registered, repeats_write, _WG),
     row(_WG, Registered, invalid, _WG, reject_invalid),
@@ -1086,7 +1313,10 @@ TABLE = Table(State, (Registered, Prefilled, LayersReady, WriteDone, WriteFailed
     # --- Prefilled ------------------------------------------------------------------
     row(None, Prefilled, overloaded, None, release_overloaded),
     row(None, Prefilled, None, _WR, hold),
-    row(_WP, Prefilled, attempt_over, _WR, hold),  # the ended attempt's groups drain
+    row(_WP, Prefilled, attempt_over, _WR, hold, refuse_parked),  # the ended attempt's groups drain
+    row(_WP, Prefilled, contested_mismatch, _WR, hold, settle, end_mismatch_all),
+    row(_WP, Prefilled, contested_complete, _WG, hold, settle, start_all),
+    row(_WP, Prefilled, contested, _WR, hold, settle, start_all),
     row(_WP, Prefilled, any_tokens_differ, _WR, hold, end_mismatch_all),
     row(_WP, Prefilled, all_registered, _WG, hold, start_all),
     row(_WP, Prefilled, None, _WR, hold, start_all),
@@ -1133,10 +1363,11 @@ TABLE = Table(State, (Registered, Prefilled, LayersReady, WriteDone, WriteFailed
     # --- Aborted ------------------------------------------------------------------------
     row(None, Aborted, from_peer, None, confirm_unknown),
     row(None, Aborted, None, None),  # a local abort of an unknown transfer
-    row(_WP, Aborted, local_busy, _DR, fail_aborted),
-    row(_WP, Aborted, local, _FL, fail_aborted),
-    row(_WP, Aborted, cancels_busy, _WP, end_cancelled, confirm),  # its groups drain first
-    row(_WP, Aborted, cancels_attempt, _EX, end_cancelled, confirm),
+    row(_WP, Aborted, local_busy, _DR, fail_aborted, refuse_parked),
+    row(_WP, Aborted, local, _FL, fail_aborted, refuse_parked),
+    row(_WP, Aborted, cancels_busy, _WP, end_cancelled, confirm, refuse_parked),  # its groups drain first
+    row(_WP, Aborted, cancels_with_heir, _WP, end_owner_cancelled, confirm, promote_heir),
+    row(_WP, Aborted, cancels_attempt, _EX, end_cancelled, confirm, refuse_parked),
     row(_WP, Aborted, None, _WP, confirm),
     row(_WR, Aborted, local_idle, _FL, fail_aborted, release),
     row(_WR, Aborted, local, _DR, fail_aborted),
@@ -1153,8 +1384,9 @@ TABLE = Table(State, (Registered, Prefilled, LayersReady, WriteDone, WriteFailed
     row(_ST, Aborted, None, _FL, decide_aborted),
 
     # --- PeerLost (fanned out through the peer index) ---------------------------------
-    row(_WP, PeerLost, writes_to_peer_busy, _DR, fail_peer_lost),
-    row(_WP, PeerLost, writes_to_peer, _FL, fail_peer_lost),
+    row(_WP, PeerLost, writes_to_peer_busy, _DR, fail_peer_lost, refuse_parked),
+    row(_WP, PeerLost, lost_with_heir, _WP, end_owner_lost, promote_heir),
+    row(_WP, PeerLost, writes_to_peer, _FL, fail_peer_lost, refuse_parked),
     row(_WR, PeerLost, writes_to_peer_idle, _FL, fail_peer_lost, release),
     row(_WR, PeerLost, writes_to_peer, _DR, fail_peer_lost),
     row(_WG, PeerLost, writes_to_peer_idle, _FL, fail_peer_lost, release, unreachable=_IN_FLIGHT),
@@ -1164,8 +1396,10 @@ TABLE = Table(State, (Registered, Prefilled, LayersReady, WriteDone, WriteFailed
     row(None, PeerLost, None, None, unreachable="the peer index forgets purged transfers"),
 
     # --- deadlines: registration, lease, tombstone --------------------------------------
-    row(_WP, _Deadline, busy, _DR, fail_timeout),  # the stream's writes drain first
-    row(_WP, _Deadline, None, _EX, end_timeout),
+    row(_WP, _Deadline, parked_expired, _WP, expire_parked),
+    row(_WP, _Deadline, busy, _DR, fail_timeout, refuse_parked),  # the stream's writes drain first
+    row(_WP, _Deadline, heir_after_timeout, _WP, end_owner_timeout, expire_parked, promote_heir),
+    row(_WP, _Deadline, None, _EX, end_timeout, expire_parked),
     row(_ST, _Deadline, None, None),  # progress nobody registered for or sealed: forget it
     row(_WR, _Deadline, idle, _FL, fail_lease, release),
     row(_WR, _Deadline, None, _DR, fail_lease),

@@ -108,30 +108,55 @@ class NixlTransport:
     ) -> None:
         if backend not in BACKENDS:
             raise TransportError(f"backend {backend!r} not supported; choose one of {BACKENDS}")
-        # Imported here so that the daemon's pure parts and tooling import without NIXL.
-        from nixl._api import nixl_agent, nixl_agent_config
-
         self.name = name
         self.backend = backend
         self._regs: list[tuple[MappedRegion, Any]] = []  # (region, nixlRegDList)
         self._peers: set[str] = set()
         self._live: dict[int, XferHandle] = {}  # id() -> unreleased handle
         self._closed = False
+        self._params = dict(backend_params or {})
+        self._lock = (lock_path, lock_timeout_s)
+        self._agent = self._new_agent(name)
+
+    def _new_agent(self, name: str) -> Any:
+        # Imported here so that the daemon's pure parts and tooling import without NIXL.
+        from nixl._api import nixl_agent, nixl_agent_config
+
         conf = nixl_agent_config(
             enable_prog_thread=False, enable_listen_thread=False, backends=[]
         )
-        with host_lock(lock_path, lock_timeout_s):
-            self._agent = nixl_agent(name, conf)
-            plugins = self._agent.get_plugin_list()
-            if backend not in plugins:
-                raise TransportError(f"NIXL plugin {backend} not installed (have {plugins})")
+        with host_lock(*self._lock):
+            agent = nixl_agent(name, conf)
+            plugins = agent.get_plugin_list()
+            if self.backend not in plugins:
+                raise TransportError(f"NIXL plugin {self.backend} not installed (have {plugins})")
             try:
-                self._agent.create_backend(backend, dict(backend_params or {}))
+                agent.create_backend(self.backend, dict(self._params))
             except Exception as e:
                 raise TransportError(
-                    f"NIXL backend {backend} failed to initialise ({type(e).__name__}: {e}); "
+                    f"NIXL backend {self.backend} failed to initialise ({type(e).__name__}: {e}); "
                     f"is its library (e.g. libfabric for LIBFABRIC) installed and usable?"
                 ) from e
+        return agent
+
+    def rotate(self, name: str) -> None:
+        """Replace the agent by a new one named ``name`` and register the same regions with it.
+
+        What a peer holding our old metadata can reach dies with the old agent: its UCX worker
+        (the address peers connected to) is destroyed. Deregistering and registering again
+        ("new keys") is not enough: measured with UCX over TCP and shared memory, a peer that
+        kept the old metadata still READ and WROTE the region afterwards (rkeys are checked
+        only by RDMA hardware; tests/security/test_revocation.py). Unreleased WRITEs are
+        released and peers removed first, as in :meth:`close`. Afterwards :meth:`metadata`
+        is the new agent's: peers need it again."""
+        self._check_open()
+        regions = [r for r, _ in self._regs]
+        self.close()
+        self._agent = self._new_agent(name)
+        self._closed = False
+        self.name = name
+        for r in regions:
+            self.register(r)
 
     # ---- memory & peers ------------------------------------------------------------------
 

@@ -109,6 +109,7 @@ class DaemonClient:
         self._link = DaemonLink(clock(), max_queue=max_queue, heartbeat_s=heartbeat_s,
                           dead_after_s=dead_after_s)
         self._attach_frame = b""
+        self._attach_then: tuple[bytes, ...] = ()  # frames each new link sends right after the Attach
 
         path = ipc_path(endpoint)
         if path is None:
@@ -216,6 +217,21 @@ class DaemonClient:
             return True
         return link.enqueue(data)
 
+    def send_encoded(self, data: bytes) -> bool:
+        """send() of a message the caller encoded itself (a LayerProgress built from parts made
+        once per forward: engine_plugin.layer_stream). Same routing, same counters."""
+        link = self._link
+        self._connect()
+        if link.state is not State.CLOSED and link.queue:
+            self._flush()
+        route = link.route()
+        if route is Route.REFUSE:
+            return False
+        if route is Route.DIRECT and self._raw_send(data):
+            link.counters.sent += 1
+            return True
+        return link.enqueue(data)
+
     def publish_prefill_done(
         self, transfer_id: str, block_ids: Iterable[int], num_tokens: int, lease_ms: int
     ) -> bool:
@@ -226,9 +242,12 @@ class DaemonClient:
         """Either side gives up on one attempt of a transfer."""
         return self.send(Abort(transfer_id, attempt, reason))
 
-    def attach(self, msg: Attach) -> None:
-        """Remember ``msg``; send it now if a link is up, else as a new link's first frame."""
+    def attach(self, msg: Attach, then: tuple[Message, ...] = ()) -> None:
+        """Remember ``msg``; send it now if a link is up, else as a new link's first frame.
+        ``then``: what every link (a re-attach too) sends right after it (LayerEvents: a
+        restarted daemon knows nothing of the engine's event pool)."""
         self._attach_frame = encode(msg)
+        self._attach_then = tuple(encode(m) for m in then)
         if self._link.state is State.CLOSED:
             return
         if self._sock is None:
@@ -274,6 +293,8 @@ class DaemonClient:
                     self._flush()
             elif a is Act.SEND_ATTACH:
                 if self._raw_send(self._attach_frame):
+                    for data in self._attach_then:  # right behind it; lost only with the link
+                        self._raw_send(data)
                     self._run(link.handle(AttachSent()))
             elif a is Act.SEND_HEARTBEAT:
                 if self._raw_send(encode(Heartbeat(link.hb_seq))):

@@ -118,6 +118,7 @@ class KVPushConnector(KVConnectorBase_V1):
         super().bind_connector_metadata(connector_metadata)
         if self.worker is not None and isinstance(connector_metadata, KVPushMetadata):
             self.worker.idle_step = connector_metadata.idle
+            self.worker.begin_forward(connector_metadata.streams)
             if connector_metadata.stamps:  # first: a confirmation below may end a timeline
                 self.worker.take_stamps(connector_metadata.stamps)
             if connector_metadata:
@@ -130,7 +131,9 @@ class KVPushConnector(KVConnectorBase_V1):
         return
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        return
+        # After each attention layer (vLLM's maybe_transfer_kv_layer): layer-wise progress.
+        if self.worker is not None:
+            self.worker.save_kv_layer(layer_name)
 
     def wait_for_save(self) -> None:
         # Called right after the forward: early PrefillDones go out here.

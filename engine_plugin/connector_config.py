@@ -32,6 +32,15 @@ DEAD_AFTER_MS = 3000
 # relies on to know when its engine may have given it up (proto.ENGINE_DEAD_AFTER_MIN_S).
 DEAD_AFTER_RANGE_MS = (round(ENGINE_DEAD_AFTER_MIN_S * 1000), 60_000)
 WHERE = "kv_connector_extra_config"
+LAYERWISE_MODES = ("auto", "on", "off")
+# Layers per LayerProgress frame: 4 keeps a 32-layer forward at 8 frames (scripts/
+# bench_plugin_hooks.py measures the cost per group size) while the first WRITE still starts
+# after an eighth of the forward.
+LAYER_GROUP = 4
+LAYER_GROUP_RANGE = (1, 1024)
+# SGLang's layer-wise PR (#23515) falls back to whole-request transfers below 256 tokens, where
+# streaming cost +18 % TTFT; kvpush starts from the same threshold until the lab measures its own.
+LAYERWISE_MIN_TOKENS = 256
 
 
 class PluginConfigError(ConfigError):
@@ -88,10 +97,28 @@ class PluginConfig:
                                   "of those uids; unset: the user \"kvpush\" if this host has one",
                                   parse=_p_user, type_name="user name or uid",
                                   shown_default="kvpush, if present")
+    layerwise: str = key("off", "prefill side: stream each request's KV per layer group while its "
+                         "prompt is computed (the daemon WRITEs beside the forward): \"on\" every "
+                         "pushed prompt, \"auto\" prompts of layerwise_min_tokens or more, \"off\" "
+                         "whole-request pushes only (PrefillDone after the forward). Preview: this "
+                         "release's daemon refuses the frames, and the engine then falls back to "
+                         "whole-request pushes with one warning",
+                         choices=LAYERWISE_MODES)
+    layer_group: int = key(LAYER_GROUP, "layers per progress frame while streaming: fewer frames cost "
+                           "the engine less, more let the daemon start sooner",
+                           parse=int_in(*LAYER_GROUP_RANGE))
+    layerwise_min_tokens: int = key(LAYERWISE_MIN_TOKENS, "with layerwise \"auto\": the shortest "
+                                    "prompt that streams (below it the transfer is too short to "
+                                    "hide and the frames cost more than they save)",
+                                    check=check_count)
 
     def trusted_uids(self) -> frozenset[int]:
         """Who may own the daemon's socket directory, socket and card, and listen on it."""
         return trusted_uids(self.daemon_user)
+
+    def stream_min_tokens(self) -> int | None:
+        """The shortest prompt that streams per layer (None: layerwise off)."""
+        return {"off": None, "on": 0}.get(self.layerwise, self.layerwise_min_tokens)
 
     def socket_for(self, rank: int) -> str:
         return self.daemon.format(rank=rank, device=rank + self.device_offset)

@@ -25,6 +25,7 @@ class RegisterReq:
     first_token: int
     prefill_endpoints: list[str]
     prefill_tp_size: int
+    secret: str = ""  # the transfer's secret from the decode leg's params
 
 
 @dataclass
@@ -42,6 +43,8 @@ class SendReq:
     block_ids: list[int]
     num_tokens: int
     early: bool = False
+    bind_node: str = ""  # who may register: this decode node, or whoever presents bind_secret
+    bind_secret: str = ""
 
 
 @dataclass
@@ -54,6 +57,22 @@ class AbortReq:
 
 
 @dataclass
+class StreamChunk:
+    """Prefill side, layer-wise: this step's forward computes tokens ``[first_token,
+    num_tokens)`` of a streamed request, into ``block_ids`` (its blocks from index
+    ``first_block``; ``first_token`` is that block's first token). ``epoch`` counts the
+    request's restarts (preemption): the worker reports it with every layer group, and the
+    daemon voids progress of an earlier epoch. The wire form is proto.LayerChunk."""
+
+    transfer_id: str
+    epoch: int
+    first_block: int
+    block_ids: list[int]
+    first_token: int
+    num_tokens: int
+
+
+@dataclass
 class KVPushMetadata(KVConnectorMetadata):
     registers: list[RegisterReq] = field(default_factory=list)
     sends: list[SendReq] = field(default_factory=list)
@@ -61,9 +80,13 @@ class KVPushMetadata(KVConnectorMetadata):
     # Prefill side: an early-published request vLLM then finished abnormally (aborted): the
     # daemon must stop using its blocks before they are reported free.
     send_aborts: list[AbortReq] = field(default_factory=list)
+    # Prefill side, layer-wise: the chunks this step's forward computes, of streamed requests.
+    streams: list[StreamChunk] = field(default_factory=list)
+    # Prefill side, layer-wise: streamed requests that ended unsealed (the daemon drops them).
+    stream_aborts: list[AbortReq] = field(default_factory=list)
     idle: bool = False  # the step runs no forward: the worker may wait briefly for the daemon
     # Timeline stamps taken by the scheduler half: (transfer_id, hop, monotonic ns).
     stamps: list[tuple[str, str, int]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.registers or self.sends or self.aborts or self.send_aborts)
+        return bool(self.registers or self.sends or self.aborts or self.send_aborts or self.stream_aborts)

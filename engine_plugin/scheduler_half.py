@@ -51,7 +51,8 @@ class KVPushScheduler:
         self.cfg = cfg
         self.block_size = block_size
         self.cards = DaemonCards(cfg, tp_size)
-        self.lifecycle = sl.SchedulerLifecycle(block_size, name_transfer=_fresh_transfer_id)
+        self.lifecycle = sl.SchedulerLifecycle(block_size, name_transfer=_fresh_transfer_id,
+                                               stream_min_tokens=cfg.stream_min_tokens())
         self._meta = KVPushMetadata()  # this step's, handed to the worker by build_connector_meta
         self._warned = OncePer(WARN_KEY_SETS)  # key sets of unusable decode legs already logged
 
@@ -64,6 +65,10 @@ class KVPushScheduler:
                 meta.stamps.append((a.transfer_id, a.hop, now_ns()))
             elif isinstance(a, sl.Register):
                 meta.registers.append(a.req)
+            elif isinstance(a, sl.Stream):
+                meta.streams.append(a.chunk)
+            elif isinstance(a, sl.StreamAbort):
+                meta.stream_aborts.append(a.req)
             elif isinstance(a, sl.Send):
                 meta.sends.append(a.req)
             elif isinstance(a, sl.AbortLoad):
@@ -86,7 +91,8 @@ class KVPushScheduler:
         eps = self.cards.endpoints() if pleg is not None and pleg.serial else None
         claim = self._apply(sl.Matched(request.request_id, time.monotonic(),
                                        request.num_prompt_tokens - num_computed_tokens, dleg, pleg,
-                                       None if eps is None else tuple(eps), request.max_tokens == 1))
+                                       None if eps is None else tuple(eps), request.max_tokens == 1,
+                                       request.num_prompt_tokens))
         return (claim.count, True) if claim is not None else (0, False)
 
     def _warn_unusable(self, params: dict[str, Any] | None) -> None:
@@ -125,16 +131,30 @@ class KVPushScheduler:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVPushMetadata:
         idle = scheduler_output.total_num_scheduled_tokens == 0
         lc = self.lifecycle
-        if not idle and (lc.count(sl.State.LOADED) or lc.count(sl.State.CANDIDATE)):
+        streams = lc.stream_min_tokens is not None and bool(lc.count(sl.State.PREFILLING)
+                                                              or lc.count(sl.State.CANDIDATE))
+        if not idle and (lc.count(sl.State.LOADED) or lc.count(sl.State.CANDIDATE) or streams):
             scheduled = scheduler_output.num_scheduled_tokens
-            new = {} if not lc.count(sl.State.CANDIDATE) else {
+            new = {} if not (streams or lc.count(sl.State.CANDIDATE)) else {
                 nr.req_id: sl.NewReq(len(nr.prompt_token_ids or ()), nr.num_computed_tokens,
                                      scheduled.get(nr.req_id, 0), tuple(nr.block_ids[0]))
                 for nr in scheduler_output.scheduled_new_reqs}
-            self._apply(sl.Step(time.monotonic(), scheduled, new))
+            self._apply(sl.Step(time.monotonic(), scheduled, new, self._cached(scheduler_output) if streams else {}))
         meta, self._meta = self._meta, KVPushMetadata()
         meta.idle = idle
         return meta
+
+    def _cached(self, out: SchedulerOutput) -> dict[str, sl.CachedReq]:
+        """The streamed requests among those scheduled again: where their chunk starts and
+        the blocks vLLM added (or, resumed from preemption, gave them anew)."""
+        c = getattr(out, "scheduled_cached_reqs", None)  # vLLM's always has it; a bench's stand-in may not
+        if c is None:
+            return {}
+        lc = self.lifecycle
+        resumed = getattr(c, "resumed_req_ids", ())
+        return {rid: sl.CachedReq(c.num_computed_tokens[i], tuple(nb[0]) if (nb := c.new_block_ids[i]) else (),
+                                  rid in resumed)
+                for i, rid in enumerate(c.req_ids) if lc.streaming(rid)}
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         now = time.monotonic()
@@ -151,5 +171,6 @@ class KVPushScheduler:
         """Every collection this half keeps, and its size (the soak benchmark's view)."""
         m = self._meta
         return {**{f"lifecycle.{k}": v for k, v in self.lifecycle.sizes().items()},
-                "meta": len(m.registers) + len(m.sends) + len(m.aborts) + len(m.send_aborts) + len(m.stamps),
+                "meta": len(m.registers) + len(m.sends) + len(m.aborts) + len(m.send_aborts) + len(m.stamps)
+                + len(m.streams) + len(m.stream_aborts),
                 "warned": len(self._warned._seen)}

@@ -32,18 +32,19 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvpush.engine_plugin.lifecycle import TrackedCore
-from kvpush.engine_plugin.metadata import AbortReq, RegisterReq, SendReq
+from kvpush.engine_plugin.metadata import AbortReq, RegisterReq, SendReq, StreamChunk
 from kvpush.machine import Record, Table, row
 from kvpush.machine.core import _Deadline
-from kvpush.proto.params import DecodeLeg, PrefillLeg
+from kvpush.proto.params import DecodeLeg, PrefillLeg, new_secret
 
 __all__ = [
-    "AbortLoad", "AbortSend", "Allocated", "Claim", "Finished", "Hold", "Matched", "NewReq", "Recved",
-    "Register", "SchedulerLifecycle", "Send", "SendingDone", "Stamp", "State", "Step", "TABLE", "TOMBSTONES",
+    "AbortLoad", "AbortSend", "Allocated", "CachedReq", "Claim", "Finished", "Hold", "Matched", "NewReq",
+    "Recved", "Register", "SchedulerLifecycle", "Send", "SendingDone", "Stamp", "State", "Step", "Stream", "StreamAbort",
+    "TABLE", "TOMBSTONES",
 ]
 
 TOMBSTONE_S = 120.0  # > the daemon counter's default tombstone (60 s): attempts stay increasing
@@ -64,6 +65,7 @@ class Matched:
     prefill: PrefillLeg | None
     endpoints: tuple[str, ...] | None  # this engine's daemons (serial legs only); None: unknown
     single_token: bool  # max_tokens == 1: its one token is sampled by the step ending its prompt
+    num_prompt: int = 0  # the prompt's length (layerwise auto: only long prompts stream)
 
 
 @dataclass(slots=True)
@@ -89,12 +91,22 @@ class NewReq:
 
 
 @dataclass(slots=True)
+class CachedReq:
+    """A request scheduled again this step (SchedulerOutput.scheduled_cached_reqs)."""
+
+    num_computed: int
+    new_block_ids: tuple[int, ...]  # appended to its blocks, or its blocks if ``resumed``
+    resumed: bool  # back from preemption: its blocks are new_block_ids, its KV recomputed
+
+
+@dataclass(slots=True)
 class Step:
     """build_connector_meta of a step that runs a forward."""
 
     now: float
     scheduled: Mapping[str, int]  # req_id -> tokens scheduled this step
     new: Mapping[str, NewReq]
+    cached: Mapping[str, CachedReq] = field(default_factory=dict)  # streamed requests' only
 
 
 @dataclass(slots=True)
@@ -166,6 +178,22 @@ class AbortSend:
 
 
 @dataclass(slots=True)
+class Stream:
+    """This step's forward computes a chunk of a streamed request: the worker reports its
+    layers as they finish."""
+
+    chunk: StreamChunk
+
+
+@dataclass(slots=True)
+class StreamAbort:
+    """A streamed request ended unsealed (aborted, or finished with nobody to fetch it): the
+    daemon drops its progress at once instead of when its lease runs out."""
+
+    req: AbortReq
+
+
+@dataclass(slots=True)
 class Stamp:
     """A timeline stamp for the transfer (taken by the shell: the core has no clock)."""
 
@@ -173,7 +201,7 @@ class Stamp:
     hop: str
 
 
-Action = Claim | Hold | Register | Send | AbortLoad | AbortSend | Stamp
+Action = Claim | Hold | Register | Send | AbortLoad | AbortSend | Stream | StreamAbort | Stamp
 
 # --------------------------------------------------------------------------- states
 
@@ -191,6 +219,9 @@ class State(enum.StrEnum):
     ENDED = "ended"  # tombstone: remembers the transfer's attempt
 
 
+_STREAMABLE = frozenset({State.PREFILLING, State.CANDIDATE})
+
+
 TOMBSTONES = frozenset({State.ENDED})
 DEADLINES: dict[State, Callable[[Any], float | None]] = {s: (lambda rec: None) for s in State if s not in TOMBSTONES}
 
@@ -201,6 +232,14 @@ class Req(Record):
     transfer_id: str | None = None  # decode: the leg's; prefill: the router's, or named here
     attempt: int = -1  # decode: the attempt registered (-1: none) ...
     registered: str | None = None  # ... of this transfer (kept when a tombstone's ID is reused)
+    # prefill, layer-wise:
+    streams: bool = False  # its prompt's KV is streamed per layer group
+    num_prompt: int = 0
+    epoch: int = 0  # restarts (preemption) since it streamed first: LayerChunk.epoch
+    streamed: bool = False  # a chunk was streamed in this epoch (a restart voids it)
+    blocks: list[int] = field(default_factory=list)  # its blocks as of its last streamed step
+    bind_node: str = ""  # prefill: the decode node the router bound the transfer to ...
+    secret: str = ""  # ... and its secret (the router's, or made here for a serial leg)
 
 
 class SchedulerLifecycle(TrackedCore):
@@ -208,11 +247,19 @@ class SchedulerLifecycle(TrackedCore):
     amortised per event; a Step touches only the requests it concerns."""
 
     def __init__(self, block_size: int, *, name_transfer: Callable[[], str],
-                 tombstone_s: float = TOMBSTONE_S) -> None:
+                 make_secret: Callable[[], str] = new_secret, tombstone_s: float = TOMBSTONE_S,
+                 stream_min_tokens: int | None = None) -> None:
         super().__init__(TABLE, TOMBSTONES, DEADLINES, tracked=(State.LOADED, State.CANDIDATE),
                          tombstone_s=tombstone_s)
         self.block_size = block_size
         self.name_transfer = name_transfer
+        self.make_secret = make_secret
+        self.stream_min_tokens = stream_min_tokens  # None: layerwise off (PluginConfig)
+
+    def streaming(self, req_id: str) -> bool:
+        """Is this a live prefill request whose KV streams (the shell's Step needs its chunk)?"""
+        rec = self._recs.get(req_id)
+        return rec is not None and rec.streams and rec.state in _STREAMABLE
 
     def record(self, req_id: str) -> Req | None:
         return self._get(req_id)  # type: ignore[no-any-return]
@@ -228,6 +275,9 @@ class SchedulerLifecycle(TrackedCore):
             keys = [k for k in self.keys_in(State.LOADED) if k in ev.scheduled]
             if ev.new and self.count(State.CANDIDATE):
                 keys += [k for k in ev.new if self.state(k) is State.CANDIDATE]
+            if self.stream_min_tokens is not None:  # streamed prefills this step computes
+                keys += [k for k in ev.new if self.state(k) is not State.CANDIDATE and self.streaming(k)]
+                keys += [k for k in ev.cached if self.streaming(k)]
             return keys
         return (ev.req_id,)
 
@@ -273,8 +323,22 @@ def registers(sl: SchedulerLifecycle, rec: Req | None, ev: Allocated) -> bool:
 
 def whole_prompt(sl: SchedulerLifecycle, rec: Req, ev: Step) -> bool:
     """This step's forward computes the rest of the prompt (no chunking): publish early."""
-    n = ev.new[rec.req_id]
-    return n.num_prompt > 0 and n.num_computed + n.scheduled >= n.num_prompt
+    n = ev.new.get(rec.req_id)  # a streamed CANDIDATE resumed from preemption is a cached one
+    return n is not None and n.num_prompt > 0 and n.num_computed + n.scheduled >= n.num_prompt
+
+
+def _computed_before(rec: Req, ev: Step) -> int:
+    n = ev.new.get(rec.req_id)
+    return n.num_computed if n is not None else ev.cached[rec.req_id].num_computed
+
+
+def streams_chunk(sl: SchedulerLifecycle, rec: Req, ev: Step) -> bool:
+    """A streamed request whose prompt this step's forward computes (a part of)."""
+    return rec.streams and ev.scheduled.get(rec.req_id, 0) > 0 and _computed_before(rec, ev) < rec.num_prompt
+
+
+def streams_whole(sl: SchedulerLifecycle, rec: Req, ev: Step) -> bool:
+    return streams_chunk(sl, rec, ev) and whole_prompt(sl, rec, ev)
 
 
 def holds(sl: SchedulerLifecycle, rec: Req | None, ev: Finished) -> bool:
@@ -282,6 +346,11 @@ def holds(sl: SchedulerLifecycle, rec: Req | None, ev: Finished) -> bool:
     if ev.prefill is None or not ev.ok or not ev.block_ids:
         return False
     return not ev.prefill.serial or ev.endpoints is not None
+
+
+def streamed(sl: SchedulerLifecycle, rec: Req, ev: Finished) -> bool:
+    """Some chunk of it was named to the worker (in this epoch or an earlier one)."""
+    return rec.streamed or rec.epoch > 0
 
 
 def confirms(sl: SchedulerLifecycle, rec: Req, ev: Finished) -> bool:
@@ -296,6 +365,9 @@ def reuse(sl: SchedulerLifecycle, rec: Req, ev: Any, out: list) -> None:
     """A tombstone's request ID came again: a new request. Its old attempt stays on record
     (``registered``, the index) until this record is purged or registers a newer one."""
     rec.transfer_id = None
+    rec.streams = rec.streamed = False
+    rec.epoch = 0
+    rec.blocks = []
 
 
 def claim(sl: SchedulerLifecycle, rec: Req, ev: Matched, out: list) -> None:
@@ -305,10 +377,53 @@ def claim(sl: SchedulerLifecycle, rec: Req, ev: Matched, out: list) -> None:
 
 
 def name(sl: SchedulerLifecycle, rec: Req, ev: Matched | Finished, out: list) -> None:
-    """The transfer: the router's, or named here once per request (a serial proxy's leg)."""
+    """The transfer: the router's, or named here once per request (a serial proxy's leg).
+    Its binding too: the router's, or for a serial leg a fresh secret, which only the answer
+    (to the front, which forwards it to the decode engine) carries."""
     if rec.transfer_id is None:
-        given = ev.prefill.transfer_id if ev.prefill is not None else None
+        leg = ev.prefill
+        given = leg.transfer_id if leg is not None else None
         rec.transfer_id = given if given is not None else sl.name_transfer()
+        rec.bind_node = leg.decode_node if leg is not None else ""
+        rec.secret = leg.secret if leg is not None and leg.secret else sl.make_secret() if given is None else ""
+
+
+def policy(sl: SchedulerLifecycle, rec: Req, ev: Matched, out: list) -> None:
+    """Layer-wise or whole-request, once per request (PluginConfig.layerwise)."""
+    rec.num_prompt = ev.num_prompt
+    least = sl.stream_min_tokens
+    rec.streams = least is not None and ev.num_prompt > 0 and ev.num_prompt >= least
+
+
+def restart(sl: SchedulerLifecycle, rec: Req, ev: Any, out: list) -> None:
+    """Matched again (preempted; or not allocated yet, which changes nothing): what it
+    streamed so far is void, its blocks may already be another request's."""
+    if rec.streamed:
+        rec.epoch += 1
+        rec.streamed = False
+
+
+def stream(sl: SchedulerLifecycle, rec: Req, ev: Step, out: list) -> None:
+    """Name this step's chunk: its tokens and the blocks holding them, in the current epoch.
+    A request that comes back new or resumed after it streamed restarted (preemption) even
+    if no Matched said so: a new epoch."""
+    rid = rec.req_id
+    n = ev.new.get(rid)
+    if n is not None:
+        restarted, blocks, start = rec.streamed, list(n.block_ids), n.num_computed
+    else:
+        c = ev.cached[rid]
+        restarted, start = c.resumed and rec.streamed, c.num_computed
+        blocks = list(c.new_block_ids) if c.resumed else rec.blocks + list(c.new_block_ids)
+    if restarted:
+        rec.epoch += 1
+    rec.blocks = blocks
+    rec.streamed = True
+    bs = sl.block_size
+    end = min(start + ev.scheduled[rid], rec.num_prompt)
+    first = start // bs
+    assert rec.transfer_id is not None
+    out.append(Stream(StreamChunk(rec.transfer_id, rec.epoch, first, blocks[first:-(-end // bs)], first * bs, end)))
 
 
 def register(sl: SchedulerLifecycle, rec: Req, ev: Allocated, out: list) -> None:
@@ -322,7 +437,7 @@ def register(sl: SchedulerLifecycle, rec: Req, ev: Allocated, out: list) -> None
     sl._index_add(rec.req_id, rec, leg.transfer_id)
     out.append(Register(RegisterReq(
         rec.req_id, leg.transfer_id, rec.attempt, list(ev.block_ids[first_token // sl.block_size:]),
-        ev.num_prompt, first_token, list(leg.prefill_endpoints), leg.prefill_tp_size)))
+        ev.num_prompt, first_token, list(leg.prefill_endpoints), leg.prefill_tp_size, leg.secret)))
 
 
 def first_step(sl: SchedulerLifecycle, rec: Req, ev: Step, out: list) -> None:
@@ -334,20 +449,29 @@ def first_step(sl: SchedulerLifecycle, rec: Req, ev: Step, out: list) -> None:
 def send_early(sl: SchedulerLifecycle, rec: Req, ev: Step, out: list) -> None:
     assert rec.transfer_id is not None
     n = ev.new[rec.req_id]
-    out.append(Send(SendReq(rec.req_id, rec.transfer_id, list(n.block_ids), n.num_prompt, early=True)))
+    out.append(Send(SendReq(rec.req_id, rec.transfer_id, list(n.block_ids), n.num_prompt, early=True,
+                            bind_node=rec.bind_node, bind_secret=rec.secret)))
+
+
+def abort_stream(sl: SchedulerLifecycle, rec: Req, ev: Finished, out: list) -> None:
+    assert rec.transfer_id is not None
+    out.append(StreamAbort(AbortReq(rec.req_id, rec.transfer_id, 0)))
 
 
 def _answer(rec: Req, ev: Finished) -> dict[str, Any] | None:
     """The decode leg's params this engine answers with (a serial proxy forwards them)."""
     eps = ev.endpoints
-    return None if eps is None or rec.transfer_id is None else DecodeLeg(rec.transfer_id, eps, len(eps)).to_params()
+    if eps is None or rec.transfer_id is None:
+        return None
+    return DecodeLeg(rec.transfer_id, eps, len(eps), rec.secret).to_params()
 
 
 def hold_send(sl: SchedulerLifecycle, rec: Req, ev: Finished, out: list) -> None:
     """Keep the blocks; PrefillDone goes out with this step (or confirms the early one)."""
     assert rec.transfer_id is not None
     out.append(Stamp(rec.transfer_id, "p.plugin.prefill_finished"))
-    out.append(Send(SendReq(rec.req_id, rec.transfer_id, list(ev.block_ids), ev.num_prompt)))
+    out.append(Send(SendReq(rec.req_id, rec.transfer_id, list(ev.block_ids), ev.num_prompt,
+                            bind_node=rec.bind_node, bind_secret=rec.secret)))
     out.append(Hold(_answer(rec, ev)))
 
 
@@ -385,8 +509,8 @@ TABLE = Table(State, (Matched, Allocated, Step, Finished, Recved, SendingDone, _
     *[r for s, first in ((None, ()), (_EN, (reuse,))) for r in (
         row(s, Matched, claims, _CL, *first, claim),
         row(s, Matched, a_decode_leg, s, unreachable=_LAST_TOKEN),
-        row(s, Matched, early_candidate, _CA, *first, name),
-        row(s, Matched, transfer_known, _PF, *first, name),
+        row(s, Matched, early_candidate, _CA, *first, name, policy),
+        row(s, Matched, transfer_known, _PF, *first, name, policy),
         row(s, Matched, None, s),  # not ours
     )],
     *[r for s, first in ((None, ()), (_EN, (reuse,))) for r in (
@@ -419,15 +543,20 @@ TABLE = Table(State, (Matched, Allocated, Step, Finished, Recved, SendingDone, _
     *[row(_RL, e, None, _RL, unreachable=_FINISHED_ONCE) for e in (Matched, Allocated, Finished)],
 
     # --- prefill ----------------------------------------------------------------------------
-    row(_PF, Matched, single_token, _CA),  # preempted and matched again
-    row(_PF, Matched, None, _PF),
-    row(_CA, Matched, None, _CA),
+    row(_PF, Matched, single_token, _CA, restart),  # preempted and matched again
+    row(_PF, Matched, None, _PF, restart),
+    row(_CA, Matched, None, _CA, restart),
     row(_EA, Matched, None, _EA, unreachable=_EARLY_ENDS),
     *[row(s, Allocated, None, s) for s in (_PF, _CA)],
     row(_EA, Allocated, None, _EA, unreachable=_EARLY_ENDS),
+    row(_CA, Step, streams_whole, _EA, stream, send_early),  # the seal right after its one chunk
     row(_CA, Step, whole_prompt, _EA, send_early),
+    row(_CA, Step, streams_chunk, _PF, stream),  # its first chunk, or resumed from preemption
     row(_CA, Step, None, _PF),  # chunked: PrefillDone goes out when vLLM finishes it
+    row(_PF, Step, streams_chunk, _PF, stream),  # a later chunk
+    row(_PF, Step, None, _PF),  # streamed, past its prompt (decoding: max_tokens > 1)
     *[row(s, Finished, holds, _HD, hold_send) for s in (_PF, _CA)],
+    *[row(s, Finished, streamed, None, abort_stream) for s in (_PF, _CA)],  # ended mid-stream, unsealed
     *[row(s, Finished, None, None) for s in (_PF, _CA)],
     row(_EA, Finished, confirms, _HD, hold_send),
     row(_EA, Finished, None, _HD, withdraw),
@@ -437,7 +566,7 @@ TABLE = Table(State, (Matched, Allocated, Step, Finished, Recved, SendingDone, _
     # --- rows no request takes --------------------------------------------------------------
     *[row(s, Recved, None, s, unreachable=_ONE_REPORT) for s in (None, _CL, _LD, _DC, _RL, _PF, _CA, _EA, _HD)],
     *[row(s, SendingDone, None, s, unreachable=_ONE_REPORT) for s in (None, _EN, _CL, _LG, _LD, _DC, _PF, _CA, _EA)],
-    *[row(s, Step, None, s, unreachable=_ROUTED) for s in (_CL, _LG, _DC, _RL, _PF, _EA, _HD)],
+    *[row(s, Step, None, s, unreachable=_ROUTED) for s in (_CL, _LG, _DC, _RL, _EA, _HD)],
     *[row(s, _Deadline, None, s, unreachable=_NO_DEADLINE) for s in State if s is not _EN],
 ])  # fmt: skip
 del _CL, _LG, _LD, _DC, _RL, _PF, _CA, _EA, _HD, _EN

@@ -108,6 +108,7 @@ class KVPushPromMetrics(KVConnectorPromMetrics):
         "load_failed": ("vllm:kvpush_load_failures", "kvpush loads failed; vLLM recomputed (decode)"),
         "sent": ("vllm:kvpush_sends", "Prompt KV pushes completed (prefill)"),
         "send_failed": ("vllm:kvpush_send_failures", "kvpush pushes that failed (prefill)"),
+        "layer_frames": ("vllm:kvpush_layer_frames", "Layer-wise progress frames published (prefill)"),
     }
 
     def __init__(self, vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],

@@ -29,9 +29,11 @@ from kvpush.engine_plugin import worker_lifecycle as wl
 from kvpush.engine_plugin.client import DaemonClient
 from kvpush.engine_plugin.connector_config import PluginConfig
 from kvpush.engine_plugin.kv_export import export_cpu_tensor, unlink_export
+from kvpush.engine_plugin.layer_events import CpuEvents, CudaEvents, EventSource, pool_size
+from kvpush.engine_plugin.layer_stream import LayerStream, frame_bytes
 from kvpush.engine_plugin.logonce import OncePer
 from kvpush.engine_plugin.logs import plugin_logger
-from kvpush.engine_plugin.metadata import KVPushMetadata
+from kvpush.engine_plugin.metadata import KVPushMetadata, StreamChunk
 from kvpush.engine_plugin.stats import TransferSamples
 from kvpush.proto.layout import KVLayout, vllm_cpu_layout
 from kvpush.proto.trace import TraceRing, now_ns
@@ -54,6 +56,8 @@ class TransferCounters:
     prefill_done: int = 0  # PrefillDone handed to the daemon link (prefill)
     sent: int = 0  # the daemon's Sent (prefill)
     send_failed: int = 0  # the daemon's SendFailed (prefill)
+    layer_frames: int = 0  # LayerProgress handed to the daemon link (prefill, layer-wise)
+    layer_refused: int = 0  # forwards whose stream ended at a refused LayerProgress
 
 
 def _layer_key(name: str) -> tuple[int, str]:
@@ -115,6 +119,11 @@ def _layout(kv_caches: dict[str, torch.Tensor], names: list[str], whole: torch.T
     return lay
 
 
+def first_device_index(kv_caches: dict[str, torch.Tensor]) -> int:
+    t = next(iter(kv_caches.values()))
+    return int(t.device.index or 0)
+
+
 class KVPushWorker:
     def __init__(self, cfg: PluginConfig, *, engine_id: str, role: str, rank: int, tp_size: int,
                  model: str, total_kv_heads: int, vllm_config: Any = None, kv_cache_config: Any = None) -> None:
@@ -149,6 +158,9 @@ class KVPushWorker:
         self.trace_dropped = 0
         self._trace_out: deque[proto.TraceReport] = deque(maxlen=TRACE_BATCH_MAX)
         self._trace_flushed = 0.0
+        # Layer-wise streaming (prefill): the plan, made when the KV is known (register_kv_caches).
+        self.stream: LayerStream | None = None
+        self.events: EventSource = CpuEvents()
 
     # ------------------------------------------------------------------ set-up
 
@@ -173,7 +185,9 @@ class KVPushWorker:
         self._whole = whole
         self.handle = handle
         atexit.register(self._unlink_export)  # a normal exit that skips shutdown() too
-        self.client.attach(proto.Attach(self.engine_id, self.rank, self.tp_size, self.role, (handle,), self.layout))
+        self._plan_stream(kv_caches, None)
+        self.client.attach(proto.Attach(self.engine_id, self.rank, self.tp_size, self.role, (handle,), self.layout),
+                           self._after_attach())
         log.info("kvpush: KV cache (%d bytes, %d layers, %d blocks x %d tokens) attached to %s",
                  whole.numel(), self.layout.num_layers, self.layout.num_blocks, self.layout.block_size, self.endpoint)
 
@@ -194,12 +208,50 @@ class KVPushWorker:
         self._regions = regions  # keeps every exported allocation alive for the daemon
         handles = tuple(export_cuda_tensor(r) for r in regions)
         self.handle = None  # no shm file to unlink
-        self.client.attach(proto.Attach(self.engine_id, self.rank, self.tp_size, self.role, handles, self.layout))
+        self._plan_stream(kv_caches, first_device_index(kv_caches))
+        self.client.attach(proto.Attach(self.engine_id, self.rank, self.tp_size, self.role, handles, self.layout),
+                           self._after_attach())
         log.info("kvpush: GPU KV cache (%s, %d layers in %d allocations, %d blocks x %d tokens) attached to %s",
                  geo.backend, self.layout.num_layers, len(regions), self.layout.num_blocks,
                  self.layout.block_size, self.endpoint)
 
+    def _plan_stream(self, kv_caches: dict[str, torch.Tensor], device: int | None) -> None:
+        """Layer-wise (not "off", on a rank that may prefill): which layer ends which group;
+        on GPU, the event pool the frames name (created once, announced after every Attach)."""
+        if self.cfg.layerwise == "off" or self.role == "decode":
+            return
+        names = sorted(kv_caches, key=_layer_key)
+        self.stream = LayerStream(names, self.cfg.layer_group)
+        if device is not None:
+            self.events = CudaEvents(pool_size(len(names), self.cfg.layer_group), device)
+
+    def _after_attach(self) -> tuple[proto.LayerEvents, ...]:
+        ann = self.events.announce() if self.stream is not None else None
+        return () if ann is None else (ann,)
+
     # ------------------------------------------------------------------ per step
+
+    def begin_forward(self, streams: list[StreamChunk]) -> None:
+        """bind_connector_metadata: the streamed chunks this step's forward computes."""
+        if self.stream is not None:
+            self.stream.begin(streams)
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        """After each attention layer: at a group's end, one LayerProgress for the forward's
+        streamed chunks. Never blocks (the link queues or refuses); never waits on the GPU."""
+        st = self.stream
+        if st is None or not st.chunks:
+            return
+        span = st.ends.get(layer_name)
+        if span is None:
+            return
+        ok = self.client.send_encoded(frame_bytes(st.head, span, self.events.record()))
+        st.sent(ok)
+        if ok:
+            self.counters.layer_frames += 1
+        else:
+            self.counters.layer_refused += 1
+
 
     def publish(self, meta: KVPushMetadata) -> None:
         now = time.monotonic()
@@ -208,19 +260,25 @@ class KVPushWorker:
         down = self._daemon_down()
         for r in meta.registers:
             self._apply(wl.Register(r.transfer_id, r.attempt, r.req_id, tuple(r.block_ids), r.num_tokens,
-                                    r.first_token, tuple(r.prefill_endpoints), r.prefill_tp_size, now, down))
+                                    r.first_token, tuple(r.prefill_endpoints), r.prefill_tp_size, now, down,
+                                    r.secret))
         for s in meta.sends:
-            self._apply(wl.Send(s.transfer_id, s.req_id, tuple(s.block_ids), s.num_tokens, s.early, now, down))
+            self._apply(wl.Send(s.transfer_id, s.req_id, tuple(s.block_ids), s.num_tokens, s.early, now, down,
+                                s.bind_node, s.bind_secret))
         for a in meta.send_aborts:
             self._apply(wl.SendAbort(a.transfer_id, a.req_id, now, down))
         for a in meta.aborts:
             self._apply(wl.AbortLoad(a.transfer_id, a.attempt, a.req_id, now, down))
+        for a in meta.stream_aborts:  # no record, nothing to free: a refused one costs the daemon's lease
+            self.client.send(proto.Abort(a.transfer_id, 0, "request ended mid-stream"))
 
     def after_forward(self) -> None:
         """Right after the step's forward (vLLM's wait_for_save): publish the PrefillDone of
         requests whose last prompt token this forward computed, a whole step earlier than
         request_finished could. Their blocks are reported free only once the scheduler
         confirmed that vLLM finished them (the plain SendReq or a send_abort)."""
+        if self.stream is not None:
+            self.stream.end()
         if not self.lifecycle.count(wl.State.QUEUED):
             return
         if self._whole is not None and self._whole.device.type == "cuda":
@@ -372,6 +430,12 @@ class KVPushWorker:
             elif isinstance(m, proto.Released):
                 self._apply(wl.Released(m.transfer_id, m.attempt, now))
             elif isinstance(m, proto.Error):
+                if m.code == "unexpected" and m.message.startswith("LayerProgress") and self.stream is not None:
+                    # A daemon without layer-wise streaming: whole-request pushes, as with "off".
+                    log.warning("kvpush: daemon %s does not take layer-wise progress (%s); pushing whole "
+                                "requests", self.endpoint, m.message)
+                    self.stream = None
+                    continue
                 log.warning("kvpush: daemon error %s: %s (%s)", m.code, m.message, m.ref)
             elif isinstance(m, proto.AttachAck):
                 if self._daemon_id is not None and m.daemon_id != self._daemon_id:

@@ -57,6 +57,7 @@ class Register:
     prefill_tp_size: int
     now: float
     down: bool
+    secret: str = ""
 
 
 @dataclass(slots=True)
@@ -82,6 +83,8 @@ class Send:
     early: bool
     now: float
     down: bool
+    bind_node: str = ""
+    bind_secret: str = ""
 
 
 @dataclass(slots=True)
@@ -231,6 +234,8 @@ class Transfer(Record):
     since: float = 0.0  # when it was published
     deadline: float | None = None  # decode: when the engine stops waiting for the daemon
     confirmed: bool = True  # prefill: vLLM finished the request (an early send: not yet)
+    bind_node: str = ""  # prefill: who may register (PrefillDone's binding)
+    bind_secret: str = ""
 
 
 def _deadline(rec: Transfer) -> float | None:
@@ -310,7 +315,7 @@ def load_facts(wl: WorkerLifecycle, rec: Transfer | None, ev: Register, out: lis
 def publish_register(wl: WorkerLifecycle, rec: Transfer, ev: Register, out: list) -> None:
     out.append(Publish(_key(rec), proto.Register(
         ev.transfer_id, ev.attempt, ev.block_ids, ev.num_tokens, ev.prefill_endpoints, ev.prefill_tp_size,
-        wl.timeout_ms, ev.first_token), "registered", "d.plugin.register_published"))
+        wl.timeout_ms, ev.first_token, ev.secret), "registered", "d.plugin.register_published"))
 
 
 def unavailable(wl: WorkerLifecycle, rec: None, ev: Register, out: list) -> None:
@@ -350,11 +355,13 @@ def send_facts(wl: WorkerLifecycle, rec: Transfer | None, ev: Send, out: list) -
     if rec is not None:
         rec.req_id, rec.attempt, rec.block_ids, rec.num_tokens = ev.req_id, -1, ev.block_ids, ev.num_tokens
         rec.confirmed = not ev.early
+        rec.bind_node, rec.bind_secret = ev.bind_node, ev.bind_secret
 
 
 def publish_prefill_done(wl: WorkerLifecycle, rec: Transfer, ev: Any, out: list) -> None:
     rec.since = ev.now
-    out.append(Publish(_key(rec), proto.PrefillDone(rec.transfer_id, rec.block_ids, rec.num_tokens, wl.lease_ms),
+    out.append(Publish(_key(rec), proto.PrefillDone(rec.transfer_id, rec.block_ids, rec.num_tokens, wl.lease_ms,
+                                                         rec.bind_node, rec.bind_secret),
                        "prefill_done", "p.plugin.prefill_done_published"))
 
 

@@ -94,6 +94,7 @@ class Register:
     prefill_tp_size: int
     timeout_ms: int
     first_token: int = 0  # block_ids cover tokens [first_token, num_tokens): a local prefix hit
+    secret: str = ""  # the transfer's secret from the decode leg's params, for the PeerRegisters
 
 
 @message
@@ -105,6 +106,9 @@ class PrefillDone:
     block_ids: tuple[int, ...]
     num_tokens: int
     lease_ms: int
+    # Who may register (either suffices; both "": anyone allowlisted, the first one owns it):
+    bind_node: str = ""  # the decode node's certificate name
+    bind_secret: str = ""  # the transfer's secret, presented in PeerRegister.secret
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,12 +277,16 @@ class Error:
 @message
 @dataclass(frozen=True, slots=True)
 class Hello:
-    """Peer handshake: NIXL agent metadata, layout and compatibility hash of one rank."""
+    """Peer handshake: NIXL agent metadata, layout and compatibility hash of one rank.
+
+    Only the dialling decode daemon's Hello (``reply=False``: the WRITE target) carries its
+    NIXL metadata and region addresses. The prefill daemon's reply carries ``b""`` and ``()``:
+    a producer's memory is never exposed to anyone (least reach, issue 28)."""
 
     agent_name: str
-    agent_metadata: bytes
+    agent_metadata: bytes  # b"" in a reply
     layout: KVLayout
-    region_bases: tuple[int, ...]  # address of each registered region, in the layout's order
+    region_bases: tuple[int, ...]  # address of each registered region, in the layout's order; () in a reply
     version: int
     compat: str
     engine_id: str
@@ -304,6 +312,7 @@ class PeerRegister:
     expected_dests: int
     timeout_ms: int  # how long from now the decode side waits for the WRITE (capped by config)
     first_token: int = 0  # as in Register: destination blocks start at this token
+    secret: str = ""  # the transfer's secret (as in Register), for a transfer bound to one
 
 
 @message

@@ -8,9 +8,20 @@ Parsing is total: anything malformed yields ``None`` (the engine then computes l
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+
+def new_secret() -> str:
+    """A fresh per-transfer secret (url-safe text, ``SECRET_BYTES`` random bytes)."""
+    return secrets.token_urlsafe(SECRET_BYTES)
+
+
+def _text(v: Any, limit: int) -> str | None:
+    """A bounded, printable string field, or None."""
+    return v if isinstance(v, str) and 0 < len(v) <= limit and v.isprintable() else None
 
 DO_REMOTE_DECODE = "do_remote_decode"  # prefill leg: keep the KV for a decode engine
 DO_REMOTE_PREFILL = "do_remote_prefill"  # decode leg: the prompt's KV comes from elsewhere
@@ -23,6 +34,14 @@ REMOTE_HOST = "remote_host"
 REMOTE_PORT = "remote_port"
 TP_SIZE = "tp_size"
 PP_SIZE = "pp_size"
+# Binding a transfer to its decode party (docs/security.md, "Transfers are bound"): the
+# decode node's certificate name the prefill daemon admits (the router's concurrent legs),
+# and the transfer's secret the decode side presents (both fronts). Never returned to clients.
+DECODE_NODE = "kvpush_decode_node"
+SECRET = "kvpush_secret"
+SECRET_BYTES = 16  # 128 bit of randomness per transfer
+MAX_SECRET = 128  # chars: a bound on what a request (or a peer) may present
+MAX_NODE = 64  # chars of a node name (kvpushd keygen's own bound)
 MAX_TP = 1024  # a bound on what a request may claim, not a limit of any deployment
 MAX_TRANSFER_ID = 256  # the daemons' own bound on a transfer ID is configured; this one guards parsing
 
@@ -33,9 +52,15 @@ class PrefillLeg:
 
     ``transfer_id`` None: a serial proxy's prefill leg (``do_remote_decode`` alone, as vLLM's
     toy proxy sends it). The prefill engine then names the transfer itself and answers with
-    the decode leg's params (:meth:`DecodeLeg.to_params`), which the proxy forwards to D."""
+    the decode leg's params (:meth:`DecodeLeg.to_params`), which the proxy forwards to D.
+
+    ``decode_node``: only that decode node (certificate name) may register; ``secret``: or a
+    registration presenting it. The router sets both on its concurrent legs; a serial leg's
+    secret is made by the prefill engine and travels in its answer."""
 
     transfer_id: str | None
+    decode_node: str = ""
+    secret: str = ""
 
     @property
     def serial(self) -> bool:
@@ -45,6 +70,10 @@ class PrefillLeg:
         out: dict[str, Any] = {DO_REMOTE_DECODE: True}
         if self.transfer_id is not None:
             out[TRANSFER_ID] = self.transfer_id
+        if self.decode_node:
+            out[DECODE_NODE] = self.decode_node
+        if self.secret:
+            out[SECRET] = self.secret
         return out
 
 
@@ -55,27 +84,36 @@ class DecodeLeg:
     transfer_id: str
     prefill_endpoints: tuple[str, ...]
     prefill_tp_size: int
+    secret: str = ""  # presented in the Register (the prefill daemon admits it)
 
     def to_params(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             DO_REMOTE_PREFILL: True,
             DO_REMOTE_DECODE: False,
             TRANSFER_ID: self.transfer_id,
             PREFILL_ENDPOINTS: list(self.prefill_endpoints),
             PREFILL_TP_SIZE: self.prefill_tp_size,
         }
+        if self.secret:
+            out[SECRET] = self.secret
+        return out
 
 
 def prefill_leg(params: Mapping[str, Any] | None) -> PrefillLeg | None:
     """The prefill leg these params describe, or None (not a kvpush prefill leg)."""
     if not params or params.get(DO_REMOTE_DECODE) is not True:
         return None
+    node, secret = params.get(DECODE_NODE), params.get(SECRET)
+    node = "" if node in (None, "") else _text(node, MAX_NODE)
+    secret = "" if secret in (None, "") else _text(secret, MAX_SECRET)
+    if node is None or secret is None:
+        return None
     tid = params.get(TRANSFER_ID)
     if tid is None:
-        return PrefillLeg(None)  # serial proxy: the prefill engine names the transfer
+        return PrefillLeg(None, node, secret)  # serial proxy: the prefill engine names the transfer
     if not isinstance(tid, str) or not 0 < len(tid) <= MAX_TRANSFER_ID:
         return None
-    return PrefillLeg(tid)
+    return PrefillLeg(tid, node, secret)
 
 
 def _int(v: Any, lo: int, hi: int) -> int | None:
@@ -105,14 +143,18 @@ def decode_leg(params: Mapping[str, Any] | None) -> DecodeLeg | None:
     push proxy names the prefill node (``remote_host`` / ``remote_port`` / ``tp_size``)."""
     if not params or not params.get(DO_REMOTE_PREFILL):
         return None
+    secret = params.get(SECRET)
+    secret = "" if secret in (None, "") else _text(secret, MAX_SECRET)
+    if secret is None:
+        return None
     tid, endpoints = params.get(TRANSFER_ID), params.get(PREFILL_ENDPOINTS)
     if endpoints is None and REMOTE_HOST in params:
         endpoints = push_proxy_endpoints(params)
         if tid and endpoints:
-            return DecodeLeg(str(tid), endpoints, len(endpoints))
+            return DecodeLeg(str(tid), endpoints, len(endpoints), secret)
     if not tid or not isinstance(endpoints, (list, tuple)) or not endpoints:
         return None
     tp = params.get(PREFILL_TP_SIZE, len(endpoints))
     if not isinstance(tp, int) or isinstance(tp, bool) or tp <= 0:
         return None
-    return DecodeLeg(str(tid), tuple(str(e) for e in endpoints), tp)
+    return DecodeLeg(str(tid), tuple(str(e) for e in endpoints), tp, secret)

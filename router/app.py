@@ -6,6 +6,12 @@ prefill engine computes, so for every request the router makes a
 **concurrently**; it streams the decode leg back. If either leg fails, the other
 is cancelled and the client gets a clear error. Both legs' ``kv_transfer_params``
 are built with :mod:`kvpush.proto.params`, the contract the engine plugin parses.
+
+Each transfer is bound to its decode side: the prefill leg names the decode engine's node
+(when configured) and a fresh secret that only the decode leg carries, so a node that
+learns the transfer ID cannot take the KV. Neither the ID nor the secret goes back to the
+client (``expose_transfer_id`` shows the ID, for debugging); a non-streamed answer loses
+any ``kv_transfer_params`` an engine put in it.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import socket
 import time
@@ -23,7 +30,7 @@ import aiohttp
 from aiohttp import web
 
 from kvpush.daemon import otel
-from kvpush.proto.params import DecodeLeg, PrefillLeg
+from kvpush.proto.params import DecodeLeg, PrefillLeg, new_secret
 from kvpush.proto.trace import TraceRing
 from kvpush.router.front import (
     BadRequest,
@@ -96,8 +103,10 @@ class Router(Upstreams):
         log.info("shutting down: %d request(s) in flight get up to %.0f s to finish", busy, self.cfg.shutdown_grace_s)
 
     async def trace_view(self, req: web.Request) -> web.Response:
-        """``?transfer_id=`` or ``?request_id=``: this router's stamps of one request."""
-        tid = req.query.get("transfer_id") or self.request_ids.get(req.query.get("request_id", ""), "")
+        """``?transfer_id=`` (whoever asks knows it already) or, with ``expose_transfer_id``,
+        ``?request_id=`` (which would tell a client its transfer ID): this router's stamps."""
+        by_rid = self.request_ids.get(req.query.get("request_id", ""), "") if self.cfg.expose_transfer_id else ""
+        tid = req.query.get("transfer_id") or by_rid
         return web.json_response({"host": socket.gethostname(), **self.trace.view(tid)})
 
     async def completions(self, req: web.Request) -> web.StreamResponse:
@@ -135,20 +144,22 @@ class Router(Upstreams):
         span = parent.child() if parent else otel.TraceContext.new() if self.spans else None
         transfer_id = otel.transfer_id_for(span) if span else f"kvp-{uuid.uuid4().hex}"
         self.trace.stamp(transfer_id, "router.request_in")
-        rid = req.headers.get("x-request-id", transfer_id)
+        rid = req.headers.get("x-request-id") or f"req-{uuid.uuid4().hex}"  # never the transfer ID
         if len(self.request_ids) >= self.trace.max_transfers:
             self.request_ids.pop(next(iter(self.request_ids)))
         self.request_ids[rid] = transfer_id
         log.debug("request %s -> transfer %s", rid, transfer_id)
         p, d = self.pick(self.cfg.prefill, "p"), self.pick(self.cfg.decode, "d")
         p_body = dict(body)
-        p_body.update(stream=False, max_tokens=1, kv_transfer_params=PrefillLeg(transfer_id).to_params())
+        secret = new_secret()  # the decode leg presents it; the prefill daemon admits only it (and d.node)
+        p_body.update(stream=False, max_tokens=1,
+                      kv_transfer_params=PrefillLeg(transfer_id, d.node, secret).to_params())
         p_body.pop("stream_options", None)
         if "max_completion_tokens" in p_body:
             p_body["max_completion_tokens"] = 1
         d_body = dict(body)
         d_body["kv_transfer_params"] = DecodeLeg(
-            transfer_id, tuple(p.kv_endpoints), len(p.kv_endpoints)).to_params()
+            transfer_id, tuple(p.kv_endpoints), len(p.kv_endpoints), secret).to_params()
         headers = {"x-request-id": rid, "content-type": "application/json"}
         if "authorization" in req.headers:
             headers["authorization"] = req.headers["authorization"]
@@ -178,19 +189,27 @@ class Router(Upstreams):
                     d.failed += 1
                     self.metrics.leg_failed("decode", None)
                     return _error(upstream.status, f"decode engine {d.url}: {text[:500]}")
-                resp = web.StreamResponse(status=200, headers={
-                    "content-type": upstream.headers.get("content-type", "application/json"),
-                    "x-request-id": rid, "x-kvpush-transfer-id": transfer_id})
+                ctype = upstream.headers.get("content-type", "application/json")
+                out_headers = {"content-type": ctype, "x-request-id": rid}
+                if self.cfg.expose_transfer_id:
+                    out_headers["x-kvpush-transfer-id"] = transfer_id
+                resp = web.StreamResponse(status=200, headers=out_headers)
                 await resp.prepare(req)
                 first = True
+                whole: list[bytes] | None = None if self._streamed(resp) else []
                 async for chunk in decode_chunks(upstream, prefill):
                     if first:
                         self.trace.stamp(transfer_id, "router.decode_first_byte")
                         self.metrics.ttft.labels(str(self._streamed(resp)).lower()).observe(time.monotonic() - t0)
                         first = False
-                    await resp.write(chunk)
+                    if whole is None:
+                        await resp.write(chunk)
+                    else:
+                        whole.append(chunk)
                 # The decode leg finished; the prefill leg must have succeeded too.
                 await prefill
+                if whole is not None:
+                    await resp.write(_without_params(b"".join(whole)))
                 await resp.write_eof()
                 d.served += 1
                 ok = True
@@ -241,6 +260,19 @@ class Router(Upstreams):
         p.served += 1
         self.trace.stamp(transfer_id, "router.prefill_answered")
         log.debug("prefill leg done in %.1f ms", (time.monotonic() - t0) * 1e3)
+
+
+def _without_params(body: bytes) -> bytes:
+    """A non-streamed answer without the ``kv_transfer_params`` vLLM puts in it (a decode
+    engine echoes its leg's, which hold the transfer's secret): clients never see them."""
+    try:
+        doc = json.loads(body)
+    except (ValueError, RecursionError):
+        return body  # not JSON: nothing of ours can be in it as a key
+    if isinstance(doc, dict) and "kv_transfer_params" in doc:
+        doc.pop("kv_transfer_params")
+        return json.dumps(doc).encode()
+    return body
 
 
 def _error(status: int, message: str) -> web.Response:

@@ -21,7 +21,14 @@ import sys
 
 from kvpush.daemon import logfmt
 from kvpush.proto.buildinfo import version_line
-from kvpush.router.router_config import LOG_FORMATS, Backend, RouterConfigError, load, parse_prefill
+from kvpush.router.router_config import (
+    LOG_FORMATS,
+    Backend,
+    RouterConfigError,
+    load,
+    parse_decode,
+    parse_prefill,
+)
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -29,6 +36,13 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 def _prefill(spec: str) -> Backend:
     try:
         return parse_prefill(spec)
+    except RouterConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _decode(spec: str) -> Backend:
+    try:
+        return parse_decode(spec)
     except RouterConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -46,8 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefill", type=_prefill, action="append", default=[], metavar="URL=NODE",
                     help="a prefill engine and its node's kvpushd: URL=HOST:BASE_PORT[,tp=N] or "
                          "URL=tcp://h:p[,tcp://h:p...] (repeat for several)")
-    ap.add_argument("--decode", action="append", default=[], metavar="URL",
-                    help="a decode engine's base URL, e.g. http://10.0.0.6:8200 (repeat for several)")
+    ap.add_argument("--decode", type=_decode, action="append", default=[], metavar="URL",
+                    help="a decode engine's base URL, e.g. http://10.0.0.6:8200, and its node's certificate "
+                         "name: URL[,node=NAME] (repeat for several)")
+    ap.add_argument("--expose-transfer-id", action="store_true", default=None,
+                    help="debugging: answer with x-kvpush-transfer-id (default: never)")
     ap.add_argument("--policy", choices=("least-loaded", "round-robin"),
                     help="how a request picks its engines among several (default least-loaded)")
     ap.add_argument("--prefill-timeout", type=float, metavar="S",
@@ -70,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         listen = f"{args.host or '127.0.0.1'}:{args.port or 8000}"
     try:
         cfg = load(args.config, {
-            "prefill": args.prefill, "decode": [Backend(u.rstrip("/")) for u in args.decode], "listen": listen,
+            "prefill": args.prefill, "decode": args.decode, "listen": listen,
+            "expose_transfer_id": args.expose_transfer_id,
             "policy": args.policy, "prefill_timeout_s": args.prefill_timeout,
             "request_timeout_s": args.request_timeout, "shutdown_grace_s": args.shutdown_grace,
             "log_format": args.log_format,

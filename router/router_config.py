@@ -18,10 +18,11 @@
 
     [[decode]]
     url = "http://10.0.0.6:8200"
+    node = "dnode"                   # its node's certificate name: only it may take the KV
 
 A prefill engine may instead list its daemons' endpoints (``endpoints = ["tcp://h:p", ...]``,
 rank order). On the command line: ``--prefill URL=HOST:BASE_PORT[,tp=N]`` or
-``--prefill URL=tcp://h:p[,tcp://h:p...]``; ``--decode URL``. Flags add to the file's pools
+``--prefill URL=tcp://h:p[,tcp://h:p...]``; ``--decode URL[,node=NAME]``. Flags add to the file's pools
 and override its scalars.
 """
 
@@ -43,7 +44,7 @@ from kvpush.configschema import (
     takes_strings,
 )
 
-__all__ = ["Backend", "RouterConfig", "RouterConfigError", "load", "node_endpoints", "parse_prefill"]
+__all__ = ["Backend", "RouterConfig", "RouterConfigError", "load", "node_endpoints", "parse_decode", "parse_prefill"]
 
 POLICIES = ("least-loaded", "round-robin")
 LOG_FORMATS = ("text", "json")
@@ -61,6 +62,7 @@ class Backend:
 
     url: str
     kv_endpoints: list[str] = field(default_factory=list)
+    node: str = ""  # a decode engine's node (certificate name): the prefill daemon admits only it
     in_flight: int = 0
     served: int = 0
     failed: int = 0
@@ -97,6 +99,8 @@ class RouterConfig:
                               "never forwarded", check=_check_body_bytes)
     log_format: str = key("text", "log line format: text, or json (one object per line)",
                           choices=LOG_FORMATS)
+    expose_transfer_id: bool = key(False, "debugging: answer each request with its transfer ID "
+                                   "(x-kvpush-transfer-id); clients never need it")
     otlp_traces_endpoint: str | None = key(None, "OTLP/HTTP traces URL (kvpush[otel]): export "
                                            "request timelines; unset: no export",
                                            check=_check_otlp_url, type_name="http(s) URL")
@@ -177,10 +181,35 @@ def _prefill_entry(i: int, d: Any) -> Backend:
     return Backend(d["url"].rstrip("/"), node_endpoints(d["host"], d["base_port"], d.get("tp_size", 1)))
 
 
+_NODE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")  # kvpushd keygen's node names
+
+
+def _node(where: str, v: Any) -> str:
+    if not isinstance(v, str) or not _NODE.match(v):
+        raise RouterConfigError(f"{where}: node must be a node's certificate name (letters, digits, '_.-', "
+                                f"at most 64), got {v!r}")
+    return v
+
+
 def _decode_entry(i: int, d: Any) -> Backend:
-    if not isinstance(d, dict) or not isinstance(d.get("url"), str) or set(d) - {"url"}:
-        raise RouterConfigError(f"[[decode]] #{i + 1}: wants exactly url")
-    return Backend(d["url"].rstrip("/"))
+    if not isinstance(d, dict) or not isinstance(d.get("url"), str) or set(d) - {"url", "node"}:
+        raise RouterConfigError(f"[[decode]] #{i + 1}: wants url (and node)")
+    node = _node(f"[[decode]] {d['url']}", d["node"]) if "node" in d else ""
+    return Backend(d["url"].rstrip("/"), node=node)
+
+
+def parse_decode(spec: str) -> Backend:
+    """``URL[,node=NAME]``."""
+    url, *opts = spec.split(",")
+    if not url.startswith(("http://", "https://")):
+        raise RouterConfigError(f"--decode wants URL[,node=NAME], got {spec!r}")
+    node = ""
+    for opt in opts:
+        k, _, v = opt.partition("=")
+        if k != "node":
+            raise RouterConfigError(f"--decode {url}: unknown option {opt!r} (known: node=NAME)")
+        node = _node(f"--decode {url}", v)
+    return Backend(url.rstrip("/"), node=node)
 
 
 @takes_strings

@@ -72,10 +72,11 @@ A JSON object. `daemon` is required.
 
 Engines: one `[[prefill]]` table per prefill engine (`url`, and either `host` + `base_port` +
 `tp_size` (default 1) naming its node's kvpushd, rank r at `base_port + r`, or `endpoints`, a
-list of `tcp://host:port` in rank order) and one `[[decode]]` table per decode engine (`url`).
-Flags: `--prefill URL=HOST:BASE_PORT[,tp=N]` or `URL=tcp://h:p[,...]`, `--decode URL` (added to
-the file's pools), `--listen`, `--policy`, `--prefill-timeout`, `--request-timeout`,
-`--shutdown-grace`.
+list of `tcp://host:port` in rank order) and one `[[decode]]` table per decode engine (`url`,
+and `node`: its node's certificate name, the only node the prefill daemon then lets register
+the request's transfer; see [security.md](security.md)). Flags: `--prefill URL=HOST:BASE_PORT[,tp=N]` or
+`URL=tcp://h:p[,...]`, `--decode URL[,node=NAME]` (added to the file's pools), `--listen`,
+`--policy`, `--prefill-timeout`, `--request-timeout`, `--shutdown-grace`, `--expose-transfer-id`.
 """
 
 

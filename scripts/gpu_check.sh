@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU path on a machine with a GPU, in one command: CUDA IPC export/open across two
 # processes, NIXL VRAM registration, a kvpushd WRITE between two GPU regions (per-layer
-# FlashAttention caches, bytes compared with the reference copy) and, when vLLM with CUDA
+# FlashAttention caches, bytes compared with the reference copy), layer-wise streaming's
+# interprocess event pool opened and queried in a second process and, when vLLM with CUDA
 # imports, a 1P1D pair on one GPU through kvpush. Ends with one verdict line.
 #
 # Exit codes: 0 PASS, 1 FAIL, 2 bad usage or kvpush not installable,

@@ -11,7 +11,12 @@ Steps, each printed as one line, then one verdict line ``gpu_check: PASS`` / ``F
    Register and a PrefillDone make the prefill daemon WRITE into the decode engine's GPU
    memory; the decode caches, read back and compared through the backend's views, must equal
    the reference copy byte for byte (equal block sizes, then a block-size mismatch).
-4. ``vllm``: if vLLM with CUDA imports, a 1P1D pair on this one GPU (two engines sharing its
+4. ``events``: layer-wise streaming's event pool (``engine_plugin.layer_events.CudaEvents``):
+   this process records pool events behind a long kernel, a second process opens their IPC
+   handles (what proto.LayerEvents carries) and queries them: the pending one reads not
+   fired, then fired once the kernel ends; re-recorded (the pool's reuse), it reads not
+   fired again until the newer recording completes.
+5. ``vllm``: if vLLM with CUDA imports, a 1P1D pair on this one GPU (two engines sharing its
    memory) through kvpush, whose greedy output must equal a colocated engine's. Otherwise the
    step says why it was skipped (the verdict does not depend on it).
 
@@ -82,6 +87,78 @@ def step_ipc() -> str:
         t.close()
         region.close()
         return f"CUDA IPC export (pid {child.pid}) -> open here, bytes equal, NIXL VRAM registration ok"
+    finally:
+        conn.send("done")
+        child.join(30)
+        if child.is_alive():
+            child.kill()
+
+
+def _events_child(conn: Any) -> None:
+    import torch
+
+    handles, device = conn.recv()
+    evs = [torch.cuda.Event.from_ipc_handle(device, h) for h in handles]
+    conn.send("opened")
+    while True:
+        cmd = conn.recv()
+        if cmd == "done":
+            return
+        if cmd == "query":
+            conn.send([e.query() for e in evs])
+        else:  # ("wait", index): poll like the daemon does, bounded
+            t0 = time.monotonic()
+            while not evs[cmd[1]].query():
+                if time.monotonic() - t0 > 60:
+                    break
+                time.sleep(0.001)
+            conn.send(evs[cmd[1]].query())
+
+
+def step_events() -> str:
+    import torch
+
+    from kvpush.engine_plugin.layer_events import CudaEvents
+
+    pool = CudaEvents(4, 0)
+    ann = pool.announce()
+    assert ann is not None and len(ann.handles) == 4
+    torch.cuda.synchronize()
+    ctx = mp.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    child = ctx.Process(target=_events_child, args=(child_conn,), daemon=True)
+    child.start()
+
+    def ask(cmd: Any) -> Any:
+        conn.send(cmd)
+        if not conn.poll(120):
+            raise RuntimeError(f"the event child did not answer {cmd!r}")
+        return conn.recv()
+
+    try:
+        conn.send((list(ann.handles), ann.device))
+        if not conn.poll(120) or conn.recv() != "opened":
+            raise RuntimeError("the event child did not open the handles")
+        spin = int(2e9)  # GPU cycles: about a second, long enough to be seen pending
+        torch.cuda._sleep(spin)
+        first = pool.record()
+        if first != 1:
+            raise RuntimeError(f"the first recording named event {first}, expected 1 (1 + index 0)")
+        seen = ask("query")
+        if seen != [False, True, True, True]:
+            raise RuntimeError(f"behind a running kernel the other process saw {seen}, expected only event 1 pending")
+        if not ask(("wait", 0)):
+            raise RuntimeError("event 1 never fired in the other process")
+        torch.cuda._sleep(spin)
+        named = [pool.record() for _ in range(4)]  # round robin: slots 1, 2, 3, then 0 again
+        if named != [2, 3, 4, 1]:
+            raise RuntimeError(f"the pool named {named}, expected [2, 3, 4, 1]")
+        seen = ask("query")
+        if seen[0]:
+            raise RuntimeError("a re-recorded event read fired before its newer recording completed")
+        if not ask(("wait", 0)):
+            raise RuntimeError("the re-recorded event never fired")
+        return "pool of 4 interprocess events: pending then fired in a second process, reuse reads the newest recording"
     finally:
         conn.send("done")
         child.join(30)
@@ -193,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
 
     say("cuda", True, f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}")
     failed = []
-    for name, fn in (("ipc", step_ipc), ("daemon", step_daemon)):
+    for name, fn in (("ipc", step_ipc), ("daemon", step_daemon), ("events", step_events)):
         try:
             say(name, True, fn())
         except Exception as exc:

@@ -158,6 +158,14 @@ class MemTransport:
         out, self._inbox = self._inbox, []
         return out
 
+    def rotate(self, name: str) -> None:
+        """As NixlTransport.rotate: the old name is gone from the fabric (peers holding it
+        reach nothing), the same regions live on under ``name``."""
+        self.close()
+        self._peers.clear()
+        self.name = name
+        self.fabric.agents[name] = self
+
     def close(self) -> None:
         self.fabric.agents.pop(self.name, None)
 

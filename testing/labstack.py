@@ -87,6 +87,7 @@ class LabStack:
     ucx_log: bool = True
     plugin_extra: dict[str, Any] = field(default_factory=dict)
     daemon_extra: dict[str, Any] = field(default_factory=dict)  # kvpushd.toml keys for every host
+    engine_args: list[str] = field(default_factory=list)  # extra vLLM flags for every engine
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -137,7 +138,7 @@ class LabStack:
     def start_engine(self, host: str) -> None:
         spec = self.spec(host)
         role = "kv_producer" if spec.role == "prefill" else "kv_consumer"
-        args = ["--no-enable-prefix-caching"] if spec.role == "decode" else []
+        args = [*self.engine_args, *(["--no-enable-prefix-caching"] if spec.role == "decode" else [])]
         if spec.tp > 1:
             args += ["--tensor-parallel-size", str(spec.tp)]
         from kvpush.proto import naming

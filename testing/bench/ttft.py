@@ -5,7 +5,9 @@ whole process group pinned to one core (``vllm_env.start_engine``):
 
 - ``colocated``: one engine, no connector (core 0): the floor;
 - ``prefill``: the kvpush stack's prefill engine asked directly (no KV parameters);
-- ``kvpush``: kvpushd + KVPushConnector + the kvpush router (``kvpush.testing.pd_stack.PDStack``);
+- ``kvpush``: kvpushd + KVPushConnector + the kvpush router (``kvpush.testing.pd_stack.PDStack``),
+  each device daemon on its own engine's core, the router on the decode engine's;
+- ``kvpush_shared``: the same, both daemons on the decode engine's core (the placement before);
 - ``kvpush_insecure``: the same stack with ``insecure_peers = true`` (what peer authentication costs);
 - ``kvpush_serial``: the kvpush stack behind the same sequential (serial) proxy as ``pull``
   (P first; P's answered ``kv_transfer_params`` forwarded to D): a drop-in behind serial proxies;
@@ -17,6 +19,9 @@ identical across modes, so no prefix cache hides a transfer), then a concurrency
 (``--concurrency`` clients, lengths cycling). It prints TTFT p50/p90/p99 per mode and length,
 what kvpush adds over colocated, and for kvpush the median request's breakdown by hop from
 the timeline (router + both daemons + both engine plugins, ``kvpushctl trace``).
+
+A new user's measurement (``--user-way``): the same prompts sent back to back (no pause),
+8 output tokens, colocated on one core against kvpush, one table in docs/results/.
 
     .venv/bin/python scripts/bench_ttft.py [--json] [--lengths 16,256,1024,2000] [--requests 20]
         [--modes colocated,prefill,kvpush,kvpush_insecure,pull] [--out FILE]
@@ -50,7 +55,7 @@ from kvpush.testing.sse import sse_data
 from kvpush.testing.sweep.launchers import start_nixl
 
 ROOT = ve.ROOT
-MODES = ("colocated", "prefill", "kvpush", "kvpush_insecure", "kvpush_serial", "pull")
+MODES = ("colocated", "prefill", "kvpush", "kvpush_shared", "kvpush_insecure", "kvpush_serial", "pull")
 VOCAB = 1000  # token IDs drawn below the tiny model's vocabulary size
 
 
@@ -92,7 +97,10 @@ async def one(session: Any, url: str, ids: list[int], out_len: int) -> dict[str,
     return {"ttft_ms": (first - t0) * 1e3 if first else None, "text": "".join(text), "transfer_id": tid}
 
 
-async def run_mode(url: str, lengths: list[int], n: int, out_len: int, conc: int, seed: int) -> dict[str, Any]:
+async def run_mode(url: str, lengths: list[int], n: int, out_len: int, conc: int, seed: int,
+                   pause_s: float = 0.05) -> dict[str, Any]:
+    """``pause_s`` between sequential requests (0: back to back, the way a user's client loop
+    sends them); ``conc`` 0 skips the concurrency pass."""
     import aiohttp
 
     res: dict[str, Any] = {"sequential": {}, "concurrent": []}
@@ -103,7 +111,8 @@ async def run_mode(url: str, lengths: list[int], n: int, out_len: int, conc: int
             rows = []
             for i in range(n):
                 rows.append(await one(s, url, prompt_ids(L, i, seed), out_len))
-                await asyncio.sleep(0.05)
+                if pause_s:
+                    await asyncio.sleep(pause_s)
             res["sequential"][L] = rows
         sem = asyncio.Semaphore(conc)
 
@@ -114,7 +123,7 @@ async def run_mode(url: str, lengths: list[int], n: int, out_len: int, conc: int
 
         t0 = time.perf_counter()
         res["concurrent"] = await asyncio.gather(*(limited(i) for i in range(conc * 8)))
-        res["concurrent_wall_s"] = time.perf_counter() - t0
+        res["concurrent_wall_s"] = max(time.perf_counter() - t0, 1e-9)
     return res
 
 
@@ -162,11 +171,48 @@ def summarize(mode_res: dict[str, Any]) -> dict[str, Any]:
     out["errors"] += len(mode_res["concurrent"]) - len(conc)
     out["concurrent"] = stats(conc)
     n = len(mode_res["concurrent"])
+    if not n:
+        return out
     out["concurrent"]["requests_per_s"] = round(n / mode_res["concurrent_wall_s"], 2)
     out["concurrent"]["p50_by_length"] = {
         str(L): round(pct([r["ttft_ms"] for r in mode_res["concurrent"] if r["len"] == L and r.get("ttft_ms")], 50), 2)
         for L in sorted({r["len"] for r in mode_res["concurrent"]})}
     return out
+
+
+def table_md(result: dict[str, Any], argv: list[str]) -> str:
+    """The run as a markdown table: per length, each mode's p50/p90 and kvpush's delta over colocated,
+    then the median kvpush request's hops."""
+    cfg, summary = result["config"], result["summary"]
+    modes = [m for m in cfg["modes"] if m in summary]
+    base = summary.get("colocated", {}).get("sequential", {})
+    load = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else []
+    lines = [f"# TTFT, streaming, {cfg['requests']} requests per length, {cfg['output_len']} output tokens, "
+             f"pause {cfg['pause_ms']:g} ms between requests",
+             "", f"Command: `scripts/bench_ttft.py {' '.join(argv)}`  ",
+             f"Load average at the end: {' '.join(load)} (figures are noisy when it exceeds 2).", "",
+             "| tokens | " + " | ".join(f"{m} p50 / p90 ms" for m in modes) + " | minus colocated, p50 / p90 ms |",
+             "|---:|" + "---:|" * (len(modes) + 1)]
+    for L in map(str, cfg["lengths"]):
+        cells = [f"{summary[m]['sequential'][L]['p50']:.1f} / {summary[m]['sequential'][L]['p90']:.1f}"
+                 if summary[m]["sequential"].get(L) else "–" for m in modes]
+        deltas = [f"{m}: {summary[m]['sequential'][L]['p50'] - base[L]['p50']:+.1f} / "
+                  f"{summary[m]['sequential'][L]['p90'] - base[L]['p90']:+.1f}"
+                  for m in modes if m.startswith("kvpush") and summary[m]["sequential"].get(L) and base.get(L)]
+        lines.append(f"| {L} | " + " | ".join(cells) + f" | {'; '.join(deltas) or '–'} |")
+    same = [f"{m} {summary[m]['tokens_equal_reference']}/{summary[m]['requests']}" for m in modes
+            if summary[m].get("tokens_equal_reference") is not None and m != "colocated"]
+    if same:
+        lines += ["", "Requests whose tokens equal the reference mode's (colocated): " + ", ".join(same) + "."]
+    hops = result.get("kvpush_segment_p50") or {}
+    if hops:
+        segs = list(dict.fromkeys(s for h in hops.values() for s in h))
+        lines += ["", "kvpush, each segment's p50 over the requests of a length, ms between consecutive hops "
+                  "(kvpushctl trace; a segment missing from half the requests is left out):", "",
+                  "| segment | " + " | ".join(hops) + " |", "|---|" + "---:|" * len(hops)]
+        for seg in segs:
+            lines.append(f"| {seg} | " + " | ".join(f"{h[seg]:.2f}" if seg in h else "–" for h in hops.values()) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,7 +228,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="also write the JSON here")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--idle-seconds", type=float, default=5.0, help="idle CPU sample per mode (0: skip)")
+    ap.add_argument("--pause-ms", type=float, default=50.0, help="pause between sequential requests (0: back to back)")
+    ap.add_argument("--user-way", action="store_true",
+                    help="a new user's measurement: colocated and kvpush only, requests back to back "
+                         "(no pause), no concurrency pass, no idle sample; writes --table")
+    ap.add_argument("--aux-cpus", default=None,
+                    help="cores of the kvpush stack's daemons and router (default: PDStack's, the decode engine's)")
+    ap.add_argument("--router-cpus", default=None, help="cores of the kvpush router (default: with the daemons)")
+    ap.add_argument("--table", default=None, help="write a markdown table of p50/p90 and kvpush's delta here")
     args = ap.parse_args(argv)
+    if args.user_way:
+        args.modes = args.modes if args.modes != ",".join(MODES) else "colocated,kvpush"
+        args.pause_ms, args.concurrency, args.idle_seconds = 0.0, 0, 0.0
+        args.table = args.table or str(ROOT / "docs" / "results" / "ttft_back_to_back.md")
     lengths = [int(x) for x in args.lengths.split(",")]
     modes = [m for m in args.modes.split(",") if m]
     bad = set(modes) - set(MODES)
@@ -196,11 +254,13 @@ def main(argv: list[str] | None = None) -> int:
     idle: dict[str, dict[str, float]] = {}
     writes: dict[str, Any] = {}
     hops: dict[str, Any] = {}
+    seg_p50: dict[str, dict[str, float]] = {}
     texts: dict[str, dict[str, str]] = {}
 
     def measure(mode: str, url: str) -> None:
         log(f"[{mode}] measuring at {url}")
-        raw[mode] = asyncio.run(run_mode(url, lengths, args.requests, args.output_len, args.concurrency, args.seed))
+        raw[mode] = asyncio.run(run_mode(url, lengths, args.requests, args.output_len, args.concurrency, args.seed,
+                                         args.pause_ms / 1e3))
         texts[mode] = {f"{L}:{i}": r.get("text", "") for L, rows in raw[mode]["sequential"].items()
                        for i, r in enumerate(rows)}
 
@@ -215,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             ve.stop_group(proc, grace=10)
     if "kvpush" in modes or "prefill" in modes:
-        stack = PDStack(model, work / "kvpush")
+        placement = {k: v for k, v in (("aux_cpus", args.aux_cpus), ("router_cpus", args.router_cpus)) if v}
+        stack = PDStack(model, work / "kvpush", **placement)
         stack.start()
         try:
             if "prefill" in modes:
@@ -233,10 +294,31 @@ def main(argv: list[str] | None = None) -> int:
                     per_len[str(L)] = {"ttft_ms": round(med["ttft_ms"], 2), "transfer_id": med["transfer_id"],
                                        "hops_ms": breakdown(tl)}
                 hops = per_len
+                seg_p50 = {}  # every request's hops, not only the median one: each segment's p50
+                for L, rows in raw["kvpush"]["sequential"].items():
+                    ttft = {r["transfer_id"]: r["ttft_ms"] for r in rows
+                            if r.get("ttft_ms") is not None and r.get("transfer_id")}
+                    tids = list(ttft)
+                    segs: dict[str, list[float]] = {}
+                    for tid, tl in timelines(stack, stack.router_url, tids).items():
+                        for seg, v in breakdown(tl).items():
+                            segs.setdefault(seg, []).append(v)
+                        if "router.request_in" in tl and "router.decode_first_byte" in tl:
+                            inside = (tl["router.decode_first_byte"] - tl["router.request_in"]) / 1e6
+                            segs.setdefault("router.request_in -> router.decode_first_byte", []).append(inside)
+                            segs.setdefault("client (TTFT outside the router)", []).append(ttft[tid] - inside)
+                    seg_p50[str(L)] = {seg: round(pct(v, 50), 3) for seg, v in segs.items() if len(v) * 2 >= len(tids)}
                 raw["kvpush"]["decode_prompt_tokens_by_source"] = prompt_tokens_by_source(stack.d_url)
                 writes = write_latencies(stack)
             if args.idle_seconds:
                 idle["kvpush"] = idle_cores(dict(stack.procs), 3.0, args.idle_seconds)
+        finally:
+            stack.stop()
+    if "kvpush_shared" in modes:  # the placement before daemons_beside_engines: every daemon on D's core
+        stack = PDStack(model, work / "kvpush_shared", daemons_beside_engines=False)
+        stack.start()
+        try:
+            measure("kvpush_shared", stack.router_url)
         finally:
             stack.stop()
     if "kvpush_insecure" in modes:  # the same stack with insecure_peers = true: what auth costs
@@ -316,12 +398,16 @@ def main(argv: list[str] | None = None) -> int:
                                   for L, v in summary["pull"]["sequential"].items()
                                   if v and summary["kvpush"]["sequential"].get(L)}
     result = {"config": {"lengths": lengths, "requests": args.requests, "output_len": args.output_len,
-                         "concurrency": args.concurrency, "modes": modes},
-              "summary": summary, "verdict": verdict, "kvpush_median_breakdown": hops, "idle_cores": idle,
+                         "concurrency": args.concurrency, "modes": modes, "pause_ms": args.pause_ms,
+                         "aux_cpus": args.aux_cpus, "router_cpus": args.router_cpus},
+              "summary": summary, "verdict": verdict, "kvpush_median_breakdown": hops,
+              "kvpush_segment_p50": seg_p50, "idle_cores": idle,
               "kvpush_write_latency": writes,
               "decode_prompt_tokens_by_source": raw.get("kvpush", {}).get("decode_prompt_tokens_by_source")}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    if args.table:
+        Path(args.table).write_text(table_md(result, argv if argv is not None else sys.argv[1:]))
     if args.json:
         print(json.dumps(result, indent=2))
         return 0

@@ -75,6 +75,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="bench_sweep.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results-dir", required=True)
     ap.add_argument("--model-dir", default=str(ROOT / ".models" / "tiny"), help="built if missing (scripts/build_tiny_model.py)")
+    ap.add_argument("--model-preset", default="tiny", help="tiny_model preset built into --model-dir if missing (deep)")
     ap.add_argument("--modes", default="kvpush,pull,vllm-push", help=f"comma separated, from {MODES}")
     ap.add_argument("--qps", type=_floats, default=[1, 2, 4, 8])
     ap.add_argument("--input-lens", type=_ints, default=[256, 512, 1024, 1536])
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     results = Path(args.results_dir).resolve()
     (results / "raw").mkdir(parents=True, exist_ok=True)
-    model = ve.ensure_tiny_model(args.model_dir)
+    model = ve.ensure_tiny_model(args.model_dir, preset=args.model_preset)
     pairs = args.points or [(q, n) for q in args.qps for n in args.input_lens]
     cfg = SweepConfig(model=model, results=results, modes=args.modes.split(","),
                       points=build_points(pairs, args.output_len, args.iterations),

@@ -150,6 +150,8 @@ def summary_markdown(aggs: dict[tuple[str, Key], Agg], mode_info: dict[str, dict
             for metric, s in (("ttft", "median"), ("ttft", "p99"), ("tpot", "median")):
                 cells.append(_f(ratio(_stat(kv, metric, s), _stat(b, metric, s)), 3))
         lines.append(f"| {k.qps:g} | {k.input_len} | {k.output_len} | " + " | ".join(cells) + " |")
+    if "colocated" in modes and "kvpush" in modes:
+        lines += _vs_colocated(aggs)
     if mode_info:
         lines += ["", "## CPU per mode (process groups)", "",
                   "| mode | status | start-up s | idle cores | CPU s over the load |", "|---|---|---|---|---|"]
@@ -162,6 +164,26 @@ def summary_markdown(aggs: dict[tuple[str, Key], Agg], mode_info: dict[str, dict
             lines.append(f"| {m} | {info.get('status', '?')} | {info.get('startup_s', 'n/a')} | {idle or 'n/a'} "
                          f"| {load or 'n/a'} |")
     return "\n".join(lines) + "\n"
+
+
+def _vs_colocated(aggs: dict[tuple[str, Key], Agg]) -> list[str]:
+    """What disaggregation buys: kvpush 1P1D against one colocated engine given the same two
+    cores, with GOALS' "worth disaggregating" bar (TPOT p99 <= 0.7x, TTFT p50 <= 1.2x)."""
+    out = ["", "## kvpush 1P1D / one colocated engine on both cores (below 1 = kvpush better)", "",
+           "| QPS | in | out | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | TPOT p99 <= 0.7x | TTFT p50 <= 1.2x |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for k in keys_in(aggs):
+        kv, co = aggs.get(("kvpush", k)), aggs.get(("colocated", k))
+        r = {(m, s): ratio(_stat(kv, m, s), _stat(co, m, s))
+             for m in ("ttft", "tpot") for s in ("median", "p99")}
+
+        def ok(x: float | None, bar: float) -> str:
+            return "n/a" if x is None else ("yes" if x <= bar else "no")
+
+        out.append(f"| {k.qps:g} | {k.input_len} | {k.output_len} | " + " | ".join(
+            _f(r[key], 3) for key in (("ttft", "median"), ("ttft", "p99"), ("tpot", "median"), ("tpot", "p99")))
+            + f" | {ok(r[('tpot', 'p99')], 0.7)} | {ok(r[('ttft', 'median')], 1.2)} |")
+    return out
 
 
 def load_mode_info(results: Path) -> dict[str, dict[str, Any]]:

@@ -214,6 +214,9 @@ def test_a_client_speaking_the_serial_protocol_gets_its_prompts_through_kvpush(p
     assert [text(d) for _, d in got] == want
     assert len({kv["transfer_id"] for kv, _ in got}) == len(prompts)
     assert all(kv["prefill_endpoints"] == [pd.prefill_endpoint] for kv, _ in got)
+    # Each transfer is bound to a fresh secret (docs/security.md), which D presented: all loaded.
+    assert len({kv["kvpush_secret"] for kv, _ in got}) == len(prompts)
+    assert all(len(kv["kvpush_secret"]) >= 22 for kv, _ in got)
     assert loaded_all(ext1 - ext0, [len(p) for p in prompts]), f"loaded {ext1 - ext0} through kvpush"
     assert prefill_holds(pd) == []  # nothing held after the last request
 

@@ -57,6 +57,7 @@ def test_the_transfer_shows_up_in_the_same_trace_as_vllms_spans(tiny_model: Path
         port = free_port()
         conf = tmp_path / "router.toml"
         conf.write_text(f'listen = "127.0.0.1:{port}"\notlp_traces_endpoint = "{collector.endpoint}"\n'
+                        'expose_transfer_id = true\n'
                         f'[[prefill]]\nurl = "{stack.p_url}"\nhost = "127.0.0.1"\nbase_port = {stack.base_port}\n'
                         f'[[decode]]\nurl = "{stack.d_url}"\n')
         router = popen([ve.vllm_python(), "-m", "kvpush.router.cli", "--config", str(conf)], tmp_path / "router.log",

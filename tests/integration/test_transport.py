@@ -458,3 +458,40 @@ def test_cuda_ipc_open_without_cuda_is_a_clear_error() -> None:
 def test_cuda_ipc_bad_payload_rejected(over: dict[str, Any]) -> None:
     with pytest.raises(RegionError):
         open_region(_cuda_handle(**over))
+
+
+def test_rotate_replaces_the_agent_and_keeps_the_regions(tmp_path: Any) -> None:
+    """A rotated transport has a new name and metadata, no peers, and its region registered
+    again: a peer that loads the new metadata writes into it, in one process (the security
+    tests show a holder of the old metadata reaches nothing)."""
+    lock = str(tmp_path / "nixl.lock")
+    base = torch.zeros(1 << 16, dtype=torch.uint8)
+    h = export_cpu_tensor(base)
+    r1, r2 = open_region(h), open_region(h)
+    a, b = NixlTransport("rot-a", lock_path=lock), NixlTransport("rot-b", lock_path=lock)
+    try:
+        a.register(r1)
+        b.register(r2)
+        a.add_peer(b.metadata())
+        old = b.metadata()
+        b.add_peer(a.metadata())
+        b.rotate("rot-b-r1")
+        assert b.name == "rot-b-r1" and b.metadata() != old and b.peers == frozenset()
+        a.remove_peer("rot-b")
+        peer = a.add_peer(b.metadata())
+        assert peer == "rot-b-r1"
+        r1.view()[:4096] = 7
+        x = a.write(peer, np.array([[r1.base, 4096]], dtype=np.int64),
+                    np.array([[r2.base + 8192, 4096]], dtype=np.int64), b"after")
+        end = time.monotonic() + 10
+        while a.state(x) == "pending" and time.monotonic() < end:
+            b.notifications()
+        assert a.state(x) == "done"
+        a.release(x)
+        assert int(r2.view()[8192:8192 + 4096].sum()) == 7 * 4096
+    finally:
+        a.close()
+        b.close()
+        r1.close()
+        r2.close()
+        unlink_export(h)

@@ -307,6 +307,7 @@ EXAMPLES: dict[str, tuple[str, Any]] = {
     "ops_socket": ('"ipc:///tmp/o{{index}}.sock"', lambda n: n.devices[0].ops_socket == "ipc:///tmp/o0.sock"),
     "peer_host": ('"127.0.0.3"', lambda n: n.devices[0].peer_endpoint == "tcp://127.0.0.3:17500"),
     "peer_port": ("17777", lambda n: n.devices[0].peer_port == 17777),
+    "cpus": ('"0"', lambda n: n.devices[0].cpus == "0"),
     "advertise_host": ('"10.0.0.5"', lambda n: n.devices[0].peer_endpoint == "tcp://10.0.0.5:17500"),
     "backend": ('"libfabric"', lambda n: n.devices[0].backend == "LIBFABRIC"),
     "ucx_error_handling_mode": ('"none"', lambda n: n.devices[0].ucx_error_handling_mode == "none"),
@@ -387,7 +388,7 @@ def test_node_key_in_a_device_table_and_table_key_at_top_are_explained(tmp_path:
 def test_every_key_is_an_env_variable_and_a_table_key_is_not() -> None:
     for name in TOP_KEYS:
         assert env_var(name) == "KVPUSH_" + name.upper()
-    assert "peer_port" not in TOP_KEYS and set(TABLE_KEYS) - set(TOP_KEYS) == {"peer_port"}
+    assert "peer_port" not in TOP_KEYS and set(TABLE_KEYS) - set(TOP_KEYS) == {"peer_port", "cpus"}
     assert {"devices", "count", "base_port", "metrics_port"}.isdisjoint(TABLE_KEYS)
 
 
@@ -515,3 +516,29 @@ def test_default_file_errors_name_the_file(
     assert cli.main(["print-config"]) == 2
     err = capsys.readouterr().err
     assert str(default) in err and "base_prot" in err
+
+
+# ----------------------------------------------------------------------------- placement
+
+def test_device_cpus_pin_each_daemon_beside_its_engine(tmp_path: Path) -> None:
+    path = toml(tmp_path, """
+        devices = ["cpu0", "cpu1"]
+        [device.cpu0]
+        cpus = "0"
+        [device.cpu1]
+        cpus = "1-3,5"
+    """)
+    cpu0, cpu1 = load(path).devices
+    assert (cpu0.cpus, cpu1.cpus) == ("0", "1-3,5")
+    assert load().devices[0].cpus == ""  # default: not pinned
+
+
+@pytest.mark.parametrize("bad", ["x", "3-1", "0,,1", "-1", "99999"])
+def test_device_cpus_refuses_what_is_not_a_cpu_list(tmp_path: Path, bad: str) -> None:
+    with pytest.raises(ConfigError, match="cpus"):
+        load(toml(tmp_path, f'[device.cpu0]\ncpus = "{bad}"\n'))
+
+
+def test_device_cpus_is_a_per_device_key(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="unknown key 'cpus'"):  # one core list for every daemon: a mistake
+        load(toml(tmp_path, 'cpus = "0"\n'))

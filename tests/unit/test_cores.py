@@ -82,6 +82,7 @@ def test_states_are_str_enums_with_the_old_values() -> None:
 
 TIDS = ("a", "b", "c")
 PEERS = ("p0", "p1")
+NODES = {"p0": "n0", "p1": "n1"}  # each peer session's certificate identity
 
 
 def _rz_scripts() -> list[list[Any]]:
@@ -91,8 +92,8 @@ def _rz_scripts() -> list[list[Any]]:
     def reg(dest: int, exp: int, attempt: int = 0, deadline: float = 5.0) -> rz.Registered:
         return rz.Registered("a", attempt, "p0", dest, exp, (dest, 9), 16, 0.0, deadline)
 
-    lr = rz.LayersReady("a", 0, 0, 1, 0, (100, 101), 0.0, 30.0)
-    seal = rz.Prefilled("a", (100, 101), 16, 0.0, 30.0, 0)
+    lr = rz.LayersReady("a", 0, 0, 1, 0, (100, 101), 0.0, 30.0, ("", ""))
+    seal = rz.Prefilled("a", (100, 101), 16, 0.0, 30.0, epoch=0)
     late = [rz.WriteDone("a", 0, 0, 6.0, 1)]
     return [
         [reg(0, 1), lr, seal, *late],  # WRITING, last flight -> FAILED
@@ -100,17 +101,19 @@ def _rz_scripts() -> list[list[Any]]:
         [reg(0, 2), lr, seal, *late],  # WAIT_REGISTER, last -> FAILED
         [reg(0, 3), reg(1, 3), lr, seal, *late],  # WAIT_REGISTER -> DRAINING
         [reg(0, 1), lr, reg(0, 1, attempt=1), rz.WriteFailed("a", 0, 0, "x", 1.0, group=1)],
+        [reg(0, 2), reg(1, 2), lr, rz.WriteFailed("a", 0, 0, "x", 1.0, group=1)],  # another dest's group flies
         [reg(0, 2), reg(1, 2), seal, rz.WriteDone("a", 0, 0, 1.0), reg(0, 2)],
-        [reg(0, 1), seal, rz.WriteDone("a", 0, 0, 1.0), rz.LayersReady("a", 0, 1, 2, 0, (100, 101), 2.0, 9.0)],
+        [reg(0, 1), seal, rz.WriteDone("a", 0, 0, 1.0), rz.LayersReady("a", 0, 1, 2, 0, (100, 101), 2.0, 9.0, ("", ""))],
     ]
 
 
-def rz_events(rng: random.Random, n: int) -> Iterator[Any]:
+def rz_events(rng: random.Random, n: int, bind: bool = False) -> Iterator[Any]:
     """Registrations, prefills, write results (also stray ones), aborts, peer losses and
-    time, over few names so that they collide."""
+    time, over few names so that they collide. ``bind``: registrations now and then by
+    another node or with a secret, prefills now and then bound to a node or a secret."""
     now = 0.0
     stream = rng.random() < 0.5  # half the runs: group WRITE answers and short deadlines
-    if rng.random() < 0.05:
+    if rng.random() < 0.1:
         yield from rng.choice(_rz_scripts())
         now = 10.0
     for _ in range(n):
@@ -118,19 +121,24 @@ def rz_events(rng: random.Random, n: int) -> Iterator[Any]:
         if k < 0.3:
             exp = rng.choice([1, 1, 2, 2, 3])
             bad = rng.random() < 0.05
+            attempt = -1 if bad else rng.choice([0, 0, 1, 2])  # (draws in the order they always had)
+            peer = rng.choice(PEERS)  # its node, mostly; now and then another node's session
+            node = "" if not bind else NODES[peer] if rng.random() < 0.8 else rng.choice(list(NODES.values()))
             yield rz.Registered(
-                tid, -1 if bad else rng.choice([0, 0, 1, 2]), rng.choice(PEERS),
+                tid, attempt, peer,
                 rng.randrange(exp + bad), exp + (rng.random() < 0.05), (rng.randrange(5), 9),
                 rng.choice([16, 16, 16, 17]), now, now + rng.uniform(-1, 6 if stream else 20), rng.choice([0, 0, 16]),
+                node, rng.choice(["", "", "s", "x"]) if bind else "",
             )  # fmt: skip
         elif k < 0.45:
+            binding = rng.choice([("", ""), ("", ""), ("n0", ""), ("", "s")]) if bind else ("", "")
             if rng.random() < (0.6 if stream else 0.0):  # layer progress (streaming), epochs colliding
                 lo = rng.randrange(4)
                 yield rz.LayersReady(tid, rng.choice([0, 0, 0, 1]), lo, lo + 1, 0, (100, 101), now,
-                                     now + rng.uniform(0.5, 30))
+                                     now + rng.uniform(0.5, 30), binding if rng.random() < 0.9 else None)
             else:
                 yield rz.Prefilled(tid, (100, 101), rng.choice([16, 16, 17]), now, now + rng.uniform(0.5, 30),
-                                   rng.choice([-1, 0, 0, 1]))
+                                   *binding, epoch=rng.choice([-1, 0, 0, 1]))
         elif k < 0.65:
             a, d, g = rng.randrange(3), rng.randrange(3), rng.choice([0, 1, 1, 2, 3] if stream else [0])
             if rng.random() < 0.7:
@@ -185,6 +193,10 @@ def cm_events(rng: random.Random, n: int) -> Iterator[Any]:
 # ------------------------------------------------------------ every row, or why not
 
 
+def rz_bound_events(rng: random.Random, n: int) -> Iterator[Any]:
+    return rz_events(rng, n, bind=True)
+
+
 def _taken_rows(make: Any, events: Any, seeds: range) -> set[Row]:
     taken: set[Row] = set()
     for seed in seeds:
@@ -202,17 +214,18 @@ def _taken_rows(make: Any, events: Any, seeds: range) -> set[Row]:
             rz.TABLE,
             [lambda: rz.Rendezvous(tombstone_s=5.0, max_transfers=2), lambda: rz.Rendezvous(tombstone_s=5.0),
              lambda: rz.Rendezvous(tombstone_s=5.0, quota=Quota(2, 40))],
-            rz_events,
+            [rz_events, rz_bound_events],
         ),
         (cm.TABLE, [lambda: cm.CompletionCounter(tombstone_s=3.0, max_attempts=3),
-                    lambda: cm.CompletionCounter(tombstone_s=3.0, max_attempts=3, cancel_grace_s=2.0)], cm_events),
+                    lambda: cm.CompletionCounter(tombstone_s=3.0, max_attempts=3, cancel_grace_s=2.0)], [cm_events]),
     ],
     ids=["rendezvous", "counter"],
 )
-def test_every_row_is_taken_or_documented_unreachable(table: Table, makes: list, events: Any) -> None:
+def test_every_row_is_taken_or_documented_unreachable(table: Table, makes: list, events: list) -> None:
     taken: set[Row] = set()
     for make in makes:
-        taken |= _taken_rows(make, events, range(600))
+        for source in events:
+            taken |= _taken_rows(make, source, range(400))
     never = [str(r) for r in table.rows if r not in taken and not r.unreachable]
     assert never == [], "rows never taken (take them, or document why they cannot be):\n" + "\n".join(never)
     wrong = [str(r) for r in table.rows if r in taken and r.unreachable]
@@ -250,6 +263,8 @@ _RZ_CAUSES = [  # reason prefix -> cause, as callers matched strings before caus
     ("prefill did not complete in time", Cause.TIMEOUT),
     ("num_tokens mismatch", Cause.MISMATCH),
     ("overloaded", Cause.OVERLOADED),
+    ("transfer is bound to another party", Cause.UNBOUND),
+    ("transfer ended before its prefill", Cause.CLOSED),
     ("quota: ", Cause.QUOTA),
     ("source blocks released", Cause.CLOSED),
     ("transfer aborted", Cause.CLOSED),
@@ -288,6 +303,7 @@ def _rz_facts(c: rz.Rendezvous, key: str, rec: Any, r: Row) -> None:
     assert _rz_state_from_facts(rec) is rec.state, f"{r}: facts say {_rz_state_from_facts(rec)}"
     if rec.state is rz.State.WRITING:
         assert rec.inflight, "WRITING without a write in flight"
+    assert not rec.parked or rec.state is rz.State.WAIT_PREFILL, "parked rivals outlive WAIT_PREFILL"
 
 
 @settings(max_examples=150, deadline=None)
@@ -297,7 +313,7 @@ def test_rendezvous_states_follow_the_table_and_the_facts(seed: int, cfg: tuple)
     rng = random.Random(seed)  # a seed, not st.randoms: the sequences are long
     rv = rz.Rendezvous(tombstone_s=cfg[0], max_transfers=cfg[1], quota=cfg[2])
     _Watch(rv, _rz_facts)
-    for ev in rz_events(rng, 120):
+    for ev in rz_events(rng, 120, bind=seed % 2 == 1):
         for a in rv.handle(ev):
             if isinstance(a, rz.NotifyFailure) or (isinstance(a, rz.ReleaseBlocks) and not a.ok):
                 want = _rz_cause_of(a.reason)

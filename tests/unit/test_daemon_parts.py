@@ -364,8 +364,14 @@ def test_every_link_row_is_taken_or_documented_unreachable(lab, monkeypatch):
     # the Hello sent on recovering is answered: RECOVERING -HelloOk-> READY
     net.run()
     assert link().state is PeerLinkState.READY
+    dec.rotate("test")  # READY -Rotated-> HANDSHAKING (our new Hello), answered: -HelloOk-> READY
+    assert link().state is PeerLinkState.HANDSHAKING
+    net.run()
+    assert link().state is PeerLinkState.READY
     net.cut.add(p.endpoint)
     d.tick(time.monotonic() + 3.0)  # READY -Silent-> RECOVERING
+    assert link().state is PeerLinkState.RECOVERING
+    dec.rotate("test")  # RECOVERING -Rotated-> RECOVERING (a fresh Hello)
     assert link().state is PeerLinkState.RECOVERING
     assert isinstance(register(d, tid(), [1], 10, [p]), proto.ReceiveFailed)  # RECOVERING -Forward->
     d.tick(time.monotonic() + 6.0)  # RECOVERING -HandshakeTimeout-> RECOVERING (a fresh Hello)
@@ -377,14 +383,16 @@ def test_every_link_row_is_taken_or_documented_unreachable(lab, monkeypatch):
     assert link() is None
     net.cut.add(p.endpoint)
     register(d, tid(), [1], 10, [p])
+    dec.rotate("test")  # HANDSHAKING -Rotated-> HANDSHAKING
     d.tick(time.monotonic() + 9.0)  # HANDSHAKING -HandshakeTimeout-> RECOVERING
     assert link().state is PeerLinkState.RECOVERING
     link().node = "gone"
     dec.revoke(set())  # RECOVERING -Revoked-> forgotten
     register(d, tid(), [1], 10, [p])
     link().node = "gone"
-    dec.revoke(set())  # HANDSHAKING -Revoked-> forgotten
+    dec.revoke(set())  # HANDSHAKING -Revoked-> forgotten (and our agent rotated)
     net.cut.discard(p.endpoint)
+    net.run()  # the Hellos of agents rotated away are refused (a real wire drops a closed link's answers)
     register(d, tid(), [1], 10, [p])
     net.run()
     assert link().state is PeerLinkState.READY

@@ -99,3 +99,15 @@ def test_ratio_guards() -> None:
     assert ps.ratio(None, 4.0) is None
     assert ps.ratio(1.0, 0.0) is None
     assert ps.ratio(float("nan"), 1.0) is None
+
+
+def test_summary_against_colocated_judges_worth_disaggregating(tmp_path: Path) -> None:
+    """kvpush 1P1D / one colocated engine, with GOALS' bar (TPOT p99 <= 0.7x, TTFT p50 <= 1.2x)."""
+    _write(tmp_path, _point("kvpush", 1.0, 512, 300.0, 4.0))
+    _write(tmp_path, _point("colocated", 1.0, 512, 200.0, 8.0))
+    _write(tmp_path, _point("kvpush", 3.0, 512, 230.0, 6.0))
+    _write(tmp_path, _point("colocated", 3.0, 512, 200.0, 6.0))
+    md = ps.summary_markdown(ps.aggregate(ps.load_points(tmp_path)))
+    part = md.split("## kvpush 1P1D / one colocated engine")[1]
+    assert "| 1 | 512 | 32 | 1.500 | 1.500 | 0.500 | 0.500 | yes | no |" in part
+    assert "| 3 | 512 | 32 | 1.150 | 1.150 | 1.000 | 1.000 | no | yes |" in part

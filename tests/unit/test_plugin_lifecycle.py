@@ -12,7 +12,12 @@ the scheduler core as vLLM would hand them over. Checked:
   reported ended exactly once, and never for a request that was not waiting for it;
 * nothing is left for a finished request: once vLLM has finished every request and the daemon
   has answered (or been lost), no live record remains in either core, and once tombstone time
-  passed every collection either core keeps is empty.
+  passed every collection either core keeps is empty;
+* layer-wise streaming (``stream_min_tokens``: off, on, or a threshold): every chunk a step
+  names is a live, running, streamed prefill request's, computed by that step's forward, with
+  exactly the blocks the request holds now (block IDs are recycled between requests, so a
+  stale list would name another request's blocks), in the request's current epoch (one more
+  after each preemption that voided streamed progress).
 """
 
 from __future__ import annotations
@@ -50,6 +55,10 @@ class Req:
     new: bool = True  # scheduled for the first time (SchedulerOutput.scheduled_new_reqs)
     started: bool = False
     blocks: tuple[int, ...] = ()
+    new_blocks: tuple[int, ...] = ()  # allocated this step (CachedRequestData.new_block_ids)
+    resumed: bool = False  # back from preemption (CachedRequestData.resumed_req_ids)
+    epoch: int = 0  # restarts that voided streamed progress
+    streamed: bool = False  # a chunk was named in this epoch
     held: bool = False  # request_finished answered True: blocks wait for finished_sending
     freed: int = 0  # times reported in finished_sending
     loads_ended: int = 0  # times reported in finished_recving
@@ -75,9 +84,14 @@ class Sim:
     cards: bool = True  # this engine's daemon cards are readable (serial legs need them)
     names: Any = field(default_factory=lambda: (f"kvps-{i}" for i in itertools.count()))
     ids: Any = field(default_factory=itertools.count)
+    stream_min: int | None = None  # layerwise: None off, 0 on, else auto's threshold
+    free: list[int] = field(default_factory=lambda: list(range(40)))  # vLLM's block pool (LIFO: reused soon)
+    chunks: int = 0  # Stream actions checked
+    stream_aborts: int = 0
 
     def __post_init__(self) -> None:
-        self.s = sl.SchedulerLifecycle(BLOCK, name_transfer=lambda: next(self.names), tombstone_s=self.tombstone_s)
+        self.s = sl.SchedulerLifecycle(BLOCK, name_transfer=lambda: next(self.names), tombstone_s=self.tombstone_s,
+                                       stream_min_tokens=self.stream_min)
         self.w = wl.WorkerLifecycle(timeout_ms=1000, lease_ms=1000)
         self.meta: list[Any] = []  # scheduler actions for this step's metadata
         self.fs: set[str] = set()  # worker's finished_sending, this step
@@ -89,6 +103,33 @@ class Sim:
         out = self.s.handle(ev)
         self.meta += [a for a in out if isinstance(a, (sl.Register, sl.Send, sl.AbortLoad, sl.AbortSend))]
         return out
+
+    def take(self, n: int) -> tuple[int, ...] | None:
+        if n > len(self.free):
+            return None
+        got = tuple(self.free[len(self.free) - n:])
+        del self.free[len(self.free) - n:]
+        return got
+
+    def give_back(self, r: Req) -> None:
+        assert not set(r.blocks) & set(self.free), "a block freed twice"
+        self.free += r.blocks
+        r.blocks = ()
+
+    def check_chunk(self, c: Any, scheduled: dict[str, int], before: dict[str, int]) -> None:
+        """A streamed chunk names this step's tokens of a live request, its blocks now, its epoch."""
+        rid = next(k for k, r in self.reqs.items() if r.status == "running" and self.s.record(k) is not None
+                   and self.s.record(k).transfer_id == c.transfer_id)
+        r = self.reqs[rid]
+        assert self.stream_min is not None and r.prefill() is not None and r.prompt >= self.stream_min
+        assert rid in scheduled and before[rid] < r.prompt, "streamed a step that computes no prompt token"
+        start = before[rid]
+        assert c.first_block == start // BLOCK and c.first_token == c.first_block * BLOCK
+        assert c.num_tokens == min(start + scheduled[rid], r.prompt)
+        assert tuple(c.block_ids) == r.blocks[c.first_block:-(-c.num_tokens // BLOCK)], (c, r.blocks)
+        assert c.epoch == r.epoch, (c.epoch, r.epoch)
+        r.streamed = True
+        self.chunks += 1
 
     def work(self, ev: Any) -> None:
         todo = self.w.handle(ev)
@@ -128,11 +169,15 @@ class Sim:
             if r.status == "waiting" and self.rng.random() < 0.7:
                 eps = EPS if self.cards else None
                 out = self.sched(sl.Matched(r.rid, self.now, r.prompt - r.computed, r.decode(), r.prefill(),
-                                            eps if r.kind == "serial" else None, r.max_tokens == 1))
+                                            eps if r.kind == "serial" else None, r.max_tokens == 1, r.prompt))
                 claim = next((a.count for a in out if isinstance(a, sl.Claim)), 0)
                 if self.rng.random() < 0.1:
                     continue  # no free blocks this step: matched again later
-                r.blocks = tuple(range(100, 100 + r.prompt // BLOCK + 1))
+                if claim and not r.blocks:
+                    got = self.take(r.prompt // BLOCK + 1)
+                    if got is None:
+                        continue
+                    r.blocks = got
                 self.sched(sl.Allocated(r.rid, self.now, claim, r.blocks if claim else (), r.prompt, r.decode()))
                 if claim:
                     r.status = "remote"
@@ -140,18 +185,36 @@ class Sim:
                 r.status, r.new, r.started = "running", not r.started, True  # resumed: not new
             if r.status == "running":
                 left = r.prompt - r.computed
-                n = left if left <= BLOCK or self.rng.random() < 0.6 else BLOCK  # chunked prefill
-                scheduled[r.rid] = max(n, 1)
+                n = max(left if left <= BLOCK or self.rng.random() < 0.6 else BLOCK, 1)  # chunked prefill
+                got = self.take(max(0, (r.computed + n) // BLOCK + 1 - len(r.blocks)))  # this chunk's blocks
+                if got is None:
+                    continue  # no room this step
+                r.blocks += got
+                r.new_blocks = got
+                scheduled[r.rid] = n
                 if r.new:
                     new[r.rid] = sl.NewReq(r.prompt, r.computed, scheduled[r.rid], r.blocks)
                     r.new = False
         return scheduled, new
 
+    def cached(self, scheduled: dict[str, int], new: dict[str, sl.NewReq]) -> dict[str, sl.CachedReq]:
+        """What the scheduler half's shell builds: the streamed requests scheduled again."""
+        out = {}
+        for rid in scheduled:
+            r = self.reqs[rid]
+            if rid not in new and self.s.streaming(rid):
+                out[rid] = sl.CachedReq(r.computed, r.blocks if r.resumed else r.new_blocks, r.resumed)
+            r.resumed = False
+        return out
+
     def step(self) -> None:
         scheduled, new = self.schedule()
         idle = not scheduled
         if not idle:
-            self.sched(sl.Step(self.now, scheduled, new))
+            before = {rid: self.reqs[rid].computed for rid in scheduled}
+            for a in self.sched(sl.Step(self.now, scheduled, new, self.cached(scheduled, new))):
+                if isinstance(a, sl.Stream):
+                    self.check_chunk(a.chunk, scheduled, before)
         # the worker: bind (publish), forward, wait_for_save, get_finished
         meta, self.meta = self.meta, []
         for a in meta:
@@ -186,6 +249,7 @@ class Sim:
             assert r is not None and r.held and r.status == "finished", f"{rid} freed but not held"
             r.freed += 1
             assert r.freed == 1, f"{rid} freed twice"
+            self.give_back(r)
         for rid in fr:
             self.sched(sl.Recved(rid, self.now))
             r = self.reqs.get(rid)
@@ -208,9 +272,19 @@ class Sim:
                                      eps if r.prefill() is not None else None))
         r.status = "finished"
         r.held = any(isinstance(a, sl.Hold) for a in out)
+        ended = [a for a in out if isinstance(a, sl.StreamAbort)]
+        if ended:  # only a streamed request its daemon will not be sealed for
+            assert not r.held and (r.streamed or r.epoch > 0) and ended[0].req.req_id == r.rid
+            self.stream_aborts += 1
+        if not r.held:
+            self.give_back(r)
 
     def abort(self) -> None:
         live = [r for r in self.reqs.values() if r.status != "finished"]
+        # matched, not allocated yet (after a preemption too): rare, and where a stream ends unscheduled
+        back = [r for r in live if r.status == "waiting" and self.s.state(r.rid) is sl.State.CANDIDATE]
+        if back and self.rng.random() < 0.5:
+            live = back
         if live:
             self.finish(self.rng.choice(live), ok=False)
 
@@ -218,7 +292,10 @@ class Sim:
         running = [r for r in self.reqs.values() if r.status == "running" and r.out_tokens < r.max_tokens]
         if running:
             r = self.rng.choice(running)
-            r.status, r.computed = "waiting", 0  # resumed later: not a new request
+            r.status, r.computed, r.resumed = "waiting", 0, True  # resumed later: not a new request
+            self.give_back(r)  # vLLM frees a preempted request's blocks: another may get them
+            if r.streamed:
+                r.epoch, r.streamed = r.epoch + 1, False
 
     # ------------------------------------------------------------------- the daemon
 
@@ -303,7 +380,7 @@ class Sim:
 
 
 def _sim(seed: int, tombstone_s: float) -> Sim:
-    return Sim(random.Random(seed), tombstone_s)
+    return Sim(random.Random(seed), tombstone_s, stream_min=(None, 0, 40)[seed % 3])
 
 
 # ------------------------------------------------------------ every row, or why not
@@ -395,3 +472,73 @@ def test_an_allocation_without_tokens_to_load_changes_nothing() -> None:
             assert r.to is r.state and r.steps == (), str(r)
     leg = DecodeLeg("t", ("tcp://p:1",), 1)
     assert not sl.registers(None, None, sl.Allocated("r", 0.0, 0, (1,), 16, leg))  # type: ignore[arg-type]
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(0, 2**32), st.sampled_from([0, 40]))
+def test_streamed_chunks_name_live_blocks_in_the_current_epoch(seed: int, least: int) -> None:
+    """Streaming on (or auto at 40 tokens): every chunk is checked as it is named (Sim.check_chunk:
+    the step's tokens, the request's blocks now, its epoch after preemptions); and some are."""
+    sim = Sim(random.Random(seed), 60.0, stream_min=least)
+    sim.run(200)
+    sim.drain()
+    assert sim.chunks > 0 or not any(r.prefill() is not None and r.prompt >= least for r in sim.reqs.values())
+
+
+def test_layerwise_off_names_no_chunk() -> None:
+    for seed in range(30):
+        sim = Sim(random.Random(seed), 60.0, stream_min=None)
+        sim.run(150)
+        assert sim.chunks == 0
+# ---------------------------------------------------------------- binding (docs/security.md)
+
+
+def _prefill_through(leg: PrefillLeg, endpoints: tuple[str, ...] | None) -> tuple[list, dict | None]:
+    s = sl.SchedulerLifecycle(BLOCK, name_transfer=lambda: "named", make_secret=lambda: "fresh-secret")
+    s.handle(sl.Matched("r", 0.0, 0, None, leg, endpoints, False))
+    out = s.handle(sl.Finished("r", 0.1, True, leg, (1, 2), 32, endpoints))
+    sends = [a.req for a in out if isinstance(a, sl.Send)]
+    answers = [a.answer for a in out if isinstance(a, sl.Hold)]
+    return sends, answers[0]
+
+
+def test_a_serial_leg_gets_a_fresh_secret_in_its_answer_and_its_prefill_done() -> None:
+    sends, answer = _prefill_through(PrefillLeg(None), ("tcp://p:1",))
+    assert answer is not None and answer["kvpush_secret"] == "fresh-secret"
+    assert [(r.transfer_id, r.bind_node, r.bind_secret) for r in sends] == [("named", "", "fresh-secret")]
+    # The decode engine parses it back from the forwarded answer, and registers with it.
+    from kvpush.proto.params import decode_leg
+    leg = decode_leg(answer)
+    assert leg is not None and leg.secret == "fresh-secret"
+    s = sl.SchedulerLifecycle(BLOCK, name_transfer=lambda: "x")
+    s.handle(sl.Matched("d", 0.0, 32, leg, None, None, False))
+    regs = [a.req for a in s.handle(sl.Allocated("d", 0.0, 32, (1, 2), 32, leg)) if isinstance(a, sl.Register)]
+    assert [r.secret for r in regs] == ["fresh-secret"]
+
+
+def test_a_router_leg_keeps_the_router_s_binding_and_a_plain_leg_stays_unbound() -> None:
+    sends, answer = _prefill_through(PrefillLeg("t1", "dnode", "router-secret"), None)
+    assert answer is None  # the router knows both legs: nothing to answer
+    assert [(r.transfer_id, r.bind_node, r.bind_secret) for r in sends] == [("t1", "dnode", "router-secret")]
+    sends, _ = _prefill_through(PrefillLeg("t2"), None)  # a client naming the transfer itself
+    assert [(r.bind_node, r.bind_secret) for r in sends] == [("", "")]
+
+
+def test_a_secret_is_128_bit_random_and_malformed_bindings_are_not_a_leg() -> None:
+    from kvpush.proto import params as pp
+    a, b = pp.new_secret(), pp.new_secret()
+    assert a != b and len(a) >= 22  # 16 bytes, url-safe base64
+    assert pp.prefill_leg({"do_remote_decode": True, "kvpush_secret": 5}) is None
+    assert pp.prefill_leg({"do_remote_decode": True, "kvpush_decode_node": "x" * 65}) is None
+    assert pp.decode_leg({"do_remote_prefill": True, "transfer_id": "t", "prefill_endpoints": ["tcp://p:1"],
+                          "kvpush_secret": "s" * 129}) is None
+
+
+def test_the_worker_publishes_the_binding_in_prefill_done_and_the_secret_in_register() -> None:
+    w = wl.WorkerLifecycle(timeout_ms=1000, lease_ms=1000)
+    out = w.handle(wl.Send("t", "r", (1, 2), 32, False, 0.0, False, "dnode", "s3"))
+    done = [a.msg for a in out if isinstance(a, wl.Publish) and isinstance(a.msg, proto.PrefillDone)]
+    assert [(m.bind_node, m.bind_secret) for m in done] == [("dnode", "s3")]
+    out = w.handle(wl.Register("u", 0, "q", (1, 2), 32, 0, ("tcp://p:1",), 1, 0.0, False, "s3"))
+    regs = [a.msg for a in out if isinstance(a, wl.Publish) and isinstance(a.msg, proto.Register)]
+    assert [m.secret for m in regs] == ["s3"]

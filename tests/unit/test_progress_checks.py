@@ -56,9 +56,19 @@ def test_bad_frames_are_refused_with_a_reason(msg, why) -> None:
 
 
 def test_progress_then_register_streams_in_one_write() -> None:
+    """Groups ready before the registration go out together, once the stream's binding is
+    known; a frame that names no binding (this wire, until LayerChunk carries it) streams
+    nothing: the seal's check decides where the KV goes."""
+    import dataclasses
+
+    evs = progress_events(progress(lo=0, hi=1), 0.0, 30.0) + progress_events(progress(lo=1, hi=2), 0.0, 30.0)
     rv = Rendezvous()
-    for ev in progress_events(progress(lo=0, hi=1), 0.0, 30.0) + progress_events(progress(lo=1, hi=2), 0.0, 30.0):
+    for ev in evs:
         rv.handle(ev)
+    assert not [a for a in rv.handle(reg()) if isinstance(a, StartGroupWrite)]
+    rv = Rendezvous()
+    for ev in evs:
+        rv.handle(dataclasses.replace(ev, binding=("", "")))
     out = rv.handle(reg())
     (g,) = [a for a in out if isinstance(a, StartGroupWrite)]
     assert [(p.layer_lo, p.layer_hi) for p in g.parts] == [(0, 1), (1, 2)]

@@ -620,16 +620,87 @@ def _as(identity: str, r: Registered) -> Registered:
 def test_only_the_registering_identity_may_supersede_or_add_destinations() -> None:
     rv = Rendezvous()
     rv.handle(_as("nodeD", reg(dest=0, expected=2)))
-    # Another node: neither a higher attempt (take-over) nor another destination is accepted.
+    # Another node before the prefill: parked (it might be the bound party), not accepted.
     for r in (reg(attempt=5, peer="evil"), reg(dest=1, expected=2, peer="evil")):
-        out = rv.handle(_as("nodeX", r))
-        assert [type(a) for a in out] == [NotifyFailure] and out[0].peer == "evil"
-        assert "another peer" in out[0].reason
+        assert rv.handle(_as("nodeX", r)) == []
     assert rv.info("t").attempt == 0
-    # The owner still completes its transfer, and may supersede its own attempt.
-    rv.handle(pf())
+    # An unbound prefill keeps the first registrant: the parked rivals are refused then.
+    out = rv.handle(pf())
+    assert sorted((a.peer, a.attempt) for a in of(NotifyFailure, out)) == [("evil", 0), ("evil", 5)]
+    assert all("another peer" in a.reason for a in of(NotifyFailure, out))
+    assert [w.peer for w in of(StartWrite, out)] == ["d0"]
+    # After the prefill a rival is refused at once.
+    out = rv.handle(_as("nodeX", reg(dest=1, expected=2, peer="evil")))
+    assert [type(a) for a in out] == [NotifyFailure] and "another peer" in out[0].reason
+    # The owner still completes its transfer.
     assert of(StartWrite, rv.handle(_as("nodeD", reg(dest=1, expected=2, now=1.0))))
-    assert of(StartWrite, rv.handle(_as("nodeD", reg(attempt=1, dest=0, expected=1, now=2.0))))
+
+
+def _bound(**kw) -> Prefilled:
+    return replace(pf(), **kw)
+
+
+@pytest.mark.parametrize("binding", [{"bind_identity": "nodeD"}, {"bind_secret": "s3cret"}])
+def test_bound_party_wins_over_a_hijacker_that_registered_first(binding) -> None:
+    """The hijacker registers first (it owns the record), the bound decode side is parked; the
+    bound prefill ousts the hijacker (never written) and writes to the bound party."""
+    rv = Rendezvous()
+    secret = binding.get("bind_secret", "")
+    assert rv.handle(_as("nodeX", reg(attempt=3, peer="evil"))) == []
+    assert rv.handle(replace(_as("nodeD", reg(peer="good")), secret=secret)) == []
+    out = rv.handle(_bound(**binding))
+    assert [(type(a).__name__, a.peer) for a in out] == [("NotifyFailure", "evil"), ("StartWrite", "good")]
+    assert out[0].cause == rz.Cause.UNBOUND
+    # The hijacker cannot come back, under any attempt.
+    out = rv.handle(_as("nodeX", reg(attempt=9, peer="evil", now=1.0)))
+    assert [(type(a), a.cause) for a in out] == [(NotifyFailure, rz.Cause.UNBOUND)]
+    assert of(ReleaseBlocks, rv.handle(WriteDone("t", 0, 0, 2.0)))[0].ok
+
+
+@pytest.mark.parametrize("binding", [{"bind_identity": "nodeD"}, {"bind_secret": "s3cret"}])
+def test_bound_prefill_first_refuses_others_and_admits_the_bound_party(binding) -> None:
+    rv = Rendezvous()
+    secret = binding.get("bind_secret", "")
+    assert rv.handle(_bound(**binding)) == []
+    for r in (_as("nodeX", reg(peer="evil")), replace(_as("nodeX", reg(peer="evil")), secret="guess")):
+        out = rv.handle(r)
+        assert [(type(a), a.cause) for a in out] == [(NotifyFailure, rz.Cause.UNBOUND)]
+    out = rv.handle(replace(_as("nodeD", reg(peer="good", now=1.0)), secret=secret))
+    assert [(type(a), a.peer) for a in out] == [(StartWrite, "good")]
+
+
+def test_bound_prefill_without_the_bound_party_waits_for_it() -> None:
+    """Only the hijacker registered before the prefill: it is refused, and the transfer waits
+    (attempt reset) for the bound party, which then gets its write."""
+    rv = Rendezvous()
+    rv.handle(_as("nodeX", reg(attempt=4, peer="evil")))
+    out = rv.handle(_bound(bind_identity="nodeD"))
+    assert [(type(a), a.peer, a.cause) for a in out] == [(NotifyFailure, "evil", rz.Cause.UNBOUND)]
+    assert rv.info("t").state == State.WAIT_REGISTER
+    assert [(type(a), a.peer) for a in rv.handle(_as("nodeD", reg(peer="good", now=1.0)))] == [(StartWrite, "good")]
+
+
+def test_a_hijacker_ending_its_attempt_hands_the_transfer_to_the_parked_party() -> None:
+    """A hijacker's short registration timing out (or its cancel) does not take the parked
+    registration down with it."""
+    rv = Rendezvous()
+    rv.handle(_as("nodeX", reg(peer="evil", deadline=5.0)))
+    rv.handle(_as("nodeD", reg(peer="good", deadline=50.0)))
+    out = rv.handle(rz.Tick(6.0))
+    assert [(type(a), a.peer) for a in out] == [(NotifyFailure, "evil")]
+    assert rv.info("t").state == State.WAIT_PREFILL
+    assert [(type(a), a.peer) for a in rv.handle(_bound(now=7.0, lease_deadline=60.0, bind_identity="nodeD"))] == [
+        (StartWrite, "good")]
+
+
+def test_parked_registrations_are_bounded_and_count_in_quota() -> None:
+    rv = Rendezvous(max_parked=2)
+    rv.handle(_as("nodeD", reg(dest=0, expected=4)))
+    assert rv.handle(_as("nodeX", reg(dest=1, expected=4, peer="x1"))) == []
+    assert rv.handle(_as("nodeX", reg(dest=2, expected=4, peer="x2"))) == []
+    out = rv.handle(_as("nodeX", reg(dest=3, expected=4, peer="x3")))
+    assert [(type(a), a.cause) for a in out] == [(NotifyFailure, rz.Cause.OVERLOADED)]
+    assert rv.peer_held("nodeX").units == 6
 
 
 @given(st.lists(st.tuples(st.sampled_from(["a", "b"]), st.integers(0, 3), st.integers(0, 1)), max_size=12))

@@ -31,19 +31,50 @@ from kvpush.daemon.rendezvous import (
 )
 from tests.unit.test_rendezvous import RendezvousMachine, of, pf, reg
 
+UNBOUND = ("", "")  # a stream that announced no binding (a client-named transfer)
+
 SRC = (1, 2, 3)
 
 
 def lr(lo: int, hi: int, *, tid: str = "t", epoch: int = 0, first: int = 0, blocks=SRC, now: float = 0.0):
-    return LayersReady(tid, epoch, lo, hi, first, blocks, now, now + 50)
+    return LayersReady(tid, epoch, lo, hi, first, blocks, now, now + 50, UNBOUND)
 
 
 def sealed(epoch: int = 0, **kw) -> Prefilled:
     p = pf(**kw)
-    return Prefilled(p.transfer_id, p.block_ids, p.num_tokens, p.now, p.lease_deadline, epoch)
+    return Prefilled(p.transfer_id, p.block_ids, p.num_tokens, p.now, p.lease_deadline, epoch=epoch)
 
 
 # ------------------------------------------------------------------------ examples
+
+
+def test_a_stream_writes_only_to_the_party_its_binding_admits() -> None:
+    """A bound transfer streams before its seal only to the identity (or secret) the stream
+    announced; a hijacker that registered first gets no group, and while a rival is parked
+    nobody does (the seal decides). A stream whose binding is unknown streams nothing."""
+    import dataclasses
+
+    def bound(ev: LayersReady) -> LayersReady:
+        return dataclasses.replace(ev, binding=("dnode", ""))
+
+    def by(identity: str, peer: str, attempt: int = 0) -> object:
+        return dataclasses.replace(reg(peer=peer, attempt=attempt), identity=identity)
+
+    rv = Rendezvous()
+    rv.handle(bound(lr(0, 2)))
+    assert of(StartGroupWrite, rv.handle(by("evil", "x"))) == []  # first, but not admitted
+    assert of(StartGroupWrite, rv.handle(bound(lr(2, 4)))) == []
+    rv = Rendezvous()
+    rv.handle(bound(lr(0, 2)))
+    (g,) = of(StartGroupWrite, rv.handle(by("dnode", "d0")))
+    assert g.peer == "d0"
+    assert rv.handle(by("evil", "x", attempt=1)) == []  # a rival is parked: no more groups until the seal picks
+    assert rv._recs["t"].parked  # the core's record (no view shows rivals)
+    assert of(StartGroupWrite, rv.handle(bound(lr(2, 4)))) == []
+    rv = Rendezvous()
+    rv.handle(dataclasses.replace(lr(0, 2), binding=None))
+    assert of(StartGroupWrite, rv.handle(reg())) == []
+
 
 
 def test_groups_before_register_go_out_together_then_each_at_once() -> None:
@@ -202,14 +233,14 @@ class StreamMachine(RendezvousMachine):
         ep = self.epoch.get(tid, 0) + bump
         self.epoch[tid] = ep
         blocks = (100, 101)[first:] if ep == 0 else (200 + ep, 300 + ep)[first:]
-        self.send(LayersReady(tid, ep, lo, lo + 1, first, blocks, self.now, self.now + dt))
+        self.send(LayersReady(tid, ep, lo, lo + 1, first, blocks, self.now, self.now + dt, UNBOUND))
 
     @rule(tid=st.sampled_from(("a", "b")), tokens=st.sampled_from([16, 16, 17]), dt=st.floats(0.5, 30))
     def prefill_sealed(self, tid: str, tokens: int, dt: float) -> None:
         self.sync()
         ep = getattr(self, "epoch", {}).get(tid, 0)
         blocks = (100, 101) if ep == 0 else (200 + ep, 300 + ep)
-        ev = Prefilled(tid, blocks, tokens, self.now, self.now + dt, ep)
+        ev = Prefilled(tid, blocks, tokens, self.now, self.now + dt, epoch=ep)
         self.prefill.setdefault(tid, ev)
         self.send(ev)
 

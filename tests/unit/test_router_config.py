@@ -60,7 +60,7 @@ def test_file_then_flags(tmp_path):
     ('policy = "random"\n[[prefill]]\nurl = "http://p:1"\nendpoints = ["tcp://p:1"]\n[[decode]]\nurl = "http://d:1"\n',
      "policy"),
     ('[[prefill]]\nurl = "http://p:1"\nendpoints = ["tcp://p:1"]\n[[decode]]\nurl = "http://d:1"\nport = 1\n',
-     "wants exactly url"),
+     r"wants url \(and node\)"),
     ("not toml [", "r.toml"),
 ])
 def test_bad_files_say_what_is_wrong(tmp_path, text, words):
@@ -91,3 +91,17 @@ def test_every_router_flag_has_help_text():
     for action in build_parser()._actions:
         if action.option_strings and action.help != argparse.SUPPRESS:
             assert action.help, action.option_strings
+
+
+def test_a_decode_engine_names_its_node_in_the_file_or_the_flag(tmp_path) -> None:
+    from kvpush.router.router_config import load, parse_decode
+    conf = tmp_path / "r.toml"
+    conf.write_text('[[prefill]]\nurl = "http://p:1"\nendpoints = ["tcp://p:1"]\n'
+                    '[[decode]]\nurl = "http://d:1"\nnode = "dnode"\n')
+    assert [b.node for b in load(str(conf)).decode] == ["dnode"]
+    assert parse_decode("http://d:2,node=d2").node == "d2" and parse_decode("http://d:2").node == ""
+    for bad in ("http://d:2,node=", "http://d:2,node=a b", "http://d:2,nod=x"):
+        with pytest.raises(RouterConfigError):
+            parse_decode(bad)
+    assert load(str(conf)).expose_transfer_id is False
+    assert load(str(conf), {"expose_transfer_id": True}).expose_transfer_id is True

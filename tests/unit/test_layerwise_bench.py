@@ -1,0 +1,112 @@
+"""The layer-wise benchmark's arithmetic (kvpush.testing.bench.layerwise) and the deep model's
+shape: the cap, the ratios, the hidden fraction and the loud refusal to measure whole-request
+under a layer-wise name are plain functions, checked here without engines."""
+
+from __future__ import annotations
+
+import json
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvpush.testing.bench import layerwise as lw
+from kvpush.testing.tiny_model import PRESETS
+
+
+def cal(prefill_ms: dict[int, float], per_tok: int = 24576) -> dict:
+    return {"kv_bytes_per_token": per_tok,
+            "lengths": {L: {"prefill_ms_p50": ms, "kv_bytes": per_tok * L} for L, ms in prefill_ms.items()}}
+
+
+def test_deep_preset_kv_per_token_matches_its_config(tmp_path):
+    spec = PRESETS["deep"]
+    assert spec.layers >= 16 and spec.kv_bytes_per_token() == 24 * 2 * 2 * 64 * 4
+    (tmp_path / "config.json").write_text(json.dumps({
+        "num_hidden_layers": spec.layers, "hidden_size": spec.hidden, "num_attention_heads": spec.heads,
+        "num_key_value_heads": spec.kv_heads, "head_dim": spec.head_dim}))
+    assert lw.kv_bytes_per_token(tmp_path) == spec.kv_bytes_per_token()
+    assert PRESETS["tiny"].layers == 2  # the default model every other test uses is unchanged
+
+
+def test_cap_makes_transfer_equal_prefill_where_one_length():
+    c = lw.cap_for(cal({2000: 1000.0}))
+    # 2000 tokens x 24576 B x 8 / 1 s = 393 Mbit/s, rounded to 10
+    assert c["rate"] == "390mbit" and abs(c["transfer_over_prefill"][2000] - 1.0) < 0.02
+
+
+@given(st.dictionaries(st.sampled_from([256, 512, 1024, 2000, 4000]), st.floats(20.0, 5000.0), min_size=1))
+def test_cap_is_between_the_equal_time_rates(prefill_ms):
+    c = lw.cap_for(cal(prefill_ms))
+    rates = c["equal_rate_mbit"].values()
+    assert min(rates) - 10 <= c["mbit_per_s"] <= max(rates) + 10 or c["mbit_per_s"] == 10
+    # the ratio under the cap is the equal-time rate over the cap, per length
+    for L, r in c["transfer_over_prefill"].items():
+        assert abs(r - c["equal_rate_mbit"][L] / c["mbit_per_s"]) < 0.01 + 0.01 * r
+
+
+def test_deployment_ratio_arithmetic():
+    d = lw.deployment_ratio()
+    assert d["kv_bytes_per_token"] == 327680
+    assert 0.5 <= d["transfer_over_prefill"] <= 2.0  # the regime the lab's cap stands for
+    assert abs(d["transfer_us_per_token"] - 327680 * 8 / 25e9 * 1e6) < 0.1
+
+
+def test_hidden_fraction():
+    whole = {"ttft": {2000: {"p50": 2500.0}}, "transfer_ms": {2000: 1200.0}}
+    lay = {"ttft": {2000: {"p50": 1300.0}}}
+    assert lw.hidden(whole, lay, 2000) == 1.0
+    assert lw.hidden({"ttft": {2000: {"p50": 2500.0}}}, lay, 2000) is None  # no transfer time: no figure
+
+
+def test_ttft_bound_of_goals():
+    out = {"model": {"layers": 24}, "layer_group": 4,
+           "calibration": {"lengths": {2000: {"prefill_ms_p50": 1000.0}}},
+           "modes": {"whole": {"transfer_ms": {2000: 1200.0}}, "layerwise": {"ttft": {2000: {"p50": 1410.0}}}}}
+    # bound = max(1000, 1200) + 1200 * 4 / 24 + 10 = 1410
+    assert lw.over_bound(out, 2000) == 1.0
+    out["layer_group"] = None  # unknown: one layer a group, a tighter bound
+    assert lw.over_bound(out, 2000) == round(1410 / (1200 + 50 + 10), 3)
+
+
+def test_transfer_rows_matched_to_lengths_by_bytes():
+    per = 24576
+    rows = [{"side": "prefill", "result": "ok", "bytes": 512 * per, "latency_ms": 300.0},
+            {"side": "prefill", "result": "ok", "bytes": 512 * per, "latency_ms": 320.0},
+            {"side": "prefill", "result": "failed", "bytes": 512 * per, "latency_ms": 9000.0},
+            {"side": "decode", "result": "ok", "bytes": 2048 * per, "latency_ms": 1.0},
+            {"side": "prefill", "result": "ok", "bytes": 2048 * per, "latency_ms": 1100.0}]
+    assert lw._transfer_ms_by_length(rows, [512, 2000, 4000], per) == {512: 310.0, 2000: 1100.0, 4000: None}
+
+
+def test_check_modes_refuses_whole_request_under_a_layerwise_name():
+    rows = [{"side": "prefill", "mode": "whole"}, {"side": "prefill", "mode": "layerwise"}]
+    assert "whole" in lw.check_modes(rows, "layerwise")
+    assert lw.check_modes([{"side": "prefill"}], "layerwise")  # no mode reported: a failure, not a pass
+    assert lw.check_modes([], "layerwise")
+    assert lw.check_modes([{"side": "prefill", "mode": "layerwise"}], "layerwise") == ""
+    assert lw.check_modes([{"side": "prefill", "mode": "layer_groups"}, {"side": "decode"}], "layerwise") == ""
+    assert lw.check_modes([{"side": "prefill", "mode": "whole_request"}], "whole") == ""
+    assert lw.check_modes([{"side": "prefill", "mode": "whole_request"}], "layerwise")
+
+
+def test_streaming_missing_follows_the_connector_schema(monkeypatch):
+    from kvpush.engine_plugin import connector_config
+
+    if "layerwise" not in connector_config.KEYS:
+        assert "layerwise" in lw.streaming_missing()
+    monkeypatch.setattr(connector_config, "KEYS", ())
+    assert "layerwise" in lw.streaming_missing()
+
+
+def test_tables_render_with_a_mode_not_measured():
+    out = {"lengths": [512], "requests": 2, "output_len": 8, "seed": 7,
+           "model": {"dir": "deep", "layers": 24, "kv_bytes_per_token": 24576},
+           "calibration": {"layers": 24, "kv_bytes_per_token": 24576,
+                           "lengths": {512: {"prefill_ms_p50": 200.0, "kv_bytes": 512 * 24576, "kv_mib": 12.0}}},
+           "cap": lw.cap_for(cal({512: 200.0})), "deployment": lw.deployment_ratio(),
+           "modes": {"colocated": {"ttft": {512: {"p50": 210.0, "p90": 220.0, "errors": 0}}},
+                     "layerwise": {"error": "no layerwise key"}}, "verdict": {}}
+    md = lw.table_capped(out, "scripts/bench_lab.py layerwise")
+    assert "| 512 | 12.0 | 200.0 |" in md and "210 / 220" in md
+    assert "**layerwise: not measured: no layerwise key**" in md
+    assert "| 512 | 200.0 | 12.0 |" in lw.table_model(out["calibration"], "x")

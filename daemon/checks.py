@@ -7,7 +7,9 @@ the sender is told. Bounds come from configuration, never from the wire.
 
 from __future__ import annotations
 
+from kvpush.daemon.rendezvous import LayersReady
 from kvpush.proto.layout import KVLayout
+from kvpush.proto.messages import LayerProgress
 
 
 def check_blocks(
@@ -24,6 +26,36 @@ def check_blocks(
     if block_ids and max(block_ids) >= layout.num_blocks:
         return f"{what}: block ID {max(block_ids)} out of range [0, {layout.num_blocks})"
     return ""
+
+
+def check_progress(layout: KVLayout, msg: LayerProgress, max_chunks: int, events: int) -> str:
+    """Empty string if a LayerProgress fits the attached layout and the configured bounds,
+    else why not (the whole frame is refused: nothing of a bad frame reaches a core).
+    ``events``: the size of the engine's LayerEvents pool (0: none sent)."""
+    if not 0 <= msg.layer_lo < msg.layer_hi <= layout.num_layers:
+        return f"progress: layers [{msg.layer_lo}, {msg.layer_hi}) outside [0, {layout.num_layers})"
+    if not msg.chunks or len(msg.chunks) > max_chunks:
+        return f"progress: {len(msg.chunks)} chunks (1 to {max_chunks} per frame)"
+    if msg.event > events:
+        return f"progress: event {msg.event} beyond the {events} LayerEvents sent"
+    for c in msg.chunks:
+        if not c.transfer_id:
+            return "progress: empty transfer_id"
+        why = check_blocks(layout, c.block_ids, c.num_tokens, "progress",
+                           c.first_token - c.first_token % layout.block_size)
+        if why:
+            return why
+        if c.first_block != c.first_token // layout.block_size:
+            return (f"progress: first_block {c.first_block} is not the block of first_token "
+                    f"{c.first_token} at block size {layout.block_size}")
+    return ""
+
+
+def progress_events(msg: LayerProgress, now: float, hold_s: float) -> list[LayersReady]:
+    """A checked LayerProgress as the rendezvous' events, one per chunk, kept ``hold_s``
+    (the lease) if nobody registers or seals."""
+    return [LayersReady(c.transfer_id, c.epoch, msg.layer_lo, msg.layer_hi, c.first_block,
+                        tuple(c.block_ids), now, now + hold_s) for c in msg.chunks]
 
 
 def bounded_s(asked_ms: int, limit_s: float) -> float:

@@ -287,6 +287,17 @@ class DeviceConfig:
         1 << 20, "block IDs one decode peer (one certificate identity, all its sessions "
         "together) may hold registered here across its live transfers; a PeerRegister over it "
         "is refused (quota)", check=_check_count)
+    max_progress_chunks: int = key(
+        1024, "prefill side: request chunks one LayerProgress frame may name (layer-wise "
+        "streaming); a larger frame is refused whole", check=_check_count)
+    max_layer_groups: int = key(
+        256, "prefill side: layer groups kept per transfer and epoch before the seal; past it "
+        "that transfer stops streaming and its final write covers everything", check=_check_count)
+    max_layer_writes_in_flight: int = key(
+        4, "prefill side: group WRITEs (layer-wise streaming) in flight per transfer; the rest "
+        "wait and go out together", check=_check_count)
+    max_layer_writes_total: int = key(
+        64, "prefill side: group WRITEs in flight across all transfers", check=_check_count)
     max_producers: int = key(
         256, "decode side: prefill daemons this daemon (one engine rank) may be linked to at "
         "once; the endpoints come from requests' kv_transfer_params, so a registration that "

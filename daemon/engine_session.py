@@ -96,6 +96,10 @@ class EngineSession:
             self.decode.on_register(msg, now)
         elif isinstance(msg, proto.PrefillDone):
             self.prefill.on_prefill_done(msg, now)
+        elif isinstance(msg, proto.LayerProgress):
+            self.prefill.on_layer_progress(msg, now)
+        elif isinstance(msg, proto.LayerEvents):
+            self.prefill.on_layer_events(msg)
         elif isinstance(msg, proto.Abort):
             known = self.decode.abort(msg.transfer_id, msg.attempt, msg.reason, now)
             known = self.prefill.abort(msg.transfer_id, msg.reason, now) or known

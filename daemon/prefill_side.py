@@ -22,7 +22,7 @@ import numpy as np
 from kvpush import proto
 from kvpush.daemon import quotas
 from kvpush.daemon import rendezvous as rv
-from kvpush.daemon.checks import bounded_s, check_blocks
+from kvpush.daemon.checks import bounded_s, check_blocks, check_progress, progress_events
 from kvpush.daemon.context import DaemonContext
 from kvpush.daemon.handshake import compat_error, make_hello, refusal
 from kvpush.daemon.peerauth import endpoint_host
@@ -89,11 +89,14 @@ class PrefillSide:
         self.ctx = ctx
         self.cfg = ctx.cfg
         self.rdv = rv.Rendezvous(
-            quota=quotas.Quota(self.cfg.max_transfers_per_peer, self.cfg.max_blocks_per_peer))
+            quota=quotas.Quota(self.cfg.max_transfers_per_peer, self.cfg.max_blocks_per_peer),
+            max_groups=self.cfg.max_layer_groups, max_group_writes=self.cfg.max_layer_writes_in_flight,
+            max_group_writes_total=self.cfg.max_layer_writes_total)
         self.consumers: dict[bytes, Consumer] = {}  # routing id -> decode daemon
         self.in_flight: dict[int, InFlight] = {}
         self._local_prep: dict[tuple[bytes, bytes], Any] = {}  # pattern -> prepared local dlist
         self._lease_said: set[rv.Cause] = set()  # lease expiries already logged, by cause
+        self.layer_events = 0  # LayerEvents pool size of the attached engine (0: none)
         # Routing ids without a consumer that we know something of (bounded, oldest dropped).
         self._lost: OrderedDict[bytes, _Seen] = OrderedDict()
 
@@ -112,6 +115,27 @@ class PrefillSide:
         lease = bounded_s(msg.lease_ms, self.cfg.lease_s)
         self.apply(rv.Prefilled(msg.transfer_id, msg.block_ids, msg.num_tokens, now, now + lease,
                                 msg.bind_node, msg.bind_secret))
+
+    def on_layer_progress(self, msg: proto.LayerProgress, now: float) -> list[rv.LayersReady]:
+        """Check a LayerProgress against the attached layout and the configured bounds (a bad
+        frame is refused whole, with an Error to the engine) and return its core events.
+
+        The rendezvous has the streaming rows (``LayersReady``/``StartGroupWrite``), but this
+        shell does not post group WRITEs yet (the planner has no layer slices), so the events
+        are not fed to it: the seal (PrefillDone) writes the whole request, as before."""
+        a = self.ctx.attached
+        assert a is not None
+        why = check_progress(a.layout, msg, self.cfg.max_progress_chunks, self.layer_events)
+        if why:
+            self.ctx.bad("progress", why)
+            self.ctx.to_engine(proto.Error("progress", why))
+            return []
+        return progress_events(msg, now, self.cfg.lease_s)
+
+    def on_layer_events(self, msg: proto.LayerEvents) -> None:
+        """The engine's GPU event pool: LayerProgress may name ``1 .. len(handles)``. The
+        events are not opened yet (no group WRITE is posted, so none is waited on)."""
+        self.layer_events = len(msg.handles)
 
     def abort(self, tid: str, reason: str, now: float) -> bool:
         """The local engine (or an operator) gives up on a transfer; False if we hold none."""

@@ -31,6 +31,26 @@ Safety rules the table upholds (each one is a bug seen in other systems):
   identity that arrives before the prefill is *parked*, not refused: the prefill's binding
   then picks the bound party, so a hijacker that registered first neither gets the KV nor
   locks the bound decode side out.
+
+Layer-wise streaming (``LayersReady``, DESIGN §9) adds group WRITEs (``StartGroupWrite``, no
+notification) before the seal (``Prefilled``), tracked in the same per-(attempt, destination)
+flight as the final write, so every fence above covers them too:
+
+* progress may come before any registration (state STREAMED: kept until ``hold_deadline``,
+  then forgotten) and is only written while a registration of the live attempt is known and
+  the seal has not come (after the seal the final write covers everything);
+* groups ready before a registration go out together in one WRITE, later ones as they come,
+  at most ``max_group_writes`` per transfer and ``max_group_writes_total`` in all (the rest
+  wait in the record; whatever is still unposted at the seal goes with the final write);
+* the final write (the one carrying the notification) is posted only once no group WRITE of
+  that attempt and destination is in flight (NIXL orders a notification after its own data
+  only); it may skip the parts already written (``StartWrite.written``) only when they were
+  read from the very blocks the seal names in the seal's epoch;
+* a new epoch (preemption on P) voids the progress seen so far: nothing of the new epoch is
+  posted to a destination while a WRITE of an older epoch to it is in flight (drain first),
+  and the final write rewrites whatever the new epoch did not stream;
+* more than ``max_groups`` groups in one epoch turns streaming off for that transfer (the
+  final write covers all): the record stays bounded.
 """
 
 from __future__ import annotations
@@ -45,8 +65,9 @@ from kvpush.daemon.quotas import Quota, refusal
 from kvpush.machine.core import Core, Held, Record, Table, _Deadline, row
 
 __all__ = [
-    "Aborted", "Action", "Cause", "ConfirmCancel", "Event", "NotifyFailure", "PeerLost",
-    "PendingInfo", "Prefilled", "Registered", "ReleaseBlocks", "Rendezvous", "StartWrite",
+    "Aborted", "Action", "Cause", "ConfirmCancel", "Event", "LayersReady", "NotifyFailure", "Part",
+    "PeerLost", "PendingInfo", "Prefilled", "Registered", "ReleaseBlocks", "Rendezvous",
+    "StartGroupWrite", "StartWrite",
     "State", "TABLE", "TOMBSTONES", "Tick", "WriteDone", "WriteFailed",
 ]
 
@@ -82,6 +103,7 @@ class Prefilled:
     lease_deadline: float
     bind_identity: str = ""  # only this decode identity may register ("" unbound by identity)
     bind_secret: str = ""  # or only a registration presenting this secret ("" none)
+    epoch: int = -1  # the request's epoch at the seal; -1: unknown (no streamed part is trusted)
 
     @property
     def bound(self) -> bool:
@@ -98,6 +120,26 @@ class Prefilled:
 
 
 @dataclass(frozen=True)
+class LayersReady:
+    """Layers ``[layer_lo, layer_hi)`` of the request's blocks ``first_block ...`` (these
+    IDs) are computed (prefill engine, mid-forward). ``epoch`` counts the request's restarts:
+    progress of an older epoch is void. Kept until ``hold_deadline`` if nobody registers."""
+
+    transfer_id: str
+    epoch: int
+    layer_lo: int
+    layer_hi: int
+    first_block: int
+    block_ids: tuple[int, ...]
+    now: float
+    hold_deadline: float
+    # The binding the seal will carry (Prefilled.bind_identity, bind_secret), known before it:
+    # a group is written only to registrations it admits. None: not known (a frame that does
+    # not say): nothing is streamed, the final write after the seal's check covers it all.
+    binding: tuple[str, str] | None = None
+
+
+@dataclass(frozen=True)
 class WriteDone:
     """The transport finished one StartWrite (the decode side got its notification)."""
 
@@ -105,6 +147,7 @@ class WriteDone:
     attempt: int
     dest_rank: int
     now: float
+    group: int = 0  # 0: the final write; n > 0: StartGroupWrite.group n
 
 
 @dataclass(frozen=True)
@@ -117,6 +160,7 @@ class WriteFailed:
     reason: str
     now: float
     cause: Cause = Cause.WRITE_FAILED  # e.g. TIMEOUT when the WRITE ran past its limit
+    group: int = 0  # as WriteDone.group
 
 
 @dataclass(frozen=True)
@@ -151,7 +195,7 @@ class Tick:
     now: float
 
 
-Event = Registered | Prefilled | WriteDone | WriteFailed | Aborted | PeerLost | Tick
+Event = Registered | Prefilled | LayersReady | WriteDone | WriteFailed | Aborted | PeerLost | Tick
 
 # -------------------------------------------------------------------------- actions
 
@@ -167,6 +211,34 @@ class StartWrite:
     src_block_ids: tuple[int, ...]
     dst_block_ids: tuple[int, ...]
     num_tokens: int
+    dst_first_token: int = 0
+    written: tuple[Part, ...] = ()  # already in the peer's blocks (group WRITEs): may be skipped
+
+
+@dataclass(frozen=True)
+class Part:
+    """Layers ``[layer_lo, layer_hi)`` of the source blocks at request indices
+    ``first_block ...`` (``src_block_ids``)."""
+
+    layer_lo: int
+    layer_hi: int
+    first_block: int
+    src_block_ids: tuple[int, ...]
+    epoch: int = 0
+
+
+@dataclass(frozen=True)
+class StartGroupWrite:
+    """Post one WRITE of these parts into the peer's blocks, without a notification;
+    answered by WriteDone/WriteFailed with ``group``."""
+
+    transfer_id: str
+    attempt: int
+    peer: str
+    dest_rank: int
+    group: int
+    parts: tuple[Part, ...]
+    dst_block_ids: tuple[int, ...]
     dst_first_token: int = 0
 
 
@@ -202,7 +274,7 @@ class ConfirmCancel:
     peer: str
 
 
-Action = StartWrite | ReleaseBlocks | NotifyFailure | ConfirmCancel
+Action = StartWrite | StartGroupWrite | ReleaseBlocks | NotifyFailure | ConfirmCancel
 
 # --------------------------------------------------------------------------- states
 
@@ -212,13 +284,15 @@ class State(enum.StrEnum):
     DONE, FAILED and EXPIRED are tombstones: kept ``tombstone_s`` so that late duplicates
     are recognised, then purged."""
 
-    WAIT_PREFILL = "wait_prefill"  # no prefill; the current attempt is live with registrations
+    WAIT_PREFILL = "wait_prefill"  # no prefill; the current attempt is live with registrations,
+    # or ended by its peer's cancel while group writes of it drain
     WAIT_REGISTER = "wait_register"  # prefill held; current attempt incomplete or dead
     WRITING = "writing"  # prefill held; every destination registered, started, >= 1 in flight
     DRAINING = "draining"  # verdict decided, waiting for in-flight writes to finish
     DONE = "done"  # blocks released ok
     FAILED = "failed"  # blocks released not ok, or aborted before prefill
     EXPIRED = "expired"  # no prefill and no live registration left
+    STREAMED = "streamed"  # layer progress only: no registration, no prefill, nothing written
 
 
 TOMBSTONES = frozenset({State.DONE, State.FAILED, State.EXPIRED})
@@ -267,6 +341,9 @@ class _Flight:
     peer: str
     holder: str = ""  # as _Reg.holder
     confirm: bool = False  # the peer cancelled: answer ConfirmCancel when this ends
+    final: bool = True  # the final write (with the notification) is in flight
+    groups: dict[int, int] = field(default_factory=dict)  # group WRITEs in flight -> epoch
+    final_due: bool = False  # post the final write once the groups have landed
 
 
 @dataclass(frozen=True)
@@ -292,6 +369,15 @@ class _Transfer(Record):
     verdict: _Verdict | None = None
     owner: str = ""  # identity of its first registration: only it may register (supersede) again
     parked: dict[tuple[str, int], _Parked] = field(default_factory=dict)  # (identity, dest): WAIT_PREFILL only
+    epoch: int = -1  # the stream's current epoch
+    binding: tuple[str, str] | None = None  # the stream's (LayersReady.binding); None: unknown
+    groups: list[Part] = field(default_factory=list)  # ready parts of that epoch, in order
+    posted: dict[int, int] = field(default_factory=dict)  # dest -> groups posted (attempt, epoch)
+    told: set[int] = field(default_factory=set)  # current attempt: dests told of its failure
+    stream_off: bool = False  # too many groups: the final write covers everything
+    seq: int = 0  # last group number handed out
+    hold_until: float = 0.0  # STREAMED: forget the progress then
+    ended: tuple[str, Cause] = ("attempt ended", Cause.CLOSED)  # why the current attempt ended
 
 
 def _earliest_registration(rec: _Transfer) -> float:
@@ -313,6 +399,7 @@ DEADLINES = {
     State.WAIT_REGISTER: _lease,
     State.WRITING: _none,
     State.DRAINING: _none,
+    State.STREAMED: lambda rec: rec.hold_until,
 }
 
 
@@ -343,11 +430,16 @@ class Rendezvous(Core[str, _Transfer]):
     """
 
     def __init__(self, *, tombstone_s: float = 60.0, max_transfers: int = 100_000,
-                 quota: Quota | None = None, max_parked: int = 8) -> None:
+                 quota: Quota | None = None, max_parked: int = 8, max_groups: int = 256,
+                 max_group_writes: int = 4, max_group_writes_total: int = 64) -> None:
         super().__init__(TABLE, TOMBSTONES, DEADLINES, tombstone_s=tombstone_s, max_live=max_transfers,
                          holdings=_peer_holdings)
         self.quota = quota  # each decode peer's share (None: no per-peer bound)
         self.max_parked = max_parked  # rival registrations one transfer keeps before its prefill
+        self.max_groups = max_groups  # ready groups kept per transfer and epoch
+        self.max_group_writes = max_group_writes  # group WRITEs in flight per transfer
+        self.max_group_writes_total = max_group_writes_total  # ... and in all
+        self.group_writes = 0  # group WRITEs in flight now, all transfers
 
     @property
     def max_transfers(self) -> int | None:
@@ -476,6 +568,14 @@ def inconsistent(rv: Rendezvous, rec: _Transfer, ev: Registered) -> bool:
     return ev.attempt == rec.attempt and ev.expected_dests != rec.expected
 
 
+def attempt_over(rv: Rendezvous, rec: _Transfer, ev: object) -> bool:
+    return not rec.live
+
+
+def inconsistent_busy(rv: Rendezvous, rec: _Transfer, ev: Registered) -> bool:
+    return inconsistent(rv, rec, ev) and bool(rec.inflight)
+
+
 def repeats_write(rv: Rendezvous, rec: _Transfer, ev: Registered) -> bool:
     """A registration whose write is in flight is answered by that write's end; any
     earlier word (e.g. "superseded") would let the decode side free blocks NIXL is
@@ -514,12 +614,55 @@ def no_prefill(rv: Rendezvous, rec: _Transfer, ev: object) -> bool:
 
 def unknown_write(rv: Rendezvous, rec: _Transfer, ev: WriteDone | WriteFailed) -> bool:
     """Not a write we started, or one already answered."""
-    return (ev.attempt, ev.dest_rank) not in rec.inflight
+    f = rec.inflight.get((ev.attempt, ev.dest_rank))
+    if f is None:
+        return True
+    return not f.final if ev.group == 0 else ev.group not in f.groups
+
+
+def _frees_final(rec: _Transfer, ev: WriteDone | WriteFailed) -> bool:
+    """This group is the last one before the deferred final write of a live attempt."""
+    f = rec.inflight[(ev.attempt, ev.dest_rank)]
+    return (ev.group > 0 and isinstance(ev, WriteDone) and f.final_due and not f.confirm
+            and set(f.groups) == {ev.group} and not f.final and _of_live_attempt(rec, ev))
+
+
+def _in_time(rv: Rendezvous, rec: _Transfer, dest: int) -> bool:
+    return rv.now < rec.regs[dest].deadline
+
+
+def _posts_final(rv: Rendezvous, rec: _Transfer, ev: WriteDone | WriteFailed) -> bool:
+    """This group's landing lets the deferred final write go out (within the registration's
+    deadline, as every write)."""
+    return _frees_final(rec, ev) and _in_time(rv, rec, ev.dest_rank)
+
+
+def final_too_late(rv: Rendezvous, rec: _Transfer, ev: WriteDone) -> bool:
+    """The groups landed after the registration's deadline: the final write may not go."""
+    return _frees_final(rec, ev) and not _in_time(rv, rec, ev.dest_rank)
+
+
+def final_too_late_last(rv: Rendezvous, rec: _Transfer, ev: WriteDone) -> bool:
+    return final_too_late(rv, rec, ev) and len(rec.inflight) == 1
+
+
+def _ends_flight(rv: Rendezvous, rec: _Transfer, ev: WriteDone | WriteFailed) -> bool:
+    f = rec.inflight.get((ev.attempt, ev.dest_rank))
+    if f is None:
+        return False
+    if ev.group == 0:
+        return f.final and not f.groups
+    return set(f.groups) == {ev.group} and not f.final and not _posts_final(rv, rec, ev)
 
 
 def last_write(rv: Rendezvous, rec: _Transfer, ev: WriteDone | WriteFailed) -> bool:
-    """This write is the only one still in flight."""
-    return len(rec.inflight) == 1 and (ev.attempt, ev.dest_rank) in rec.inflight
+    """This write is the only one still in flight (and posts nothing after it)."""
+    return len(rec.inflight) == 1 and _ends_flight(rv, rec, ev)
+
+
+def busy(rv: Rendezvous, rec: _Transfer, ev: object) -> bool:
+    """A (group) write is in flight."""
+    return bool(rec.inflight)
 
 
 def _of_live_attempt(rec: _Transfer, ev: WriteDone | WriteFailed) -> bool:
@@ -537,7 +680,7 @@ def fails_attempt_last(rv: Rendezvous, rec: _Transfer, ev: WriteFailed) -> bool:
 
 def completes(rv: Rendezvous, rec: _Transfer, ev: WriteDone) -> bool:
     """The last outstanding write of the live attempt landed: the transfer succeeded."""
-    return _of_live_attempt(rec, ev) and len(rec.done | {ev.dest_rank}) == rec.expected
+    return ev.group == 0 and _of_live_attempt(rec, ev) and len(rec.done | {ev.dest_rank}) == rec.expected
 
 
 def completes_last(rv: Rendezvous, rec: _Transfer, ev: WriteDone) -> bool:
@@ -562,6 +705,10 @@ def local_idle(rv: Rendezvous, rec: _Transfer, ev: Aborted) -> bool:
     return ev.origin == "local" and not rec.inflight
 
 
+def local_busy(rv: Rendezvous, rec: _Transfer, ev: Aborted) -> bool:
+    return ev.origin == "local" and bool(rec.inflight)
+
+
 def from_peer(rv: Rendezvous, rec: _Transfer | None, ev: Aborted) -> bool:
     return ev.origin == "peer"
 
@@ -577,6 +724,10 @@ def cancels_attempt(rv: Rendezvous, rec: _Transfer, ev: Aborted) -> bool:
     )
 
 
+def cancels_busy(rv: Rendezvous, rec: _Transfer, ev: Aborted) -> bool:
+    return cancels_attempt(rv, rec, ev) and bool(rec.inflight)
+
+
 def writes_to_peer(rv: Rendezvous, rec: _Transfer, ev: PeerLost) -> bool:
     """The lost peer registered for the live attempt."""
     return rec.live and any(r.peer == ev.peer for r in rec.regs.values())
@@ -584,6 +735,10 @@ def writes_to_peer(rv: Rendezvous, rec: _Transfer, ev: PeerLost) -> bool:
 
 def writes_to_peer_idle(rv: Rendezvous, rec: _Transfer, ev: PeerLost) -> bool:
     return writes_to_peer(rv, rec, ev) and not rec.inflight
+
+
+def writes_to_peer_busy(rv: Rendezvous, rec: _Transfer, ev: PeerLost) -> bool:
+    return writes_to_peer(rv, rec, ev) and bool(rec.inflight)
 
 
 # ---- binding: parked rivals and the prefill's choice of party (see the module docstring)
@@ -674,13 +829,17 @@ def _notify(rec: _Transfer, dest: int, reg: _Reg, reason: str, cause: Cause, out
 def _end_attempt(
     rec: _Transfer, reason: str, cause: Cause, out: list, skip_peer: str | None = None
 ) -> None:
-    """End the current attempt: it never writes again. Peers whose write has not
-    started hear now; a started write's peer hears through that write's own end."""
+    """End the current attempt: it never writes again. Peers with no write in flight hear
+    now; the others hear through their flight's own end."""
     if not rec.live:
         return
     rec.live = False
+    rec.ended = (reason, cause)
     for dest, reg in sorted(rec.regs.items()):
-        if dest not in rec.started and reg.peer != skip_peer:
+        if (rec.attempt, dest) in rec.inflight or dest in rec.done or dest in rec.told:
+            continue
+        rec.told.add(dest)
+        if reg.peer != skip_peer:
             _notify(rec, dest, reg, reason, cause, out)
 
 
@@ -692,9 +851,29 @@ def _fail(rec: _Transfer, reason: str, cause: Cause, out: list) -> None:
 
 
 def _start(rec: _Transfer, dest: int, out: list) -> None:
+    """The final write, or its promise once the group WRITEs to ``dest`` have landed."""
     assert rec.prefill is not None and dest not in rec.started
-    reg = rec.regs[dest]
     rec.started.add(dest)
+    flight = rec.inflight.get((rec.attempt, dest))
+    if flight is not None:
+        flight.final_due = True
+        return
+    _post_final(rec, dest, out)
+
+
+def _written(rec: _Transfer, dest: int) -> tuple[Part, ...]:
+    """Parts of the seal's epoch already written to ``dest`` from the blocks the seal names."""
+    assert rec.prefill is not None
+    if rec.prefill.epoch < 0 or rec.prefill.epoch != rec.epoch:
+        return ()
+    src = rec.prefill.block_ids
+    return tuple(p for p in rec.groups[: rec.posted.get(dest, 0)]
+                 if src[p.first_block: p.first_block + len(p.src_block_ids)] == p.src_block_ids)
+
+
+def _post_final(rec: _Transfer, dest: int, out: list) -> None:
+    assert rec.prefill is not None
+    reg = rec.regs[dest]
     rec.inflight[(rec.attempt, dest)] = _Flight(reg.peer, reg.holder)
     out.append(
         StartWrite(
@@ -706,6 +885,7 @@ def _start(rec: _Transfer, dest: int, out: list) -> None:
             reg.block_ids,
             rec.prefill.num_tokens,
             reg.first_token,
+            _written(rec, dest),
         )
     )
 
@@ -841,6 +1021,7 @@ def open_attempt(rv: Rendezvous, rec: _Transfer, ev: Registered, out: list) -> N
         _end_attempt(rec, f"superseded by attempt {ev.attempt}", Cause.SUPERSEDED, out)
         rec.attempt, rec.live, rec.expected = ev.attempt, True, ev.expected_dests
         rec.regs, rec.started, rec.done = {}, set(), set()
+        rec.posted, rec.told = {}, set()
 
 
 def add_reg(rv: Rendezvous, rec: _Transfer, ev: Registered, out: list) -> None:
@@ -888,22 +1069,48 @@ def decide_overloaded(rv: Rendezvous, rec: _Transfer, ev: Prefilled, out: list) 
 
 
 def release(rv: Rendezvous, rec: _Transfer, ev: object, out: list) -> None:
-    """Give the source blocks back with the verdict (the row guarantees nothing reads them)."""
-    assert rec.prefill is not None and rec.verdict is not None and not rec.inflight
+    """Give the source blocks back with the verdict (the row guarantees nothing reads them).
+    No seal yet (a stream drained): nothing is held; a later Prefilled goes straight back."""
+    assert rec.verdict is not None and not rec.inflight
+    if rec.prefill is None:
+        return
     v = rec.verdict
     out.append(ReleaseBlocks(rec.transfer_id, rec.prefill.block_ids, v.ok, v.reason, v.cause))
 
 
 def land(rv: Rendezvous, rec: _Transfer, ev: WriteDone | WriteFailed, out: list) -> None:
-    """The write is over: answer its peer (a pending cancel, or the failure)."""
-    flight = rec.inflight.pop((ev.attempt, ev.dest_rank))
+    """The write is over: answer its peer (a pending cancel, or the failure) once its
+    flight is empty; a group's landing may let the deferred final write go out."""
+    key = (ev.attempt, ev.dest_rank)
+    flight = rec.inflight[key]
+    final_landed = ev.group == 0
+    if final_landed:
+        flight.final = False
+    else:
+        del flight.groups[ev.group]
+        rv.group_writes -= 1
+    if flight.groups or flight.final:
+        return
+    if (not final_landed and flight.final_due and isinstance(ev, WriteDone)
+            and _of_live_attempt(rec, ev) and not flight.confirm and _in_time(rv, rec, ev.dest_rank)):
+        del rec.inflight[key]
+        _post_final(rec, ev.dest_rank, out)
+        return
+    del rec.inflight[key]
     if flight.confirm:
         if not any(a == ev.attempt and f.peer == flight.peer for (a, _), f in rec.inflight.items()):
             out.append(ConfirmCancel(rec.transfer_id, ev.attempt, flight.peer))
-    elif isinstance(ev, WriteFailed):
-        out.append(
-            NotifyFailure(rec.transfer_id, ev.attempt, flight.peer, ev.dest_rank, _write_reason(ev), ev.cause)
-        )
+        return
+    if isinstance(ev, WriteFailed):
+        reason, cause = _write_reason(ev), ev.cause
+    elif final_landed or _of_live_attempt(rec, ev):
+        return  # the peer has its notification, or more of a live attempt is to come
+    else:  # group WRITEs of an ended attempt: the peer never gets a notification
+        reason, cause = rec.ended if ev.attempt == rec.attempt else (
+            f"superseded by attempt {rec.attempt}", Cause.SUPERSEDED)
+    if ev.attempt == rec.attempt:
+        rec.told.add(ev.dest_rank)
+    out.append(NotifyFailure(rec.transfer_id, ev.attempt, flight.peer, ev.dest_rank, reason, cause))
 
 
 def _write_reason(ev: WriteFailed) -> str:
@@ -911,7 +1118,7 @@ def _write_reason(ev: WriteFailed) -> str:
 
 
 def count_done(rv: Rendezvous, rec: _Transfer, ev: WriteDone, out: list) -> None:
-    if _of_live_attempt(rec, ev):
+    if ev.group == 0 and _of_live_attempt(rec, ev):
         rec.done.add(ev.dest_rank)
 
 
@@ -967,14 +1174,83 @@ def fail_lease(rv: Rendezvous, rec: _Transfer, ev: _Deadline, out: list) -> None
         _fail(rec, "lease expired", Cause.LEASE_EXPIRED, out)
 
 
+def note_progress(rv: Rendezvous, rec: _Transfer, ev: LayersReady, out: list) -> None:
+    """Keep a ready group (bounded); a newer epoch voids the groups seen so far."""
+    if ev.epoch < rec.epoch:
+        return
+    if rec.state is State.STREAMED or rec.state is None:
+        rec.hold_until = max(rec.hold_until, ev.hold_deadline)
+    if ev.epoch > rec.epoch:
+        rec.epoch, rec.groups, rec.posted = ev.epoch, [], {}
+    if rec.binding is None or ev.binding != rec.binding:
+        # first word of the binding, or a frame that says otherwise: trust only agreement
+        rec.binding = ev.binding if rec.binding is None else None
+        if rec.binding is None:
+            rec.stream_off = True
+    if rec.stream_off:
+        return
+    if len(rec.groups) >= rv.max_groups:
+        rec.stream_off, rec.groups = True, []
+        return
+    rec.groups.append(Part(ev.layer_lo, ev.layer_hi, ev.first_block, tuple(ev.block_ids), ev.epoch))
+
+
+def _stream_admits(rec: _Transfer) -> bool:
+    """Before the seal, KV goes only where the binding the stream announced admits every
+    registration, and while no rival is parked (the seal may yet pick another party)."""
+    if rec.binding is None or rec.parked:
+        return False
+    who = Prefilled(rec.transfer_id, (), 0, 0.0, 0.0, *rec.binding)
+    return all(who.admits(r.identity, r.secret) for r in rec.regs.values())
+
+
+def pump(rv: Rendezvous, rec: _Transfer, ev: object, out: list) -> None:
+    """Post the ready groups each registered destination of the live attempt has not had,
+    as one WRITE, within the bounds; never over a WRITE of an older epoch to it."""
+    if not rec.live or rec.stream_off or rec.prefill is not None or not _stream_admits(rec):
+        return
+    for dest, reg in sorted(rec.regs.items()):
+        n = rec.posted.get(dest, 0)
+        if dest in rec.started or n >= len(rec.groups):
+            continue
+        flight = rec.inflight.get((rec.attempt, dest))
+        if flight is not None and (any(e != rec.epoch for e in flight.groups.values())
+                                   or len(flight.groups) >= rv.max_group_writes):
+            continue
+        if rv.group_writes >= rv.max_group_writes_total:
+            return
+        if flight is None:
+            flight = rec.inflight[(rec.attempt, dest)] = _Flight(reg.peer, reg.holder, final=False)
+        rec.seq += 1
+        flight.groups[rec.seq] = rec.epoch
+        rv.group_writes += 1
+        rec.posted[dest] = len(rec.groups)
+        out.append(StartGroupWrite(rec.transfer_id, rec.attempt, reg.peer, dest, rec.seq,
+                                   tuple(rec.groups[n:]), reg.block_ids, reg.first_token))
+
+
+def fail_late(rv: Rendezvous, rec: _Transfer, ev: WriteDone, out: list) -> None:
+    _fail(rec, "prefill did not complete in time (the stream's writes landed after the registration's "
+          "deadline)", Cause.TIMEOUT, out)
+
+
+def fail_timeout(rv: Rendezvous, rec: _Transfer, ev: _Deadline, out: list) -> None:
+    _fail(rec, "prefill did not complete in time", Cause.TIMEOUT, out)
+
+
+def confirm_streamed(rv: Rendezvous, rec: _Transfer, ev: Aborted, out: list) -> None:
+    confirm_unknown(rv, None, ev, out)
+
+
 # ========================================================================= the table
 
 _WP, _WR, _WG = State.WAIT_PREFILL, State.WAIT_REGISTER, State.WRITING
 _DR, _OK, _FL, _EX = State.DRAINING, State.DONE, State.FAILED, State.EXPIRED
+_ST = State.STREAMED
 _WRITES_ANSWER = "WRITING and DRAINING set no deadline: the transport answers every write"
 _IN_FLIGHT = "WRITING always has a write in flight (all started, not all done, none failed)"
 
-TABLE = Table(State, (Registered, Prefilled, WriteDone, WriteFailed, Aborted, PeerLost, _Deadline), [
+TABLE = Table(State, (Registered, Prefilled, LayersReady, WriteDone, WriteFailed, Aborted, PeerLost, _Deadline), [
     # --- Registered ---------------------------------------------------------------------
     row(None, Registered, over_quota, None, reject_quota),
     row(None, Registered, invalid, None, reject_invalid),
@@ -982,12 +1258,15 @@ TABLE = Table(State, (Registered, Prefilled, WriteDone, WriteFailed, Aborted, Pe
     row(None, Registered, None, _WP, open_attempt, add_reg),
 
     row(_WP, Registered, over_quota, _WP, reject_quota),
+    row(_WP, Registered, repeats_write, _WP),  # a group WRITE into its blocks answers it
     row(_WP, Registered, contends, _WP, park),
     row(_WP, Registered, invalid, _WP, reject_invalid),
     row(_WP, Registered, stale, _WP, reject_stale),
     row(_WP, Registered, duplicate, _WP),
+    row(_WP, Registered, ended, _WP, reject_ended),  # its groups drain (cancelled, inconsistent)
+    row(_WP, Registered, inconsistent_busy, _WP, reject_inconsistent, end_inconsistent, refuse_parked),  # drains
     row(_WP, Registered, inconsistent, _EX, reject_inconsistent, end_inconsistent, refuse_parked),
-    row(_WP, Registered, None, _WP, open_attempt, add_reg),
+    row(_WP, Registered, None, _WP, open_attempt, add_reg, pump),
 
     row(_WR, Registered, unbound, _WR, reject_unbound),
     row(_WR, Registered, over_quota, _WR, reject_quota),
@@ -1026,15 +1305,22 @@ TABLE = Table(State, (Registered, Prefilled, WriteDone, WriteFailed, Aborted, Pe
     row(_EX, Registered, ended, _EX, reject_ended),
     row(_EX, Registered, None, _WP, open_attempt, add_reg),
 
+    # STREAMED: progress only; the first registration takes its groups in one WRITE
+    row(_ST, Registered, over_quota, _ST, reject_quota),
+    row(_ST, Registered, invalid, _ST, reject_invalid),
+    row(_ST, Registered, None, _WP, open_attempt, add_reg, pump),
+
     # --- Prefilled ------------------------------------------------------------------
     row(None, Prefilled, overloaded, None, release_overloaded),
     row(None, Prefilled, None, _WR, hold),
+    row(_WP, Prefilled, attempt_over, _WR, hold, refuse_parked),  # the ended attempt's groups drain
     row(_WP, Prefilled, contested_mismatch, _WR, hold, settle, end_mismatch_all),
     row(_WP, Prefilled, contested_complete, _WG, hold, settle, start_all),
     row(_WP, Prefilled, contested, _WR, hold, settle, start_all),
     row(_WP, Prefilled, any_tokens_differ, _WR, hold, end_mismatch_all),
     row(_WP, Prefilled, all_registered, _WG, hold, start_all),
     row(_WP, Prefilled, None, _WR, hold, start_all),
+    row(_DR, Prefilled, no_prefill, _DR, hold),  # a stream draining: released at its end
     *[row(s, Prefilled, None, s) for s in (_WR, _WG, _DR, _OK)],  # a duplicate
     # FAILED before any prefill (local abort): give the blocks straight back
     row(_FL, Prefilled, no_prefill, _FL, hold, release),
@@ -1043,9 +1329,24 @@ TABLE = Table(State, (Registered, Prefilled, WriteDone, WriteFailed, Aborted, Pe
     # preempted re-registers under a new attempt)
     row(_EX, Prefilled, overloaded, _FL, hold, decide_overloaded, release),
     row(_EX, Prefilled, None, _WR, hold),
+    row(_ST, Prefilled, None, _WR, hold),  # nothing written: the final write covers it all
+
+    # --- LayersReady: kept before the seal, written while the live attempt is registered --
+    row(None, LayersReady, overloaded, None),
+    row(None, LayersReady, None, _ST, note_progress),
+    row(_ST, LayersReady, None, _ST, note_progress),
+    row(_WP, LayersReady, None, _WP, note_progress, pump),
+    # after the seal the final write covers everything; ended transfers write nothing
+    *[row(s, LayersReady, None, s) for s in (_WR, _WG, _DR, _OK, _FL, _EX)],
 
     # --- WriteDone / WriteFailed: only states holding a prefill have writes in flight --
-    *[row(s, e, unknown_write, s) for s in (_WR, _WG, _DR) for e in (WriteDone, WriteFailed)],
+    *[row(s, e, unknown_write, s) for s in (_WP, _WR, _WG, _DR) for e in (WriteDone, WriteFailed)],
+    # group WRITEs before the seal: a live attempt's failure fails the transfer
+    row(_WP, WriteFailed, fails_attempt_last, _FL, land, fail_write, release),
+    row(_WP, WriteFailed, fails_attempt, _DR, land, fail_write),
+    *[row(_WP, e, None, _WP, land, pump) for e in (WriteDone, WriteFailed)],
+    *[row(s, WriteDone, final_too_late_last, _FL, land, fail_late, release) for s in (_WR, _WG)],
+    *[row(s, WriteDone, final_too_late, _DR, land, fail_late) for s in (_WR, _WG)],
     row(_WR, WriteDone, None, _WR, land, count_done),  # the live attempt is incomplete
     row(_WG, WriteDone, completes_last, _OK, land, count_done, decide_ok, release),
     row(_WG, WriteDone, completes, _DR, land, count_done, decide_ok),  # older writes read
@@ -1057,12 +1358,14 @@ TABLE = Table(State, (Registered, Prefilled, WriteDone, WriteFailed, Aborted, Pe
     *[row(_DR, e, last_write, _FL, land, release) for e in (WriteDone, WriteFailed)],
     *[row(_DR, e, None, _DR, land) for e in (WriteDone, WriteFailed)],
     # no write in flight without a held prefill: a stray or repeated answer
-    *[row(s, e, None, s) for s in (None, _WP, _OK, _FL, _EX) for e in (WriteDone, WriteFailed)],
+    *[row(s, e, None, s) for s in (None, _ST, _OK, _FL, _EX) for e in (WriteDone, WriteFailed)],
 
     # --- Aborted ------------------------------------------------------------------------
     row(None, Aborted, from_peer, None, confirm_unknown),
     row(None, Aborted, None, None),  # a local abort of an unknown transfer
+    row(_WP, Aborted, local_busy, _DR, fail_aborted, refuse_parked),
     row(_WP, Aborted, local, _FL, fail_aborted, refuse_parked),
+    row(_WP, Aborted, cancels_busy, _WP, end_cancelled, confirm, refuse_parked),  # its groups drain first
     row(_WP, Aborted, cancels_with_heir, _WP, end_owner_cancelled, confirm, promote_heir),
     row(_WP, Aborted, cancels_attempt, _EX, end_cancelled, confirm, refuse_parked),
     row(_WP, Aborted, None, _WP, confirm),
@@ -1077,8 +1380,11 @@ TABLE = Table(State, (Registered, Prefilled, WriteDone, WriteFailed, Aborted, Pe
     *[row(s, Aborted, from_peer, s, confirm) for s in (_DR, _OK, _FL, _EX)],
     *[row(s, Aborted, None, s) for s in (_DR, _OK, _FL)],
     row(_EX, Aborted, None, _FL, decide_aborted),  # remembered: a later Prefilled goes back
+    row(_ST, Aborted, from_peer, _ST, confirm_streamed),
+    row(_ST, Aborted, None, _FL, decide_aborted),
 
     # --- PeerLost (fanned out through the peer index) ---------------------------------
+    row(_WP, PeerLost, writes_to_peer_busy, _DR, fail_peer_lost, refuse_parked),
     row(_WP, PeerLost, lost_with_heir, _WP, end_owner_lost, promote_heir),
     row(_WP, PeerLost, writes_to_peer, _FL, fail_peer_lost, refuse_parked),
     row(_WR, PeerLost, writes_to_peer_idle, _FL, fail_peer_lost, release),
@@ -1086,16 +1392,19 @@ TABLE = Table(State, (Registered, Prefilled, WriteDone, WriteFailed, Aborted, Pe
     row(_WG, PeerLost, writes_to_peer_idle, _FL, fail_peer_lost, release, unreachable=_IN_FLIGHT),
     row(_WG, PeerLost, writes_to_peer, _DR, fail_peer_lost),
     *[row(s, PeerLost, None, s) for s in (_WP, _WR, _WG, _DR, _OK, _FL, _EX)],
+    row(_ST, PeerLost, None, _ST, unreachable="STREAMED has no registration, so no peer index"),
     row(None, PeerLost, None, None, unreachable="the peer index forgets purged transfers"),
 
     # --- deadlines: registration, lease, tombstone --------------------------------------
     row(_WP, _Deadline, parked_expired, _WP, expire_parked),
+    row(_WP, _Deadline, busy, _DR, fail_timeout, refuse_parked),  # the stream's writes drain first
     row(_WP, _Deadline, heir_after_timeout, _WP, end_owner_timeout, expire_parked, promote_heir),
     row(_WP, _Deadline, None, _EX, end_timeout, expire_parked),
+    row(_ST, _Deadline, None, None),  # progress nobody registered for or sealed: forget it
     row(_WR, _Deadline, idle, _FL, fail_lease, release),
     row(_WR, _Deadline, None, _DR, fail_lease),
     *[row(s, _Deadline, None, s, unreachable=_WRITES_ANSWER) for s in (_WG, _DR)],
     *[row(s, _Deadline, None, None) for s in (_OK, _FL, _EX)],  # tombstone time is over
     row(None, _Deadline, None, None, unreachable="a forgotten record has no deadline"),
 ])  # fmt: skip
-del _WP, _WR, _WG, _DR, _OK, _FL, _EX
+del _WP, _WR, _WG, _DR, _OK, _FL, _EX, _ST

@@ -328,6 +328,10 @@ EXAMPLES: dict[str, tuple[str, Any]] = {
     "max_blocks_per_peer": ("4096", lambda n: n.devices[0].max_blocks_per_peer == 4096),
     "max_sessions_per_peer": ("8", lambda n: n.devices[0].max_sessions_per_peer == 8),
     "max_producers": ("32", lambda n: n.devices[0].max_producers == 32),
+    "max_progress_chunks": ("16", lambda n: n.devices[0].max_progress_chunks == 16),
+    "max_layer_groups": ("8", lambda n: n.devices[0].max_layer_groups == 8),
+    "max_layer_writes_in_flight": ("2", lambda n: n.devices[0].max_layer_writes_in_flight == 2),
+    "max_layer_writes_total": ("32", lambda n: n.devices[0].max_layer_writes_total == 32),
     "max_handshaking_producers": ("4", lambda n: n.devices[0].max_handshaking_producers == 4),
 }
 # CURVE keys only come in pairs; "config" names the file it is in.

@@ -40,6 +40,11 @@ def _binding_error(msg: proto.PrefillDone) -> str:
         return f"binding of {len(msg.bind_node)}/{len(msg.bind_secret)} chars exceeds {MAX_NODE}/{MAX_SECRET}"
     return ""
 
+#: Does this daemon post layer-group WRITEs? Not yet: it checks the stream and its rendezvous has
+#: the rows, but the planner has no layer slices, so the seal writes the whole request. The lab
+#: bench and tests read this to skip the layer-wise modes instead of measuring whole requests.
+STREAMS_LAYERS = False
+
 # Poll cap while one of our WRITEs is in flight. NIXL runs without UCX's progress thread, so a
 # WRITE over TCP moves bytes only while we poll it: backing off like an idle loop would cap a
 # 16 MiB WRITE at a few socket buffers per sleep (measured: half the raw NIXL rate).

@@ -1337,7 +1337,9 @@ TABLE = Table(State, (Registered, Prefilled, LayersReady, WriteDone, WriteFailed
     row(_ST, LayersReady, None, _ST, note_progress),
     row(_WP, LayersReady, None, _WP, note_progress, pump),
     # after the seal the final write covers everything; ended transfers write nothing
-    *[row(s, LayersReady, None, s) for s in (_WR, _WG, _DR, _OK, _FL, _EX)],
+    *[row(s, LayersReady, None, s) for s in (_WR, _WG, _DR, _OK, _FL)],
+    # EXPIRED waits for a newer attempt: keep its progress current (a new epoch voids the old)
+    row(_EX, LayersReady, None, _EX, note_progress),
 
     # --- WriteDone / WriteFailed: only states holding a prefill have writes in flight --
     *[row(s, e, unknown_write, s) for s in (_WP, _WR, _WG, _DR) for e in (WriteDone, WriteFailed)],

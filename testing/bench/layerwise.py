@@ -72,12 +72,16 @@ def num_layers(model: Path) -> int:
 
 def streaming_missing() -> str:
     """Why the installed kvpush cannot stream per layer, or "" when it can: the connector's
-    schema has the ``layerwise`` key (it refuses unknown keys). That the daemon then really
+    schema has the ``layerwise`` key (it refuses unknown keys) and the daemon posts layer-group
+    WRITEs (``prefill_side.STREAMS_LAYERS``). That the daemon then really
     streams is checked after each run from its transfer rows (:func:`check_modes`)."""
+    from kvpush.daemon.prefill_side import STREAMS_LAYERS
     from kvpush.engine_plugin.connector_config import KEYS
 
     if "layerwise" not in KEYS:
         return "the installed KVPushConnector has no `layerwise` key (layer-wise streaming has not landed)"
+    if not STREAMS_LAYERS:
+        return "the installed kvpushd checks layer progress but does not post layer-group WRITEs yet"
     return ""
 
 

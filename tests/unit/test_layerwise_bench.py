@@ -96,6 +96,13 @@ def test_streaming_missing_follows_the_connector_schema(monkeypatch):
         assert "layerwise" in lw.streaming_missing()
     monkeypatch.setattr(connector_config, "KEYS", ())
     assert "layerwise" in lw.streaming_missing()
+    monkeypatch.undo()
+    from kvpush.daemon import prefill_side
+
+    monkeypatch.setattr(prefill_side, "STREAMS_LAYERS", False)
+    assert "layer-group WRITEs" in lw.streaming_missing()
+    monkeypatch.setattr(prefill_side, "STREAMS_LAYERS", True)
+    assert lw.streaming_missing() == ""
 
 
 def test_tables_render_with_a_mode_not_measured():

@@ -28,6 +28,7 @@ from kvpush import proto
 from kvpush.testing.daemon_harness import Daemon, Engine, device_config
 from kvpush.testing.keys import allow, lab_keys
 from kvpush.testing.kvref import make, reference_copy
+from kvpush.testing.nixl_probe import MEDIA
 
 pytestmark = pytest.mark.integration
 
@@ -44,17 +45,20 @@ def tid() -> str:
     return f"b{os.getpid()}-{next(_ids)}"
 
 
-@pytest.fixture
-def fleet(tmp_path):
+@pytest.fixture(params=list(MEDIA))
+def fleet(tmp_path, monkeypatch, request):
+    """P, D and X over one UCX medium (shared memory with TCP, or TCP alone)."""
+    env = {"UCX_TLS": MEDIA[request.param]}
+    monkeypatch.setenv("UCX_TLS", env["UCX_TLS"])
     kp = lab_keys(tmp_path / "P", "pnode", ("127.0.0.1",))
     kd = lab_keys(tmp_path / "D", "dnode", ("127.0.0.2",))
     kx = lab_keys(tmp_path / "X", "xnode", ("127.0.0.3",))
     allow(kp, kd, kx)
     allow(kd, kp)
     allow(kx, kp)
-    p = Daemon(device_config(tmp_path, 0, **kp.config()))
-    d = Daemon(device_config(tmp_path, 1, peer_host="127.0.0.2", advertise_host="127.0.0.2", **kd.config()))
-    x = Daemon(device_config(tmp_path, 2, peer_host="127.0.0.3", advertise_host="127.0.0.3", **kx.config()))
+    p = Daemon(device_config(tmp_path, 0, **kp.config()), env=env)
+    d = Daemon(device_config(tmp_path, 1, peer_host="127.0.0.2", advertise_host="127.0.0.2", **kd.config()), env=env)
+    x = Daemon(device_config(tmp_path, 2, peer_host="127.0.0.3", advertise_host="127.0.0.3", **kx.config()), env=env)
     lay, meta = _lay()
     pe = Engine(p, lay, "prefill", seed=3)
     de, xe = Engine(d, lay, "decode", fill="zeros"), Engine(x, lay, "decode", fill="zeros")

@@ -97,3 +97,14 @@ def apply_plan_regions(p, src_regions: list[np.ndarray], dst_regions: list[np.nd
     dr, do = split_address(p.dst_off)
     for a, b, c, d, n in zip(sr.tolist(), so.tolist(), dr.tolist(), do.tolist(), p.length.tolist(), strict=True):
         dst_regions[c][d:d + n] = src_regions[a][b:b + n]
+
+
+def small_engine() -> tuple[KVLayout, dict]:
+    """The KV every daemon-level test engine attaches (two layers, 32 blocks of 16 tokens, AMX
+    packing, bf16) and its reference parameters: one definition for the security tests, the
+    fleet fixture and the rotation bench."""
+    return make("amx", num_layers=2, num_blocks=32, block_size=16, num_heads=2, head_size=64, dtype="bfloat16")
+
+
+def small_layout() -> KVLayout:
+    return small_engine()[0]

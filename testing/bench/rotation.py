@@ -29,7 +29,7 @@ import numpy as np
 from kvpush import proto
 from kvpush.daemon.kv_mapping import MappedRegion
 from kvpush.daemon.transport import NixlTransport
-from kvpush.testing.kvref import make
+from kvpush.testing.kvref import small_layout as lay
 
 
 class _Anon(MappedRegion):
@@ -63,10 +63,6 @@ def rotate_ms(size: int, reps: int = 5) -> float:
     t.close()
     region.close()
     return statistics.median(took)
-
-
-def lay() -> Any:
-    return make("amx", num_layers=2, num_blocks=32, block_size=16, num_heads=2, head_size=64, dtype="bfloat16")[0]
 
 
 def daemons_run(tmp: Path, tls: str, before: int, after_s: float) -> dict[str, Any]:

@@ -9,7 +9,7 @@ import pytest
 
 from kvpush.testing.daemon_harness import Daemon, Engine, device_config
 from kvpush.testing.keys import allow, lab_keys
-from kvpush.testing.kvref import make
+from kvpush.testing.kvref import small_layout
 
 _HERE = Path(__file__).parent
 
@@ -24,7 +24,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def nodes(tmp_path):
     """Prefill daemon on node P (127.0.0.1), decode daemon on node D (127.0.0.2), each allowing
     the other, each with an engine stand-in attached: (p, d, pe, de, kp, kd)."""
-    lay = make("amx", num_layers=2, num_blocks=32, block_size=16, num_heads=2, head_size=64, dtype="bfloat16")[0]
+    lay = small_layout()
     kp = lab_keys(tmp_path / "P", "pnode", ("127.0.0.1",))
     kd = lab_keys(tmp_path / "D", "dnode", ("127.0.0.2",))
     allow(kp, kd)

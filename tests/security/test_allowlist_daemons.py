@@ -27,15 +27,11 @@ import zmq
 from kvpush import proto
 from kvpush.daemon.peerauth import PeerAuth, keygen
 from kvpush.testing.daemon_harness import Daemon, ops_request
-from kvpush.testing.kvref import make
+from kvpush.testing.kvref import small_layout as lay
 
 pytestmark = pytest.mark.integration
 
 _ids = itertools.count()
-
-
-def lay():
-    return make("amx", num_layers=2, num_blocks=32, block_size=16, num_heads=2, head_size=64, dtype="bfloat16")[0]
 
 
 def transfer(p, d, pe, de, blocks=(4, 5, 6)) -> object:

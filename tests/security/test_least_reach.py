@@ -28,14 +28,10 @@ from kvpush import proto
 from kvpush.daemon.peerauth import PeerAuth
 from kvpush.testing.daemon_harness import Daemon, Engine, device_config, ops_request
 from kvpush.testing.keys import allow, lab_keys
-from kvpush.testing.kvref import make
+from kvpush.testing.kvref import small_layout as lay
 from kvpush.testing.nixl_probe import MEDIA, agent, register, xfer
 
 pytestmark = pytest.mark.integration
-
-
-def lay():
-    return make("amx", num_layers=2, num_blocks=32, block_size=16, num_heads=2, head_size=64, dtype="bfloat16")[0]
 
 
 # ---------------------------------------------------------------- what the target needs

@@ -23,7 +23,7 @@ from kvpush import proto
 from kvpush.daemon.peerauth import PeerAuth
 from kvpush.testing.daemon_harness import Daemon, device_config, ops_request
 from kvpush.testing.keys import allow, lab_keys
-from kvpush.testing.kvref import make
+from kvpush.testing.kvref import small_layout as lay
 
 pytestmark = pytest.mark.integration
 
@@ -32,10 +32,6 @@ _ids = itertools.count()
 
 def tid() -> str:
     return f"s{os.getpid()}-{next(_ids)}"
-
-
-def lay():
-    return make("amx", num_layers=2, num_blocks=32, block_size=16, num_heads=2, head_size=64, dtype="bfloat16")[0]
 
 
 def transfer(p, d, pe, de, blocks=(4, 5, 6)) -> object:

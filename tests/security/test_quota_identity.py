@@ -18,15 +18,11 @@ import pytest
 from kvpush import proto
 from kvpush.testing.daemon_harness import Daemon, Engine, device_config, ops_request
 from kvpush.testing.keys import allow, lab_keys
-from kvpush.testing.kvref import make
+from kvpush.testing.kvref import small_layout as lay
 
 pytestmark = pytest.mark.integration
 
 _ids = itertools.count()
-
-
-def lay():
-    return make("amx", num_layers=2, num_blocks=32, block_size=16, num_heads=2, head_size=64, dtype="bfloat16")[0]
 
 
 def tid() -> str:

@@ -28,7 +28,8 @@ import pytest
 from kvpush import proto
 from kvpush.testing.daemon_harness import Daemon, Engine, device_config, ops_request
 from kvpush.testing.keys import allow, lab_keys
-from kvpush.testing.kvref import make, reference_copy
+from kvpush.testing.kvref import reference_copy
+from kvpush.testing.kvref import small_engine as lay
 from kvpush.testing.nixl_probe import MEDIA, FakeProducer, agent, register, xfer
 
 pytestmark = pytest.mark.integration
@@ -127,10 +128,6 @@ def test_a_new_agent_revokes(medium, monkeypatch):
 
 
 # ---------------------------------------------------------------- real daemons
-
-
-def lay():
-    return make("amx", num_layers=2, num_blocks=32, block_size=16, num_heads=2, head_size=64, dtype="bfloat16")
 
 
 def u8(a: np.ndarray) -> np.ndarray:

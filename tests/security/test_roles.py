@@ -16,13 +16,9 @@ from kvpush.daemon.allowlist import parse_cert
 from kvpush.daemon.peerauth import keygen
 from kvpush.testing.daemon_harness import Daemon, Engine, device_config, ops_request
 from kvpush.testing.keys import allow, lab_keys
-from kvpush.testing.kvref import make
+from kvpush.testing.kvref import small_layout as lay
 
 pytestmark = pytest.mark.integration
-
-
-def lay():
-    return make("amx", num_layers=2, num_blocks=32, block_size=16, num_heads=2, head_size=64, dtype="bfloat16")[0]
 
 
 def keys(tmp_path, name, host, roles):

@@ -27,7 +27,8 @@ import pytest
 from kvpush import proto
 from kvpush.testing.daemon_harness import Daemon, Engine, device_config
 from kvpush.testing.keys import allow, lab_keys
-from kvpush.testing.kvref import make, reference_copy
+from kvpush.testing.kvref import reference_copy
+from kvpush.testing.kvref import small_engine as _lay
 from kvpush.testing.nixl_probe import MEDIA
 
 pytestmark = pytest.mark.integration
@@ -35,10 +36,6 @@ pytestmark = pytest.mark.integration
 _ids = itertools.count()
 N = 40  # tokens: 3 blocks of 16
 SRC, D_BLOCKS, X_BLOCKS = (1, 2, 3), (4, 5, 6), (7, 8, 9)
-
-
-def _lay():
-    return make("amx", num_layers=2, num_blocks=32, block_size=16, num_heads=2, head_size=64, dtype="bfloat16")
 
 
 def tid() -> str:

@@ -227,7 +227,7 @@ def test_metrics_families_and_a_transfer(node: Node) -> None:
     # after a transfer every family with labels has samples: the docs match names and labels
     assert_documented_both_ways(fams, "kvpushd")
     assert {s.labels["state"] for s in fams["kvpush_pending_rendezvous"].samples} == {
-        "wait_prefill", "wait_register", "writing", "draining",
+        "wait_prefill", "wait_register", "writing", "draining", "streamed",
         "waiting", "failing", "aborting", "superseded"}, "finished states are not pending"
 
     # kvpushctl metrics: the same counters, straight from each daemon (found by glob)

@@ -520,7 +520,9 @@ def test_flipped_bytes_reject_or_decode_consistently(msg: Any, data: st.DataObje
     except ProtocolError:
         return
     assert MESSAGE_TYPES[type(out).__name__] is type(out)  # a flip inside a value can stay valid
-    assert decode(encode(out)) == out
+    again = encode(out)
+    # A flip can make an OpsReply float NaN (never equal to itself): compare the bytes then.
+    assert decode(again) == out or encode(decode(again)) == again
 
 
 @MORE

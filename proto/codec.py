@@ -157,15 +157,6 @@ def _strs(v: Any, lim: Limits, path: str) -> tuple[str, ...]:
     return tuple(v)
 
 
-def _bytess(v: Any, lim: Limits, path: str) -> tuple[bytes, ...]:
-    # LayerEvents.handles: a pool of IPC handles, as many as MAX_REGIONS at most.
-    if type(v) is not list:
-        raise ProtocolError(f"{path}: expected array of bytes, got {_tname(v)}")
-    if len(v) > MAX_REGIONS:
-        raise ProtocolError(f"{path}: {len(v)} entries exceed {MAX_REGIONS}")
-    return tuple(_bytes(item, lim, f"{path}[{i}]") for i, item in enumerate(v))
-
-
 _JSON_SCALARS = (type(None), bool, int, float, str)
 
 
@@ -224,17 +215,25 @@ class _Field:
 _SCALARS: dict[object, _Converter] = {int: _int, bool: _bool, str: _str, bytes: _bytes}
 
 
-def _nested_tuple(cls: type) -> _Converter:
-    one = _nested(cls)
+def _array(one: _Converter, what: str) -> _Converter:
+    """An array of at most MAX_REGIONS elements, each checked by ``one`` (memory handles of
+    an Attach, chunks of a LayerProgress, IPC handles of a LayerEvents)."""
 
     def convert(v: Any, lim: Limits, path: str) -> tuple[Any, ...]:
         if type(v) is not list:
-            raise ProtocolError(f"{path}: expected array of {cls.__name__}, got {_tname(v)}")
+            raise ProtocolError(f"{path}: expected array of {what}, got {_tname(v)}")
         if len(v) > MAX_REGIONS:
             raise ProtocolError(f"{path}: {len(v)} entries exceed {MAX_REGIONS}")
         return tuple(one(item, lim, f"{path}[{i}]") for i, item in enumerate(v))
 
     return convert
+
+
+def _nested_tuple(cls: type) -> _Converter:
+    return _array(_nested(cls), cls.__name__)
+
+
+_bytess = _array(_bytes, "bytes")
 
 
 def _converter(hint: Any, owner: str) -> tuple[_Converter, type | None]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from kvpush.daemon.rendezvous import LayersReady
 from kvpush.proto.layout import KVLayout
 from kvpush.proto.messages import LayerProgress
+from kvpush.proto.params import MAX_NODE, MAX_SECRET
 
 
 def check_blocks(
@@ -41,6 +42,8 @@ def check_progress(layout: KVLayout, msg: LayerProgress, max_chunks: int, events
     for c in msg.chunks:
         if not c.transfer_id:
             return "progress: empty transfer_id"
+        if len(c.bind_node) > MAX_NODE or len(c.bind_secret) > MAX_SECRET:
+            return f"progress: binding of {len(c.bind_node)}/{len(c.bind_secret)} chars exceeds {MAX_NODE}/{MAX_SECRET}"
         why = check_blocks(layout, c.block_ids, c.num_tokens, "progress",
                            c.first_token - c.first_token % layout.block_size)
         if why:
@@ -53,9 +56,10 @@ def check_progress(layout: KVLayout, msg: LayerProgress, max_chunks: int, events
 
 def progress_events(msg: LayerProgress, now: float, hold_s: float) -> list[LayersReady]:
     """A checked LayerProgress as the rendezvous' events, one per chunk, kept ``hold_s``
-    (the lease) if nobody registers or seals."""
+    (the lease) if nobody registers or seals. Each carries the binding its seal will carry."""
     return [LayersReady(c.transfer_id, c.epoch, msg.layer_lo, msg.layer_hi, c.first_block,
-                        tuple(c.block_ids), now, now + hold_s) for c in msg.chunks]
+                        tuple(c.block_ids), now, now + hold_s, (c.bind_node, c.bind_secret))
+            for c in msg.chunks]
 
 
 def bounded_s(asked_ms: int, limit_s: float) -> float:

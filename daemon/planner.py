@@ -20,6 +20,7 @@ The plan is built in three steps, all vectorised with numpy so that 32 layers x
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,6 +40,7 @@ class Plan:
     src_off: np.ndarray
     dst_off: np.ndarray
     length: np.ndarray
+    layer: np.ndarray | None = None  # per descriptor, its layer (``plan(..., by_layer=True)``)
 
     def __len__(self) -> int:
         return int(self.length.shape[0])
@@ -152,25 +154,25 @@ def _fold(atom: int, dims: list[_Dim]) -> tuple[int, list[_Dim]]:
 
 
 def _enumerate(
-    bases: list[tuple[np.ndarray, np.ndarray, np.ndarray, int]], dims: list[_Dim]
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Sum offsets (and run lengths) of every axis, outermost (largest source stride) first.
+    bases: list[tuple[np.ndarray, ...]], dims: list[_Dim]
+) -> list[np.ndarray]:
+    """Sum offsets (and run lengths, and layer labels) of every axis, outermost (largest
+    source stride) first.
 
-    Each axis is (source offsets, destination offsets, length contributions, order key).
+    Each axis is (order key, source offsets, destination offsets, length contributions[, layer
+    labels]); every axis of one call has the same number of sums.
     """
     axes = list(bases)
+    width = len(axes[0]) - 1
     for d in dims:
         idx = np.arange(d.count, dtype=np.int64)
-        axes.append((idx * d.src_stride, idx * d.dst_stride, np.zeros_like(idx), d.src_stride))
-    axes.sort(key=lambda a: -a[3])
-    s = np.zeros(1, dtype=np.int64)
-    t = np.zeros(1, dtype=np.int64)
-    ln = np.zeros(1, dtype=np.int64)
-    for a_src, a_dst, a_len, _ in axes:
-        s = (s[:, None] + a_src[None, :]).reshape(-1)
-        t = (t[:, None] + a_dst[None, :]).reshape(-1)
-        ln = (ln[:, None] + a_len[None, :]).reshape(-1)
-    return s, t, ln
+        zero = np.zeros_like(idx)
+        axes.append((d.src_stride, idx * d.src_stride, idx * d.dst_stride, *([zero] * (width - 2))))
+    axes.sort(key=lambda a: -a[0])
+    sums = [np.zeros(1, dtype=np.int64) for _ in range(width)]
+    for axis in axes:
+        sums = [(acc[:, None] + a[None, :]).reshape(-1) for acc, a in zip(sums, axis[1:], strict=True)]
+    return sums
 
 
 def _merge_pieces(
@@ -184,15 +186,18 @@ def _merge_pieces(
     return ps[starts], pd[starts], counts * atom
 
 
-def _merge(s: np.ndarray, d: np.ndarray, ln: np.ndarray) -> Plan:
+def _merge(s: np.ndarray, d: np.ndarray, ln: np.ndarray, layer: np.ndarray | None = None) -> Plan:
+    """Merge runs contiguous on both sides (never across layers when they are labelled)."""
     if s.shape[0] == 0:
-        return Plan(s, d, ln)
+        return Plan(s, d, ln, layer)
     brk = np.ones(s.shape[0], dtype=bool)
     ends_s = s[:-1] + ln[:-1]
     ends_d = d[:-1] + ln[:-1]
     brk[1:] = (s[1:] != ends_s) | (d[1:] != ends_d)
+    if layer is not None:
+        brk[1:] |= layer[1:] != layer[:-1]
     starts = np.flatnonzero(brk)
-    return Plan(s[starts], d[starts], np.add.reduceat(ln, starts))
+    return Plan(s[starts], d[starts], np.add.reduceat(ln, starts), None if layer is None else layer[starts])
 
 
 def plan(
@@ -203,13 +208,17 @@ def plan(
     num_tokens: int,
     *,
     dst_first_token: int = 0,
+    layers: tuple[int, int] | None = None,
+    by_layer: bool = False,
 ) -> Plan:
     """Plan copying tokens [dst_first_token, num_tokens) of the heads both ranks hold.
 
     ``src_blocks`` cover the prompt from token 0; ``dst_blocks`` cover it from
     ``dst_first_token`` (a multiple of the destination block size: tokens before it
-    were a prefix-cache hit on the decode side). Raises PlanError before producing
-    anything if the input is inconsistent.
+    were a prefix-cache hit on the decode side). ``layers``: only layers [lo, hi) (a layer
+    group of a stream); ``by_layer``: no descriptor spans two layers, and ``Plan.layer`` says
+    each one's (the daemon's prepared lists are then sliced by layer). Raises PlanError before
+    producing anything if the input is inconsistent.
     """
     try:
         src.validate()
@@ -240,16 +249,18 @@ def plan(
         )
 
     s_bi, s_tok, d_bi, d_tok, ntok = _pieces(src, dst, dst_first_token, end)
-    s_layer = src.virtual_offsets()
-    d_layer = dst.virtual_offsets()
+    lo, hi = (0, src.num_layers) if layers is None else layers
+    if not 0 <= lo < hi <= src.num_layers:
+        raise PlanError(f"layers [{lo}, {hi}) outside [0, {src.num_layers})")
+    s_layer = src.virtual_offsets()[lo:hi]
+    d_layer = dst.virtual_offsets()[lo:hi]
+    labels = np.arange(lo, hi, dtype=np.int64)
     head_src = (head0 - src.head_start) * src.head_stride
     head_dst = (head0 - dst.head_start) * dst.head_stride
     whole_blocks = bool(np.all(s_tok == 0) & np.all(d_tok == 0) & np.all(ntok == src.block_size))
     same_kv = src.k_packing == src.v_packing and dst.k_packing == dst.v_packing
 
-    out_s: list[np.ndarray] = []
-    out_d: list[np.ndarray] = []
-    out_l: list[np.ndarray] = []
+    out: list[list[np.ndarray]] = []
     for n in np.unique(ntok):
         sel = ntok == n
         structures = []
@@ -282,20 +293,15 @@ def plan(
                 ps, pd, plen = _merge_pieces(ps, pd, atom)
             else:
                 plen = np.full(ps.shape[0], atom, dtype=np.int64)
-            zeros = np.zeros(src.num_layers, dtype=np.int64)
-            bases = [
-                (s_layer + kv_s + head_src, d_layer + kv_d + head_dst, zeros, 1 << 62),
-                (ps, pd, plen, src.block_stride),
-            ]
-            s, d, ln = _enumerate(bases, rest)
-            out_s.append(s)
-            out_d.append(d)
-            out_l.append(ln)
+            zeros = np.zeros(hi - lo, dtype=np.int64)
+            layer_axis = (1 << 62, s_layer + kv_s + head_src, d_layer + kv_d + head_dst, zeros)
+            block_axis = (src.block_stride, ps, pd, plen)
+            if by_layer:
+                layer_axis, block_axis = (*layer_axis, labels), (*block_axis, np.zeros_like(ps))
+            out.append(_enumerate([layer_axis, block_axis], rest))
 
-    s = np.concatenate(out_s)
-    d = np.concatenate(out_d)
-    ln = np.concatenate(out_l)
-    result = _merge(s, d, ln)
+    cols = [np.concatenate(c) for c in zip(*out, strict=True)]
+    result = _merge(*cols)
     _check_bounds(result, src.regions, dst.regions)
     return result
 
@@ -381,6 +387,7 @@ class BlockPattern:
     dst_stride: int
     src_blocks: int  # blocks per side: the prepared lists hold entries x blocks descriptors
     dst_blocks: int
+    layer: np.ndarray  # per entry, its layer: a layer group's WRITE takes the entries of its layers
 
     @property
     def entries(self) -> int:
@@ -393,11 +400,21 @@ class BlockPattern:
     def dst_list(self) -> np.ndarray:
         return _expand(self.dst_off, self.length, self.dst_stride, self.dst_blocks)
 
-    def indices(self, src_blocks: np.ndarray, dst_blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Index lists into src_list()/dst_list() copying src_blocks[i] onto dst_blocks[i]."""
+    def indices(self, src_blocks: np.ndarray, dst_blocks: np.ndarray,
+                keep: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Index lists into src_list()/dst_list() copying src_blocks[i] onto dst_blocks[i];
+        ``keep`` (entries x pairs, bool): only those cells (a layer group, or what the groups
+        did not write)."""
         j = np.arange(self.entries, dtype=np.int64)[:, None]
-        return ((j * self.src_blocks + src_blocks[None, :]).reshape(-1),
-                (j * self.dst_blocks + dst_blocks[None, :]).reshape(-1))
+        li = j * self.src_blocks + src_blocks[None, :]
+        ri = j * self.dst_blocks + dst_blocks[None, :]
+        if keep is None:
+            return li.reshape(-1), ri.reshape(-1)
+        return li[keep], ri[keep]
+
+    def of_layers(self, lo: int, hi: int) -> np.ndarray:
+        """Entries (bool, per entry) of layers [lo, hi)."""
+        return (self.layer >= lo) & (self.layer < hi)
 
     def block_pairs(self, src: KVLayout, src_blocks: object, dst_blocks: object, num_tokens: int,
                     dst_first_token: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -426,10 +443,10 @@ def block_pattern(src: KVLayout, dst: KVLayout, max_descriptors: int = 1 << 20) 
     (different block sizes) or the prepared lists would exceed ``max_descriptors`` a side."""
     if src.block_size != dst.block_size or src.num_blocks < 2 or dst.num_blocks < 2:
         return None
-    try:
-        p00 = plan(src, [0], dst, [0], src.block_size)
-        p10 = plan(src, [1], dst, [0], src.block_size)
-        p01 = plan(src, [0], dst, [1], src.block_size)
+    try:  # by layer: a layer group's WRITE is a slice of the prepared lists
+        p00 = plan(src, [0], dst, [0], src.block_size, by_layer=True)
+        p10 = plan(src, [1], dst, [0], src.block_size, by_layer=True)
+        p01 = plan(src, [0], dst, [1], src.block_size, by_layer=True)
     except PlanError:
         return None
     # Periodic in each side's block ID independently, or not a pattern at all.
@@ -439,5 +456,46 @@ def block_pattern(src: KVLayout, dst: KVLayout, max_descriptors: int = 1 << 20) 
             return None
     if len(p00) * max(src.num_blocks, dst.num_blocks) > max_descriptors:
         return None
+    assert p00.layer is not None
     return BlockPattern(p00.src_off, p00.dst_off, p00.length, src.block_stride, dst.block_stride,
-                        src.num_blocks, dst.num_blocks)
+                        src.num_blocks, dst.num_blocks, p00.layer)
+
+
+def part_pairs(first_block: int, src_block_ids: tuple[int, ...], dst_first_block: int,
+               dst_block_ids: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A streamed part's (source, destination) block pairs, with each pair's position among
+    the destination's blocks: request block ``first_block + i`` goes to the destination's
+    block ``first_block + i - dst_first_block`` (blocks the destination does not hold, a decode
+    prefix hit or beyond its registration, are not written)."""
+    src = _as_ids(src_block_ids)
+    pos = np.arange(first_block, first_block + src.shape[0], dtype=np.int64) - dst_first_block
+    ok = (pos >= 0) & (pos < len(dst_block_ids))
+    pos = pos[ok]
+    return src[ok], _as_ids(dst_block_ids)[pos] if pos.shape[0] else pos, pos
+
+
+def unwritten(pattern: BlockPattern, pairs: int, dst_first_block: int,
+              parts: Iterable[tuple[int, int, int, int]]) -> np.ndarray:
+    """The cells (pattern entry x block pair) of a final WRITE over ``pairs`` destination
+    blocks that the stream's group WRITEs did not write for sure.
+
+    ``parts``: (layer_lo, layer_hi, first_block, blocks) of the groups that landed, from the
+    very source blocks the final WRITE reads. A part's last block is always written again:
+    the next chunk may complete that block, and two WRITEs of it (each reading the block when
+    it is sent) are not ordered against each other, so only the final WRITE, posted after
+    every group landed, holds its whole content for sure. At least one cell stays: the
+    notification needs a WRITE to ride on."""
+    covered = np.zeros((pattern.entries, pairs), dtype=bool)
+    again = np.zeros_like(covered)
+    for lo, hi, first, n in parts:
+        rows = pattern.of_layers(lo, hi)
+        a, b = max(0, first - dst_first_block), min(pairs, first + n - dst_first_block)
+        last = first + n - 1 - dst_first_block
+        if a < b:
+            covered[np.ix_(rows, np.arange(a, b))] = True
+        if 0 <= last < pairs:
+            again[rows, last] = True
+    keep = ~covered | again
+    if not keep.any():
+        keep[-1, -1] = True
+    return keep

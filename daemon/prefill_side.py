@@ -27,7 +27,7 @@ from kvpush.daemon.context import DaemonContext
 from kvpush.daemon.handshake import compat_error, make_hello, refusal
 from kvpush.daemon.peerauth import endpoint_host
 from kvpush.daemon.peers import Consumer
-from kvpush.daemon.planner import PlanError, addresses, block_pattern, plan
+from kvpush.daemon.planner import PlanError, addresses, block_pattern, part_pairs, plan, unwritten
 from kvpush.proto.notif import Notification
 from kvpush.proto.params import MAX_NODE, MAX_SECRET
 
@@ -40,10 +40,10 @@ def _binding_error(msg: proto.PrefillDone) -> str:
         return f"binding of {len(msg.bind_node)}/{len(msg.bind_secret)} chars exceeds {MAX_NODE}/{MAX_SECRET}"
     return ""
 
-#: Does this daemon post layer-group WRITEs? Not yet: it checks the stream and its rendezvous has
-#: the rows, but the planner has no layer slices, so the seal writes the whole request. The lab
-#: bench and tests read this to skip the layer-wise modes instead of measuring whole requests.
-STREAMS_LAYERS = False
+#: Does this daemon post layer-group WRITEs? (The lab bench and tests read it to skip the
+#: layer-wise modes of a daemon that would only write whole requests.) It streams to a consumer
+#: whose descriptor lists are prepared (equal block sizes); to others the seal writes it all.
+STREAMS_LAYERS = True
 
 # Poll cap while one of our WRITEs is in flight. NIXL runs without UCX's progress thread, so a
 # WRITE over TCP moves bytes only while we poll it: backing off like an idle loop would cap a
@@ -87,6 +87,7 @@ class InFlight:
     descriptors: int
     started: float
     prepped: bool = False  # posted from prepared descriptor lists (by index)
+    group: int = 0  # a layer group's WRITE (StartGroupWrite.group), 0: the final one
 
 
 class PrefillSide:
@@ -119,23 +120,28 @@ class PrefillSide:
         self.ctx.trace.stamp(msg.transfer_id, "p.daemon.prefill_done_in")
         lease = bounded_s(msg.lease_ms, self.cfg.lease_s)
         self.apply(rv.Prefilled(msg.transfer_id, msg.block_ids, msg.num_tokens, now, now + lease,
-                                msg.bind_node, msg.bind_secret))
+                                msg.bind_node, msg.bind_secret, msg.epoch if msg.streamed else -1))
 
-    def on_layer_progress(self, msg: proto.LayerProgress, now: float) -> list[rv.LayersReady]:
+    def on_layer_progress(self, msg: proto.LayerProgress, now: float) -> None:
         """Check a LayerProgress against the attached layout and the configured bounds (a bad
-        frame is refused whole, with an Error to the engine) and return its core events.
+        frame is refused whole, with an Error to the engine) and feed its chunks to the
+        rendezvous, which posts group WRITEs to registered decode sides.
 
-        The rendezvous has the streaming rows (``LayersReady``/``StartGroupWrite``), but this
-        shell does not post group WRITEs yet (the planner has no layer slices), so the events
-        are not fed to it: the seal (PrefillDone) writes the whole request, as before."""
+        A frame naming a GPU event is not fed yet: the layers are only queued on the device
+        when it is sent, so the seal's final WRITE covers them (no group WRITE before the event
+        is known complete)."""
         a = self.ctx.attached
         assert a is not None
         why = check_progress(a.layout, msg, self.cfg.max_progress_chunks, self.layer_events)
         if why:
             self.ctx.bad("progress", why)
             self.ctx.to_engine(proto.Error("progress", why))
-            return []
-        return progress_events(msg, now, self.cfg.lease_s)
+            return
+        if msg.event:
+            return
+        for ev in progress_events(msg, now, self.cfg.lease_s):
+            self.ctx.trace.stamp(ev.transfer_id, "p.daemon.layers_in")
+            self.apply(ev)
 
     def on_layer_events(self, msg: proto.LayerEvents) -> None:
         """The engine's GPU event pool: LayerProgress may name ``1 .. len(handles)``. The
@@ -400,8 +406,15 @@ class PrefillSide:
                     pattern, local_h, remote_h = peer.prepped
                     sb, db = pattern.block_pairs(me.layout, a.src_block_ids, a.dst_block_ids, a.num_tokens,
                                                  a.dst_first_token)
-                    li, ri = pattern.indices(sb, db)
-                    nbytes, ndesc = int(pattern.length.sum()) * int(sb.shape[0]), int(li.shape[0])
+                    keep = None
+                    if a.written:  # layer groups already landed there: only the rest goes now
+                        keep = unwritten(pattern, int(sb.shape[0]), a.dst_first_token // me.layout.block_size,
+                                         ((p.layer_lo, p.layer_hi, p.first_block, len(p.src_block_ids))
+                                          for p in a.written))
+                    li, ri = pattern.indices(sb, db, keep)
+                    nbytes = (int(pattern.length.sum()) * int(sb.shape[0]) if keep is None
+                              else int((pattern.length[:, None] * keep).sum()))
+                    ndesc = int(li.shape[0])
 
                     def post() -> Any:
                         return tr.write_prepped(peer.agent_name, local_h, li, remote_h, ri, notif, nbytes=nbytes)
@@ -440,6 +453,58 @@ class PrefillSide:
                 self.ctx.metrics.set_in_flight(len(self.in_flight))
                 return
         self.apply(rv.WriteFailed(a.transfer_id, a.attempt, a.dest_rank, err, now))
+
+    def start_group_write(self, a: rv.StartGroupWrite, now: float) -> None:
+        """Post one layer group's WRITE (no notification) from the prepared lists: the entries
+        of each part's layers, over its blocks. A consumer without prepared lists (different
+        block sizes) gets nothing now: the seal's final WRITE covers everything for it (it
+        ignores ``written`` there), so the group is answered done at once."""
+        me = self.ctx.attached
+        peer = self.consumer(a.peer)
+        if me is None or peer is None:
+            self.apply(rv.WriteFailed(a.transfer_id, a.attempt, a.dest_rank,
+                                      "no engine attached" if me is None else "decode peer is gone", now,
+                                      group=a.group))
+            return
+        if peer.prepped is None:
+            self.apply(rv.WriteDone(a.transfer_id, a.attempt, a.dest_rank, now, group=a.group))
+            return
+        pattern, local_h, remote_h = peer.prepped
+        dst_first = a.dst_first_token // me.layout.block_size
+        lis, ris, nbytes = [], [], 0
+        try:
+            for p in a.parts:
+                sb, db, _ = part_pairs(p.first_block, p.src_block_ids, dst_first, a.dst_block_ids)
+                if not sb.shape[0]:
+                    continue
+                if sb.max() >= pattern.src_blocks or db.max() >= pattern.dst_blocks or min(sb.min(), db.min()) < 0:
+                    raise PlanError("block ID out of range")
+                rows = pattern.of_layers(p.layer_lo, p.layer_hi)
+                keep = np.broadcast_to(rows[:, None], (pattern.entries, sb.shape[0]))
+                li, ri = pattern.indices(sb, db, keep)
+                lis.append(li)
+                ris.append(ri)
+                nbytes += int(pattern.length[rows].sum()) * int(sb.shape[0])
+            if not lis:  # nothing of it is the destination's (a prefix hit there)
+                self.apply(rv.WriteDone(a.transfer_id, a.attempt, a.dest_rank, now, group=a.group))
+                return
+            li, ri = np.concatenate(lis), np.concatenate(ris)
+            h = self.ctx.transport.write_prepped(peer.agent_name, local_h, li, remote_h, ri, b"", nbytes=nbytes)
+        except PlanError as exc:
+            self.ctx.metrics.failure("plan")
+            self.apply(rv.WriteFailed(a.transfer_id, a.attempt, a.dest_rank, f"plan: {exc}", now, group=a.group))
+            return
+        except Exception as exc:
+            self.ctx.metrics.failure("nixl")
+            self.apply(rv.WriteFailed(a.transfer_id, a.attempt, a.dest_rank, f"NIXL: {exc}", now, group=a.group))
+            return
+        self.ctx.trace.stamp(a.transfer_id, "p.daemon.group_posted")
+        # The consumer polls tightly while a WRITE to it is in flight (over TCP it lands only
+        # as the receiver progresses): until the final notification, or its write timeout.
+        self.ctx.wire.to_consumer(peer.routing_id, proto.Writing(a.transfer_id, a.attempt, me.rank, False))
+        self.in_flight[id(h)] = InFlight(a.transfer_id, a.attempt, a.dest_rank, a.peer, h, nbytes,
+                                         int(li.shape[0]), now, True, a.group)
+        self.ctx.metrics.set_in_flight(len(self.in_flight))
 
     def poll_cap(self) -> float:
         """How long the loop may sleep between NIXL polls (our WRITEs in flight poll tightly)."""
@@ -483,11 +548,16 @@ class PrefillSide:
         self.ctx.history.add({
             "transfer_id": f.transfer_id, "attempt": f.attempt, "dest_rank": f.dest_rank, "side": "prefill",
             "bytes": f.nbytes, "descriptors": f.descriptors, "prepped": f.prepped, "latency_ms": round(lat * 1e3, 3),
-            "result": "ok" if not error else "failed", "error": error, "age_s": 0.0, "at": now,
+            "result": "ok" if not error else "failed", "error": error, "age_s": 0.0, "at": now, "group": f.group,
         })
         if error:
             self.ctx.metrics.failure("nixl")
-            self.apply(rv.WriteFailed(f.transfer_id, f.attempt, f.dest_rank, error, now, cause))
+            self.apply(rv.WriteFailed(f.transfer_id, f.attempt, f.dest_rank, error, now, cause, group=f.group))
+            return
+        if f.group:
+            self.ctx.trace.stamp(f.transfer_id, "p.daemon.group_done")
+            self.ctx.metrics.write_done(f.nbytes, lat)
+            self.apply(rv.WriteDone(f.transfer_id, f.attempt, f.dest_rank, now, group=f.group))
             return
         self.ctx.trace.stamp(f.transfer_id, "p.daemon.write_done")
         peer = self.consumer(f.peer)
@@ -506,6 +576,8 @@ class PrefillSide:
             for act in self.rdv.handle(ev):
                 if isinstance(act, rv.StartWrite):
                     self.start_write(act, time.monotonic())
+                elif isinstance(act, rv.StartGroupWrite):
+                    self.start_group_write(act, time.monotonic())
                 elif isinstance(act, rv.ReleaseBlocks):
                     # The prefill engine keys its held blocks by transfer ID alone.
                     msg: Any = (proto.Sent(act.transfer_id, 0) if act.ok

@@ -79,7 +79,8 @@ class LayerStream:
     def begin(self, streams: Iterable[StreamChunk]) -> None:
         """bind_connector_metadata: the chunks this forward computes (the wire form, once)."""
         self.chunks = tuple(proto.LayerChunk(c.transfer_id, c.epoch, c.first_block, tuple(c.block_ids),
-                                             c.first_token, c.num_tokens) for c in streams)
+                                             c.first_token, c.num_tokens, c.bind_node, c.bind_secret)
+                            for c in streams)
         if self.chunks:
             self.head = chunks_bytes(self.chunks)
             if len(self.head) > DEFAULT_LIMITS.max_message - 64:  # the daemon would refuse it: the seal covers

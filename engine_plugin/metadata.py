@@ -45,6 +45,8 @@ class SendReq:
     early: bool = False
     bind_node: str = ""  # who may register: this decode node, or whoever presents bind_secret
     bind_secret: str = ""
+    streamed: bool = False  # layer-wise: its chunks were streamed, the last one in ``epoch``
+    epoch: int = 0
 
 
 @dataclass
@@ -70,6 +72,8 @@ class StreamChunk:
     block_ids: list[int]
     first_token: int
     num_tokens: int
+    bind_node: str = ""  # the seal's binding: the daemon streams only to a party it admits
+    bind_secret: str = ""
 
 
 @dataclass

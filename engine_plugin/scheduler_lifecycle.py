@@ -423,7 +423,8 @@ def stream(sl: SchedulerLifecycle, rec: Req, ev: Step, out: list) -> None:
     end = min(start + ev.scheduled[rid], rec.num_prompt)
     first = start // bs
     assert rec.transfer_id is not None
-    out.append(Stream(StreamChunk(rec.transfer_id, rec.epoch, first, blocks[first:-(-end // bs)], first * bs, end)))
+    out.append(Stream(StreamChunk(rec.transfer_id, rec.epoch, first, blocks[first:-(-end // bs)], first * bs, end,
+                                  rec.bind_node, rec.secret)))
 
 
 def register(sl: SchedulerLifecycle, rec: Req, ev: Allocated, out: list) -> None:
@@ -450,7 +451,8 @@ def send_early(sl: SchedulerLifecycle, rec: Req, ev: Step, out: list) -> None:
     assert rec.transfer_id is not None
     n = ev.new[rec.req_id]
     out.append(Send(SendReq(rec.req_id, rec.transfer_id, list(n.block_ids), n.num_prompt, early=True,
-                            bind_node=rec.bind_node, bind_secret=rec.secret)))
+                            bind_node=rec.bind_node, bind_secret=rec.secret,
+                            streamed=rec.streams and rec.streamed, epoch=rec.epoch)))
 
 
 def abort_stream(sl: SchedulerLifecycle, rec: Req, ev: Finished, out: list) -> None:
@@ -471,7 +473,8 @@ def hold_send(sl: SchedulerLifecycle, rec: Req, ev: Finished, out: list) -> None
     assert rec.transfer_id is not None
     out.append(Stamp(rec.transfer_id, "p.plugin.prefill_finished"))
     out.append(Send(SendReq(rec.req_id, rec.transfer_id, list(ev.block_ids), ev.num_prompt,
-                            bind_node=rec.bind_node, bind_secret=rec.secret)))
+                            bind_node=rec.bind_node, bind_secret=rec.secret,
+                            streamed=rec.streams and rec.streamed, epoch=rec.epoch)))
     out.append(Hold(_answer(rec, ev)))
 
 

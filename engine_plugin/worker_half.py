@@ -264,7 +264,7 @@ class KVPushWorker:
                                     r.secret))
         for s in meta.sends:
             self._apply(wl.Send(s.transfer_id, s.req_id, tuple(s.block_ids), s.num_tokens, s.early, now, down,
-                                s.bind_node, s.bind_secret))
+                                s.bind_node, s.bind_secret, s.streamed, s.epoch))
         for a in meta.send_aborts:
             self._apply(wl.SendAbort(a.transfer_id, a.req_id, now, down))
         for a in meta.aborts:

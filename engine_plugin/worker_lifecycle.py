@@ -85,6 +85,8 @@ class Send:
     down: bool
     bind_node: str = ""
     bind_secret: str = ""
+    streamed: bool = False  # its chunks were streamed per layer group, the last one in ``epoch``
+    epoch: int = 0
 
 
 @dataclass(slots=True)
@@ -236,6 +238,8 @@ class Transfer(Record):
     confirmed: bool = True  # prefill: vLLM finished the request (an early send: not yet)
     bind_node: str = ""  # prefill: who may register (PrefillDone's binding)
     bind_secret: str = ""
+    streamed: bool = False  # prefill, layer-wise: PrefillDone.streamed / epoch
+    epoch: int = 0
 
 
 def _deadline(rec: Transfer) -> float | None:
@@ -356,12 +360,13 @@ def send_facts(wl: WorkerLifecycle, rec: Transfer | None, ev: Send, out: list) -
         rec.req_id, rec.attempt, rec.block_ids, rec.num_tokens = ev.req_id, -1, ev.block_ids, ev.num_tokens
         rec.confirmed = not ev.early
         rec.bind_node, rec.bind_secret = ev.bind_node, ev.bind_secret
+        rec.streamed, rec.epoch = ev.streamed, ev.epoch
 
 
 def publish_prefill_done(wl: WorkerLifecycle, rec: Transfer, ev: Any, out: list) -> None:
     rec.since = ev.now
     out.append(Publish(_key(rec), proto.PrefillDone(rec.transfer_id, rec.block_ids, rec.num_tokens, wl.lease_ms,
-                                                         rec.bind_node, rec.bind_secret),
+                                                         rec.bind_node, rec.bind_secret, rec.streamed, rec.epoch),
                        "prefill_done", "p.plugin.prefill_done_published"))
 
 

@@ -109,6 +109,10 @@ class PrefillDone:
     # Who may register (either suffices; both "": anyone allowlisted, the first one owns it):
     bind_node: str = ""  # the decode node's certificate name
     bind_secret: str = ""  # the transfer's secret, presented in PeerRegister.secret
+    # Layer-wise: the request streamed (LayerProgress), and its epoch (LayerChunk.epoch) when its
+    # last chunk was computed: the final WRITE skips only what groups of this epoch wrote.
+    streamed: bool = False
+    epoch: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +131,10 @@ class LayerChunk:
     block_ids: tuple[int, ...]
     first_token: int
     num_tokens: int
+    # The binding the seal (PrefillDone) will carry: layers are written before the seal only to
+    # a registration it admits, so a hijacker that registered first gets nothing early either.
+    bind_node: str = ""
+    bind_secret: str = ""
 
 
 @message

@@ -25,13 +25,17 @@ def progress(*chunks, lo=0, hi=1, event=0) -> proto.LayerProgress:
     return proto.LayerProgress(lo, hi, tuple(chunks) or (chunk(),), event)
 
 
+def test_a_binding_longer_than_the_configured_names_is_refused() -> None:
+    assert "binding" in check_progress(LAYOUT, progress(chunk(bind_secret="x" * 10_000)), 8, 0)
+
+
 def test_a_good_frame_passes_and_becomes_one_event_per_chunk() -> None:
     msg = progress(chunk(), chunk(transfer_id="u", first_block=2, block_ids=(5,), first_token=2 * BS,
-                                  num_tokens=3 * BS), lo=0, hi=NL)
+                                  num_tokens=3 * BS, bind_node="d1", bind_secret="s"), lo=0, hi=NL)
     assert check_progress(LAYOUT, msg, 8, 0) == ""
     evs = progress_events(msg, 1.0, 30.0)
-    assert evs == [LayersReady("t", 0, 0, NL, 0, (1, 2), 1.0, 31.0),
-                   LayersReady("u", 0, 0, NL, 2, (5,), 1.0, 31.0)]
+    assert evs == [LayersReady("t", 0, 0, NL, 0, (1, 2), 1.0, 31.0, ("", "")),
+                   LayersReady("u", 0, 0, NL, 2, (5,), 1.0, 31.0, ("d1", "s"))]
     rv = Rendezvous()
     for ev in evs:
         rv.handle(ev)
@@ -57,18 +61,18 @@ def test_bad_frames_are_refused_with_a_reason(msg, why) -> None:
 
 def test_progress_then_register_streams_in_one_write() -> None:
     """Groups ready before the registration go out together, once the stream's binding is
-    known; a frame that names no binding (this wire, until LayerChunk carries it) streams
-    nothing: the seal's check decides where the KV goes."""
+    known (every LayerChunk carries it); an event that knows no binding streams nothing: the
+    seal's check decides where the KV goes."""
     import dataclasses
 
     evs = progress_events(progress(lo=0, hi=1), 0.0, 30.0) + progress_events(progress(lo=1, hi=2), 0.0, 30.0)
     rv = Rendezvous()
     for ev in evs:
-        rv.handle(ev)
+        rv.handle(dataclasses.replace(ev, binding=None))
     assert not [a for a in rv.handle(reg()) if isinstance(a, StartGroupWrite)]
     rv = Rendezvous()
     for ev in evs:
-        rv.handle(dataclasses.replace(ev, binding=("", "")))
+        rv.handle(ev)
     out = rv.handle(reg())
     (g,) = [a for a in out if isinstance(a, StartGroupWrite)]
     assert [(p.layer_lo, p.layer_hi) for p in g.parts] == [(0, 1), (1, 2)]

@@ -318,6 +318,21 @@ def _size(n: Any) -> str:
     return "-"  # unreachable
 
 
+def _mode(r: Any) -> str:
+    """A WRITE's part in its transfer: ``group 3`` (a layer group's), ``layerwise 6g`` (a final
+    WRITE after 6 streamed parts), ``whole``; the decode side's rows have none."""
+    group, mode = getattr(r, "group", 0), getattr(r, "mode", "")
+    if group:
+        return f"group {group}"
+    if mode == "layerwise":
+        return f"layerwise {r.groups}g"
+    return mode or ("final" if r.side == "prefill" else "-")
+
+
+def _ms(v: float | None) -> str:
+    return f"{v:.1f} ms" if isinstance(v, (int, float)) else "-"
+
+
 def _dur(s: Any) -> str:
     if not isinstance(s, (int, float)):
         return "-"
@@ -424,14 +439,15 @@ def render(cmd: str, targets: list[Target]) -> str:
         for t, rep in _replies(targets, TransfersReply):
             for r in [*rep.in_flight, *rep.recent]:
                 lat = getattr(r, "latency_ms", None)  # absent while in flight
-                rows.append([t.label(), r.transfer_id, r.attempt, r.side, r.result,
+                rows.append([t.label(), r.transfer_id, r.attempt, r.side, r.result, _mode(r),
                              getattr(r, "bytes", None),  # the decode side counts no bytes
                              f"{lat:.3f} ms" if lat is not None else None,
+                             _ms(getattr(r, "first_group_lag_ms", None)), _ms(getattr(r, "tail_ms", None)),
                              _dur(r.age_s), getattr(r, "error", None)])
         if not rows:
             return "no transfers"
-        return table(["DEVICE", "TRANSFER", "ATTEMPT", "SIDE", "RESULT", "BYTES", "LATENCY",
-                      "AGE", "ERROR"], rows)
+        return table(["DEVICE", "TRANSFER", "ATTEMPT", "SIDE", "RESULT", "MODE", "BYTES", "LATENCY",
+                      "1ST-GROUP-LAG", "TAIL", "AGE", "ERROR"], rows)
     if cmd == "cancel":
         return "\n".join(f"{t.label()}: cancelled {r.cancelled}" for t, r in _replies(targets, CancelReply))
     if cmd == "drain":

@@ -139,7 +139,7 @@ def transfers(w: DaemonView) -> po.TransfersReply:
     live = tuple(
         po.LiveWrite(
             transfer_id=f.transfer_id, attempt=f.attempt, dest_rank=f.dest_rank,
-            bytes=f.nbytes, descriptors=f.descriptors, age_s=round(now - f.started, 3),
+            bytes=f.nbytes, descriptors=f.descriptors, age_s=round(now - f.started, 3), group=f.group,
         )
         for f in w.writes_in_flight()
     )

@@ -88,6 +88,7 @@ class InFlight:
     started: float
     prepped: bool = False  # posted from prepared descriptor lists (by index)
     group: int = 0  # a layer group's WRITE (StartGroupWrite.group), 0: the final one
+    streamed: int = 0  # final WRITE: the parts group WRITEs had landed (it skipped them)
 
 
 class PrefillSide:
@@ -140,7 +141,8 @@ class PrefillSide:
         if msg.event:
             return
         for ev in progress_events(msg, now, self.cfg.lease_s):
-            self.ctx.trace.stamp(ev.transfer_id, "p.daemon.layers_in")
+            self.ctx.trace.stamp_first(ev.transfer_id, "p.daemon.layers_in")
+            self.ctx.trace.stamp_latest(ev.transfer_id, "p.daemon.layers_last_in")
             self.apply(ev)
 
     def on_layer_events(self, msg: proto.LayerEvents) -> None:
@@ -448,8 +450,8 @@ class PrefillSide:
                 if not early:
                     self.ctx.wire.to_consumer(peer.routing_id, hint)
                 self.in_flight[id(h)] = InFlight(
-                    a.transfer_id, a.attempt, a.dest_rank, a.peer, h, nbytes, ndesc, now, peer.prepped is not None
-                )
+                    a.transfer_id, a.attempt, a.dest_rank, a.peer, h, nbytes, ndesc, now, peer.prepped is not None,
+                    streamed=len(a.written) if peer.prepped is not None else 0)
                 self.ctx.metrics.set_in_flight(len(self.in_flight))
                 return
         self.apply(rv.WriteFailed(a.transfer_id, a.attempt, a.dest_rank, err, now))
@@ -498,7 +500,7 @@ class PrefillSide:
             self.ctx.metrics.failure("nixl")
             self.apply(rv.WriteFailed(a.transfer_id, a.attempt, a.dest_rank, f"NIXL: {exc}", now, group=a.group))
             return
-        self.ctx.trace.stamp(a.transfer_id, "p.daemon.group_posted")
+        self.ctx.trace.stamp_first(a.transfer_id, "p.daemon.group_posted")
         # The consumer polls tightly while a WRITE to it is in flight (over TCP it lands only
         # as the receiver progresses): until the final notification, or its write timeout.
         self.ctx.wire.to_consumer(peer.routing_id, proto.Writing(a.transfer_id, a.attempt, me.rank, False))
@@ -548,14 +550,15 @@ class PrefillSide:
         self.ctx.history.add({
             "transfer_id": f.transfer_id, "attempt": f.attempt, "dest_rank": f.dest_rank, "side": "prefill",
             "bytes": f.nbytes, "descriptors": f.descriptors, "prepped": f.prepped, "latency_ms": round(lat * 1e3, 3),
-            "result": "ok" if not error else "failed", "error": error, "age_s": 0.0, "at": now, "group": f.group,
+            "result": "ok" if not error else "failed", "error": error, "age_s": 0.0, "at": now,
+            **self._stream_summary(f),
         })
         if error:
             self.ctx.metrics.failure("nixl")
             self.apply(rv.WriteFailed(f.transfer_id, f.attempt, f.dest_rank, error, now, cause, group=f.group))
             return
         if f.group:
-            self.ctx.trace.stamp(f.transfer_id, "p.daemon.group_done")
+            self.ctx.trace.stamp_first(f.transfer_id, "p.daemon.group_done")
             self.ctx.metrics.write_done(f.nbytes, lat)
             self.apply(rv.WriteDone(f.transfer_id, f.attempt, f.dest_rank, now, group=f.group))
             return
@@ -565,6 +568,28 @@ class PrefillSide:
             self.ctx.wire.to_consumer(peer.routing_id, proto.Writing(f.transfer_id, f.attempt, self.ctx.rank, True))
         self.ctx.metrics.write_done(f.nbytes, lat)
         self.apply(rv.WriteDone(f.transfer_id, f.attempt, f.dest_rank, now))
+
+    def _stream_summary(self, f: InFlight) -> dict[str, Any]:
+        """What ``kvpushctl transfers`` shows of a WRITE's stream, from the transfer's stamps:
+        the first group's lag behind its layers' frame, and the tail (the last frame, or the
+        seal when nothing streamed, to this final WRITE's end)."""
+        stamps: dict[str, int] = {}
+        for hop, t in self.ctx.trace.get(f.transfer_id):
+            stamps.setdefault(hop, t)
+            if hop == "p.daemon.layers_last_in":
+                stamps[hop] = t
+
+        def ms(a: str, b: str) -> float | None:
+            return round((stamps[b] - stamps[a]) / 1e6, 3) if a in stamps and b in stamps else None
+
+        lag = ms("p.daemon.layers_in", "p.daemon.group_posted")
+        if f.group:
+            return {"group": f.group, "mode": "group", "groups": 0, "first_group_lag_ms": lag, "tail_ms": None}
+        end = time.monotonic_ns()
+        last = stamps.get("p.daemon.layers_last_in" if f.streamed else "p.daemon.prefill_done_in")
+        return {"group": 0, "mode": "layerwise" if f.streamed else "whole", "groups": f.streamed,
+                "first_group_lag_ms": lag if f.streamed else None,
+                "tail_ms": round((end - last) / 1e6, 3) if last is not None else None}
 
     # ------------------------------------------------------------------ the core's actions
 

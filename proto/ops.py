@@ -227,6 +227,7 @@ class LiveWrite(OpsData):
     descriptors: int
     age_s: float
     result: str = "in_flight"
+    group: int = 0  # a layer group's WRITE (no notification); 0: the final WRITE
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -244,6 +245,11 @@ class RecentWrite(OpsData):
     result: str  # ok | failed
     error: str
     age_s: float
+    group: int  # n > 0: a layer group's WRITE (no notification); 0: the final WRITE
+    mode: str  # final WRITE: "layerwise" (groups landed before it) or "whole"; "group" for a group's
+    groups: int  # final WRITE: the streamed parts (layer groups of a chunk) it did not send again
+    first_group_lag_ms: float | None  # layer-wise: first frame in -> first group WRITE posted
+    tail_ms: float | None  # final WRITE: the last layer's frame (whole: the seal) in -> WRITE done
 
 
 @dataclass(frozen=True, kw_only=True)

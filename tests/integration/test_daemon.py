@@ -43,8 +43,9 @@ def tid() -> str:
 
 
 def cpu(block_size: int = 16, num_blocks: int = 64, heads: int = 2, head_start: int = 0,
-        total_heads: int = 0) -> tuple[KVLayout, dict]:
-    return amx_layout(heads, head_start, total_heads, num_blocks=num_blocks, block_size=block_size)
+        total_heads: int = 0, num_layers: int = 2) -> tuple[KVLayout, dict]:
+    return amx_layout(heads, head_start, total_heads, num_blocks=num_blocks, block_size=block_size,
+                      num_layers=num_layers)
 
 
 @pytest.fixture(scope="module")

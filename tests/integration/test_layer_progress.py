@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from kvpush import proto
+from kvpush.daemon.planner import plan
 from kvpush.testing.daemon_harness import Engine, prefill_done, register
 from tests.integration.test_daemon import check_transfer, cpu, pd, tid  # noqa: F401 (pd: fixture)
 
@@ -66,6 +67,49 @@ def test_a_bad_progress_frame_is_refused_and_writes_nothing(pd):  # noqa: F811
             lambda m: isinstance(m, proto.Error) and m.code == "progress", 5).message
         time.sleep(0.3)
         assert np.array_equal(de.bytes, before)
+    finally:
+        pe.close()
+        de.close()
+
+
+def _layers_equal(pe: Engine, de: Engine, src: list[int], dst: list[int], n: int, lo: int, hi: int) -> bool:
+    """Do the decode engine's bytes of layers [lo, hi) equal the prefill engine's (plan-exact)?"""
+    p = plan(pe.layout, src, de.layout, dst, n, layers=(lo, hi))
+    return all(np.array_equal(pe.bytes[s:s + ln], de.bytes[d:d + ln])
+               for s, d, ln in zip(p.src_off.tolist(), p.dst_off.tolist(), p.length.tolist(), strict=True))
+
+
+def test_groups_land_before_the_seal_and_the_final_write_sends_the_rest(pd):  # noqa: F811
+    """The stream's point: layers reported while the decode side is registered land before the
+    seal (group WRITEs), the rest after it, byte-exact; the final WRITE is smaller than the
+    whole request. With group WRITEs off in the daemon this fails at the first check."""
+    p, d = pd
+    lay, meta = cpu(num_layers=4)
+    pe = Engine(p, lay, "prefill", seed=5)
+    de = Engine(d, lay, "decode", fill="zeros")
+    try:
+        before = de.bytes.copy()
+        t, n = tid(), 3 * 16 + 5
+        src, dst = [7, 3, 11, 12], [40, 2, 9, 10]
+        register(de, [p], t, dst, n)
+        time.sleep(0.3)
+        for f in frames(t, src, n, lay.num_layers)[:-1]:  # every layer but the last
+            pe.send(f)
+        deadline = time.monotonic() + 5
+        while not _layers_equal(pe, de, src, dst, n, 0, lay.num_layers - 1) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _layers_equal(pe, de, src, dst, n, 0, lay.num_layers - 1), "reported layers did not land before the seal"
+        last = plan(pe.layout, src, de.layout, dst, n, layers=(lay.num_layers - 1, lay.num_layers))
+        assert all(not de.bytes[o:o + ln].any() for o, ln in zip(last.dst_off.tolist(), last.length.tolist(), strict=True))
+        pe.send(proto.PrefillDone(t, tuple(src), n, 10_000, streamed=True, epoch=0))
+        assert isinstance(de.result(t), proto.Received)
+        assert isinstance(pe.result(t), proto.Sent)
+        check_transfer(pe, meta, src, de, meta, dst, n, before)
+        writes = [w for w in p.ops("transfers")["recent"] if w.get("transfer_id") == t]
+        groups, final = [w for w in writes if w["group"]], [w for w in writes if not w["group"]]
+        assert groups and len(final) == 1
+        whole = plan(pe.layout, src, de.layout, dst, n).nbytes
+        assert final[0]["bytes"] < whole, (final[0]["bytes"], whole)
     finally:
         pe.close()
         de.close()

@@ -14,7 +14,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvpush.daemon.planner import Plan, PlanError, block_pattern, expected_producers, plan
+from kvpush.daemon.planner import (
+    Plan,
+    PlanError,
+    block_pattern,
+    expected_producers,
+    part_pairs,
+    plan,
+    unwritten,
+)
 from kvpush.proto.layout import flash_layout, vllm_cpu_layout
 from kvpush.testing.kvref import apply_plan, make, reference_copy
 
@@ -130,6 +138,72 @@ def test_block_pattern_copies_what_the_reference_copies(sc, seed):
         src_p, src_lay, src_buf, src_blocks, dst_p, dst_lay, dst_buf, dst_blocks, num_tokens, first
     )
     assert np.array_equal(got[~dont_care], want[~dont_care])
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios(), st.integers(0, 2**32 - 1), st.data())
+def test_a_stream_then_its_final_write_copy_what_the_whole_plan_copies(sc, seed, data):
+    """Layer-wise: group WRITEs (a part's layers over its blocks, sliced from the prepared
+    lists) then the final WRITE of what ``unwritten`` leaves give the reference bytes, even
+    when every part's last block (which the next chunk may complete) landed stale: the final
+    WRITE rewrites it."""
+    (src_lay, src_p), src_blocks, (dst_lay, dst_p), dst_blocks, num_tokens, first = sc
+    bp = block_pattern(src_lay, dst_lay)
+    if bp is None:
+        return
+    rng = np.random.default_rng(seed)
+    src_buf = rng.integers(0, 256, src_lay.region_size, dtype=np.uint8)
+    dst_buf = rng.integers(0, 256, dst_lay.region_size, dtype=np.uint8)
+    loc, rem = bp.src_list(), bp.dst_list()
+    bs, nl = src_lay.block_size, src_lay.num_layers
+    total = -(-num_tokens // bs)  # the request's blocks
+    cuts = sorted(set(data.draw(st.lists(st.integers(1, max(1, total - 1)), max_size=3))) - {total})
+    chunks = list(zip([0, *cuts], [*cuts, total], strict=True))
+    parts = []
+    for a, b in chunks:
+        lo = 0
+        while lo < nl:
+            hi = data.draw(st.integers(lo + 1, nl))
+            if data.draw(st.booleans()):  # this group streamed
+                a0 = max(0, a - 1) if a and data.draw(st.booleans()) else a  # a chunk may start in a block it completes
+                parts.append((lo, hi, a0, tuple(src_blocks[a0:b])))
+            lo = hi
+    first_block = first // bs
+    stale = rng.integers(0, 256, src_lay.region_size, dtype=np.uint8)  # what an early read saw
+    for lo, hi, fb, ids in parts:
+        sb, db, _ = part_pairs(fb, ids, first_block, tuple(dst_blocks))
+        if not sb.shape[0]:
+            continue
+        keep = np.broadcast_to(bp.of_layers(lo, hi)[:, None], (bp.entries, sb.shape[0]))
+        li, ri = bp.indices(sb, db, keep)
+        dst_buf = apply_plan(Plan(loc[li, 0], rem[ri, 0], loc[li, 1]), src_buf, dst_buf)
+    for lo, hi, fb, ids in parts:  # every part's last block landed stale
+        sb, db, _ = part_pairs(fb + len(ids) - 1, ids[-1:], first_block, tuple(dst_blocks))
+        if sb.shape[0]:
+            keep = np.broadcast_to(bp.of_layers(lo, hi)[:, None], (bp.entries, 1))
+            li, ri = bp.indices(sb, db, keep)
+            dst_buf = apply_plan(Plan(loc[li, 0], rem[ri, 0], loc[li, 1]), stale, dst_buf)
+    sb, db = bp.block_pairs(src_lay, src_blocks, dst_blocks, num_tokens, first)
+    keep = unwritten(bp, int(sb.shape[0]), first_block, ((lo, hi, fb, len(ids)) for lo, hi, fb, ids in parts))
+    li, ri = bp.indices(sb, db, keep)
+    got = apply_plan(Plan(loc[li, 0], rem[ri, 0], loc[li, 1]), src_buf, dst_buf)
+    want, dont_care = reference_copy(
+        src_p, src_lay, src_buf, src_blocks, dst_p, dst_lay, dst_buf, dst_blocks, num_tokens, first
+    )
+    assert np.array_equal(got[~dont_care], want[~dont_care])
+    if parts and keep.sum() < keep.size:  # the stream saved bytes: they were written by it
+        assert li.shape[0] < bp.entries * sb.shape[0]
+
+
+def test_layer_plans_partition_the_whole_plan():
+    lay, _ = make("amx", num_layers=4, num_blocks=8, block_size=16, num_heads=2, head_size=32, dtype="bfloat16")
+    whole = plan(lay, [3, 1, 5], lay, [2, 6, 7], 40)
+    parts = [plan(lay, [3, 1, 5], lay, [2, 6, 7], 40, layers=(lo, lo + 2), by_layer=True) for lo in (0, 2)]
+    assert sum(p.nbytes for p in parts) == whole.nbytes
+    assert sorted(np.concatenate([p.layer for p in parts]).tolist()) == sorted(
+        np.repeat(np.arange(4), len(parts[0]) // 2).tolist())
+    with pytest.raises(PlanError, match="layers"):
+        plan(lay, [3, 1, 5], lay, [2, 6, 7], 40, layers=(3, 5))
 
 
 def test_block_pattern_of_vllm_cpu_layout_is_one_slab_per_layer():

@@ -33,6 +33,7 @@ fired, or a bound); a table would have one state.
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -126,8 +127,9 @@ class LayerGate(Generic[T]):
     """Hold items until the engine's event fired; bounded in count and in time."""
 
     def __init__(self, max_waiting: int, max_wait_s: float, port: EventPort | None = None) -> None:
-        if max_waiting < 0 or not max_wait_s > 0:
-            raise ValueError(f"max_waiting {max_waiting} must be >= 0 and max_wait_s {max_wait_s} > 0")
+        if max_waiting < 0 or not 0 < max_wait_s < math.inf:
+            raise ValueError(f"max_waiting {max_waiting} must be >= 0 and max_wait_s {max_wait_s} "
+                             "finite and > 0 (nothing waits unbounded)")
         self.max_waiting = max_waiting
         self.max_wait_s = max_wait_s
         self._port: EventPort = CudaEventPort() if port is None else port

@@ -17,7 +17,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpush.daemon.layer_gate import CUDA_IPC_EVENT_HANDLE_BYTES, CudaEventPort, EventError, LayerGate
+from kvpush.daemon.layer_gate import (
+    CUDA_IPC_EVENT_HANDLE_BYTES,
+    CudaEventPort,
+    EventError,
+    LayerGate,
+)
 
 
 class FakeStream:
@@ -229,7 +234,7 @@ def test_bad_arguments():
     g, _, _ = gate()
     with pytest.raises(ValueError, match="never negative"):
         g.admit(-1, ["a"], 0.0)
-    for args in ((-1, 1.0), (4, 0.0), (4, float("nan"))):
+    for args in ((-1, 1.0), (4, 0.0), (4, float("nan")), (4, float("inf"))):
         with pytest.raises(ValueError):
             LayerGate(*args, FakePort(FakeStream(1)))
 

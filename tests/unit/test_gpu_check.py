@@ -100,18 +100,20 @@ def test_events_child_holds_pending_items_and_lets_fired_ones_through():
     port = _Port()
     port.fired = {1, 2, 3}  # slot 0 pending, as behind the step's long kernel
     conn, t = _child(port)
-    conn.send(([b"0", b"1", b"2", b"3"], 0))
-    assert conn.recv() == "opened"
-    assert _ask(conn, "admit") == ([2, 3, 4], 1)
-    threading.Timer(0.05, lambda: port.fired.add(0)).start()
-    assert _ask(conn, "wait") == ([1], 0, 0)
-    port.fired = set()  # the pool re-recorded behind another kernel
-    assert _ask(conn, "admit") == ([], 4)
-    threading.Timer(0.05, lambda: port.fired.update(range(4))).start()
-    got, waiting, dropped = _ask(conn, "wait")
-    assert sorted(got) == [1, 2, 3, 4] and waiting == dropped == 0
-    conn.send("done")
-    t.join(10)
+    try:
+        conn.send(([b"0", b"1", b"2", b"3"], 0))
+        assert conn.recv() == "opened"
+        assert _ask(conn, "admit") == ([2, 3, 4], 1)
+        threading.Timer(0.05, lambda: port.fired.add(0)).start()
+        assert _ask(conn, "wait") == ([1], 0, 0)
+        port.fired = set()  # the pool re-recorded behind another kernel
+        assert _ask(conn, "admit") == ([], 4)
+        threading.Timer(0.05, lambda: port.fired.update(range(4))).start()
+        got, waiting, dropped = _ask(conn, "wait")
+        assert sorted(got) == [1, 2, 3, 4] and waiting == dropped == 0
+    finally:
+        conn.send("done")
+        t.join(10)
     assert not t.is_alive()
 
 

@@ -26,6 +26,10 @@ covers every block and layer the stream did not send. An item dropped here (the 
 the engine detached) only costs the streaming it would have bought, never correctness, and
 nothing waits unbounded. Each drop is counted by reason (:class:`GateStats`).
 
+**Whose events.** The pool comes from the attached engine (its Attach passed the peer
+credential checks) and only says when that engine's own blocks may be read: its events are as
+trusted as its KV. An event handle gives no access to memory.
+
 Why no transition table: the gate has no per-key states, only FIFOs with two exits (the event
 fired, or a bound); a table would have one state.
 """

@@ -256,9 +256,11 @@ class LayerGate(Generic[T]):
             fired = bool(self._port.done(slot.event))
         except Exception as e:  # a dead exporter, a CUDA error: never guess, drop
             self.stats.dropped_error += n
-            self.stats.last_error = f"event {i + 1}: {type(e).__name__}: {e}"
-            log.warning("layer gate: %s; %d waiting item(s) dropped (the seal writes them)",
-                        self.stats.last_error, n)
+            why = f"event {i + 1}: {type(e).__name__}: {e}"
+            if why != self.stats.last_error:  # once per cause, not once per frame
+                log.warning("layer gate: %s; its waiting items are not streamed (the final write "
+                            "covers them)", why)
+            self.stats.last_error = why
         else:
             if not fired:
                 return

@@ -290,7 +290,7 @@ ops = st.lists(st.one_of(
 ), max_size=80)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=600, deadline=None)
 @given(ops=ops, max_waiting=st.integers(0, 12), max_wait_s=st.floats(0.05, 1.0),
        bad=st.frozensets(st.integers(0, SIZE - 1), max_size=1))
 def test_every_item_leaves_once_or_is_counted_dropped_never_before_its_event(ops, max_waiting, max_wait_s, bad):

@@ -298,6 +298,15 @@ class DeviceConfig:
         "wait and go out together", check=_check_count)
     max_layer_writes_total: int = key(
         64, "prefill side: group WRITEs in flight across all transfers", check=_check_count)
+    max_event_waiting: int = key(
+        4096, "prefill side, GPU: layer groups (one per request chunk of a LayerProgress) held "
+        "until the engine's CUDA event says their kernels finished; past it new ones are not "
+        "streamed (counted) and the request's final write covers them. 0: no GPU streaming",
+        check=_check_count)
+    max_event_wait_s: float = key(
+        5.0, "prefill side, GPU: a layer group whose CUDA event has not fired by then is not "
+        "streamed (counted; the final write covers it): a stalled engine never holds the daemon. "
+        "Longer than one forward", check=_check_positive)
     max_producers: int = key(
         256, "decode side: prefill daemons this daemon (one engine rank) may be linked to at "
         "once; the endpoints come from requests' kv_transfer_params, so a registration that "

@@ -2,12 +2,14 @@
 # The GPU path on a machine with a GPU, in one command: CUDA IPC export/open across two
 # processes, NIXL VRAM registration, a kvpushd WRITE between two GPU regions (per-layer
 # FlashAttention caches, bytes compared with the reference copy), layer-wise streaming's
-# interprocess event pool opened and queried in a second process and, when vLLM with CUDA
+# interprocess event pool opened in a second process by the daemon's gate (LayerGate over
+# CudaEventPort: held while the kernel runs, through once it ended) and, when vLLM with CUDA
 # imports, a 1P1D pair on one GPU through kvpush. Ends with one verdict line.
 #
 # Exit codes: 0 PASS, 1 FAIL, 2 bad usage or kvpush not installable,
 #             77 no GPU here (nothing was run; 77 is automake's / CTest's "skipped").
-# Options: --skip-vllm, --model DIR (for the 1P1D step). $KVPUSH_PYTHON picks the interpreter.
+# Options: --skip-vllm, --model DIR (for the 1P1D step), --steps ipc,daemon,events (run a
+# subset). $KVPUSH_PYTHON picks the interpreter.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 EXIT_NO_GPU=77

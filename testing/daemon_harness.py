@@ -8,10 +8,11 @@ shared memory, as the vLLM plugin's worker half does.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import multiprocessing as mp
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,12 @@ class Daemon:
             raise RuntimeError(f"daemon {cfg.name} did not become ready")
         self.peer_endpoint = self.ops("status")["peer_endpoint"]
         _LIVE.append(self)
+
+    def __enter__(self) -> Daemon:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
     def ops(self, cmd: str, arg: str = "") -> dict:
         reply = ops_request(self.cfg.ops_socket, cmd, arg)
@@ -195,6 +202,17 @@ class Engine:
                     unlink_export(h)
 
 
+@contextlib.contextmanager
+def engines(p: Daemon, d: Daemon, layout: KVLayout, dst_layout: KVLayout | None = None, *,
+            seed: int = 0) -> Iterator[tuple[Engine, Engine]]:
+    """A prefill engine on ``p`` (random KV from ``seed``) and a decode engine on ``d`` (zeros;
+    ``dst_layout``, else ``layout``), closed on exit whatever failed: (prefill, decode)."""
+    with contextlib.ExitStack() as stack:
+        pe = stack.enter_context(contextlib.closing(Engine(p, layout, "prefill", seed=seed)))
+        de = stack.enter_context(contextlib.closing(Engine(d, dst_layout or layout, "decode", fill="zeros")))
+        yield pe, de
+
+
 # ---- the engine messages and TP scenarios the daemon tests share ----------------------------
 
 def amx_layout(heads: int = 2, head_start: int = 0, total_heads: int = 0, *, num_blocks: int = 64,
@@ -204,6 +222,30 @@ def amx_layout(heads: int = 2, head_start: int = 0, total_heads: int = 0, *, num
 
     return make("amx", num_layers=num_layers, num_blocks=num_blocks, block_size=block_size, num_heads=heads,
                 head_size=64, dtype="bfloat16", head_start=head_start, total_heads=total_heads)
+
+
+_ids = itertools.count()
+
+
+def tid(prefix: str = "t") -> str:
+    """A transfer ID unique in this run."""
+    return f"{prefix}{os.getpid()}-{next(_ids)}"
+
+
+def check_transfer(p_eng: Engine, p_meta: dict, src_blocks: Sequence[int], d_eng: Engine, d_meta: dict,
+                   dst_blocks: Sequence[int], num_tokens: int, before: np.ndarray, *,
+                   src_buf: np.ndarray | None = None) -> None:
+    """The decode engine's bytes are the reference copy of ``src_blocks`` into ``before`` (the
+    decode KV before the transfer; ``src_buf``: the prefill KV, if not the engine's now), every
+    byte the copy does not decide included."""
+    from kvpush.testing.kvref import reference_copy
+
+    want, dont_care = reference_copy(
+        p_meta, p_eng.layout, p_eng.bytes if src_buf is None else src_buf, list(src_blocks),
+        d_meta, d_eng.layout, before, list(dst_blocks), num_tokens, 0,
+    )
+    got = d_eng.bytes
+    assert np.array_equal(got[~dont_care], want[~dont_care]), "destination bytes differ from the reference copy"
 
 
 def register(de: Engine, producers: Sequence[Daemon | str], t: str, blocks: Sequence[int], n: int, *,

@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
+import json
 import os
 import shutil
 import signal
@@ -337,23 +338,34 @@ class Lab:
         ``numgen random``), optionally only those to and from ``peer``."""
         if not 0 <= percent <= 100:
             raise ValueError("percent must be in 0..100")
-        self._rules(host, f"numgen random mod 100 < {percent} drop", peer)
+        self._rules(host, f"numgen random mod 100 < {percent} " if percent < 100 else "", peer)
 
     def partition(self, host: str, peer: str) -> None:
         """Drop everything between ``host`` and ``peer`` (others still reach both)."""
-        self._rules(host, "drop", peer)
+        self._rules(host, "", peer)
 
-    def _rules(self, host: str, verdict: str, peer: str | None) -> None:
+    def _rules(self, host: str, match: str, peer: str | None) -> None:
+        """Drop ``host``'s packets (to and from ``peer`` only, if given) that ``match``, counting them."""
         self._nft_reset(host)
         src = f"ip saddr {self.addr(peer)} " if peer else ""
         dst = f"ip daddr {self.addr(peer)} " if peer else ""
         self._nft(host, (
             f"table inet {NFT_TABLE} {{\n"
             f"  chain in {{ type filter hook input priority 0; policy accept; "
-            f"iifname \"{self.host(host).ifname}\" {src}{verdict}; }}\n"
+            f"iifname \"{self.host(host).ifname}\" {src}{match}counter drop; }}\n"
             f"  chain out {{ type filter hook output priority 0; policy accept; "
-            f"oifname \"{self.host(host).ifname}\" {dst}{verdict}; }}\n"
+            f"oifname \"{self.host(host).ifname}\" {dst}{match}counter drop; }}\n"
             f"}}\n"))
+
+    def dropped(self, host: str) -> int:
+        """Packets ``host``'s loss or partition rules have dropped so far, both directions (0
+        with no rules): a fault test's proof that its fault hit traffic, read before
+        :meth:`clear_faults` removes the rules."""
+        out = self.exec(host, "nft", "-j", "list", "table", "inet", NFT_TABLE, check=False)
+        if out.returncode:
+            return 0
+        return sum(x["counter"]["packets"] for e in json.loads(out.stdout)["nftables"] if "rule" in e
+                   for x in e["rule"]["expr"] if "counter" in x)
 
     def cap(self, host: str, rate: str = "1gbit", burst: str = "512kb", latency: str = "50ms") -> None:
         """A token-bucket cap on what ``host`` sends (tbf; this kernel has no netem)."""

@@ -16,6 +16,7 @@ Two measurements, real NIXL and real daemons (CURVE on):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import mmap
 import os
 import statistics
@@ -66,42 +67,29 @@ def rotate_ms(size: int, reps: int = 5) -> float:
 
 
 def daemons_run(tmp: Path, tls: str, before: int, after_s: float) -> dict[str, Any]:
-    from kvpush.testing.daemon_harness import Daemon, Engine, device_config
-    from kvpush.testing.keys import allow, lab_keys
+    from kvpush.testing.fleet import NODES, fleet
     from kvpush.testing.nixl_probe import FakeProducer
 
-    kp = lab_keys(tmp / "P", "pnode", ("127.0.0.1",))
-    kd = lab_keys(tmp / "D", "dnode", ("127.0.0.2",))
-    kx = lab_keys(tmp / "X", "xnode", ("127.0.0.3",))
-    allow(kp, kd)
-    allow(kd, kp, kx)
-    env = {"UCX_TLS": tls}
-    p = Daemon(device_config(tmp, 0, **kp.config()), env=env)
-    d = Daemon(device_config(tmp, 1, peer_host="127.0.0.2", advertise_host="127.0.0.2", **kd.config()), env=env)
-    pe, de = Engine(p, lay(), "prefill", seed=3), Engine(d, lay(), "decode", fill="zeros")
-    x = FakeProducer(kx, "127.0.0.3", lay())
-    n = 0
+    with fleet(tmp, x_allowed_by="d", env={"UCX_TLS": tls}) as f, \
+            contextlib.closing(FakeProducer(f.kx, NODES["x"][1], lay())) as x:
+        n = 0
 
-    def one() -> tuple[float, float, bool]:
-        nonlocal n
-        n += 1
-        t = f"rot{os.getpid()}-{n}"
-        t0 = time.monotonic()
-        k = 12 + (n % 6) * 3  # destination blocks 12..29, cycled (10, 11: X's registration)
-        de.send(proto.Register(t, 0, (k, k + 1, k + 2), 40, (p.peer_endpoint,), 1, 8000))
-        pe.send(proto.PrefillDone(t, (1, 2, 3), 40, 8000))
-        got = de.result(t, timeout=12.0)
-        return t0, (time.monotonic() - t0) * 1e3, isinstance(got, proto.Received)
+        def one() -> tuple[float, float, bool]:
+            nonlocal n
+            n += 1
+            t0 = time.monotonic()
+            k = 12 + (n % 6) * 3  # destination blocks 12..29, cycled (10, 11: X's registration)
+            got = f.transfer((k, k + 1, k + 2), t=f"rot{os.getpid()}-{n}", timeout=12.0)
+            return t0, (time.monotonic() - t0) * 1e3, isinstance(got, proto.Received)
 
-    try:
         for _ in range(5):
             one()  # warm
         pre = [one()[1] for _ in range(before)]
         t = f"rotx{os.getpid()}"
-        de.send(proto.Register(t, 0, (10, 11), 20, (x.endpoint,), 1, 8000))
+        f.de.send(proto.Register(t, 0, (10, 11), 20, (x.endpoint,), 1, 8000))
         x.serve(1.5)  # D dialled X: X holds D's metadata
-        de.result(t)
-        (Path(kd.authorized_dir) / "xnode.key").unlink()
+        f.de.result(t)
+        (Path(f.kd.authorized_dir) / "xnode.key").unlink()
         removed = time.monotonic()
         runs = []
         fenced = False
@@ -109,7 +97,7 @@ def daemons_run(tmp: Path, tls: str, before: int, after_s: float) -> dict[str, A
             try:
                 runs.append(one())
             except TimeoutError:  # no answer: D fenced (a WRITE announced in flight at the rotation)
-                fenced = not d.proc.is_alive() or d.proc.exitcode is not None
+                fenced = not f.d.proc.is_alive() or f.d.proc.exitcode is not None
                 break
         failed = [r for r in runs if not r[2]]
         ok_after = [r for r in runs if r[2] and r[0] > (failed[-1][0] if failed else removed)]
@@ -126,12 +114,6 @@ def daemons_run(tmp: Path, tls: str, before: int, after_s: float) -> dict[str, A
             "max_after_ms": max((r[1] for r in runs), default=float("nan")),
             "fenced": fenced,
         }
-    finally:
-        x.close()
-        pe.close()
-        de.close()
-        p.stop()
-        d.stop()
 
 
 def main(argv: list[str] | None = None) -> int:

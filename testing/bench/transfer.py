@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,7 @@ import psutil
 from kvpush import proto
 from kvpush.proto.layout import vllm_cpu_layout
 from kvpush.testing.bench.raw_nixl import SHM_ENV, memcpy_gbps, raw_nixl_write_gbps
-from kvpush.testing.daemon_harness import Daemon, Engine, device_config
+from kvpush.testing.daemon_harness import Daemon, Engine, device_config, engines
 
 MiB = 1 << 20
 BLOCK_BYTES = 64 << 10  # one block slab: 16 tokens x 8 heads x K/V x 128 x bf16
@@ -144,19 +144,11 @@ def auth_cost(mode: str, blocks: int, sizes: list[int], rows: dict[str, Any]) ->
 @contextmanager
 def daemon_pair(mode: str, blocks: int, **cfg: Any) -> Iterator[tuple[Daemon, Daemon, Engine, Engine]]:
     """A prefill and a decode daemon (real processes) with an engine stand-in each."""
-    tmp = Path(tempfile.mkdtemp(prefix="kvpush-bench-"))
-    p = Daemon(device_config(tmp, 0, ucx_error_handling_mode=mode, **cfg))
-    d = Daemon(device_config(tmp, 1, ucx_error_handling_mode=mode, **cfg))
-    lay = layout(blocks)
-    pe = Engine(p, lay, "prefill", seed=1)
-    de = Engine(d, lay, "decode", fill="zeros")
-    try:
+    with tempfile.TemporaryDirectory(prefix="kvpush-bench-") as tmp, ExitStack() as stack:
+        p, d = (stack.enter_context(Daemon(device_config(Path(tmp), i, ucx_error_handling_mode=mode, **cfg)))
+                for i in (0, 1))
+        pe, de = stack.enter_context(engines(p, d, layout(blocks), seed=1))
         yield p, d, pe, de
-    finally:
-        pe.close()
-        de.close()
-        p.stop()
-        d.stop()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,7 +8,6 @@ and no other destination byte changed.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
 import time
 from collections.abc import Iterator
@@ -26,21 +25,17 @@ from kvpush.testing.daemon_harness import (
     amx_layout,
     check_tp1_to_tp2,
     check_tp2_to_tp1,
+    check_transfer,
     device_config,
+    engines,
     prefill_done,
     register,
+    tid,
 )
 from kvpush.testing.engine_peer import raw_request
 from kvpush.testing.kvref import reference_copy
 
 pytestmark = pytest.mark.integration
-
-_ids = itertools.count()
-
-
-def tid() -> str:
-    return f"t{os.getpid()}-{next(_ids)}"
-
 
 def cpu(block_size: int = 16, num_blocks: int = 64, heads: int = 2, head_start: int = 0,
         total_heads: int = 0, num_layers: int = 2) -> tuple[KVLayout, dict]:
@@ -48,33 +43,11 @@ def cpu(block_size: int = 16, num_blocks: int = 64, heads: int = 2, head_start: 
                       num_layers=num_layers)
 
 
-@pytest.fixture(scope="module")
-def pd(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("pd")
-    p = Daemon(device_config(tmp, 0))
-    d = Daemon(device_config(tmp, 1))
-    yield p, d
-    p.stop()
-    d.stop()
-
-
-def check_transfer(p_eng: Engine, p_meta: dict, src_blocks, d_eng: Engine, d_meta: dict, dst_blocks,
-                   num_tokens: int, before: np.ndarray, *, src_buf: np.ndarray | None = None) -> None:
-    want, dont_care = reference_copy(
-        p_meta, p_eng.layout, p_eng.bytes if src_buf is None else src_buf, list(src_blocks),
-        d_meta, d_eng.layout, before, list(dst_blocks), num_tokens, 0,
-    )
-    got = d_eng.bytes
-    assert np.array_equal(got[~dont_care], want[~dont_care]), "destination bytes differ from the reference copy"
-
-
 @pytest.mark.parametrize("order", ["register_first", "prefill_first"])
 def test_single_transfer_either_order(pd, order):
     p, d = pd
     (lay, meta) = cpu()
-    pe = Engine(p, lay, "prefill", seed=1)
-    de = Engine(d, lay, "decode", fill="zeros")
-    try:
+    with engines(p, d, lay, seed=1) as (pe, de):
         before = de.bytes.copy()
         t, n = tid(), 3 * 16 + 5
         src, dst = [7, 3, 11, 12], [40, 2, 9, 10]
@@ -89,17 +62,12 @@ def test_single_transfer_either_order(pd, order):
         assert isinstance(de.result(t), proto.Received)
         assert isinstance(pe.result(t), proto.Sent)
         check_transfer(pe, meta, src, de, meta, dst, n, before)
-    finally:
-        pe.close()
-        de.close()
 
 
 def test_many_concurrent_transfers_scattered_blocks(pd):
     p, d = pd
     lay, meta = cpu(num_blocks=256)
-    pe = Engine(p, lay, "prefill", seed=2)
-    de = Engine(d, lay, "decode", fill="zeros")
-    try:
+    with engines(p, d, lay, seed=2) as (pe, de):
         before = de.bytes.copy()
         rng = np.random.default_rng(0)
         dst_perm = rng.permutation(256)
@@ -133,9 +101,6 @@ def test_many_concurrent_transfers_scattered_blocks(pd):
         mine = [r for r in p.ops("transfers")["recent"] if r["transfer_id"] in {j[0] for j in jobs}]
         assert len(mine) == 40 and all(r["prepped"] for r in mine)
         assert any(peer["prepped_descriptors"] for peer in p.ops("peers")["peers"])
-    finally:
-        pe.close()
-        de.close()
 
 
 @pytest.mark.parametrize("sbs, dbs", [(16, 32), (32, 16), (48, 32)])
@@ -143,9 +108,7 @@ def test_different_block_sizes(pd, sbs, dbs):
     p, d = pd
     src_lay, sm = cpu(block_size=sbs, num_blocks=32)
     dst_lay, dm = cpu(block_size=dbs, num_blocks=32)
-    pe = Engine(p, src_lay, "prefill", seed=3)
-    de = Engine(d, dst_lay, "decode", fill="zeros")
-    try:
+    with engines(p, d, src_lay, dst_lay, seed=3) as (pe, de):
         before = de.bytes.copy()
         t, n = tid(), 150
         src = [5, 1, 20, 21, 22, 9, 10, 11, 12, 13][: -(-n // sbs)]
@@ -158,9 +121,6 @@ def test_different_block_sizes(pd, sbs, dbs):
         # Block sizes differ: not block-periodic, so descriptors are built per transfer.
         row = next(r for r in p.ops("transfers")["recent"] if r["transfer_id"] == t)
         assert row["prepped"] is False
-    finally:
-        pe.close()
-        de.close()
 
 
 def test_tp2_to_tp1_two_producers(tmp_path):
@@ -203,9 +163,7 @@ def _raw(endpoint: str, frames: list[bytes]) -> bytes | None:
 def test_bad_input_on_every_endpoint_writes_nothing(pd):
     p, d = pd
     lay, meta = cpu()
-    pe = Engine(p, lay, "prefill", seed=7)
-    de = Engine(d, lay, "decode", fill="zeros")
-    try:
+    with engines(p, d, lay, seed=7) as (pe, de):
         before = de.bytes.copy()
         src_before = pe.bytes.copy()
         peer_ep = p.peer_endpoint
@@ -256,31 +214,20 @@ def test_bad_input_on_every_endpoint_writes_nothing(pd):
         assert isinstance(de.result(t2), proto.Received)
         check_transfer(pe, meta, [1, 2, 3], de, meta, [4, 5, 6], n, before)
         assert p.ops("status")["rejected_inputs"] > 0
-    finally:
-        pe.close()
-        de.close()
 
 
 @contextlib.contextmanager
 def registered_at_producer(tmp_path) -> Iterator[tuple[Daemon, Daemon, Engine, str, np.ndarray]]:
     """A prefill and a decode daemon, and a registration that has reached the producer with no
     prefill yet: (producer, consumer, decode engine, transfer, the decode KV bytes before)."""
-    p = Daemon(device_config(tmp_path, 0))
-    d = Daemon(device_config(tmp_path, 1))
     lay, _ = cpu()
-    pe = Engine(p, lay, "prefill", seed=8)
-    de = Engine(d, lay, "decode", fill="zeros")
-    try:
+    with Daemon(device_config(tmp_path, 0)) as p, Daemon(device_config(tmp_path, 1)) as d, \
+            engines(p, d, lay, seed=8) as (pe, de):
         before = de.bytes.copy()
         t = tid()
         register(de, [p], t, [1, 2], 20, timeout_ms=30_000)
         time.sleep(0.5)  # the registration reached the producer
         yield p, d, de, t, before
-    finally:
-        pe.close()
-        de.close()
-        d.stop()
-        p.stop()
 
 
 def test_prefill_daemon_killed_mid_transfer_fails_decode_within_deadline(tmp_path):
@@ -296,13 +243,9 @@ def test_prefill_daemon_killed_mid_transfer_fails_decode_within_deadline(tmp_pat
 def test_curve_peer_endpoint_refuses_unauthorised_peers(tmp_path):
     """Peers are authenticated by default: daemons holding allowlisted node keys transfer; a
     plain ZeroMQ client (no key) cannot even get a reply, so it can never cause a WRITE."""
-    curve = {}
-    p = Daemon(device_config(tmp_path, 0, **curve))
-    d = Daemon(device_config(tmp_path, 1, **curve))
     lay, meta = cpu()
-    pe = Engine(p, lay, "prefill", seed=9)
-    de = Engine(d, lay, "decode", fill="zeros")
-    try:
+    with Daemon(device_config(tmp_path, 0)) as p, Daemon(device_config(tmp_path, 1)) as d, \
+            engines(p, d, lay, seed=9) as (pe, de):
         before = de.bytes.copy()
         reg = proto.PeerRegister("evil", 0, (0, 1), 20, 0, 1, 1, 5000)
         assert _raw(p.peer_endpoint, [proto.encode(reg)]) is None  # no CURVE: no session at all
@@ -311,11 +254,6 @@ def test_curve_peer_endpoint_refuses_unauthorised_peers(tmp_path):
         prefill_done(pe, t, [1, 2, 3], n)
         assert isinstance(de.result(t), proto.Received)
         check_transfer(pe, meta, [1, 2, 3], de, meta, [4, 5, 6], n, before)
-    finally:
-        pe.close()
-        de.close()
-        p.stop()
-        d.stop()
 
 
 def test_restarted_producer_on_the_same_endpoint_is_re_handshaken(tmp_path):
@@ -330,33 +268,30 @@ def test_restarted_producer_on_the_same_endpoint_is_re_handshaken(tmp_path):
     p = Daemon(device_config(tmp_path, 0, peer_port=port))
     d = Daemon(device_config(tmp_path, 1))
     lay, meta = cpu()
-    pe = Engine(p, lay, "prefill", seed=10)
-    de = Engine(d, lay, "decode", fill="zeros")
     try:
-        t, n = tid(), 40
-        register(de, [p], t, [4, 5, 6], n)
-        prefill_done(pe, t, [1, 2, 3], n)
-        assert isinstance(de.result(t), proto.Received)
-        p.kill()
-        p = Daemon(device_config(tmp_path, 0, peer_port=port))
-        # The prefill engine's client re-attaches to the new daemon on its own.
-        pe.wait_for(lambda m: isinstance(m, proto.AttachAck), 20)
-        deadline = time.monotonic() + 30
-        while True:
-            before = de.bytes.copy()
-            t = tid()
-            register(de, [p], t, [7, 8, 9], n)
-            prefill_done(pe, t, [10, 11, 12], n)
-            res = de.result(t, timeout=20)
-            pe.result(t, timeout=20)
-            if isinstance(res, proto.Received):
-                check_transfer(pe, meta, [10, 11, 12], de, meta, [7, 8, 9], n, before)
-                break
-            assert time.monotonic() < deadline, f"no transfer through the restarted daemon: {res}"
-            time.sleep(1)
+        with engines(p, d, lay, seed=10) as (pe, de):
+            t, n = tid(), 40
+            register(de, [p], t, [4, 5, 6], n)
+            prefill_done(pe, t, [1, 2, 3], n)
+            assert isinstance(de.result(t), proto.Received)
+            p.kill()
+            p = Daemon(device_config(tmp_path, 0, peer_port=port))
+            # The prefill engine's client re-attaches to the new daemon on its own.
+            pe.wait_for(lambda m: isinstance(m, proto.AttachAck), 20)
+            deadline = time.monotonic() + 30
+            while True:
+                before = de.bytes.copy()
+                t = tid()
+                register(de, [p], t, [7, 8, 9], n)
+                prefill_done(pe, t, [10, 11, 12], n)
+                res = de.result(t, timeout=20)
+                pe.result(t, timeout=20)
+                if isinstance(res, proto.Received):
+                    check_transfer(pe, meta, [10, 11, 12], de, meta, [7, 8, 9], n, before)
+                    break
+                assert time.monotonic() < deadline, f"no transfer through the restarted daemon: {res}"
+                time.sleep(1)
     finally:
-        pe.close()
-        de.close()
         p.stop()
         d.stop()
 

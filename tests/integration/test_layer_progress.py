@@ -11,8 +11,15 @@ import pytest
 
 from kvpush import proto
 from kvpush.daemon.planner import plan
-from kvpush.testing.daemon_harness import Engine, prefill_done, register
-from tests.integration.test_daemon import check_transfer, cpu, pd, tid  # noqa: F401 (pd: fixture)
+from kvpush.testing.daemon_harness import (
+    Engine,
+    amx_layout,
+    check_transfer,
+    engines,
+    prefill_done,
+    register,
+    tid,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -23,12 +30,10 @@ def frames(t: str, src: list[int], n: int, num_layers: int) -> list[proto.LayerP
 
 
 @pytest.mark.parametrize("register_at", [0, 1, 2])  # before, between, after the frames
-def test_progress_then_seal_with_the_register_anywhere(pd, register_at):  # noqa: F811
+def test_progress_then_seal_with_the_register_anywhere(pd, register_at):
     p, d = pd
-    lay, meta = cpu()
-    pe = Engine(p, lay, "prefill", seed=3)
-    de = Engine(d, lay, "decode", fill="zeros")
-    try:
+    lay, meta = amx_layout()
+    with engines(p, d, lay, seed=3) as (pe, de):
         before = de.bytes.copy()
         t, n = tid(), 3 * 16 + 5
         src, dst = [7, 3, 11, 12], [40, 2, 9, 10]
@@ -45,17 +50,12 @@ def test_progress_then_seal_with_the_register_anywhere(pd, register_at):  # noqa
         check_transfer(pe, meta, src, de, meta, dst, n, before)
         pe.pump()
         assert not [m for m in pe.inbox if isinstance(m, proto.Error)], "a good frame was refused"
-    finally:
-        pe.close()
-        de.close()
 
 
-def test_a_bad_progress_frame_is_refused_and_writes_nothing(pd):  # noqa: F811
+def test_a_bad_progress_frame_is_refused_and_writes_nothing(pd):
     p, d = pd
-    lay, _ = cpu()
-    pe = Engine(p, lay, "prefill", seed=4)
-    de = Engine(d, lay, "decode", fill="zeros")
-    try:
+    lay, _ = amx_layout()
+    with engines(p, d, lay, seed=4) as (pe, de):
         before = de.bytes.copy()
         t = tid()
         register(de, [p], t, [1, 2], 20)
@@ -67,9 +67,6 @@ def test_a_bad_progress_frame_is_refused_and_writes_nothing(pd):  # noqa: F811
             lambda m: isinstance(m, proto.Error) and m.code == "progress", 5).message
         time.sleep(0.3)
         assert np.array_equal(de.bytes, before)
-    finally:
-        pe.close()
-        de.close()
 
 
 def _layers_equal(pe: Engine, de: Engine, src: list[int], dst: list[int], n: int, lo: int, hi: int) -> bool:
@@ -79,15 +76,13 @@ def _layers_equal(pe: Engine, de: Engine, src: list[int], dst: list[int], n: int
                for s, d, ln in zip(p.src_off.tolist(), p.dst_off.tolist(), p.length.tolist(), strict=True))
 
 
-def test_groups_land_before_the_seal_and_the_final_write_sends_the_rest(pd):  # noqa: F811
+def test_groups_land_before_the_seal_and_the_final_write_sends_the_rest(pd):
     """The stream's point: layers reported while the decode side is registered land before the
     seal (group WRITEs), the rest after it, byte-exact; the final WRITE is smaller than the
     whole request. With group WRITEs off in the daemon this fails at the first check."""
     p, d = pd
-    lay, meta = cpu(num_layers=4)
-    pe = Engine(p, lay, "prefill", seed=5)
-    de = Engine(d, lay, "decode", fill="zeros")
-    try:
+    lay, meta = amx_layout(num_layers=4)
+    with engines(p, d, lay, seed=5) as (pe, de):
         before = de.bytes.copy()
         t, n = tid(), 3 * 16 + 5
         src, dst = [7, 3, 11, 12], [40, 2, 9, 10]
@@ -110,6 +105,3 @@ def test_groups_land_before_the_seal_and_the_final_write_sends_the_rest(pd):  # 
         assert groups and len(final) == 1
         whole = plan(pe.layout, src, de.layout, dst, n).nbytes
         assert final[0]["bytes"] < whole, (final[0]["bytes"], whole)
-    finally:
-        pe.close()
-        de.close()

@@ -9,6 +9,7 @@ gone without restarting a daemon (recovery).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import socket
@@ -234,6 +235,36 @@ def test_lab_up_down_idempotent_and_leaves_nothing(lab_ok, tmp_path):
     lab.down()
     assert sleeper.poll() is not None, "a process of the lab survived down()"
     assert not set(lab.namespaces()) & _ns_list()
+
+
+def test_fault_rules_count_what_they_drop(lab_ok):
+    """``Lab.dropped``, the fault tests' proof that a fault hit: 0 without rules and for a
+    0 % loss, every blocked connection attempt under a partition or a 100 % loss."""
+    lab = Lab(("a", "b"), name=f"t{os.getpid()}n").up()
+
+    def attempts(n: int) -> None:
+        for _ in range(n):
+            with socket.socket() as s, contextlib.suppress(OSError):
+                s.settimeout(0.3)
+                s.connect((lab.addr("b"), 9))
+
+    try:
+        lab.call("a", attempts, 2, timeout=10)
+        assert lab.dropped("a") == 0
+        lab.partition("a", "b")
+        assert lab.dropped("a") == 0
+        lab.call("a", attempts, 3, timeout=10)
+        assert lab.dropped("a") >= 3
+        lab.loss("a", 0)
+        lab.call("a", attempts, 3, timeout=10)
+        assert lab.dropped("a") == 0
+        lab.loss("a", 100, "b")
+        lab.call("a", attempts, 2, timeout=10)
+        assert lab.dropped("a") >= 2
+        lab.clear_faults("a")
+        assert lab.dropped("a") == 0
+    finally:
+        lab.down()
 
 
 # ------------------------------------------------------------------------ transfers across hosts

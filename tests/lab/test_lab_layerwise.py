@@ -159,17 +159,19 @@ def test_partition_mid_stream_then_heal(stack, reference):
     try:
         t.join(REQUEST_BOUND_S * 4)
         took = time.monotonic() - t0
+        dropped = stack.lab.dropped("p0")  # read before the rules go
     finally:
         stack.lab.clear_faults("p0")
         stack.lab.cap("p0", CAP, burst="1mb", latency="200ms")
     assert not t.is_alive(), "the batch hung past its bounds"
     assert not wrong(results, reference["partition"]), wrong(results, reference["partition"])[:2]
     assert took < REQUEST_BOUND_S * 2, f"the batch took {took:.0f}s"
-    # Did the fault hit? The decode daemon failed a load of this batch, or (a fenced daemon was
-    # restarted and forgot) the engine recomputed at least one prompt (>= 500 tokens) more than
-    # the same-sized batch after the heal. Known gap (2026-12-03, busy machine): with the
-    # partition line removed this still passed once, so a load failed, or D recomputed, without
-    # any fault; find which before trusting this check.
+    # Did the fault hit? Two things, both needed. The partition was on the path: its rules
+    # dropped packets between p0 and d0 (0 without a partition: this alone makes the check
+    # fail with the partition line removed). And it hit the batch: the decode daemon failed a
+    # load of it, or (a fenced daemon was restarted and forgot) the engine recomputed at least
+    # one prompt (>= 500 tokens) more than the same-sized batch after the heal. The second
+    # alone is not proof: on a busy machine under the cap a load can fail without any fault.
     failed = [r for r in decode_rows(stack) if r.get("transfer_id") not in seen and r.get("result") != "ok"]
     local_partition = local(stack) - local0
     time.sleep(2.0)
@@ -183,6 +185,7 @@ def test_partition_mid_stream_then_heal(stack, reference):
         assert not wrong(got, reference["healed"]), wrong(got, reference["healed"])[:2]
         assert time.monotonic() < deadline, f"not recovered: {got}"
     local_healed = local(stack) - local1
+    assert dropped > 0, "the partition dropped no packet between p0 and d0: it was never on the path"
     assert failed or local_partition > local_healed + 300, (
         f"the partition changed nothing: no failed load, {local_partition} tokens computed on D "
         f"(after the heal: {local_healed})")
@@ -194,8 +197,10 @@ def test_loss_under_the_cap(stack, reference):
     stack.lab.loss("d0", 1)
     try:
         got, took = through_router(stack, prompts("loss"))
+        dropped = stack.lab.dropped("d0")
     finally:
         stack.lab.clear_faults("d0")
+    assert dropped > 0, "the loss rule dropped no packet: the batch ran without the fault"
     bad = [i for i, g in enumerate(got) if "error" in g]
     assert not bad, [got[i] for i in bad]
     assert not wrong(got, reference["loss"]), wrong(got, reference["loss"])[:2]
@@ -211,9 +216,11 @@ def test_prefill_host_killed_mid_stream(stack, reference):
     t0 = time.monotonic()
     t.start()
     time.sleep(1.0)
-    stack.lab.kill_host("p0")
-    for name in ("p0", "kvpushd-p0"):
-        stack.procs.pop(name, None)
+    killed = stack.lab.kill_host("p0")
+    gone = [stack.procs.pop(name) for name in ("p0", "kvpushd-p0") if name in stack.procs]
+    # The fault hit: p0's engine and daemon were among the processes killed, and are dead.
+    assert {g.pid for g in gone} <= set(killed) and len(gone) == 2, (killed, gone)
+    assert all(g.poll() is not None for g in gone), "a p0 process survived the kill"
     t.join(REQUEST_BOUND_S * 4)
     took = time.monotonic() - t0
     assert not t.is_alive(), "the batch hung past its bounds"

@@ -15,52 +15,29 @@ test_peers_auth.py. Asserted (issue 28, items 4 and 7):
 
 from __future__ import annotations
 
-import itertools
 import os
 import shutil
 import time
 from pathlib import Path
 
 import pytest
-import zmq
 
 from kvpush import proto
 from kvpush.daemon.peerauth import PeerAuth, keygen
 from kvpush.testing.daemon_harness import Daemon, ops_request
+from kvpush.testing.fleet import ask, curve_client, transfer
 from kvpush.testing.kvref import small_layout as lay
 
 pytestmark = pytest.mark.integration
 
-_ids = itertools.count()
-
-
-def transfer(p, d, pe, de, blocks=(4, 5, 6)) -> object:
-    t = f"a{os.getpid()}-{next(_ids)}"
-    de.send(proto.Register(t, 0, blocks, 40, (p.peer_endpoint,), 1, 8000))
-    pe.send(proto.PrefillDone(t, (1, 2, 3), 40, 8000))
-    return de.result(t)
-
 
 def session(endpoint: str, server: bytes, me: PeerAuth, timeout_ms: int = 1500) -> bool:
     """Does the daemon at ``endpoint`` give ``me`` a session (any reply to a Hello)?"""
-    s = zmq.Context.instance().socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.curve_publickey, s.curve_secretkey, s.curve_serverkey = me.me.public, me.secret, server
-    s.connect(endpoint)
-    host = me.me.hosts[0]
+    s = curve_client(endpoint, server, (me.me.public, me.secret))
     hello = proto.Hello("probe", b"junk", lay(), (0,), proto.PROTOCOL_VERSION, lay().compat_key(), "X", 0, 1,
-                        f"tcp://{host}:1", False)
-    end = time.monotonic() + timeout_ms / 1000
+                        f"tcp://{me.me.hosts[0]}:1", False)
     try:
-        while True:
-            try:
-                s.send(proto.encode(hello), zmq.NOBLOCK)
-                break
-            except zmq.Again:
-                if time.monotonic() > end:
-                    return False
-                time.sleep(0.05)
-        return bool(s.poll(max(1, int((end - time.monotonic()) * 1000))))
+        return ask(s, hello, timeout_ms / 1000) is not None
     finally:
         s.close(0)
 
@@ -84,7 +61,7 @@ def until(cond, secs: float, what: str) -> float:
 
 def test_a_second_certificate_with_the_decode_nodes_name_gets_nothing(nodes, tmp_path):
     p, d, pe, de, kp, kd = nodes
-    assert isinstance(transfer(p, d, pe, de), proto.Received)
+    assert isinstance(transfer(p, pe, de), proto.Received)
     server = PeerAuth.load(kp.secret_file, kp.authorized_dir).me.public
     pub, sec = keygen(tmp_path / "evil", "dnode", ["127.0.0.7"])
     shutil.copy(pub, Path(kp.authorized_dir) / "evil.key")
@@ -96,7 +73,7 @@ def test_a_second_certificate_with_the_decode_nodes_name_gets_nothing(nodes, tmp
     (Path(kp.authorized_dir) / "evil.key").unlink()
     time.sleep(1.5)  # re-read within a second
     assert not session(p.peer_endpoint, server, evil)
-    assert isinstance(transfer(p, d, pe, de, blocks=(7, 8, 9)), proto.Received)
+    assert isinstance(transfer(p, pe, de, (7, 8, 9)), proto.Received)
     assert peers(p) == ["dnode"]
 
 
@@ -112,17 +89,17 @@ def test_a_certificate_listing_the_decode_nodes_host_gets_nothing(nodes, tmp_pat
 
 def test_a_world_writable_allowlist_directory_revokes_everyone(nodes):
     p, d, pe, de, kp, kd = nodes
-    assert isinstance(transfer(p, d, pe, de), proto.Received)
+    assert isinstance(transfer(p, pe, de), proto.Received)
     os.chmod(kp.authorized_dir, 0o777)
     took = until(lambda: not peers(p), 3, "a world-writable allowlist still admitted D")
     assert took < 2.5
-    assert isinstance(transfer(p, d, pe, de, blocks=(10, 11, 12)), proto.ReceiveFailed)
+    assert isinstance(transfer(p, pe, de, (10, 11, 12)), proto.ReceiveFailed)
     os.chmod(kp.authorized_dir, 0o700)
     # Fixed: D is admitted again, and its link (re-handshaking every quarter peer_timeout_s since
     # P evicted it) is ready within a bound, not a whole timeout later.
     took = until(lambda: ready_producers(d) == [p.peer_endpoint], 3, "D never re-handshook with P")
     assert took < 2.5
-    assert isinstance(transfer(p, d, pe, de, blocks=(13, 14, 15)), proto.Received)
+    assert isinstance(transfer(p, pe, de, (13, 14, 15)), proto.Received)
 
 
 def test_a_key_rotated_in_place_with_its_mtime_kept_takes_effect(nodes, tmp_path):
@@ -148,7 +125,7 @@ def test_revocation_drops_sessions_within_1_5_s(nodes):
     """The reload thread reads the directory every second and the loop asks it every 0.1 s:
     a removed certificate's sessions are gone within ~1.1 s (NIXL reach: docs/security.md)."""
     p, d, pe, de, kp, kd = nodes
-    assert isinstance(transfer(p, d, pe, de), proto.Received)
+    assert isinstance(transfer(p, pe, de), proto.Received)
     (Path(kp.authorized_dir) / "dnode.key").unlink()
     took = until(lambda: not peers(p), 3, "revoked node still a peer")
     print(f"revocation: sessions dropped {took:.2f} s after the certificate was removed")

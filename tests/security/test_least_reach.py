@@ -16,18 +16,18 @@ old ``make_hello``) lets the same attack read the whole region and write into it
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import time
 
 import numpy as np
 import pytest
-import zmq
 
 from kvpush import proto
 from kvpush.daemon.peerauth import PeerAuth
-from kvpush.testing.daemon_harness import Daemon, Engine, device_config, ops_request
-from kvpush.testing.keys import allow, lab_keys
+from kvpush.testing.daemon_harness import ops_request
+from kvpush.testing.fleet import ask, curve_client, fleet
 from kvpush.testing.kvref import small_layout as lay
 from kvpush.testing.nixl_probe import MEDIA, agent, register, xfer
 
@@ -86,28 +86,6 @@ def test_a_write_target_needs_nothing_of_its_producer(medium, monkeypatch):
 # ---------------------------------------------------------------- what a Hello gets
 
 
-def curve_client(endpoint: str, server_public: bytes, keys: tuple[bytes, bytes]) -> zmq.Socket:
-    s = zmq.Context.instance().socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.curve_publickey, s.curve_secretkey = keys
-    s.curve_serverkey = server_public
-    s.connect(endpoint)
-    return s
-
-
-def ask(s: zmq.Socket, msg: object, timeout_s: float = 3.0) -> object | None:
-    end = time.monotonic() + timeout_s
-    while True:
-        try:
-            s.send(proto.encode(msg), zmq.NOBLOCK)
-            break
-        except zmq.Again:
-            if time.monotonic() > end:
-                return None
-            time.sleep(0.05)
-    return proto.decode(s.recv()) if s.poll(max(1, int((end - time.monotonic()) * 1000))) else None
-
-
 def steal(a, reply: proto.Hello, size: int) -> tuple[np.ndarray | None, str, str]:
     """Everything an attacker can try with a Hello reply: load the metadata it carries, READ
     ``size`` bytes at the region address it carries, WRITE 4 KiB there. (read buffer or None,
@@ -133,21 +111,9 @@ def test_a_prefill_daemons_hello_reply_exposes_nothing(tmp_path, monkeypatch, me
     producer its engine registered with; the real pair keeps transferring."""
     tls = MEDIA[medium]
     monkeypatch.setenv("UCX_TLS", tls)
-    kp = lab_keys(tmp_path / "P", "pnode", ("127.0.0.1",))
-    kd = lab_keys(tmp_path / "D", "dnode", ("127.0.0.2",))
-    kx = lab_keys(tmp_path / "X", "xnode", ("127.0.0.3",))
-    allow(kp, kd, kx)
-    allow(kd, kp, kx)
-    env = {"UCX_TLS": tls}
-    p = Daemon(device_config(tmp_path, 0, **kp.config()), env=env)
-    d = Daemon(device_config(tmp_path, 1, peer_host="127.0.0.2", advertise_host="127.0.0.2", **kd.config()), env=env)
-    pe, de = Engine(p, lay(), "prefill", seed=3), Engine(d, lay(), "decode", fill="zeros")
-    s = None
-    try:
-        t = f"lr{os.getpid()}"
-        de.send(proto.Register(t, 0, (4, 5, 6), 40, (p.peer_endpoint,), 1, 8000))
-        pe.send(proto.PrefillDone(t, (1, 2, 3), 40, 8000))
-        assert isinstance(de.result(t), proto.Received)  # the real pair works on this medium
+    with fleet(tmp_path, x_allowed_by="pd", env={"UCX_TLS": tls}) as f, contextlib.ExitStack() as closing:
+        p, d, pe, kp, kd, kx = f.p, f.d, f.pe, f.kp, f.kd, f.kx
+        assert isinstance(f.transfer((4, 5, 6)), proto.Received)  # the real pair works on this medium
 
         x = PeerAuth.load(kx.secret_file, kx.authorized_dir)
         server = PeerAuth.load(kp.secret_file, kp.authorized_dir).me.public
@@ -157,6 +123,7 @@ def test_a_prefill_daemons_hello_reply_exposes_nothing(tmp_path, monkeypatch, me
         hello = proto.Hello("xagent", a.get_agent_metadata(), lay(), (mine.ctypes.data,), proto.PROTOCOL_VERSION,
                             lay().compat_key(), "X", 0, 1, "tcp://127.0.0.3:1", False)
         s = curve_client(p.peer_endpoint, server, (x.me.public, x.secret))
+        closing.callback(s.close, 0)
         before = pe.bytes.copy()
         reply = ask(s, hello)
         assert isinstance(reply, proto.Hello), reply  # admitted: it is allowlisted, of the decode role
@@ -179,14 +146,4 @@ def test_a_prefill_daemons_hello_reply_exposes_nothing(tmp_path, monkeypatch, me
         assert isinstance(answer, proto.Error), answer
         assert [r["node"] for r in ops_request(d.cfg.ops_socket, "peers").data["peers"]] == ["pnode"]
 
-        t = f"lr{os.getpid()}b"
-        de.send(proto.Register(t, 0, (7, 8, 9), 40, (p.peer_endpoint,), 1, 8000))
-        pe.send(proto.PrefillDone(t, (1, 2, 3), 40, 8000))
-        assert isinstance(de.result(t), proto.Received)
-    finally:
-        if s is not None:
-            s.close(0)
-        pe.close()
-        de.close()
-        p.stop()
-        d.stop()
+        assert isinstance(f.transfer((7, 8, 9)), proto.Received)

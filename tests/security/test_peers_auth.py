@@ -10,8 +10,6 @@ is explicit and visible.
 
 from __future__ import annotations
 
-import itertools
-import os
 import time
 from pathlib import Path
 
@@ -22,49 +20,11 @@ import zmq
 from kvpush import proto
 from kvpush.daemon.peerauth import PeerAuth
 from kvpush.testing.daemon_harness import Daemon, device_config, ops_request
-from kvpush.testing.keys import allow, lab_keys
+from kvpush.testing.fleet import ask, curve_client, node_keys, transfer
+from kvpush.testing.keys import allow
 from kvpush.testing.kvref import small_layout as lay
 
 pytestmark = pytest.mark.integration
-
-_ids = itertools.count()
-
-
-def tid() -> str:
-    return f"s{os.getpid()}-{next(_ids)}"
-
-
-def transfer(p, d, pe, de, blocks=(4, 5, 6)) -> object:
-    t = tid()
-    de.send(proto.Register(t, 0, blocks, 40, (p.peer_endpoint,), 1, 8000))
-    pe.send(proto.PrefillDone(t, (1, 2, 3), 40, 8000))
-    return de.result(t)
-
-
-def curve_client(endpoint: str, server_public: bytes, keys: tuple[bytes, bytes] | None) -> zmq.Socket:
-    s = zmq.Context.instance().socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    if keys is not None:
-        s.curve_publickey, s.curve_secretkey = keys
-        s.curve_serverkey = server_public
-    s.connect(endpoint)
-    return s
-
-
-def ask(s: zmq.Socket, msg: object, timeout_ms: int = 1500) -> object | None:
-    """The reply, or None when there is none, or no session to send on at all (a DEALER has
-    nowhere to put a message until a handshake completed: CURVE refused it)."""
-    end = time.monotonic() + timeout_ms / 1000
-    while True:
-        try:
-            s.send(proto.encode(msg), zmq.NOBLOCK)
-            break
-        except zmq.Again:
-            if time.monotonic() > end:
-                return None
-            time.sleep(0.05)
-    return proto.decode(s.recv()) if s.poll(max(1, int((end - time.monotonic()) * 1000))) else None
-
 
 def test_status_says_the_peer_port_is_authenticated(nodes):
     p, d, *_ = nodes
@@ -84,11 +44,11 @@ def test_no_session_without_an_allowlisted_key(nodes):
     for keys in (None, stranger):
         s = curve_client(p.peer_endpoint, server, keys)
         try:
-            assert ask(s, hello) is None
-            assert ask(s, proto.PeerRegister("evil", 0, (0, 1), 20, 0, 1, 1, 5000)) is None
+            assert ask(s, hello, 1.5) is None
+            assert ask(s, proto.PeerRegister("evil", 0, (0, 1), 20, 0, 1, 1, 5000), 1.5) is None
         finally:
             s.close(0)
-    assert isinstance(transfer(p, d, pe, de), proto.Received)  # the real pair is untouched
+    assert isinstance(transfer(p, pe, de), proto.Received)  # the real pair is untouched
     assert ops_request(p.cfg.ops_socket, "peers").data["peers"][0]["node"] == "dnode"
     assert not np.array_equal(de.bytes, before)
 
@@ -97,8 +57,8 @@ def test_an_allowlisted_node_cannot_claim_another_nodes_endpoint(nodes, tmp_path
     """Node X (allowlisted, hosts 127.0.0.3) says Hello as D's endpoint: refused with only
     "handshake refused", D is not evicted and keeps transferring."""
     p, d, pe, de, kp, kd = nodes
-    assert isinstance(transfer(p, d, pe, de), proto.Received)
-    kx = lab_keys(tmp_path / "X", "xnode", ("127.0.0.3",))
+    assert isinstance(transfer(p, pe, de), proto.Received)
+    kx = node_keys(tmp_path, "x")
     allow(kp, kx)
     time.sleep(1.5)  # the allowlist is re-read within a second
     x = PeerAuth.load(kx.secret_file, kx.authorized_dir)
@@ -119,19 +79,19 @@ def test_an_allowlisted_node_cannot_claim_another_nodes_endpoint(nodes, tmp_path
     assert 'cause="handshake_lost"' not in ops_request(p.cfg.ops_socket, "metrics").data["text"]
     peers = ops_request(p.cfg.ops_socket, "peers").data["peers"]
     assert [r["node"] for r in peers] == ["dnode"]
-    assert isinstance(transfer(p, d, pe, de), proto.Received)
+    assert isinstance(transfer(p, pe, de), proto.Received)
 
 
 def test_revoking_a_node_drops_it_and_it_can_no_longer_transfer(nodes):
     p, d, pe, de, kp, kd = nodes
-    assert isinstance(transfer(p, d, pe, de), proto.Received)
+    assert isinstance(transfer(p, pe, de), proto.Received)
     (Path(kp.authorized_dir) / "dnode.key").unlink()
     deadline = time.monotonic() + 5
     while ops_request(p.cfg.ops_socket, "peers").data["peers"]:
         assert time.monotonic() < deadline, "revoked node still a peer"
         time.sleep(0.2)
     before = de.bytes.copy()
-    got = transfer(p, d, pe, de, blocks=(10, 11, 12))
+    got = transfer(p, pe, de, (10, 11, 12))
     assert isinstance(got, proto.ReceiveFailed)
     assert np.array_equal(de.bytes, before), "a revoked node received KV"
 

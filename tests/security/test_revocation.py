@@ -17,6 +17,7 @@ removed (no ROTATE row: X still reads and writes the decode region).
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import time
@@ -26,8 +27,8 @@ import numpy as np
 import pytest
 
 from kvpush import proto
-from kvpush.testing.daemon_harness import Daemon, Engine, device_config, ops_request
-from kvpush.testing.keys import allow, lab_keys
+from kvpush.testing.daemon_harness import ops_request
+from kvpush.testing.fleet import NODES, fleet
 from kvpush.testing.kvref import reference_copy
 from kvpush.testing.kvref import small_engine as lay
 from kvpush.testing.nixl_probe import MEDIA, FakeProducer, agent, register, xfer
@@ -178,18 +179,10 @@ def test_a_revoked_producer_reaches_nothing_from_1_s_after_removal(tmp_path, mon
     with D's new agent, keeps transferring byte-exact."""
     tls = MEDIA[medium]
     monkeypatch.setenv("UCX_TLS", tls)
-    kp = lab_keys(tmp_path / "P", "pnode", ("127.0.0.1",))
-    kd = lab_keys(tmp_path / "D", "dnode", ("127.0.0.2",))
-    kx = lab_keys(tmp_path / "X", "xnode", ("127.0.0.3",))
-    allow(kp, kd)
-    allow(kd, kp, kx)
-    env = {"UCX_TLS": tls}
-    p = Daemon(device_config(tmp_path, 0, **kp.config()), env=env)
-    d = Daemon(device_config(tmp_path, 1, peer_host="127.0.0.2", advertise_host="127.0.0.2", **kd.config()), env=env)
-    pe, de = Engine(p, lay()[0], "prefill", seed=3), Engine(d, lay()[0], "decode", fill="zeros")
-    x = FakeProducer(kx, "127.0.0.3", lay()[0])
-    legit = Legit(p, pe, de)
-    try:
+    with fleet(tmp_path, x_allowed_by="d", env={"UCX_TLS": tls}) as f, \
+            contextlib.closing(FakeProducer(f.kx, NODES["x"][1], lay()[0])) as x:
+        d, de, kd = f.d, f.de, f.kd
+        legit = Legit(f.p, f.pe, de)
         legit.run((4, 5, 6))
         # D's engine registers with X (a request named it): D dials X and sends its Hello.
         t = f"rvx{os.getpid()}"
@@ -231,9 +224,3 @@ def test_a_revoked_producer_reaches_nothing_from_1_s_after_removal(tmp_path, mon
         assert [r["node"] for r in peers] == ["pnode"]
         assert ops_request(d.cfg.ops_socket, "status").data["agent"].endswith("-r1")  # one rotation, shown
         legit.run((15, 16, 17))
-    finally:
-        x.close()
-        pe.close()
-        de.close()
-        p.stop()
-        d.stop()

@@ -560,6 +560,11 @@ class PrefillSide:
         del self.in_flight[key]
         self.ctx.metrics.set_in_flight(len(self.in_flight))
         lat = now - f.started
+        if f.group and not error:  # a landed group is summed up in its final WRITE's row
+            self.ctx.trace.stamp_first(f.transfer_id, "p.daemon.group_done")
+            self.ctx.metrics.write_done(f.nbytes, lat)
+            self.apply(rv.WriteDone(f.transfer_id, f.attempt, f.dest_rank, now, group=f.group))
+            return
         self.ctx.history.add({
             "transfer_id": f.transfer_id, "attempt": f.attempt, "dest_rank": f.dest_rank, "side": "prefill",
             "bytes": f.nbytes, "descriptors": f.descriptors, "prepped": f.prepped, "latency_ms": round(lat * 1e3, 3),
@@ -569,11 +574,6 @@ class PrefillSide:
         if error:
             self.ctx.metrics.failure("nixl")
             self.apply(rv.WriteFailed(f.transfer_id, f.attempt, f.dest_rank, error, now, cause, group=f.group))
-            return
-        if f.group:
-            self.ctx.trace.stamp_first(f.transfer_id, "p.daemon.group_done")
-            self.ctx.metrics.write_done(f.nbytes, lat)
-            self.apply(rv.WriteDone(f.transfer_id, f.attempt, f.dest_rank, now, group=f.group))
             return
         self.ctx.trace.stamp(f.transfer_id, "p.daemon.write_done")
         peer = self.consumer(f.peer)

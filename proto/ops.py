@@ -245,7 +245,7 @@ class RecentWrite(OpsData):
     result: str  # ok | failed
     error: str
     age_s: float
-    group: int  # n > 0: a layer group's WRITE (no notification); 0: the final WRITE
+    group: int  # n > 0: a layer group's WRITE that failed (landed ones are summed up in their final's row)
     mode: str  # final WRITE: "layerwise" (groups landed before it) or "whole"; "group" for a group's
     groups: int  # final WRITE: the streamed parts (layer groups of a chunk) it did not send again
     first_group_lag_ms: float | None  # layer-wise: first frame in -> first group WRITE posted

@@ -316,6 +316,28 @@ def _transfer_ms_by_length(rows: list[dict[str, Any]], lengths: list[int], per_t
     return out
 
 
+def stream_stats(rows: list[dict[str, Any]], lengths: list[int], n: int) -> dict[int, dict[str, Any]]:
+    """Per length, the final WRITEs' stream summary (``kvpushctl transfers``): median parts
+    streamed, first-group lag and tail (last frame, or the seal, to the final WRITE's end).
+    Rows map to requests by order: one warm-up per length, then ``n`` per length."""
+    final = [r for r in reversed(rows) if r.get("side") == "prefill" and not r.get("group")
+             and r.get("result") == "ok"]
+    final = final[len(lengths):]
+    if len(final) != n * len(lengths):
+        return {}
+
+    def med(xs: list[Any]) -> float | None:
+        xs = [float(x) for x in xs if isinstance(x, (int, float))]
+        return round(statistics.median(xs), 1) if xs else None
+
+    out: dict[int, dict[str, Any]] = {}
+    for i, L in enumerate(lengths):
+        rs = final[i * n:(i + 1) * n]
+        out[L] = {"groups": med([r.get("groups") for r in rs]), "lag_ms": med([r.get("first_group_lag_ms") for r in rs]),
+                  "tail_ms": med([r.get("tail_ms") for r in rs])}
+    return out
+
+
 def measure(front: Front, lengths: list[int], n: int, seed: int, out_len: int) -> dict[int, list[dict[str, Any]]]:
     return front.client(asyncio.run, _ttfts(front.url, lengths, n, seed, out_len), timeout=1800)  # type: ignore[no-any-return]
 
@@ -334,6 +356,7 @@ def run_mode(name: str, start: Any, lengths: list[int], n: int, seed: int, out_l
             time.sleep(0.5)
             rows = prefill_daemon_transfers(stack)
             res["transfer_ms"] = _transfer_ms_by_length(rows, lengths, per_tok)
+            res["stream"] = stream_stats(rows, lengths, n)
             if want_mode is not None:
                 why = check_modes(rows, want_mode)
                 if why:
@@ -523,6 +546,17 @@ def table_capped(out: dict[str, Any], command: str) -> str:
               "- hidden fraction = (TTFT whole - TTFT layer-wise) / WRITE ms (the prefill daemon's whole-request "
               "WRITE, post to completion, median at that length).",
               "- One run on a shared 2-core machine: absolute figures are noisy, compare modes side by side."]
+    st = {k: m.get(k, {}).get("stream") or {} for k in ("whole", "layerwise")}
+    if any(st.values()):
+        lines += ["", "From the prefill daemon's final WRITE rows (`kvpushctl transfers`), medians: parts streamed "
+                  "before the seal, the first group's lag behind its frame, and the tail (the last frame, or the "
+                  "seal when nothing streamed, to the final WRITE's end), ms.", "",
+                  "| tokens | whole: tail | layer-wise: parts | layer-wise: first-group lag | layer-wise: tail |",
+                  "|---|---|---|---|---|"]
+        for L in lengths:
+            w, lw = st["whole"].get(L, {}), st["layerwise"].get(L, {})
+            lines.append(f"| {L} | {w.get('tail_ms', '—')} | {lw.get('groups', '—')} | {lw.get('lag_ms', '—')} | "
+                         f"{lw.get('tail_ms', '—')} |")
     for k, r in m.items():
         if r.get("error"):
             lines.append(f"- **{k}: not measured: {r['error']}**")

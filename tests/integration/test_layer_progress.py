@@ -100,8 +100,8 @@ def test_groups_land_before_the_seal_and_the_final_write_sends_the_rest(pd):
         assert isinstance(de.result(t), proto.Received)
         assert isinstance(pe.result(t), proto.Sent)
         check_transfer(pe, meta, src, de, meta, dst, n, before)
-        writes = [w for w in p.ops("transfers")["recent"] if w.get("transfer_id") == t]
-        groups, final = [w for w in writes if w["group"]], [w for w in writes if not w["group"]]
-        assert groups and len(final) == 1
+        (final,) = [w for w in p.ops("transfers")["recent"] if w.get("transfer_id") == t]
+        assert final["mode"] == "layerwise" and final["groups"] == lay.num_layers - 1, final
+        assert final["first_group_lag_ms"] is not None and final["tail_ms"] is not None
         whole = plan(pe.layout, src, de.layout, dst, n).nbytes
-        assert final[0]["bytes"] < whole, (final[0]["bytes"], whole)
+        assert final["bytes"] < whole, (final["bytes"], whole)

@@ -117,3 +117,15 @@ def test_tables_render_with_a_mode_not_measured():
     assert "| 512 | 12.0 | 200.0 |" in md and "210 / 220" in md
     assert "**layerwise: not measured: no layerwise key**" in md
     assert "| 512 | 200.0 | 12.0 |" in lw.table_model(out["calibration"], "x")
+
+
+def test_stream_stats_map_final_rows_to_lengths_in_request_order() -> None:
+    """Newest-first rows: warm-ups (one a length) are skipped, group rows ignored, medians per length."""
+    def row(tail, groups=6, lag=2.0, **kw):
+        return {"side": "prefill", "result": "ok", "group": 0, "tail_ms": tail, "groups": groups,
+                "first_group_lag_ms": lag, **kw}
+    oldest_first = [row(999), row(999), row(10), row(12), row(11, group=3), row(50), row(70)]
+    got = lw.stream_stats(list(reversed(oldest_first)), [512, 2000], 2)
+    assert got == {512: {"groups": 6.0, "lag_ms": 2.0, "tail_ms": 11.0},
+                   2000: {"groups": 6.0, "lag_ms": 2.0, "tail_ms": 60.0}}
+    assert lw.stream_stats(list(reversed(oldest_first[:-1])), [512, 2000], 2) == {}  # a row missing: no guess

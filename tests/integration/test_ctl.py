@@ -197,8 +197,10 @@ def test_transfer_shows_in_peers_and_transfers(pair: Pair) -> None:
         recent = ctl_json("transfers", "--socket", pair.p.cfg.ops_socket)["daemons"][0]["data"]["recent"]
         [rec] = [r for r in recent if r["transfer_id"] == t]
         assert rec["result"] == "ok" and rec["bytes"] > 0 and rec["latency_ms"] > 0
-        assert row[:6] == ["cpu0", t, "0", "prefill", "ok", str(rec["bytes"])]
-        assert row[6:8] == [f"{rec['latency_ms']:.3f}", "ms"]
+        assert rec["mode"] == "whole" and rec["group"] == 0 and rec["tail_ms"] is not None
+        assert row[:7] == ["cpu0", t, "0", "prefill", "ok", "whole", str(rec["bytes"])]
+        assert row[7:9] == [f"{rec['latency_ms']:.3f}", "ms"]
+        assert row[9] == "-" and row[10:12] == [f"{rec['tail_ms']:.1f}", "ms"]  # no group, so no lag
         # the decode side lists it too (no bytes there: it only counts notifications)
         code, out, _ = ctl("transfers", "--socket", pair.d.cfg.ops_socket)
         assert row_with(out, t)[3:5] == ["decode", "ok"]

@@ -475,25 +475,27 @@ def part_pairs(first_block: int, src_block_ids: tuple[int, ...], dst_first_block
 
 
 def unwritten(pattern: BlockPattern, pairs: int, dst_first_block: int,
-              parts: Iterable[tuple[int, int, int, int]]) -> np.ndarray:
+              parts: Iterable[tuple[int, int, int, int, int]], block_size: int, num_tokens: int) -> np.ndarray:
     """The cells (pattern entry x block pair) of a final WRITE over ``pairs`` destination
     blocks that the stream's group WRITEs did not write for sure.
 
-    ``parts``: (layer_lo, layer_hi, first_block, blocks) of the groups that landed, from the
-    very source blocks the final WRITE reads. A part's last block is always written again:
-    the next chunk may complete that block, and two WRITEs of it (each reading the block when
-    it is sent) are not ordered against each other, so only the final WRITE, posted after
-    every group landed, holds its whole content for sure. At least one cell stays: the
-    notification needs a WRITE to ride on."""
+    ``parts``: (layer_lo, layer_hi, first_block, blocks, end_token) of the groups that landed,
+    from the very source blocks the final WRITE reads (``num_tokens``: the seal's). A part whose
+    chunk ends inside a block, before the prompt's end, has that block written again: the next
+    chunk completes it, and two WRITEs of it (each reading the block when it is sent) are not
+    ordered against each other, so only the final WRITE, posted after every group landed,
+    holds its whole content for sure (a chunk that ends on a block boundary or at the prompt's
+    end read its last block whole; an unknown end, 0, counts as inside). At least one cell
+    stays: the notification needs a WRITE to ride on."""
     covered = np.zeros((pattern.entries, pairs), dtype=bool)
     again = np.zeros_like(covered)
-    for lo, hi, first, n in parts:
+    for lo, hi, first, n, end in parts:
         rows = pattern.of_layers(lo, hi)
         a, b = max(0, first - dst_first_block), min(pairs, first + n - dst_first_block)
         last = first + n - 1 - dst_first_block
         if a < b:
             covered[np.ix_(rows, np.arange(a, b))] = True
-        if 0 <= last < pairs:
+        if 0 <= last < pairs and (end <= 0 or (end % block_size and end < num_tokens)):
             again[rows, last] = True
     keep = ~covered | again
     if not keep.any():

@@ -419,8 +419,8 @@ class PrefillSide:
                     keep = None
                     if a.written:  # layer groups already landed there: only the rest goes now
                         keep = unwritten(pattern, int(sb.shape[0]), a.dst_first_token // me.layout.block_size,
-                                         ((p.layer_lo, p.layer_hi, p.first_block, len(p.src_block_ids))
-                                          for p in a.written))
+                                         ((p.layer_lo, p.layer_hi, p.first_block, len(p.src_block_ids), p.end_token)
+                                          for p in a.written), me.layout.block_size, a.num_tokens)
                     li, ri = pattern.indices(sb, db, keep)
                     nbytes = (int(pattern.length.sum()) * int(sb.shape[0]) if keep is None
                               else int((pattern.length[:, None] * keep).sum()))

@@ -137,6 +137,7 @@ class LayersReady:
     # a group is written only to registrations it admits. None: not known (a frame that does
     # not say): nothing is streamed, the final write after the seal's check covers it all.
     binding: tuple[str, str] | None = None
+    end_token: int = 0  # the chunk's end (LayerChunk.num_tokens); 0: unknown
 
 
 @dataclass(frozen=True)
@@ -225,6 +226,7 @@ class Part:
     first_block: int
     src_block_ids: tuple[int, ...]
     epoch: int = 0
+    end_token: int = 0  # the chunk's end: is its last block complete? (0: unknown, assume not)
 
 
 @dataclass(frozen=True)
@@ -1192,7 +1194,7 @@ def note_progress(rv: Rendezvous, rec: _Transfer, ev: LayersReady, out: list) ->
     if len(rec.groups) >= rv.max_groups:
         rec.stream_off, rec.groups = True, []
         return
-    rec.groups.append(Part(ev.layer_lo, ev.layer_hi, ev.first_block, tuple(ev.block_ids), ev.epoch))
+    rec.groups.append(Part(ev.layer_lo, ev.layer_hi, ev.first_block, tuple(ev.block_ids), ev.epoch, ev.end_token))
 
 
 def _stream_admits(rec: _Transfer) -> bool:

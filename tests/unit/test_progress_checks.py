@@ -34,8 +34,8 @@ def test_a_good_frame_passes_and_becomes_one_event_per_chunk() -> None:
                                   num_tokens=3 * BS, bind_node="d1", bind_secret="s"), lo=0, hi=NL)
     assert check_progress(LAYOUT, msg, 8, 0) == ""
     evs = progress_events(msg, 1.0, 30.0)
-    assert evs == [LayersReady("t", 0, 0, NL, 0, (1, 2), 1.0, 31.0, ("", "")),
-                   LayersReady("u", 0, 0, NL, 2, (5,), 1.0, 31.0, ("d1", "s"))]
+    assert evs == [LayersReady("t", 0, 0, NL, 0, (1, 2), 1.0, 31.0, ("", ""), 2 * BS),
+                   LayersReady("u", 0, 0, NL, 2, (5,), 1.0, 31.0, ("d1", "s"), 3 * BS)]
     rv = Rendezvous()
     for ev in evs:
         rv.handle(ev)

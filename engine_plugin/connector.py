@@ -54,7 +54,8 @@ class KVPushConnector(KVConnectorBase_V1):
         self._stats = StatsDelta()
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = KVPushScheduler(self.cfg, self.block_size,
-                                             vllm_config.parallel_config.tensor_parallel_size)
+                                             vllm_config.parallel_config.tensor_parallel_size,
+                                             vllm_config.model_config.get_num_layers(vllm_config.parallel_config))
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 

@@ -99,7 +99,8 @@ class PluginConfig:
                                   shown_default="kvpush, if present")
     layerwise: str = key("off", "prefill side: stream each request's KV per layer group while its "
                          "prompt is computed (the daemon WRITEs beside the forward): \"on\" every "
-                         "pushed prompt, \"auto\" prompts of layerwise_min_tokens or more, \"off\" "
+                         "pushed prompt, \"auto\" prompts of layerwise_min_tokens or more of a model with more "
+                         "than layer_group layers, \"off\" "
                          "whole-request pushes only (PrefillDone after the forward)",
                          choices=LAYERWISE_MODES)
     layer_group: int = key(LAYER_GROUP, "layers per progress frame while streaming: fewer frames cost "
@@ -114,8 +115,13 @@ class PluginConfig:
         """Who may own the daemon's socket directory, socket and card, and listen on it."""
         return trusted_uids(self.daemon_user)
 
-    def stream_min_tokens(self) -> int | None:
-        """The shortest prompt that streams per layer (None: layerwise off)."""
+    def stream_min_tokens(self, num_layers: int | None = None) -> int | None:
+        """The shortest prompt that streams per layer (None: layerwise off). ``auto`` streams
+        only a model whose forward has two layer groups or more (``num_layers``, when known):
+        a forward's one group ends with the forward itself, so its WRITE could only start
+        when the seal's would, one round trip later."""
+        if self.layerwise == "auto" and num_layers is not None and num_layers <= self.layer_group:
+            return None
         return {"off": None, "on": 0}.get(self.layerwise, self.layerwise_min_tokens)
 
     def socket_for(self, rank: int) -> str:

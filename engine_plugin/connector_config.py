@@ -33,10 +33,12 @@ DEAD_AFTER_MS = 3000
 DEAD_AFTER_RANGE_MS = (round(ENGINE_DEAD_AFTER_MIN_S * 1000), 60_000)
 WHERE = "kv_connector_extra_config"
 LAYERWISE_MODES = ("auto", "on", "off")
-# Layers per LayerProgress frame: 4 keeps a 32-layer forward at 8 frames (scripts/
-# bench_plugin_hooks.py measures the cost per group size) while the first WRITE still starts
-# after an eighth of the forward.
-LAYER_GROUP = 4
+# Layers per LayerProgress frame, measured (docs/results/layerwise_groups.md): what is left to
+# send after the last layer is about one group, so smaller groups shorten the tail (24 layers
+# across a capped link: 226 / 170 / 58 ms at 2000 tokens for groups 4 / 2 / 1), while each frame
+# costs the engine (32 layers, one forward: +68 / +93 / +117 us for 1 request, and at group 1 with
+# 16 requests the link refused frames, +1.1 ms). 2 halves group 4's tail for +25 us a forward.
+LAYER_GROUP = 2
 LAYER_GROUP_RANGE = (1, 1024)
 # SGLang's layer-wise PR (#23515) falls back to whole-request transfers below 256 tokens, where
 # streaming cost +18 % TTFT; kvpush starts from the same threshold until the lab measures its own.

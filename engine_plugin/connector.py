@@ -55,7 +55,8 @@ class KVPushConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = KVPushScheduler(self.cfg, self.block_size,
                                              vllm_config.parallel_config.tensor_parallel_size,
-                                             vllm_config.model_config.get_num_layers(vllm_config.parallel_config))
+                                             vllm_config.model_config.get_num_layers(vllm_config.parallel_config),
+                                             gpu=str(vllm_config.device_config.device_type) != "cpu")
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 

@@ -40,9 +40,11 @@ LAYERWISE_MODES = ("auto", "on", "off")
 # 16 requests the link refused frames, +1.1 ms). 2 halves group 4's tail for +25 us a forward.
 LAYER_GROUP = 2
 LAYER_GROUP_RANGE = (1, 1024)
-# SGLang's layer-wise PR (#23515) falls back to whole-request transfers below 256 tokens, where
-# streaming cost +18 % TTFT; kvpush starts from the same threshold until the lab measures its own.
-LAYERWISE_MIN_TOKENS = 256
+# Measured (docs/results/layerwise-loopback.md, 24 layers, loopback where moving the KV is nearly
+# free): streaming cost +22 / +32 ms p50 at 256 / 512 tokens and saved 39 ms at 1024. So ``auto``
+# streams from 1024 tokens; across a slow link it pays from 512 already (layerwise.md): set it
+# lower there. (SGLang's layer-wise PR falls back below 256 tokens, measured on InfiniBand.)
+LAYERWISE_MIN_TOKENS = 1024
 
 
 class PluginConfigError(ConfigError):
@@ -99,10 +101,11 @@ class PluginConfig:
                                   "of those uids; unset: the user \"kvpush\" if this host has one",
                                   parse=_p_user, type_name="user name or uid",
                                   shown_default="kvpush, if present")
-    layerwise: str = key("off", "prefill side: stream each request's KV per layer group while its "
+    layerwise: str = key("auto", "prefill side: stream each request's KV per layer group while its "
                          "prompt is computed (the daemon WRITEs beside the forward): \"on\" every "
                          "pushed prompt, \"auto\" prompts of layerwise_min_tokens or more of a model with more "
-                         "than layer_group layers, \"off\" "
+                         "than layer_group layers, on a CPU engine (on a GPU, \"on\" once "
+                         "scripts/gpu_check.sh's events step passed there), \"off\" "
                          "whole-request pushes only (PrefillDone after the forward)",
                          choices=LAYERWISE_MODES)
     layer_group: int = key(LAYER_GROUP, "layers per progress frame while streaming: fewer frames cost "
@@ -117,12 +120,14 @@ class PluginConfig:
         """Who may own the daemon's socket directory, socket and card, and listen on it."""
         return trusted_uids(self.daemon_user)
 
-    def stream_min_tokens(self, num_layers: int | None = None) -> int | None:
+    def stream_min_tokens(self, num_layers: int | None = None, gpu: bool = False) -> int | None:
         """The shortest prompt that streams per layer (None: layerwise off). ``auto`` streams
         only a model whose forward has two layer groups or more (``num_layers``, when known):
         a forward's one group ends with the forward itself, so its WRITE could only start
-        when the seal's would, one round trip later."""
-        if self.layerwise == "auto" and num_layers is not None and num_layers <= self.layer_group:
+        when the seal's would, one round trip later. Nor on a GPU (``gpu``): there the daemon
+        trusts the engine's CUDA events to say a group's KV is written, and that path has not
+        run on hardware yet; ``on`` streams there."""
+        if self.layerwise == "auto" and (gpu or (num_layers is not None and num_layers <= self.layer_group)):
             return None
         return {"off": None, "on": 0}.get(self.layerwise, self.layerwise_min_tokens)
 

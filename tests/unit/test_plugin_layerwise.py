@@ -71,9 +71,10 @@ def out(new: list[tuple[Request, list[int], int]] = (), cached: list[tuple[str, 
     return so
 
 
-def sched(mode: str, least: int = 256, num_layers: int | None = None, group: int = 4) -> KVPushScheduler:
+def sched(mode: str, least: int = 256, num_layers: int | None = None, group: int = 4,
+          gpu: bool = False) -> KVPushScheduler:
     return KVPushScheduler(PluginConfig(daemon="ipc:///nowhere", layerwise=mode, layerwise_min_tokens=least,
-                                        layer_group=group), BLOCK, num_layers=num_layers)
+                                        layer_group=group), BLOCK, num_layers=num_layers, gpu=gpu)
 
 
 def match(s: KVPushScheduler, r: Request) -> None:
@@ -132,7 +133,8 @@ def test_auto_streams_only_a_model_with_two_layer_groups_a_forward() -> None:
     """One group a forward ends with the forward: its WRITE could start only when the seal's
     does. ``on`` still streams it (the operator asked)."""
     for s, streams in ((sched("auto", 256, num_layers=4, group=4), 0), (sched("auto", 256, num_layers=5, group=4), 1),
-                       (sched("on", 256, num_layers=2, group=4), 1)):
+                       (sched("on", 256, num_layers=2, group=4), 1),
+                       (sched("auto", 256, num_layers=32, gpu=True), 0), (sched("on", 256, num_layers=32, gpu=True), 1)):
         r = prefill_req("c", 300)
         match(s, r)
         assert len(s.build_connector_meta(out(new=[(r, list(range(300 // BLOCK + 1)), 300)])).streams) == streams

@@ -473,13 +473,16 @@ def bench_loopback(model: Path, lengths: list[int], n: int, seed: int, out_len: 
 
 def over_bound(out: dict[str, Any], L: int) -> float | None:
     """Layer-wise TTFT p50 over GOALS' bound max(prefill, transfer) + one group's transfer +
-    10 ms (<= 1 meets it); a group is ``layer_group`` layers of the model's (1 if unknown)."""
+    10 ms (<= 1 meets it); a group is ``layer_group`` layers of the model's (the connector's
+    default when the run did not set it)."""
     lw_p50 = out["modes"]["layerwise"]["ttft"][L].get("p50")
     tx = out["modes"]["whole"].get("transfer_ms", {}).get(L)
     pre = out["calibration"]["lengths"][L].get("prefill_ms_p50")
     if not (lw_p50 and tx and pre):
         return None
-    group = out.get("layer_group") or 1
+    from kvpush.engine_plugin.connector_config import LAYER_GROUP
+
+    group = out.get("layer_group") or LAYER_GROUP
     bound = max(pre, tx) + tx * group / out["model"]["layers"] + 10.0
     return round(lw_p50 / bound, 3)
 

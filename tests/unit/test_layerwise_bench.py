@@ -64,8 +64,10 @@ def test_ttft_bound_of_goals():
            "modes": {"whole": {"transfer_ms": {2000: 1200.0}}, "layerwise": {"ttft": {2000: {"p50": 1410.0}}}}}
     # bound = max(1000, 1200) + 1200 * 4 / 24 + 10 = 1410
     assert lw.over_bound(out, 2000) == 1.0
-    out["layer_group"] = None  # unknown: one layer a group, a tighter bound
-    assert lw.over_bound(out, 2000) == round(1410 / (1200 + 50 + 10), 3)
+    out["layer_group"] = None  # the run set none: the connector's default
+    from kvpush.engine_plugin.connector_config import LAYER_GROUP
+
+    assert lw.over_bound(out, 2000) == round(1410 / (1200 + 1200 * LAYER_GROUP / 24 + 10), 3)
 
 
 def test_transfer_rows_matched_to_lengths_by_bytes():

@@ -29,6 +29,14 @@ def check_blocks(
     return ""
 
 
+def check_binding(node: str, secret: str, what: str) -> str:
+    """Empty string if a transfer's binding (who may register) fits the bounds every leg is
+    parsed with, else why not."""
+    if len(node) > MAX_NODE or len(secret) > MAX_SECRET:
+        return f"{what}: binding of {len(node)}/{len(secret)} chars exceeds {MAX_NODE}/{MAX_SECRET}"
+    return ""
+
+
 def check_progress(layout: KVLayout, msg: LayerProgress, max_chunks: int, events: int) -> str:
     """Empty string if a LayerProgress fits the attached layout and the configured bounds,
     else why not (the whole frame is refused: nothing of a bad frame reaches a core).
@@ -42,10 +50,8 @@ def check_progress(layout: KVLayout, msg: LayerProgress, max_chunks: int, events
     for c in msg.chunks:
         if not c.transfer_id:
             return "progress: empty transfer_id"
-        if len(c.bind_node) > MAX_NODE or len(c.bind_secret) > MAX_SECRET:
-            return f"progress: binding of {len(c.bind_node)}/{len(c.bind_secret)} chars exceeds {MAX_NODE}/{MAX_SECRET}"
-        why = check_blocks(layout, c.block_ids, c.num_tokens, "progress",
-                           c.first_token - c.first_token % layout.block_size)
+        why = check_binding(c.bind_node, c.bind_secret, "progress") or check_blocks(
+            layout, c.block_ids, c.num_tokens, "progress", c.first_token - c.first_token % layout.block_size)
         if why:
             return why
         if c.first_block != c.first_token // layout.block_size:

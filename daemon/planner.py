@@ -428,9 +428,13 @@ class BlockPattern:
         if sb.shape[0] < first + n or db.shape[0] < n:
             raise PlanError(f"{sb.shape[0]} source / {db.shape[0]} destination blocks cannot hold {num_tokens} tokens")
         sb, db = sb[first:first + n], db[:n]
+        self.check_range(sb, db)
+        return sb, db
+
+    def check_range(self, sb: np.ndarray, db: np.ndarray) -> None:
+        """Raise PlanError unless every block ID has a row in the prepared lists."""
         if sb.min() < 0 or sb.max() >= self.src_blocks or db.min() < 0 or db.max() >= self.dst_blocks:
             raise PlanError("block ID out of range")
-        return sb, db
 
 
 def _expand(off: np.ndarray, length: np.ndarray, stride: int, blocks: int) -> np.ndarray:

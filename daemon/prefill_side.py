@@ -22,7 +22,13 @@ import numpy as np
 from kvpush import proto
 from kvpush.daemon import quotas
 from kvpush.daemon import rendezvous as rv
-from kvpush.daemon.checks import bounded_s, check_blocks, check_progress, progress_events
+from kvpush.daemon.checks import (
+    bounded_s,
+    check_binding,
+    check_blocks,
+    check_progress,
+    progress_events,
+)
 from kvpush.daemon.context import DaemonContext
 from kvpush.daemon.handshake import compat_error, make_hello, refusal
 from kvpush.daemon.layer_gate import EventError, LayerGate
@@ -30,16 +36,11 @@ from kvpush.daemon.peerauth import endpoint_host
 from kvpush.daemon.peers import Consumer
 from kvpush.daemon.planner import PlanError, addresses, block_pattern, part_pairs, plan, unwritten
 from kvpush.proto.notif import Notification
-from kvpush.proto.params import MAX_NODE, MAX_SECRET
+from kvpush.proto.params import MAX_SECRET
 
 log = logging.getLogger(__name__)
 
 
-def _binding_error(msg: proto.PrefillDone) -> str:
-    """Who may register, as the engine bound it, within the bounds every leg is parsed with."""
-    if len(msg.bind_node) > MAX_NODE or len(msg.bind_secret) > MAX_SECRET:
-        return f"binding of {len(msg.bind_node)}/{len(msg.bind_secret)} chars exceeds {MAX_NODE}/{MAX_SECRET}"
-    return ""
 
 #: Does this daemon post layer-group WRITEs? (The lab bench and tests read it to skip the
 #: layer-wise modes of a daemon that would only write whole requests.) It streams to a consumer
@@ -116,7 +117,7 @@ class PrefillSide:
         a = self.ctx.attached
         assert a is not None
         why = "daemon is draining" if self.ctx.draining else check_blocks(
-            a.layout, msg.block_ids, msg.num_tokens, "prefill") or _binding_error(msg)
+            a.layout, msg.block_ids, msg.num_tokens, "prefill") or check_binding(msg.bind_node, msg.bind_secret, "prefill")
         if why:
             self.ctx.bad("prefill", why)
             self.ctx.to_engine(proto.SendFailed(msg.transfer_id, 0, why))
@@ -487,8 +488,7 @@ class PrefillSide:
                 sb, db, _ = part_pairs(p.first_block, p.src_block_ids, dst_first, a.dst_block_ids)
                 if not sb.shape[0]:
                     continue
-                if sb.max() >= pattern.src_blocks or db.max() >= pattern.dst_blocks or min(sb.min(), db.min()) < 0:
-                    raise PlanError("block ID out of range")
+                pattern.check_range(sb, db)
                 rows = pattern.of_layers(p.layer_lo, p.layer_hi)
                 keep = np.broadcast_to(rows[:, None], (pattern.entries, sb.shape[0]))
                 li, ri = pattern.indices(sb, db, keep)
@@ -587,10 +587,8 @@ class PrefillSide:
         the first group's lag behind its layers' frame, and the tail (the last frame, or the
         seal when nothing streamed, to this final WRITE's end)."""
         stamps: dict[str, int] = {}
-        for hop, t in self.ctx.trace.get(f.transfer_id):
+        for hop, t in self.ctx.trace.get(f.transfer_id):  # each hop's first (layers_last_in: its only)
             stamps.setdefault(hop, t)
-            if hop == "p.daemon.layers_last_in":
-                stamps[hop] = t
 
         def ms(a: str, b: str) -> float | None:
             return round((stamps[b] - stamps[a]) / 1e6, 3) if a in stamps and b in stamps else None

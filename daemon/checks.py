@@ -64,7 +64,8 @@ def progress_events(msg: LayerProgress, now: float, hold_s: float) -> list[Layer
     """A checked LayerProgress as the rendezvous' events, one per chunk, kept ``hold_s``
     (the lease) if nobody registers or seals. Each carries the binding its seal will carry."""
     return [LayersReady(c.transfer_id, c.epoch, msg.layer_lo, msg.layer_hi, c.first_block,
-                        tuple(c.block_ids), now, now + hold_s, (c.bind_node, c.bind_secret), c.num_tokens)
+                        tuple(c.block_ids), now, now + hold_s, (c.bind_node, c.bind_secret), c.num_tokens,
+                        c.auto)
             for c in msg.chunks]
 
 

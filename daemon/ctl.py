@@ -428,12 +428,13 @@ def render(cmd: str, targets: list[Target]) -> str:
                       "DEADLINE-IN", "PROGRESS"], rows)
     if cmd == "peers":
         rows = [[t.label(), p.role, p.endpoint, p.state, p.engine_id, f"{p.rank}/{p.tp_size}",
-                 _dur(p.last_seen_s), p.transfers, p.queued, p.error]
+                 _dur(p.last_seen_s), p.transfers, p.queued,
+                 f"{p.write_mb_s:g} MB/s" if p.write_mb_s is not None else None, p.error]
                 for t, rep in _replies(targets, PeersReply) for p in rep.peers]
         if not rows:
             return "no peers"
         return table(["DEVICE", "ROLE", "ENDPOINT", "STATE", "ENGINE", "RANK", "LAST-SEEN",
-                      "TRANSFERS", "QUEUED", "ERROR"], rows)
+                      "TRANSFERS", "QUEUED", "WRITE-RATE", "ERROR"], rows)
     if cmd == "transfers":
         rows = []
         for t, rep in _replies(targets, TransfersReply):

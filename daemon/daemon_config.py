@@ -147,6 +147,10 @@ def peer_port_for(base_port: int, index: int) -> int:
     return base_port + index
 
 
+# Measured (docs/results/layerwise-loopback.md): on a link where a request's whole WRITE takes
+# less, streaming it cost more TTFT than it hid.
+LAYERWISE_MIN_TRANSFER_MS = 20.0
+
 # --------------------------------------------------------------------------- schema
 
 # The schema idiom (Key, key(), parsers, checks, parse_layer) is kvpush.configschema, shared
@@ -298,6 +302,13 @@ class DeviceConfig:
         "wait and go out together", check=_check_count)
     max_layer_writes_total: int = key(
         64, "prefill side: group WRITEs in flight across all transfers", check=_check_count)
+    layerwise_min_transfer_ms: float = key(
+        LAYERWISE_MIN_TRANSFER_MS, 'prefill side: an engine streaming with layerwise "auto" gets '
+        "a request's layer groups written early only to a decode peer whose whole WRITE of it "
+        "would take this long or more, at the rate WRITEs to that peer recently moved (kvpushctl "
+        "peers: WRITE-RATE; a peer not measured yet is streamed to). Below it the transfer is too "
+        'short to hide and streaming only costs. Layerwise "on" streams regardless; 0: "auto" '
+        'streams like "on"', check=_check_non_negative)
     max_event_waiting: int = key(
         4096, "prefill side, GPU: layer groups (one per request chunk of a LayerProgress) held "
         "until the engine's CUDA event says their kernels finished; past it new ones are not "

@@ -37,6 +37,7 @@ RECV_POLL_MAX_S = 0.0001  # poll cap while a producer said Writing and its notif
 RECV_FALLBACK_S = 0.01  # poll cap while receiving otherwise (no WRITE announced yet)
 CANCEL_GRACE_MAX_S = 3.0  # after a registration's deadline, how long its producers may take to confirm a cancel
 HINT_WINDOW_S = 0.02  # how long a completed WRITE keeps the tight poll if its notification never shows
+MAX_GROUP_HINTS = 64  # group WRITEs tracked in flight per transfer (producers keep a few each)
 
 
 class DecodeSide:
@@ -47,7 +48,13 @@ class DecodeSide:
         # answers in a round trip, and only then is a Fail safe (see kvpush.daemon.counter).
         self.counter = ctr.CompletionCounter(cancel_grace_s=min(CANCEL_GRACE_MAX_S, self.cfg.peer_timeout_s))
         self.producers: dict[str, Producer] = {}  # endpoint -> prefill daemon
-        self.hinted: dict[str, float] = {}  # transfer -> poll tightly until (monotonic)
+        # transfer -> a WRITE its producer announced may still land until (monotonic)
+        self.hinted: dict[str, float] = {}
+        # transfer -> poll tightly until: its final WRITE (the notification's) is on its way
+        self.polling: dict[str, float] = {}
+        # transfer -> its group WRITEs posted and not done, (producer rank, group): poll tightly
+        # while one is in flight, not between them (the next layers are still being computed)
+        self.groups_in_flight: dict[str, set[tuple[int, int]]] = {}
         self.rotate_due = ""  # why our NIXL agent must be replaced (a revoked node held its metadata)
         self.rotations = 0  # NIXL agents replaced so far (each name is new)
         self._agent_base = ctx.agent_name
@@ -338,15 +345,30 @@ class DecodeSide:
 
     def _on_writing(self, msg: proto.Writing, now: float) -> None:
         """A producer posted (done=False) or completed (done=True) a WRITE to us: poll NIXL
-        tightly until its notification shows, or take it now."""
+        tightly until its notification shows, or take it now. A group WRITE (``group``) has no
+        notification: the tight poll lasts while it is in flight, not until the seal."""
         tid = msg.transfer_id
         if not self.counter.live(tid):
             return
-        if msg.done:
+        if msg.done and not msg.group:
             self.take_notifications(now)
-        if self.counter.live(tid):  # in flight, or the notification trails
-            window = HINT_WINDOW_S if msg.done else self.cfg.write_timeout_s
+        if not self.counter.live(tid):
+            return
+        window = HINT_WINDOW_S if msg.done else self.cfg.write_timeout_s
+        if not (msg.group and msg.done):  # a done group keeps its posted hint's window
             self.hinted[tid] = max(self.hinted.get(tid, 0.0), now + window)
+        if not msg.group:  # the final WRITE: in flight, or its notification trails
+            self.polling[tid] = max(self.polling.get(tid, 0.0), now + window)
+            return
+        groups = self.groups_in_flight.setdefault(tid, set())
+        if msg.done:
+            groups.discard((msg.producer_rank, msg.group))
+            if not groups:
+                del self.groups_in_flight[tid]
+        elif len(groups) < MAX_GROUP_HINTS:
+            groups.add((msg.producer_rank, msg.group))
+        else:  # more than any producer keeps in flight: poll as for a final WRITE instead
+            self.polling[tid] = max(self.polling.get(tid, 0.0), now + window)
 
     def take_notifications(self, now: float) -> bool:
         """Count every notification NIXL holds (drives its progress); True if there was one."""
@@ -375,11 +397,15 @@ class DecodeSide:
 
     def poll_cap(self, now: float) -> float:
         """How long the loop may sleep between NIXL polls while registrations are live."""
-        for tid in [t for t, until in self.hinted.items() if now > until or not self.counter.live(t)]:
-            del self.hinted[tid]
+        for hints in (self.hinted, self.polling):
+            for tid in [t for t, until in hints.items() if now > until or not self.counter.live(t)]:
+                del hints[tid]
+        for tid in [t for t in self.groups_in_flight if not self.counter.live(t)]:
+            del self.groups_in_flight[tid]
         if not self.receiving:
             return self.cfg.poll_max_s
-        return min(self.cfg.poll_max_s, RECV_POLL_MAX_S if self.hinted else RECV_FALLBACK_S)
+        tight = self.polling or self.groups_in_flight
+        return min(self.cfg.poll_max_s, RECV_POLL_MAX_S if tight else RECV_FALLBACK_S)
 
     # ------------------------------------------------------------------ the core's actions
 

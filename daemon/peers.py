@@ -236,6 +236,33 @@ class Producer:
         return _describe(self, "producer", now, len(self.queued), 0)
 
 
+#: WRITEs smaller than this say more about latency than about the link: not rate samples.
+RATE_MIN_BYTES = 1 << 20
+RATE_WEIGHT = 0.3  # of the newest sample in the moving average
+
+
+@dataclass
+class LinkRate:
+    """What WRITEs to one peer recently moved per second (a moving average of the large
+    ones): layerwise "auto" weighs a stream by the whole WRITE's estimated time. A WRITE that
+    shared the link with others of ours measures less than the link: an estimate that errs
+    towards streaming, never towards a long whole WRITE."""
+
+    bps: float = 0.0  # 0: not measured yet
+    samples: int = 0
+
+    def note(self, nbytes: int, seconds: float) -> None:
+        if nbytes < RATE_MIN_BYTES or seconds <= 0:
+            return
+        rate = nbytes / seconds
+        self.bps = rate if not self.samples else (1 - RATE_WEIGHT) * self.bps + RATE_WEIGHT * rate
+        self.samples += 1
+
+    def seconds(self, nbytes: int) -> float | None:
+        """The estimated time to WRITE ``nbytes`` to this peer; None: not measured yet."""
+        return nbytes / self.bps if self.samples else None
+
+
 @dataclass
 class Consumer:
     """Prefill side: one decode daemon whose Hello we accepted, keyed by its routing id."""
@@ -257,6 +284,7 @@ class Consumer:
     device: int = 0
     state: PeerLinkState = PeerLinkState.READY
     error: str = ""
+    rate: LinkRate = field(default_factory=LinkRate)
 
     @property
     def key(self) -> str:
@@ -265,7 +293,8 @@ class Consumer:
 
     def describe(self, now: float) -> dict[str, Any]:
         prepped = self.prepped[0].entries * self.prepped[0].dst_blocks if self.prepped else 0
-        return _describe(self, "consumer", now, 0, prepped)
+        return {**_describe(self, "consumer", now, 0, prepped),
+                "write_mb_s": round(self.rate.bps / 1e6, 1) if self.rate.samples else None}
 
 
 def _describe(p: Producer | Consumer, role: str, now: float, queued: int, prepped: int) -> dict[str, Any]:
@@ -283,5 +312,6 @@ def _describe(p: Producer | Consumer, role: str, now: float, queued: int, preppe
         "queued": queued,
         "prepped_descriptors": prepped,
         "error": p.error,
+        "write_mb_s": None,
     }
 

@@ -329,7 +329,18 @@ class PrefillSide:
         self.apply(rv.Registered(
             msg.transfer_id, msg.attempt, peer.key, msg.dest_rank, msg.expected_dests, msg.block_ids,
             msg.num_tokens, now, now + max(0.0, deadline - margin), msg.first_token, peer.node, msg.secret,
+            self.worth_streaming(peer, msg.num_tokens - msg.first_token),
         ))
+
+    def worth_streaming(self, peer: Consumer, num_tokens: int) -> bool:
+        """Layerwise "auto": would a whole WRITE of ``num_tokens`` tokens to ``peer`` take
+        ``layerwise_min_transfer_ms`` or more at the rate WRITEs to it recently moved? A peer
+        not measured yet is streamed to (its first WRITEs measure it)."""
+        me, least = self.ctx.attached, self.cfg.layerwise_min_transfer_ms
+        if me is None or least <= 0:
+            return True
+        est = peer.rate.seconds(num_tokens * me.layout.block_bytes // me.layout.block_size)
+        return est is None or est * 1e3 >= least
 
     def _sessions_of(self, node: str) -> list[Consumer]:
         return [c for c in self.consumers.values() if c.node == node] if node else []
@@ -510,8 +521,8 @@ class PrefillSide:
             return
         self.ctx.trace.stamp_first(a.transfer_id, "p.daemon.group_posted")
         # The consumer polls tightly while a WRITE to it is in flight (over TCP it lands only
-        # as the receiver progresses): until the final notification, or its write timeout.
-        self.ctx.wire.to_consumer(peer.routing_id, proto.Writing(a.transfer_id, a.attempt, me.rank, False))
+        # as the receiver progresses): until this group's done hint, or its write timeout.
+        self.ctx.wire.to_consumer(peer.routing_id, proto.Writing(a.transfer_id, a.attempt, me.rank, False, a.group))
         self.in_flight[id(h)] = InFlight(a.transfer_id, a.attempt, a.dest_rank, a.peer, h, nbytes,
                                          int(li.shape[0]), now, True, a.group)
         self.ctx.metrics.set_in_flight(len(self.in_flight))
@@ -560,8 +571,14 @@ class PrefillSide:
         del self.in_flight[key]
         self.ctx.metrics.set_in_flight(len(self.in_flight))
         lat = now - f.started
+        peer = self.consumer(f.peer)
+        if peer is not None and not error:
+            peer.rate.note(f.nbytes, lat)
         if f.group and not error:  # a landed group is summed up in its final WRITE's row
             self.ctx.trace.stamp_first(f.transfer_id, "p.daemon.group_done")
+            if peer is not None:  # its consumer stops polling tightly for it
+                self.ctx.wire.to_consumer(peer.routing_id, proto.Writing(f.transfer_id, f.attempt, self.ctx.rank,
+                                                                         True, f.group))
             self.ctx.metrics.write_done(f.nbytes, lat)
             self.apply(rv.WriteDone(f.transfer_id, f.attempt, f.dest_rank, now, group=f.group))
             return
@@ -576,7 +593,6 @@ class PrefillSide:
             self.apply(rv.WriteFailed(f.transfer_id, f.attempt, f.dest_rank, error, now, cause, group=f.group))
             return
         self.ctx.trace.stamp(f.transfer_id, "p.daemon.write_done")
-        peer = self.consumer(f.peer)
         if peer is not None:  # wake the decode daemon: its notification has landed
             self.ctx.wire.to_consumer(peer.routing_id, proto.Writing(f.transfer_id, f.attempt, self.ctx.rank, True))
         self.ctx.metrics.write_done(f.nbytes, lat)

@@ -50,7 +50,10 @@ flight as the final write, so every fence above covers them too:
   posted to a destination while a WRITE of an older epoch to it is in flight (drain first),
   and the final write rewrites whatever the new epoch did not stream;
 * more than ``max_groups`` groups in one epoch turns streaming off for that transfer (the
-  final write covers all): the record stays bounded.
+  final write covers all): the record stays bounded;
+* a stream in ``auto`` (``LayersReady.auto``) goes only to registrations the shell judged
+  worth it (``Registered.stream``: its whole WRITE would take long enough over that link);
+  the others get everything in the final write, as if nothing had streamed.
 """
 
 from __future__ import annotations
@@ -90,6 +93,9 @@ class Registered:
     first_token: int = 0  # block_ids cover tokens [first_token, num_tokens) (decode prefix hit)
     identity: str = ""  # the registering peer's authenticated node ("" when unauthenticated)
     secret: str = ""  # the transfer's secret as the decode side presents it ("" none)
+    # Is streaming to it worth it (the shell's estimate of this registration's whole WRITE over
+    # its link)? Consulted only for a stream in "auto" (LayersReady.auto): "on" streams anyway.
+    stream: bool = True
 
 
 @dataclass(frozen=True)
@@ -138,6 +144,7 @@ class LayersReady:
     # not say): nothing is streamed, the final write after the seal's check covers it all.
     binding: tuple[str, str] | None = None
     end_token: int = 0  # the chunk's end (LayerChunk.num_tokens); 0: unknown
+    auto: bool = False  # layerwise "auto": stream only to registrations worth it (Registered.stream)
 
 
 @dataclass(frozen=True)
@@ -325,6 +332,7 @@ class _Reg:
     holder: str = ""  # whose quota it counts in: the peer's identity (its session if anonymous)
     identity: str = ""  # the registering node ("" unauthenticated)
     secret: str = ""  # what it presented
+    stream: bool = True  # Registered.stream
 
 
 @dataclass
@@ -377,6 +385,7 @@ class _Transfer(Record):
     posted: dict[int, int] = field(default_factory=dict)  # dest -> groups posted (attempt, epoch)
     told: set[int] = field(default_factory=set)  # current attempt: dests told of its failure
     stream_off: bool = False  # too many groups: the final write covers everything
+    auto: bool = False  # the stream is "auto": only registrations worth it get groups
     seq: int = 0  # last group number handed out
     hold_until: float = 0.0  # STREAMED: forget the progress then
     ended: tuple[str, Cause] = ("attempt ended", Cause.CLOSED)  # why the current attempt ended
@@ -931,7 +940,7 @@ def park(rv: Rendezvous, rec: _Transfer, ev: Registered, out: list) -> None:
         return
     rec.parked[key] = _Parked(ev.attempt, ev.dest_rank, ev.expected_dests, _Reg(
         ev.peer, tuple(ev.block_ids), ev.num_tokens, ev.deadline, ev.first_token, quota_holder(ev),
-        ev.identity, ev.secret))
+        ev.identity, ev.secret, ev.stream))
 
 
 def reject_unbound(rv: Rendezvous, rec: _Transfer, ev: Registered, out: list) -> None:
@@ -1029,7 +1038,7 @@ def open_attempt(rv: Rendezvous, rec: _Transfer, ev: Registered, out: list) -> N
 def add_reg(rv: Rendezvous, rec: _Transfer, ev: Registered, out: list) -> None:
     rec.owner = rec.owner or ev.identity
     rec.regs[ev.dest_rank] = _Reg(ev.peer, tuple(ev.block_ids), ev.num_tokens, ev.deadline, ev.first_token,
-                                  quota_holder(ev), ev.identity, ev.secret)
+                                  quota_holder(ev), ev.identity, ev.secret, ev.stream)
     rv._index_add(rec.transfer_id, rec, ev.peer)
 
 
@@ -1184,6 +1193,7 @@ def note_progress(rv: Rendezvous, rec: _Transfer, ev: LayersReady, out: list) ->
         rec.hold_until = max(rec.hold_until, ev.hold_deadline)
     if ev.epoch > rec.epoch:
         rec.epoch, rec.groups, rec.posted = ev.epoch, [], {}
+    rec.auto = ev.auto
     if rec.binding is None or ev.binding != rec.binding:
         # first word of the binding, or a frame that says otherwise: trust only agreement
         rec.binding = ev.binding if rec.binding is None else None
@@ -1213,7 +1223,7 @@ def pump(rv: Rendezvous, rec: _Transfer, ev: object, out: list) -> None:
         return
     for dest, reg in sorted(rec.regs.items()):
         n = rec.posted.get(dest, 0)
-        if dest in rec.started or n >= len(rec.groups):
+        if dest in rec.started or n >= len(rec.groups) or (rec.auto and not reg.stream):
             continue
         flight = rec.inflight.get((rec.attempt, dest))
         if flight is not None and (any(e != rec.epoch for e in flight.groups.values())

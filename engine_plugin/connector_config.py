@@ -104,7 +104,8 @@ class PluginConfig:
     layerwise: str = key("auto", "prefill side: stream each request's KV per layer group while its "
                          "prompt is computed (the daemon WRITEs beside the forward): \"on\" every "
                          "pushed prompt, \"auto\" prompts of layerwise_min_tokens or more of a model with more "
-                         "than layer_group layers, on a CPU engine (on a GPU, \"on\" once "
+                         "than layer_group layers, on a CPU engine, and only to decode peers whose link "
+                         "makes it worth it (the daemon's layerwise_min_transfer_ms) (on a GPU, \"on\" once "
                          "scripts/gpu_check.sh's events step passed there), \"off\" "
                          "whole-request pushes only (PrefillDone after the forward)",
                          choices=LAYERWISE_MODES)

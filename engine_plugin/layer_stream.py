@@ -79,7 +79,7 @@ class LayerStream:
     def begin(self, streams: Iterable[StreamChunk]) -> None:
         """bind_connector_metadata: the chunks this forward computes (the wire form, once)."""
         self.chunks = tuple(proto.LayerChunk(c.transfer_id, c.epoch, c.first_block, tuple(c.block_ids),
-                                             c.first_token, c.num_tokens, c.bind_node, c.bind_secret)
+                                             c.first_token, c.num_tokens, c.bind_node, c.bind_secret, c.auto)
                             for c in streams)
         if self.chunks:
             self.head = chunks_bytes(self.chunks)

@@ -74,6 +74,7 @@ class StreamChunk:
     num_tokens: int
     bind_node: str = ""  # the seal's binding: the daemon streams only to a party it admits
     bind_secret: str = ""
+    auto: bool = False  # layerwise "auto": the daemon streams it only where its link makes it worth it
 
 
 @dataclass

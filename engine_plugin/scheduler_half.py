@@ -53,7 +53,8 @@ class KVPushScheduler:
         self.block_size = block_size
         self.cards = DaemonCards(cfg, tp_size)
         self.lifecycle = sl.SchedulerLifecycle(block_size, name_transfer=_fresh_transfer_id,
-                                               stream_min_tokens=cfg.stream_min_tokens(num_layers, gpu))
+                                               stream_min_tokens=cfg.stream_min_tokens(num_layers, gpu),
+                                               stream_auto=cfg.layerwise == "auto")
         self._meta = KVPushMetadata()  # this step's, handed to the worker by build_connector_meta
         self._warned = OncePer(WARN_KEY_SETS)  # key sets of unusable decode legs already logged
 

@@ -248,13 +248,14 @@ class SchedulerLifecycle(TrackedCore):
 
     def __init__(self, block_size: int, *, name_transfer: Callable[[], str],
                  make_secret: Callable[[], str] = new_secret, tombstone_s: float = TOMBSTONE_S,
-                 stream_min_tokens: int | None = None) -> None:
+                 stream_min_tokens: int | None = None, stream_auto: bool = False) -> None:
         super().__init__(TABLE, TOMBSTONES, DEADLINES, tracked=(State.LOADED, State.CANDIDATE),
                          tombstone_s=tombstone_s)
         self.block_size = block_size
         self.name_transfer = name_transfer
         self.make_secret = make_secret
         self.stream_min_tokens = stream_min_tokens  # None: layerwise off (PluginConfig)
+        self.stream_auto = stream_auto  # layerwise "auto": the daemon weighs each stream against its link
 
     def streaming(self, req_id: str) -> bool:
         """Is this a live prefill request whose KV streams (the shell's Step needs its chunk)?"""
@@ -424,7 +425,7 @@ def stream(sl: SchedulerLifecycle, rec: Req, ev: Step, out: list) -> None:
     first = start // bs
     assert rec.transfer_id is not None
     out.append(Stream(StreamChunk(rec.transfer_id, rec.epoch, first, blocks[first:-(-end // bs)], first * bs, end,
-                                  rec.bind_node, rec.secret)))
+                                  rec.bind_node, rec.secret, sl.stream_auto)))
 
 
 def register(sl: SchedulerLifecycle, rec: Req, ev: Allocated, out: list) -> None:

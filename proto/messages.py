@@ -135,6 +135,9 @@ class LayerChunk:
     # a registration it admits, so a hijacker that registered first gets nothing early either.
     bind_node: str = ""
     bind_secret: str = ""
+    # layerwise "auto" on the engine: the daemon streams it only to a decode side its link
+    # makes worth it (the whole WRITE estimated at >= layerwise_min_transfer_ms); False: "on".
+    auto: bool = False
 
 
 @message
@@ -365,13 +368,18 @@ class Writing:
     Wake-ups, not proofs: only the NIXL notification, which NIXL delivers after the data,
     completes a transfer. A posted WRITE makes the consumer poll NIXL tightly until the
     notification shows (some UCX modes need the receiver's progress to complete at all); a
-    completed one makes it look at once instead of at its next poll.
+    completed one makes it look at once instead of at its next poll. A group WRITE's hints
+    (``group``) bracket only that WRITE: between groups the consumer need not spin.
     """
 
     transfer_id: str
     attempt: int
     producer_rank: int
     done: bool
+    # 0: the final WRITE (the one with the notification); n: the producer's group WRITE n
+    # (layer-wise): no notification follows its completion, so the tight poll it asked for
+    # ends when it is done.
+    group: int = 0
 
 
 # ---- ops --------------------------------------------------------------------------------

@@ -204,6 +204,9 @@ class PeerRow(OpsData):
     queued: int  # messages waiting for the handshake
     prepped_descriptors: int
     error: str
+    # consumer: what WRITEs to it recently moved, MB/s (layerwise "auto" weighs streams by it);
+    # None: not measured yet, or a producer
+    write_mb_s: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

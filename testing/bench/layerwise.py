@@ -271,6 +271,16 @@ def daemon_transfers(stack: Any, host: str = "p0") -> list[dict[str, Any]]:
     return stack.client(fetch, timeout=30)  # type: ignore[no-any-return]
 
 
+def local_daemon_transfers(st: Any) -> list[dict[str, Any]]:
+    """The prefill daemon's recent transfer rows of a loopback PDStack (device 0)."""
+    from kvpush import proto
+    from kvpush.daemon.ctl import Target, ask
+
+    t = Target(st.ops_socket(0), "cpu0")
+    ask([t], proto.OpsRequest("transfers"), 5.0)
+    return list((t.data or {}).get("recent") or [])
+
+
 def prefill_daemon_transfers(stack: Any) -> list[dict[str, Any]]:
     """The prefill daemon's recent transfer rows, from p0."""
     return daemon_transfers(stack, "p0")
@@ -351,10 +361,10 @@ def run_mode(name: str, start: Any, lengths: list[int], n: int, seed: int, out_l
         raw = measure(front, lengths, n, seed, out_len)
         res: dict[str, Any] = {"ttft": {L: ttft_stats(rs) for L, rs in raw.items()},
                                "texts": {f"{L}:{i}": r.get("text") for L, rs in raw.items() for i, r in enumerate(rs)}}
-        stack = front.extra.get("stack")
-        if stack is not None:
+        stack, pdstack = front.extra.get("stack"), front.extra.get("pdstack")
+        if stack is not None or pdstack is not None:
             time.sleep(0.5)
-            rows = prefill_daemon_transfers(stack)
+            rows = prefill_daemon_transfers(stack) if stack is not None else local_daemon_transfers(pdstack)
             res["transfer_ms"] = _transfer_ms_by_length(rows, lengths, per_tok)
             res["stream"] = stream_stats(rows, lengths, n)
             if want_mode is not None:
@@ -575,10 +585,17 @@ def table_loopback(out: dict[str, Any], command: str) -> str:
              f"Written by `{command}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. kvpush 1P1D on one host "
              f"(P core 0, D core 1, daemons and router on core 1), {out['requests']} sequential streaming requests a "
              f"length, {out['output_len']} output tokens. TTFT ms, p50 / p90. What streaming costs when the transfer "
-             "is free; `auto` must cost <= +1 ms p50 over whole-request.", "",
-             "| tokens | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+             "is free; `auto` must cost <= +1 ms p50 over whole-request. WRITE ms: the whole-request "
+             "WRITE, post to completion (prefill daemon, median); streamed parts: median per request "
+             "(0: the final WRITE sent it all).", "",
+             "| tokens | " + " | ".join(names) + " | whole WRITE ms | " + " | ".join(f"{k} streamed parts" for k in names
+                                                                        if k != "whole") + " |",
+             "|---|" + "---|" * (2 * len(names) - ("whole" in names) + 1)]
     for L in lengths:
-        lines.append(f"| {L} | " + " | ".join(_cell(m[k].get("ttft", {}).get(L)) for k in names) + " |")
+        wr = (m.get("whole", {}).get("transfer_ms") or {}).get(L)
+        parts = [(m[k].get("stream") or {}).get(L, {}).get("groups") for k in names if k != "whole"]
+        lines.append(f"| {L} | " + " | ".join(_cell(m[k].get("ttft", {}).get(L)) for k in names)
+                     + f" | {'–' if wr is None else wr} | " + " | ".join('–' if g is None else f"{g:g}" for g in parts) + " |")
     for k, r in m.items():
         if r.get("error"):
             lines.append(f"\n- **{k}: not measured: {r['error']}**")

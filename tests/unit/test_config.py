@@ -332,6 +332,7 @@ EXAMPLES: dict[str, tuple[str, Any]] = {
     "max_layer_groups": ("8", lambda n: n.devices[0].max_layer_groups == 8),
     "max_layer_writes_in_flight": ("2", lambda n: n.devices[0].max_layer_writes_in_flight == 2),
     "max_layer_writes_total": ("32", lambda n: n.devices[0].max_layer_writes_total == 32),
+    "layerwise_min_transfer_ms": ("5.5", lambda n: n.devices[0].layerwise_min_transfer_ms == 5.5),
     "max_event_waiting": ("0", lambda n: n.devices[0].max_event_waiting == 0),
     "max_event_wait_s": ("0.25", lambda n: n.devices[0].max_event_wait_s == 0.25),
     "max_handshaking_producers": ("4", lambda n: n.devices[0].max_handshaking_producers == 4),

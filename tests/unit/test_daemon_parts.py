@@ -661,3 +661,79 @@ def test_a_prefill_daemon_that_did_not_run_never_writes_blocks_its_engine_may_ha
         assert p.transport.writes == 0
         assert kinds(p) == ["SendFailed"] and "did not run" in p.answers()[-1].reason
         assert kinds(d) == ["ReceiveFailed"]
+
+
+@pytest.mark.parametrize("rate_bps, streams", [(None, True), (1e3, True), (1e15, False)])
+def test_auto_streams_only_to_a_peer_whose_link_makes_it_worth_it(lab, rate_bps, streams):
+    """layerwise "auto": the prefill daemon posts group WRITEs only to a decode peer whose
+    whole WRITE of the request would take layerwise_min_transfer_ms or more at the rate last
+    measured to it (a peer not measured yet is streamed to); "on" streams regardless."""
+    net, fab = lab
+    p, d = pair(net, fab, layerwise_min_transfer_ms=20.0)
+    t0, n, blocks = tid(), 40, [1, 2, 3]
+    register(d, t0, blocks, n, [p])  # a first transfer makes the peer known
+    net.run()
+    prefill_done(p, t0, blocks, n)
+    net.run()
+    (peer,) = p.prefill.consumers.values()
+    peer.rate = pr.LinkRate() if rate_bps is None else pr.LinkRate(rate_bps, 1)
+    for auto in (True, False):
+        t = tid()
+        before = p.transport.writes
+        register(d, t, blocks, n, [p])
+        net.run()
+        p.engine(proto.LayerProgress(0, 1, (proto.LayerChunk(t, 0, 0, tuple(blocks), 0, n, auto=auto),)))
+        net.run()
+        assert p.transport.writes - before == (1 if streams or not auto else 0), (auto, rate_bps)
+        prefill_done(p, t, blocks, n)
+        net.run()
+        assert [type(m).__name__ for m in d.answers()][-1] == "Received"
+
+
+def test_link_rate_averages_large_writes_only():
+    r = pr.LinkRate()
+    assert r.seconds(1 << 20) is None
+    r.note(1000, 0.001)  # small: latency, not rate
+    assert r.seconds(1 << 20) is None
+    r.note(8 << 20, 0.008)  # 1 GiB/s-ish
+    assert r.seconds(8 << 20) == pytest.approx(0.008)
+    r.note(8 << 20, 0.080)  # a slower sample pulls the average down, not all the way
+    assert 0.008 < r.seconds(8 << 20) < 0.080
+
+
+def test_a_group_write_keeps_the_consumer_polling_only_while_it_is_in_flight(lab):
+    """Between a stream's group WRITEs the decode daemon waits at its normal cadence (the next
+    layers are still being computed); while one is in flight, or the final WRITE is announced,
+    it polls tightly. The producer says both ends of each group WRITE."""
+    from kvpush.daemon import decode_side
+
+    net, fab = lab
+    p, d = pair(net, fab)
+    t, n, blocks = tid(), 40, [1, 2, 3]
+    register(d, t, blocks, n, [p])
+    net.run()
+    now = time.monotonic()
+    tight, idle = decode_side.RECV_POLL_MAX_S, min(d.cfg.poll_max_s, decode_side.RECV_FALLBACK_S)
+    assert d.decode.poll_cap(now) == idle
+    seen = []
+    on_writing = d.decode._on_writing
+
+    def spy(msg, now):
+        seen.append((msg.group, msg.done))
+        on_writing(msg, now)
+        seen.append(d.decode.poll_cap(now))
+
+    d.decode._on_writing = spy
+    p.engine(proto.LayerProgress(0, 1, (proto.LayerChunk(t, 0, 0, tuple(blocks), 0, n),)))
+    net.run()
+    assert p.transport.writes == 1
+    p.poll()  # the in-memory WRITE completes at its first poll
+    net.run()
+    (g, _), cap_posted, (g2, _), cap_done = seen
+    assert g == g2 > 0 and cap_posted == tight and cap_done == idle, seen
+    assert t in d.decode.hinted  # announced: it may have landed (fencing keeps counting it)
+    seen.clear()
+    prefill_done(p, t, blocks, n)
+    net.run()
+    assert seen and seen[0] == (0, False) and seen[1] == tight, seen
+    assert [type(m).__name__ for m in d.answers()][-1] == "Received"

@@ -10,6 +10,8 @@ parts read from the blocks the seal names, in the seal's epoch.
 
 from __future__ import annotations
 
+import dataclasses
+
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
@@ -20,6 +22,7 @@ from kvpush.daemon.rendezvous import (
     LayersReady,
     NotifyFailure,
     Prefilled,
+    Registered,
     ReleaseBlocks,
     Rendezvous,
     StartGroupWrite,
@@ -52,7 +55,6 @@ def test_a_stream_writes_only_to_the_party_its_binding_admits() -> None:
     """A bound transfer streams before its seal only to the identity (or secret) the stream
     announced; a hijacker that registered first gets no group, and while a rival is parked
     nobody does (the seal decides). A stream whose binding is unknown streams nothing."""
-    import dataclasses
 
     def bound(ev: LayersReady) -> LayersReady:
         return dataclasses.replace(ev, binding=("dnode", ""))
@@ -157,6 +159,29 @@ def test_too_many_groups_turns_streaming_off() -> None:
     assert w.written == ()
 
 
+def test_auto_streams_only_to_registrations_worth_it_and_on_streams_anyway() -> None:
+    """An "auto" stream goes only to a registration the shell judged worth it (its whole WRITE
+    is long over that link); the other gets everything in the final write. "on" ignores it."""
+    import dataclasses
+
+    def auto(ev: LayersReady, on: bool = True) -> LayersReady:
+        return dataclasses.replace(ev, auto=on)
+
+    rv = Rendezvous()
+    rv.handle(auto(lr(0, 2)))
+    assert of(StartGroupWrite, rv.handle(dataclasses.replace(reg(), stream=False))) == []
+    assert of(StartGroupWrite, rv.handle(auto(lr(2, 4)))) == []
+    (w,) = of(StartWrite, rv.handle(sealed()))
+    assert w.written == ()
+    rv = Rendezvous()
+    rv.handle(auto(lr(0, 2)))
+    (g,) = of(StartGroupWrite, rv.handle(reg()))  # worth it
+    assert [(p.layer_lo, p.layer_hi) for p in g.parts] == [(0, 2)]
+    rv = Rendezvous()
+    rv.handle(auto(lr(0, 2), on=False))  # "on"
+    assert of(StartGroupWrite, rv.handle(dataclasses.replace(reg(), stream=False)))
+
+
 def test_progress_nobody_claims_is_forgotten() -> None:
     rv = Rendezvous(tombstone_s=1.0)
     rv.handle(lr(0, 2))
@@ -170,10 +195,11 @@ def test_progress_nobody_claims_is_forgotten() -> None:
 class StreamMachine(RendezvousMachine):
     """RendezvousMachine plus layer progress, epochs and group WRITEs."""
 
-    def send(self, ev: object) -> None:
+    def _send(self, ev: object) -> None:
         if not hasattr(self, "gout"):
             self.gout: dict[tuple[str, int, int, int], StartGroupWrite] = {}
             self.epoch: dict[str, int] = {}
+            self.auto: dict[str, bool] = {}
             self.final_posted: set[tuple[str, int, int]] = set()
         super().send(ev)
 
@@ -190,12 +216,18 @@ class StreamMachine(RendezvousMachine):
         return [k for k, g in self.gout.items() if k[0] == tid and attempt in (None, k[1])
                 and dest in (None, k[2]) and peer in (None, g.peer)]
 
+    def send(self, ev: object) -> None:
+        if isinstance(ev, Registered):  # peer p1 sits behind a link too fast to stream over
+            ev = dataclasses.replace(ev, stream=ev.peer != "p1")
+        self._send(ev)
+
     def check(self, actions: list) -> None:
         for a in actions:
             if isinstance(a, StartGroupWrite):
                 key = (a.transfer_id, a.attempt, a.dest_rank)
                 r = self.regs.get(key)
                 assert r is not None and a.dst_block_ids == r.block_ids, "group without registration"
+                assert not (self.auto.get(a.transfer_id) and a.peer == "p1"), "auto streamed where not worth it"
                 assert a.attempt == self.max_attempt[a.transfer_id], "group of a superseded attempt"
                 assert key not in self.notified, "group after the peer heard the attempt failed"
                 assert key not in self.started and key not in self.final_posted, "group after the final"
@@ -225,15 +257,16 @@ class StreamMachine(RendezvousMachine):
         super().check([a for a in actions if not isinstance(a, StartGroupWrite)])
 
     @rule(tid=st.sampled_from(("a", "b")), bump=st.sampled_from([0, 0, 0, 1]), lo=st.integers(0, 3),
-          first=st.integers(0, 1), dt=st.floats(0.5, 30))
-    def layers_ready(self, tid: str, bump: int, lo: int, first: int, dt: float) -> None:
+          first=st.integers(0, 1), dt=st.floats(0.5, 30), auto=st.booleans())
+    def layers_ready(self, tid: str, bump: int, lo: int, first: int, dt: float, auto: bool) -> None:
         self.sync()
         if not hasattr(self, "gout"):
             self.send(Tick(self.now))
         ep = self.epoch.get(tid, 0) + bump
         self.epoch[tid] = ep
+        self.auto[tid] = auto
         blocks = (100, 101)[first:] if ep == 0 else (200 + ep, 300 + ep)[first:]
-        self.send(LayersReady(tid, ep, lo, lo + 1, first, blocks, self.now, self.now + dt, UNBOUND))
+        self.send(LayersReady(tid, ep, lo, lo + 1, first, blocks, self.now, self.now + dt, UNBOUND, auto=auto))
 
     @rule(tid=st.sampled_from(("a", "b")), tokens=st.sampled_from([16, 16, 17]), dt=st.floats(0.5, 30))
     def prefill_sealed(self, tid: str, tokens: int, dt: float) -> None:

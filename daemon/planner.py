@@ -416,6 +416,26 @@ class BlockPattern:
         """Entries (bool, per entry) of layers [lo, hi)."""
         return (self.layer >= lo) & (self.layer < hi)
 
+    def group_indices(self, parts: Iterable[tuple[int, int, int, tuple[int, ...]]], dst_first_block: int,
+                      dst_block_ids: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, int]:
+        """A group WRITE from the prepared lists, with no descriptor built: the index lists
+        (local, remote) and the bytes of every entry of each part's layers, ``(layer_lo,
+        layer_hi, first_block, src_block_ids)``, over the block pairs the destination holds
+        (a decode prefix hit, or blocks past its registration, are not written). Empty lists:
+        nothing of it is the destination's."""
+        lis, ris, nbytes = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], 0
+        for lo, hi, first, src in parts:
+            sb, db, _ = part_pairs(first, src, dst_first_block, dst_block_ids)
+            if not sb.shape[0]:
+                continue
+            self.check_range(sb, db)
+            rows = self.of_layers(lo, hi)
+            j = np.flatnonzero(rows).astype(np.int64)[:, None]
+            lis.append((j * self.src_blocks + sb[None, :]).reshape(-1))
+            ris.append((j * self.dst_blocks + db[None, :]).reshape(-1))
+            nbytes += int(self.length[rows].sum()) * int(sb.shape[0])
+        return np.concatenate(lis), np.concatenate(ris), nbytes
+
     def block_pairs(self, src: KVLayout, src_blocks: object, dst_blocks: object, num_tokens: int,
                     dst_first_token: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """The (source, destination) block pairs a transfer copies, checked as plan() checks."""

@@ -34,7 +34,7 @@ from kvpush.daemon.handshake import compat_error, make_hello, refusal
 from kvpush.daemon.layer_gate import EventError, LayerGate
 from kvpush.daemon.peerauth import endpoint_host
 from kvpush.daemon.peers import Consumer
-from kvpush.daemon.planner import PlanError, addresses, block_pattern, part_pairs, plan, unwritten
+from kvpush.daemon.planner import PlanError, addresses, block_pattern, plan, unwritten
 from kvpush.proto.notif import Notification
 from kvpush.proto.params import MAX_SECRET
 
@@ -492,24 +492,13 @@ class PrefillSide:
             self.apply(rv.WriteDone(a.transfer_id, a.attempt, a.dest_rank, now, group=a.group))
             return
         pattern, local_h, remote_h = peer.prepped
-        dst_first = a.dst_first_token // me.layout.block_size
-        lis, ris, nbytes = [], [], 0
         try:
-            for p in a.parts:
-                sb, db, _ = part_pairs(p.first_block, p.src_block_ids, dst_first, a.dst_block_ids)
-                if not sb.shape[0]:
-                    continue
-                pattern.check_range(sb, db)
-                rows = pattern.of_layers(p.layer_lo, p.layer_hi)
-                keep = np.broadcast_to(rows[:, None], (pattern.entries, sb.shape[0]))
-                li, ri = pattern.indices(sb, db, keep)
-                lis.append(li)
-                ris.append(ri)
-                nbytes += int(pattern.length[rows].sum()) * int(sb.shape[0])
-            if not lis:  # nothing of it is the destination's (a prefix hit there)
+            li, ri, nbytes = pattern.group_indices(
+                ((p.layer_lo, p.layer_hi, p.first_block, p.src_block_ids) for p in a.parts),
+                a.dst_first_token // me.layout.block_size, a.dst_block_ids)
+            if not li.shape[0]:  # nothing of it is the destination's (a prefix hit there)
                 self.apply(rv.WriteDone(a.transfer_id, a.attempt, a.dest_rank, now, group=a.group))
                 return
-            li, ri = np.concatenate(lis), np.concatenate(ris)
             h = self.ctx.transport.write_prepped(peer.agent_name, local_h, li, remote_h, ri, b"", nbytes=nbytes)
         except PlanError as exc:
             self.ctx.metrics.failure("plan")

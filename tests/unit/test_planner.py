@@ -19,7 +19,6 @@ from kvpush.daemon.planner import (
     PlanError,
     block_pattern,
     expected_producers,
-    part_pairs,
     plan,
     unwritten,
 )
@@ -172,12 +171,9 @@ def test_a_stream_then_its_final_write_copy_what_the_whole_plan_copies(sc, seed,
     stale = rng.integers(0, 256, src_lay.region_size, dtype=np.uint8)  # what an early read saw
 
     def write(fb: int, ids: tuple[int, ...], lo: int, hi: int, source: np.ndarray, into: np.ndarray) -> np.ndarray:
-        sb, db, _ = part_pairs(fb, ids, first_block, tuple(dst_blocks))
-        if not sb.shape[0]:
-            return into
-        keep = np.broadcast_to(bp.of_layers(lo, hi)[:, None], (bp.entries, sb.shape[0]))
-        li, ri = bp.indices(sb, db, keep)
-        return apply_plan(Plan(loc[li, 0], rem[ri, 0], loc[li, 1]), source, into)
+        li, ri, nbytes = bp.group_indices([(lo, hi, fb, ids)], first_block, tuple(dst_blocks))
+        assert nbytes == int(loc[li, 1].sum())
+        return apply_plan(Plan(loc[li, 0], rem[ri, 0], loc[li, 1]), source, into) if li.shape[0] else into
 
     for lo, hi, fb, ids, _ in parts:
         dst_buf = write(fb, ids, lo, hi, src_buf, dst_buf)

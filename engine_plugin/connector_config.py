@@ -40,11 +40,10 @@ LAYERWISE_MODES = ("auto", "on", "off")
 # 16 requests the link refused frames, +1.1 ms). 2 halves group 4's tail for +25 us a forward.
 LAYER_GROUP = 2
 LAYER_GROUP_RANGE = (1, 1024)
-# Measured (docs/results/layerwise-loopback-threshold.md, 24 layers, loopback where moving the KV is nearly
-# free): streaming cost +22 / +32 ms p50 at 256 / 512 tokens and saved 39 ms at 1024. So ``auto``
-# streams from 1024 tokens; across a slow link it pays from 512 already (layerwise.md): set it
-# lower there. (SGLang's layer-wise PR falls back below 256 tokens, measured on InfiniBand.)
-LAYERWISE_MIN_TOKENS = 1024
+# ``auto`` sends progress for prompts of this many tokens or more; the prefill daemon then streams
+# only to decode peers whose link makes it worth it (its layerwise_min_transfer_ms), so this is a
+# floor below which no link would: SGLang's layer-wise PR falls back below 256 tokens (InfiniBand).
+LAYERWISE_MIN_TOKENS = 256
 
 
 class PluginConfigError(ConfigError):

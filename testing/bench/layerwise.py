@@ -423,11 +423,13 @@ def bench_layerwise(model: Path, lengths: list[int], n: int, seed: int, out_len:
         starts = {"whole": (lambda: start_kvpush(lab, model, work / "whole", "off" if not streaming_missing() else None),
                             None),
                   "layerwise": (lambda: start_kvpush(lab, model, work / "layerwise", "on", layer_group), "layerwise"),
+                  # the connector's default: streams where the link makes it worth it (and long prompts)
+                  "auto": (lambda: start_kvpush(lab, model, work / "auto", "auto", layer_group), None),
                   "pull": (lambda: start_pull(lab, model, work / "pull"), None)}
         for m in modes:
             if m not in starts:
                 continue
-            if m == "layerwise" and streaming_missing():
+            if m in ("layerwise", "auto") and streaming_missing():
                 out["modes"][m] = {"error": streaming_missing()}
                 log(f"[{m}] NOT MEASURED: {streaming_missing()}")
                 continue
@@ -508,11 +510,13 @@ def _verdict(out: dict[str, Any], lengths: list[int]) -> None:
     if "ttft" in m.get("layerwise", {}) and "ttft" in m.get("pull", {}):
         v["layerwise_over_pull_p50"] = {L: round(m["layerwise"]["ttft"][L]["p50"] / m["pull"]["ttft"][L]["p50"], 3)
                                         for L in lengths if m["pull"]["ttft"][L].get("p50") and m["layerwise"]["ttft"][L].get("p50")}
+    if "ttft" in m.get("whole", {}) and "ttft" in m.get("auto", {}):
+        v["auto_hidden_fraction"] = {L: hidden(m["whole"], m["auto"], L) for L in lengths}
     if "ttft" in m.get("whole", {}) and "ttft" in m.get("pull", {}):
         v["whole_over_pull_p50"] = {L: round(m["whole"]["ttft"][L]["p50"] / m["pull"]["ttft"][L]["p50"], 3)
                                     for L in lengths if m["pull"]["ttft"][L].get("p50") and m["whole"]["ttft"][L].get("p50")}
     ref = m.get("whole", {}).get("texts")
-    for name in ("layerwise", "pull"):
+    for name in ("layerwise", "auto", "pull"):
         if ref and m.get(name, {}).get("texts"):
             t = m[name]["texts"]
             v[f"{name}_tokens_equal_whole"] = f"{sum(t[k] == ref.get(k) for k in t)}/{len(t)}"
@@ -536,15 +540,17 @@ def table_capped(out: dict[str, Any], command: str) -> str:
              f"same prompts (token IDs, seed {out['seed']}) for every mode. P on lab host p0 (core 0), D on d0 "
              f"(core 1), front end on rt; `tbf rate {c['rate']}` on p0's link. TTFT in ms, p50 / p90.", "",
              "| tokens | KV MiB | prefill ms (1 core) | transfer ms at cap (computed) | transfer / prefill | "
-             "WRITE ms (daemon, whole) | colocated | kvpush whole | kvpush layer-wise | vLLM pull | hidden fraction |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "WRITE ms (daemon, whole) | colocated | kvpush whole | kvpush layer-wise | "
+             + ("kvpush auto (default) | " if "auto" in m else "") + "vLLM pull | hidden fraction |",
+             "|---|---|---|---|---|---|---|---|---|" + ("---|" if "auto" in m else "") + "---|---|"]
+    shown = ("colocated", "whole", "layerwise", *(("auto",) if "auto" in m else ()), "pull")
     hf = out["verdict"].get("hidden_fraction", {})
     for L in lengths:
         cl = cal["lengths"][L]
         lines.append("| " + " | ".join([
             str(L), f"{cl['kv_mib']}", f"{cl['prefill_ms_p50']}", f"{c['transfer_ms_at_cap'].get(L)}",
             f"{c['transfer_over_prefill'].get(L)}", f"{m.get('whole', {}).get('transfer_ms', {}).get(L, '—')}",
-            *(_cell(m.get(k, {}).get("ttft", {}).get(L)) for k in ("colocated", "whole", "layerwise", "pull")),
+            *(_cell(m.get(k, {}).get("ttft", {}).get(L)) for k in shown),
             str(hf.get(L, "—"))]) + " |")
     lines += ["", "Notes:", "",
               f"- Model: {out['model']['layers']} layers, {out['model']['kv_bytes_per_token']} B of float32 KV a token. "
@@ -559,17 +565,19 @@ def table_capped(out: dict[str, Any], command: str) -> str:
               "- hidden fraction = (TTFT whole - TTFT layer-wise) / WRITE ms (the prefill daemon's whole-request "
               "WRITE, post to completion, median at that length).",
               "- One run on a shared 2-core machine: absolute figures are noisy, compare modes side by side."]
-    st = {k: m.get(k, {}).get("stream") or {} for k in ("whole", "layerwise")}
+    st = {k: m.get(k, {}).get("stream") or {} for k in ("whole", "layerwise", "auto")}
     if any(st.values()):
         lines += ["", "From the prefill daemon's final WRITE rows (`kvpushctl transfers`), medians: parts streamed "
                   "before the seal, the first group's lag behind its frame, and the tail (the last frame, or the "
                   "seal when nothing streamed, to the final WRITE's end), ms.", "",
-                  "| tokens | whole: tail | layer-wise: parts | layer-wise: first-group lag | layer-wise: tail |",
-                  "|---|---|---|---|---|"]
+                  "| tokens | whole: tail | layer-wise: parts | layer-wise: first-group lag | layer-wise: tail |"
+                  + (" auto: parts | auto: tail |" if st["auto"] else ""),
+                  "|---|---|---|---|---|" + ("---|---|" if st["auto"] else "")]
         for L in lengths:
-            w, lw = st["whole"].get(L, {}), st["layerwise"].get(L, {})
+            w, lw, au = st["whole"].get(L, {}), st["layerwise"].get(L, {}), st["auto"].get(L, {})
             lines.append(f"| {L} | {w.get('tail_ms', '—')} | {lw.get('groups', '—')} | {lw.get('lag_ms', '—')} | "
-                         f"{lw.get('tail_ms', '—')} |")
+                         f"{lw.get('tail_ms', '—')} |" + (f" {au.get('groups', '—')} | {au.get('tail_ms', '—')} |"
+                                                          if st["auto"] else ""))
     for k, r in m.items():
         if r.get("error"):
             lines.append(f"- **{k}: not measured: {r['error']}**")
@@ -583,7 +591,8 @@ def table_loopback(out: dict[str, Any], command: str) -> str:
     names = list(m)
     lines = [f"# Layer-wise push on loopback, no cap ({out['model']['dir']} model)", "",
              f"Written by `{command}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. kvpush 1P1D on one host "
-             f"(P core 0, D core 1, daemons and router on core 1), {out['requests']} sequential streaming requests a "
+             f"(P and its daemon on core 0; D, its daemon and the router on core 1), {out['requests']} sequential streaming "
+             "requests a "
              f"length, {out['output_len']} output tokens. TTFT ms, p50 / p90. What streaming costs when the transfer "
              "is free; `auto` must cost <= +1 ms p50 over whole-request. WRITE ms: the whole-request "
              "WRITE, post to completion (prefill daemon, median); streamed parts: median per request "

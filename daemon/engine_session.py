@@ -81,7 +81,7 @@ class EngineSession:
     def on_engine(self, ident: bytes, msg: Any, now: float, peer: PeerCred | None = None) -> None:
         ctx = self.ctx
         if isinstance(msg, proto.Heartbeat):
-            ctx.wire.to_engine(ident, proto.HeartbeatAck(msg.seq, ctx.daemon_id))
+            ctx.wire.to_engine(ident, proto.HeartbeatAck(msg.seq, ctx.daemon_id, self.prefill.stream_min_tokens()))
             return
         if isinstance(msg, proto.Attach):
             self.on_attach(ident, msg, now, peer)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -331,6 +332,20 @@ class PrefillSide:
             msg.num_tokens, now, now + max(0.0, deadline - margin), msg.first_token, peer.node, msg.secret,
             self.worth_streaming(peer, msg.num_tokens - msg.first_token),
         ))
+
+    def stream_min_tokens(self) -> int:
+        """Layerwise "auto": the shortest prompt worth streaming to any decode peer we know
+        (HeartbeatAck.stream_min_tokens); 0: any (no peer yet, or one not measured yet)."""
+        me, least = self.ctx.attached, self.cfg.layerwise_min_transfer_ms
+        if me is None or least <= 0 or not self.consumers:
+            return 0
+        per_token = me.layout.block_bytes / me.layout.block_size
+        floors = []
+        for c in self.consumers.values():
+            if not c.rate.samples:
+                return 0
+            floors.append(math.ceil(least / 1e3 * c.rate.bps / per_token))
+        return min(floors)
 
     def worth_streaming(self, peer: Consumer, num_tokens: int) -> bool:
         """Layerwise "auto": would a whole WRITE of ``num_tokens`` tokens to ``peer`` take

@@ -117,6 +117,9 @@ class DaemonClient:
         self._path = path
         self.trusted = trusted_uids() if trusted is None else trusted
         self.refusals = 0  # dials refused by the local trust rules
+        # layerwise "auto": the shortest prompt the daemon would stream (its last HeartbeatAck;
+        # 0: any): progress of a shorter one would only wake it for nothing
+        self.stream_min_tokens = 0
         self._said = OncePer(16)
         self._sock: socket.socket | None = None
         self._fds = select.poll()  # the socket's readability, without a recv that fails
@@ -395,6 +398,7 @@ class DaemonClient:
                 continue
             t = type(msg)
             if t is HeartbeatAck:
+                self.stream_min_tokens = msg.stream_min_tokens
                 self._run(link.handle(HeartbeatAcked(msg.seq, msg.daemon_id, now)))
                 continue
             if t is AttachAck:

@@ -21,7 +21,7 @@ Pure: no I/O; the shell sends and records events.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import msgpack
 
@@ -76,16 +76,21 @@ class LayerStream:
         self.refused = 0  # forwards whose stream a refused frame ended (cumulative)
         self.frames = 0  # frames handed to the link (cumulative)
 
-    def begin(self, streams: Iterable[StreamChunk]) -> None:
-        """bind_connector_metadata: the chunks this forward computes (the wire form, once)."""
+    def begin(self, streams: Sequence[StreamChunk], auto_min_tokens: int = 0) -> int:
+        """bind_connector_metadata: the chunks this forward computes (the wire form, once).
+        An ``auto`` request whose prompt is shorter than ``auto_min_tokens`` (the daemon's
+        advice: it would stream it to no peer) is left out, its seal covers it; returns how
+        many were."""
+        kept = [c for c in streams if not (c.auto and c.prompt_tokens < auto_min_tokens)]
         self.chunks = tuple(proto.LayerChunk(c.transfer_id, c.epoch, c.first_block, tuple(c.block_ids),
                                              c.first_token, c.num_tokens, c.bind_node, c.bind_secret, c.auto)
-                            for c in streams)
+                            for c in kept)
         if self.chunks:
             self.head = chunks_bytes(self.chunks)
             if len(self.head) > DEFAULT_LIMITS.max_message - 64:  # the daemon would refuse it: the seal covers
                 self.too_big += 1
                 self.chunks, self.head = (), b""
+        return len(streams) - len(kept)
 
     def sent(self, ok: bool) -> None:
         """The link took the frame, or refused it: then the forward streams nothing more."""

@@ -75,6 +75,7 @@ class StreamChunk:
     bind_node: str = ""  # the seal's binding: the daemon streams only to a party it admits
     bind_secret: str = ""
     auto: bool = False  # layerwise "auto": the daemon streams it only where its link makes it worth it
+    prompt_tokens: int = 0  # the request's prompt (auto: below the daemon's advice, no frames)
 
 
 @dataclass

@@ -425,7 +425,7 @@ def stream(sl: SchedulerLifecycle, rec: Req, ev: Step, out: list) -> None:
     first = start // bs
     assert rec.transfer_id is not None
     out.append(Stream(StreamChunk(rec.transfer_id, rec.epoch, first, blocks[first:-(-end // bs)], first * bs, end,
-                                  rec.bind_node, rec.secret, sl.stream_auto)))
+                                  rec.bind_node, rec.secret, sl.stream_auto, rec.num_prompt)))
 
 
 def register(sl: SchedulerLifecycle, rec: Req, ev: Allocated, out: list) -> None:

@@ -109,6 +109,8 @@ class KVPushPromMetrics(KVConnectorPromMetrics):
         "sent": ("vllm:kvpush_sends", "Prompt KV pushes completed (prefill)"),
         "send_failed": ("vllm:kvpush_send_failures", "kvpush pushes that failed (prefill)"),
         "layer_frames": ("vllm:kvpush_layer_frames", "Layer-wise progress frames published (prefill)"),
+        "layer_advised_off": ("vllm:kvpush_layer_chunks_not_streamed",
+                              "Chunks layerwise auto did not stream: no decode peer's link makes it worth it (prefill)"),
     }
 
     def __init__(self, vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],

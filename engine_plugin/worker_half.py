@@ -58,6 +58,7 @@ class TransferCounters:
     send_failed: int = 0  # the daemon's SendFailed (prefill)
     layer_frames: int = 0  # LayerProgress handed to the daemon link (prefill, layer-wise)
     layer_refused: int = 0  # forwards whose stream ended at a refused LayerProgress
+    layer_advised_off: int = 0  # auto chunks not streamed: the daemon's link rates make it pointless
 
 
 def _layer_key(name: str) -> tuple[int, str]:
@@ -234,7 +235,7 @@ class KVPushWorker:
     def begin_forward(self, streams: list[StreamChunk]) -> None:
         """bind_connector_metadata: the streamed chunks this step's forward computes."""
         if self.stream is not None:
-            self.stream.begin(streams)
+            self.counters.layer_advised_off += self.stream.begin(streams, self.client.stream_min_tokens)
 
     def save_kv_layer(self, layer_name: str) -> None:
         """After each attention layer: at a group's end, one LayerProgress for the forward's

@@ -266,10 +266,17 @@ class Released:
 @message
 @dataclass(frozen=True, slots=True)
 class HeartbeatAck:
-    """Answer to Heartbeat; a new ``daemon_id`` tells the engine to re-attach."""
+    """Answer to Heartbeat; a new ``daemon_id`` tells the engine to re-attach.
+
+    ``stream_min_tokens`` (prefill side, layerwise "auto"): the shortest prompt this daemon
+    would stream to any decode peer it knows, by the rate its WRITEs to each recently moved
+    (0: any, e.g. a peer not measured yet). A shorter prompt's progress frames would only wake
+    the daemon for nothing: the plugin does not send them (its own layerwise_min_tokens still
+    applies). Advice only: the daemon decides per registration anyway."""
 
     seq: int
     daemon_id: str
+    stream_min_tokens: int = 0
 
 
 @message

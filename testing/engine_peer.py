@@ -36,6 +36,7 @@ class FakeDaemon:
         self.answer_heartbeats = True
         self.answer_attach = True
         self.answer_aborts = False
+        self.stream_min_tokens = 0  # what its HeartbeatAcks advise (layerwise auto)
         self.got: list[Message] = []  # everything but heartbeats, in arrival order
         self.heartbeats = 0
         self.kinds: list[str] = []  # type names of everything received, heartbeats included
@@ -51,7 +52,7 @@ class FakeDaemon:
             if type(msg) is Heartbeat:
                 self.heartbeats += 1
                 if self.answer_heartbeats:
-                    self.send(HeartbeatAck(msg.seq, self.daemon_id))
+                    self.send(HeartbeatAck(msg.seq, self.daemon_id, self.stream_min_tokens))
                 continue
             new.append(msg)
             if type(msg) is Attach and self.answer_attach:

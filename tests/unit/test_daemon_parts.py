@@ -737,3 +737,31 @@ def test_a_group_write_keeps_the_consumer_polling_only_while_it_is_in_flight(lab
     net.run()
     assert seen and seen[0] == (0, False) and seen[1] == tight, seen
     assert [type(m).__name__ for m in d.answers()][-1] == "Received"
+
+
+def test_heartbeats_advise_the_shortest_prompt_worth_streaming_to_any_peer(lab):
+    """The prefill daemon tells its engine (HeartbeatAck) the shortest prompt it would stream
+    to any decode peer: 0 while a peer is unmeasured (or none is known), else the fastest
+    link's floor."""
+    net, fab = lab
+    p, d = pair(net, fab, layerwise_min_transfer_ms=20.0)
+
+    def advice() -> int:
+        ack = p.engine(proto.Heartbeat(7))
+        assert isinstance(ack, proto.HeartbeatAck) and ack.seq == 7
+        return ack.stream_min_tokens
+
+    assert advice() == 0  # no peer yet
+    t, n, blocks = tid(), 40, [1, 2, 3]
+    register(d, t, blocks, n, [p])
+    net.run()
+    prefill_done(p, t, blocks, n)
+    net.run()
+    (peer,) = p.prefill.consumers.values()
+    assert advice() == 0  # a peer not measured yet (this transfer was too small to measure)
+    lay = p.ctx.attached.layout
+    per_token = lay.block_bytes / lay.block_size
+    peer.rate = pr.LinkRate(1000 * per_token, 1)  # 1000 tokens a second: 20 ms is 20 tokens
+    assert advice() == 20
+    peer.rate = pr.LinkRate(1e6 * per_token, 1)
+    assert advice() == 20_000

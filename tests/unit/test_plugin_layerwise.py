@@ -86,9 +86,9 @@ def test_chunked_prefill_streams_each_chunk_with_its_blocks() -> None:
     r = prefill_req("a", 40)
     match(s, r)
     m1 = s.build_connector_meta(out(new=[(r, [7, 3], 20)]))  # chunk 1: tokens [0, 20)
-    assert m1.streams == [StreamChunk("t-a", 0, 0, [7, 3], 0, 20)]
+    assert m1.streams == [StreamChunk("t-a", 0, 0, [7, 3], 0, 20, prompt_tokens=40)]
     m2 = s.build_connector_meta(out(cached=[("a", 20, [9], False, 20)]))  # chunk 2: [20, 40)
-    assert m2.streams == [StreamChunk("t-a", 0, 1, [3, 9], 16, 40)]  # block 3 completes: from its start
+    assert m2.streams == [StreamChunk("t-a", 0, 1, [3, 9], 16, 40, prompt_tokens=40)]  # block 3 completes: from its start
     assert not m2.sends  # chunked: the seal comes with request_finished, as without streaming
 
 
@@ -97,7 +97,7 @@ def test_a_whole_prompt_streams_and_is_sealed_after_the_same_forward() -> None:
     r = prefill_req("a", 30)
     match(s, r)
     m = s.build_connector_meta(out(new=[(r, [5, 6], 30)]))
-    assert m.streams == [StreamChunk("t-a", 0, 0, [5, 6], 0, 30)]
+    assert m.streams == [StreamChunk("t-a", 0, 0, [5, 6], 0, 30, prompt_tokens=30)]
     assert [x.early for x in m.sends] == [True]
 
 
@@ -108,7 +108,7 @@ def test_preemption_mid_stream_starts_a_new_epoch_with_the_new_blocks() -> None:
     s.build_connector_meta(out(new=[(r, [7, 3], 20)]))
     match(s, r)  # preempted: vLLM matches it again before it resumes
     m = s.build_connector_meta(out(cached=[("a", 0, [11, 12, 13], True, 40)]))
-    assert m.streams == [StreamChunk("t-a", 1, 0, [11, 12, 13], 0, 40)]
+    assert m.streams == [StreamChunk("t-a", 1, 0, [11, 12, 13], 0, 40, prompt_tokens=40)]
     # resumed without a second match (the v2 runner lists it as new): a new epoch all the same
     r2 = prefill_req("b", 40)
     match(s, r2)
@@ -223,6 +223,31 @@ def test_one_frame_per_layer_group_for_all_streamed_chunks(endpoint: str) -> Non
         assert all(f.chunks == want and f.event == 0 for f in got)  # CPU: no event
         assert w.counters.layer_frames == 3 and w.counters.layer_refused == 0
         assert not any(isinstance(m, proto.LayerEvents) for m in d.got)  # CPU: no pool
+    finally:
+        w.shutdown()
+        d.close()
+
+
+def test_auto_sends_no_progress_for_prompts_the_daemon_would_stream_nowhere(endpoint: str) -> None:
+    """The daemon's HeartbeatAck says the shortest prompt it would stream to any decode peer
+    (its link rates); an "auto" chunk of a shorter prompt is not framed (it would only wake the
+    daemon), a longer one is, and an "on" chunk always is."""
+    d = FakeDaemon(endpoint, "d1")
+    d.stream_min_tokens = 100
+    w = worker(endpoint, d, layer_group=4)
+    try:
+        settle(w, d, lambda: w.client.stream_min_tokens == 100, timeout=10)
+        short, long_, on = (StreamChunk("t1", 0, 0, [4], 0, 16, auto=True, prompt_tokens=40),
+                            StreamChunk("t2", 0, 0, [8], 0, 16, auto=True, prompt_tokens=200),
+                            StreamChunk("t3", 0, 0, [9], 0, 16, prompt_tokens=40))
+        forward(w, [short, long_, on])
+        forward(w, [short])  # nothing to frame at all: no frame
+        settle(w, d, lambda: len(frames(d)) >= 3)
+        time.sleep(0.05)
+        d.serve()
+        assert len(frames(d)) == 3
+        assert all([c.transfer_id for c in f.chunks] == ["t2", "t3"] for f in frames(d))
+        assert w.counters.layer_advised_off == 2
     finally:
         w.shutdown()
         d.close()

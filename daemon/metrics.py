@@ -64,6 +64,9 @@ class WorkerMetrics:
                                  ["device"], registry=r).labels(device)
         self.lease_expired = Counter("kvpush_lease_expired", "Holds released by their lease, by registrations seen",
                                      ["device", "registered"], registry=r)
+        self.layer_frames = Counter("kvpush_layer_progress_frames",
+                                    "LayerProgress frames taken from the engine (prefill, layer-wise)",
+                                    ["device"], registry=r).labels(device)
         self.lease_expired_blocks = Counter("kvpush_lease_expired_blocks", "Source blocks held until their lease",
                                             ["device"], registry=r).labels(device)
 

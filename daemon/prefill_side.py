@@ -136,6 +136,7 @@ class PrefillSide:
         when the frame is sent (what the gate drops, the seal's final WRITE covers)."""
         a = self.ctx.attached
         assert a is not None
+        self.ctx.metrics.layer_frames.inc()
         why = check_progress(a.layout, msg, self.cfg.max_progress_chunks, self.layer_events)
         if why:
             self.ctx.bad("progress", why)

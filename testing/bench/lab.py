@@ -245,6 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     lw.add_argument("--layer-group", type=int, default=None,
                     help="the connector's layer_group for the layer-wise mode (default: its own); sets the TTFT bound")
     lw.add_argument("--loopback", action="store_true", help="no cap, one host: what streaming costs")
+    lw.add_argument("--rounds", type=int, default=1,
+                    help="loopback: run the modes this many times, in reverse order every other round (A B B A), "
+                         "each on a fresh engine pair, and pool the requests")
     lw.add_argument("--results-dir", default=str(ve.ROOT / "docs" / "results"))
     lw.add_argument("--workdir", default=None)
     for p in (w, s, lw):
@@ -277,7 +280,7 @@ def _layerwise(args: argparse.Namespace, argv: list[str] | None) -> int:
     if args.loopback:
         lengths = [int(x) for x in (args.lengths or "16,256,1024,2000").split(",")]
         modes = (args.modes or "whole,layerwise,auto").split(",")
-        out = lw.bench_loopback(model, lengths, args.requests, args.seed, args.output_len, modes, work)
+        out = lw.bench_loopback(model, lengths, args.requests, args.seed, args.output_len, modes, work, args.rounds)
         (results / "layerwise-loopback.md").write_text(lw.table_loopback(out, command))
     else:
         lengths = [int(x) for x in (args.lengths or "512,2000,4000").split(",")]

@@ -131,3 +131,17 @@ def test_stream_stats_map_final_rows_to_lengths_in_request_order() -> None:
     assert got == {512: {"groups": 6.0, "lag_ms": 2.0, "tail_ms": 11.0},
                    2000: {"groups": 6.0, "lag_ms": 2.0, "tail_ms": 60.0}}
     assert lw.stream_stats(list(reversed(oldest_first[:-1])), [512, 2000], 2) == {}  # a row missing: no guess
+
+
+def test_rounds_pool_every_requests_ttft_and_keep_each_rounds_p50() -> None:
+    def run(xs: list[float], frames: float) -> dict:
+        return {"ttft": {16: lw.ttft_stats([{"ttft_ms": x} for x in xs])}, "ttft_ms": {16: xs},
+                "progress_frames": frames}
+
+    pooled = lw._pool([run([10, 11, 12], 0.0), run([20, 21, 22], 5.0)])
+    assert pooled["ttft"][16]["n"] == 6 and pooled["round_p50"][16] == [11, 21]
+    assert pooled["progress_frames"] == [0.0, 5.0]
+    out = {"lengths": [16], "requests": 3, "output_len": 8, "rounds": 2, "model": {"dir": "deep"},
+           "modes": {"whole": pooled, "auto": lw._pool([{"error": "boom"}, run([1], 0)])}}
+    text = lw.table_loopback(out, "cmd")
+    assert "whole: 16: 11 / 21" in text and "auto: not measured: boom" in text

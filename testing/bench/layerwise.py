@@ -527,6 +527,21 @@ def over_bound(out: dict[str, Any], L: int) -> float | None:
     return round(lw_p50 / bound, 3)
 
 
+def over_ideal_ms(out: dict[str, Any], L: int) -> float | None:
+    """Layer-wise TTFT p50 minus max(prefill, transfer) + one group's transfer, in ms: what the
+    bound's 10 ms must hold. It holds the decode engine's own first forward, which every P/D
+    TTFT contains and the prefill (a colocated TTFT) does not."""
+    r = over_bound(out, L)
+    if r is None:
+        return None
+    from kvpush.engine_plugin.connector_config import LAYER_GROUP
+
+    tx = out["modes"]["whole"]["transfer_ms"][L]
+    pre = out["calibration"]["lengths"][L]["prefill_ms_p50"]
+    ideal = max(pre, tx) + tx * (out.get("layer_group") or LAYER_GROUP) / out["model"]["layers"]
+    return round(out["modes"]["layerwise"]["ttft"][L]["p50"] - ideal, 1)
+
+
 def _verdict(out: dict[str, Any], lengths: list[int]) -> None:
     m = out["modes"]
     v: dict[str, Any] = {}
@@ -535,6 +550,7 @@ def _verdict(out: dict[str, Any], lengths: list[int]) -> None:
     if "ttft" in m.get("layerwise", {}) and "transfer_ms" in m.get("whole", {}):
         v["layerwise_ttft_over_bound"] = {L: b for L in lengths
                                           if (b := over_bound(out, L)) is not None}
+        v["layerwise_ms_over_ideal"] = {L: x for L in lengths if (x := over_ideal_ms(out, L)) is not None}
     if "ttft" in m.get("layerwise", {}) and "ttft" in m.get("pull", {}):
         v["layerwise_over_pull_p50"] = {L: round(m["layerwise"]["ttft"][L]["p50"] / m["pull"]["ttft"][L]["p50"], 3)
                                         for L in lengths if m["pull"]["ttft"][L].get("p50") and m["layerwise"]["ttft"][L].get("p50")}

@@ -64,6 +64,7 @@ def test_ttft_bound_of_goals():
            "modes": {"whole": {"transfer_ms": {2000: 1200.0}}, "layerwise": {"ttft": {2000: {"p50": 1410.0}}}}}
     # bound = max(1000, 1200) + 1200 * 4 / 24 + 10 = 1410
     assert lw.over_bound(out, 2000) == 1.0
+    assert lw.over_ideal_ms(out, 2000) == 10.0  # 1410 - (1200 + 200)
     out["layer_group"] = None  # the run set none: the connector's default
     from kvpush.engine_plugin.connector_config import LAYER_GROUP
 

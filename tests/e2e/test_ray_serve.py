@@ -60,7 +60,10 @@ def llm_config(model: Path, role: str, engine_id: str, socket: str, cpus: str) -
             "dtype": "float32", "enforce_eager": True, "kv_cache_memory_bytes": ve.KV_CACHE_BYTES,
             "max_model_len": 4096, "seed": 0,
             **({"enable_prefix_caching": False} if role == "kv_consumer" else {}),
-            "kv_transfer_config": kvpush_transfer_config(role, engine_id, socket),
+            # Ray Serve's start-up (a dozen processes on two cores) has starved the daemons for
+            # 4-5 s in CI: with the default 3 s the first loads were recomputed and this test
+            # saw no KV come through kvpush. A stall that long is not a dead daemon here.
+            "kv_transfer_config": kvpush_transfer_config(role, engine_id, socket, dead_after_ms=15_000),
         },
     )
 

@@ -236,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="cores of the kvpush stack's daemons and router (default: PDStack's, the decode engine's)")
     ap.add_argument("--router-cpus", default=None, help="cores of the kvpush router (default: with the daemons)")
     ap.add_argument("--table", default=None, help="write a markdown table of p50/p90 and kvpush's delta here")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="colocated and kvpush this many times each, A B B A, on fresh engines; requests pooled")
     args = ap.parse_args(argv)
     if args.user_way:
         args.modes = args.modes if args.modes != ",".join(MODES) else "colocated,kvpush"
@@ -257,16 +259,29 @@ def main(argv: list[str] | None = None) -> int:
     seg_p50: dict[str, dict[str, float]] = {}
     texts: dict[str, dict[str, str]] = {}
 
-    def measure(mode: str, url: str) -> None:
-        log(f"[{mode}] measuring at {url}")
-        raw[mode] = asyncio.run(run_mode(url, lengths, args.requests, args.output_len, args.concurrency, args.seed,
-                                         args.pause_ms / 1e3))
-        texts[mode] = {f"{L}:{i}": r.get("text", "") for L, rows in raw[mode]["sequential"].items()
-                       for i, r in enumerate(rows)}
+    segs_by_len: dict[str, dict[str, list[float]]] = {}  # every round's kvpush hops
+    tids_by_len: dict[str, int] = {}
+    rnd = 0
 
-    if "colocated" in modes:
+    def measure(mode: str, url: str) -> dict[str, Any]:
+        """This round's requests; pooled into ``raw`` with the earlier rounds' (texts keyed
+        ``L:i`` in round 0, ``L:i#r`` after: the same prompt, another engine)."""
+        log(f"[{mode}] measuring at {url}" + (f" (round {rnd + 1})" if args.rounds > 1 else ""))
+        res = asyncio.run(run_mode(url, lengths, args.requests, args.output_len, args.concurrency, args.seed,
+                                   args.pause_ms / 1e3))
+        if mode in raw:
+            for L, rows in res["sequential"].items():
+                raw[mode]["sequential"][L] = raw[mode]["sequential"][L] + rows
+        else:
+            raw[mode] = res
+        suffix = f"#{rnd}" if rnd else ""
+        texts.setdefault(mode, {}).update({f"{L}:{i}{suffix}": r.get("text", "") for L, rows in res["sequential"].items()
+                                           for i, r in enumerate(rows)})
+        return res
+
+    def run_colocated() -> None:
         port = free_port()
-        proc = ve.start_engine(model, port, work / "colocated.log", cpu_bind="0")
+        proc = ve.start_engine(model, port, work / f"colocated-{rnd}.log", cpu_bind="0")
         try:
             ve.wait_healthy(f"http://127.0.0.1:{port}/health", 600, proc)
             measure("colocated", f"http://127.0.0.1:{port}")
@@ -274,18 +289,20 @@ def main(argv: list[str] | None = None) -> int:
                 idle["colocated"] = idle_cores({"engine": proc}, 3.0, args.idle_seconds)
         finally:
             ve.stop_group(proc, grace=10)
-    if "kvpush" in modes or "prefill" in modes:
+
+    def run_kvpush() -> None:
+        nonlocal hops, writes
         placement = {k: v for k, v in (("aux_cpus", args.aux_cpus), ("router_cpus", args.router_cpus)) if v}
-        stack = PDStack(model, work / "kvpush", **placement)
+        stack = PDStack(model, work / f"kvpush-{rnd}", **placement)
         stack.start()
         try:
             if "prefill" in modes:
                 measure("prefill", stack.p_url)
             if "kvpush" in modes:
-                measure("kvpush", stack.router_url)
+                res = measure("kvpush", stack.router_url)
                 time.sleep(0.5)  # the last TraceReports reach the daemons
                 per_len = {}
-                for L, rows in raw["kvpush"]["sequential"].items():
+                for L, rows in res["sequential"].items():
                     done = [r for r in rows if r.get("ttft_ms") is not None and r.get("transfer_id")]
                     if not done:
                         continue
@@ -294,12 +311,12 @@ def main(argv: list[str] | None = None) -> int:
                     per_len[str(L)] = {"ttft_ms": round(med["ttft_ms"], 2), "transfer_id": med["transfer_id"],
                                        "hops_ms": breakdown(tl)}
                 hops = per_len
-                seg_p50 = {}  # every request's hops, not only the median one: each segment's p50
-                for L, rows in raw["kvpush"]["sequential"].items():
+                for L, rows in res["sequential"].items():  # every request's hops, not only the median one
                     ttft = {r["transfer_id"]: r["ttft_ms"] for r in rows
                             if r.get("ttft_ms") is not None and r.get("transfer_id")}
                     tids = list(ttft)
-                    segs: dict[str, list[float]] = {}
+                    tids_by_len[str(L)] = tids_by_len.get(str(L), 0) + len(tids)
+                    segs = segs_by_len.setdefault(str(L), {})
                     for tid, tl in timelines(stack, stack.router_url, tids).items():
                         for seg, v in breakdown(tl).items():
                             segs.setdefault(seg, []).append(v)
@@ -307,13 +324,22 @@ def main(argv: list[str] | None = None) -> int:
                             inside = (tl["router.decode_first_byte"] - tl["router.request_in"]) / 1e6
                             segs.setdefault("router.request_in -> router.decode_first_byte", []).append(inside)
                             segs.setdefault("client (TTFT outside the router)", []).append(ttft[tid] - inside)
-                    seg_p50[str(L)] = {seg: round(pct(v, 50), 3) for seg, v in segs.items() if len(v) * 2 >= len(tids)}
                 raw["kvpush"]["decode_prompt_tokens_by_source"] = prompt_tokens_by_source(stack.d_url)
                 writes = write_latencies(stack)
             if args.idle_seconds:
                 idle["kvpush"] = idle_cores(dict(stack.procs), 3.0, args.idle_seconds)
         finally:
             stack.stop()
+
+    # colocated and kvpush, round by round, in reverse order every other round (A B B A): each
+    # round starts fresh engines, and one engine's luck moves TTFT at 2,000 tokens by ~5 ms
+    pair = [f for m, f in (("colocated", run_colocated), ("kvpush", run_kvpush))
+            if m in modes or (m == "kvpush" and "prefill" in modes)]
+    for rnd in range(args.rounds):
+        for run in (pair if rnd % 2 == 0 else pair[::-1]):
+            run()
+    seg_p50 = {L: {seg: round(pct(v, 50), 3) for seg, v in segs.items() if len(v) * 2 >= tids_by_len[L]}
+               for L, segs in segs_by_len.items()}
     if "kvpush_shared" in modes:  # the placement before daemons_beside_engines: every daemon on D's core
         stack = PDStack(model, work / "kvpush_shared", daemons_beside_engines=False)
         stack.start()
@@ -356,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {m: summarize(r) for m, r in raw.items()}
     ref = texts.get("colocated") or texts.get("prefill") or {}
     for m, t in texts.items():
-        summary[m]["tokens_equal_reference"] = sum(t[k] == ref.get(k) for k in t) if ref else None
+        summary[m]["tokens_equal_reference"] = sum(t[k] == ref.get(k.split("#")[0]) for k in t) if ref else None
         summary[m]["requests"] = len(t)
     verdict: dict[str, Any] = {}
     if "colocated" in summary and "kvpush" in summary:

@@ -258,10 +258,6 @@ class LinkRate:
         self.bps = rate if not self.samples else (1 - RATE_WEIGHT) * self.bps + RATE_WEIGHT * rate
         self.samples += 1
 
-    def seconds(self, nbytes: int) -> float | None:
-        """The estimated time to WRITE ``nbytes`` to this peer; None: not measured yet."""
-        return nbytes / self.bps if self.samples else None
-
 
 @dataclass
 class Consumer:

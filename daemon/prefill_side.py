@@ -337,26 +337,21 @@ class PrefillSide:
     def stream_min_tokens(self) -> int:
         """Layerwise "auto": the shortest prompt worth streaming to any decode peer we know
         (HeartbeatAck.stream_min_tokens); 0: any (no peer yet, or one not measured yet)."""
-        me, least = self.ctx.attached, self.cfg.layerwise_min_transfer_ms
-        if me is None or least <= 0 or not self.consumers:
-            return 0
-        per_token = me.layout.block_bytes / me.layout.block_size
-        floors = []
-        for c in self.consumers.values():
-            if not c.rate.samples:
-                return 0
-            floors.append(math.ceil(least / 1e3 * c.rate.bps / per_token))
-        return min(floors)
+        return min((self._stream_floor(c) for c in self.consumers.values()), default=0)
 
     def worth_streaming(self, peer: Consumer, num_tokens: int) -> bool:
         """Layerwise "auto": would a whole WRITE of ``num_tokens`` tokens to ``peer`` take
-        ``layerwise_min_transfer_ms`` or more at the rate WRITEs to it recently moved? A peer
-        not measured yet is streamed to (its first WRITEs measure it)."""
+        ``layerwise_min_transfer_ms`` or more at the rate WRITEs to it recently moved?"""
+        return num_tokens >= self._stream_floor(peer)
+
+    def _stream_floor(self, peer: Consumer) -> int:
+        """The fewest tokens whose whole WRITE to ``peer`` takes ``layerwise_min_transfer_ms``
+        at its measured rate; 0 (stream anything) for a peer not measured yet: its first
+        WRITEs measure it."""
         me, least = self.ctx.attached, self.cfg.layerwise_min_transfer_ms
-        if me is None or least <= 0:
-            return True
-        est = peer.rate.seconds(num_tokens * me.layout.block_bytes // me.layout.block_size)
-        return est is None or est * 1e3 >= least
+        if me is None or least <= 0 or not peer.rate.samples:
+            return 0
+        return math.ceil(least / 1e3 * peer.rate.bps / (me.layout.block_bytes / me.layout.block_size))
 
     def _sessions_of(self, node: str) -> list[Consumer]:
         return [c for c in self.consumers.values() if c.node == node] if node else []

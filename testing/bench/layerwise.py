@@ -257,28 +257,21 @@ def start_pull(lab: Any, model: Path, work: Path) -> Front:
     return Front(front, stop, lambda fn, *a, timeout=900: lab.call("rt", fn, *a, timeout=timeout), {})
 
 
-def daemon_transfers(stack: Any, host: str = "p0") -> list[dict[str, Any]]:
-    """The recent transfer rows (``kvpushctl transfers``) of ``host``'s daemon (rank 0)."""
-    from kvpush import proto
-    from kvpush.daemon.ctl import Target, ask
-    from kvpush.proto import naming
-
-    def fetch() -> list[dict[str, Any]]:
-        t = Target(naming.ops_socket(str(stack.rt(host)), 0), "cpu0")
-        ask([t], proto.OpsRequest("transfers"), 5.0)
-        return list((t.data or {}).get("recent") or [])
-
-    return stack.client(fetch, timeout=30)  # type: ignore[no-any-return]
-
-
-def local_daemon_transfers(st: Any) -> list[dict[str, Any]]:
-    """The prefill daemon's recent transfer rows of a loopback PDStack (device 0)."""
+def recent_transfers(ops_socket: str) -> list[dict[str, Any]]:
+    """The recent transfer rows (``kvpushctl transfers``) of the daemon on ``ops_socket``."""
     from kvpush import proto
     from kvpush.daemon.ctl import Target, ask
 
-    t = Target(st.ops_socket(0), "cpu0")
+    t = Target(ops_socket, "cpu0")
     ask([t], proto.OpsRequest("transfers"), 5.0)
     return list((t.data or {}).get("recent") or [])
+
+
+def daemon_transfers(stack: Any, host: str = "p0") -> list[dict[str, Any]]:
+    """The recent transfer rows of ``host``'s daemon (rank 0), read inside the lab."""
+    from kvpush.proto import naming
+
+    return stack.client(recent_transfers, naming.ops_socket(str(stack.rt(host)), 0), timeout=30)  # type: ignore[no-any-return]
 
 
 def prefill_daemon_transfers(stack: Any) -> list[dict[str, Any]]:
@@ -365,7 +358,7 @@ def run_mode(name: str, start: Any, lengths: list[int], n: int, seed: int, out_l
         stack, pdstack = front.extra.get("stack"), front.extra.get("pdstack")
         if stack is not None or pdstack is not None:
             time.sleep(0.5)
-            rows = prefill_daemon_transfers(stack) if stack is not None else local_daemon_transfers(pdstack)
+            rows = prefill_daemon_transfers(stack) if stack is not None else recent_transfers(pdstack.ops_socket(0))
             if pdstack is not None:  # what the engine sent the daemon: auto's frames, or none
                 from kvpush.testing import prom
 
@@ -511,10 +504,9 @@ def bench_loopback(model: Path, lengths: list[int], n: int, seed: int, out_len: 
     return out
 
 
-def over_bound(out: dict[str, Any], L: int) -> float | None:
-    """Layer-wise TTFT p50 over GOALS' bound max(prefill, transfer) + one group's transfer +
-    10 ms (<= 1 meets it); a group is ``layer_group`` layers of the model's (the connector's
-    default when the run did not set it)."""
+def _ideal_ms(out: dict[str, Any], L: int) -> tuple[float, float] | None:
+    """(layer-wise TTFT p50, max(prefill, transfer) + one group's transfer) at ``L``; a group is
+    ``layer_group`` layers of the model's (the connector's default when the run set none)."""
     lw_p50 = out["modes"]["layerwise"]["ttft"][L].get("p50")
     tx = out["modes"]["whole"].get("transfer_ms", {}).get(L)
     pre = out["calibration"]["lengths"][L].get("prefill_ms_p50")
@@ -523,23 +515,22 @@ def over_bound(out: dict[str, Any], L: int) -> float | None:
     from kvpush.engine_plugin.connector_config import LAYER_GROUP
 
     group = out.get("layer_group") or LAYER_GROUP
-    bound = max(pre, tx) + tx * group / out["model"]["layers"] + 10.0
-    return round(lw_p50 / bound, 3)
+    return lw_p50, max(pre, tx) + tx * group / out["model"]["layers"]
+
+
+def over_bound(out: dict[str, Any], L: int) -> float | None:
+    """Layer-wise TTFT p50 over GOALS' bound max(prefill, transfer) + one group's transfer +
+    10 ms (<= 1 meets it)."""
+    got = _ideal_ms(out, L)
+    return None if got is None else round(got[0] / (got[1] + 10.0), 3)
 
 
 def over_ideal_ms(out: dict[str, Any], L: int) -> float | None:
     """Layer-wise TTFT p50 minus max(prefill, transfer) + one group's transfer, in ms: what the
     bound's 10 ms must hold. It holds the decode engine's own first forward, which every P/D
     TTFT contains and the prefill (a colocated TTFT) does not."""
-    r = over_bound(out, L)
-    if r is None:
-        return None
-    from kvpush.engine_plugin.connector_config import LAYER_GROUP
-
-    tx = out["modes"]["whole"]["transfer_ms"][L]
-    pre = out["calibration"]["lengths"][L]["prefill_ms_p50"]
-    ideal = max(pre, tx) + tx * (out.get("layer_group") or LAYER_GROUP) / out["model"]["layers"]
-    return round(out["modes"]["layerwise"]["ttft"][L]["p50"] - ideal, 1)
+    got = _ideal_ms(out, L)
+    return None if got is None else round(got[0] - got[1], 1)
 
 
 def _verdict(out: dict[str, Any], lengths: list[int]) -> None:

@@ -47,6 +47,7 @@ HOPS: tuple[str, ...] = (
     "p.daemon.sent",
     "p.plugin.sent_seen",
     "router.prefill_answered",
+    "router.prefill_first_token",  # the prefill leg's token, sent to a streaming client
     # decode daemon / plugin again
     "d.daemon.notif_seen",
     "d.daemon.received_sent",
@@ -59,6 +60,7 @@ HOPS: tuple[str, ...] = (
     "d.daemon.receive_failed",
     "d.plugin.load_failed",
     "p.plugin.send_failed_seen",
+    "router.first_token_recovery",
 )
 HOP_SET = frozenset(HOPS)
 # Where a daemon's part of a transfer ends: its timeline is complete (an export may read it).

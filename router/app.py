@@ -32,7 +32,9 @@ from aiohttp import web
 from kvpush.daemon import otel
 from kvpush.proto.params import DecodeLeg, PrefillLeg, new_secret
 from kvpush.proto.trace import TraceRing
+from kvpush.router import first_token
 from kvpush.router.front import (
+    PREFILL_ANSWERED,
     BadRequest,
     LegFailed,
     Upstreams,
@@ -160,6 +162,9 @@ class Router(Upstreams):
         d_body = dict(body)
         d_body["kv_transfer_params"] = DecodeLeg(
             transfer_id, tuple(p.kv_endpoints), len(p.kv_endpoints), secret).to_params()
+        early = self.cfg.first_token == "prefill" and first_token.eligible(path, body)
+        if early:
+            first_token.leg_bodies(body, p_body, d_body)
         headers = {"x-request-id": rid, "content-type": "application/json"}
         if "authorization" in req.headers:
             headers["authorization"] = req.headers["authorization"]
@@ -195,17 +200,44 @@ class Router(Upstreams):
                     out_headers["x-kvpush-transfer-id"] = transfer_id
                 resp = web.StreamResponse(status=200, headers=out_headers)
                 await resp.prepare(req)
-                first = True
-                whole: list[bytes] | None = None if self._streamed(resp) else []
-                async for chunk in decode_chunks(upstream, prefill):
-                    if first:
+                first = decode_first = True
+                streamed = self._streamed(resp)
+                whole: list[bytes] | None = None if streamed else []
+                splice = first_token.Splice(first_token.PATHS[path]) if early and streamed else None
+                async for chunk in decode_chunks(upstream, prefill, announce=splice is not None):
+                    if decode_first and chunk is not PREFILL_ANSWERED:
                         self.trace.stamp(transfer_id, "router.decode_first_byte")
-                        self.metrics.ttft.labels(str(self._streamed(resp)).lower()).observe(time.monotonic() - t0)
-                        first = False
-                    if whole is None:
-                        await resp.write(chunk)
+                        decode_first = False
+                    if splice is not None:
+                        out = (splice.prefill(json.loads(prefill.result())) if chunk is PREFILL_ANSWERED
+                               else splice.decode(chunk))
+                        if splice.state == "mismatch":
+                            break
                     else:
-                        whole.append(chunk)
+                        out = [chunk]
+                    if first and out:
+                        if chunk is PREFILL_ANSWERED:
+                            self.trace.stamp(transfer_id, "router.prefill_first_token")
+                        self.metrics.ttft.labels(str(streamed).lower()).observe(time.monotonic() - t0)
+                        first = False
+                    for piece in out:
+                        if whole is None:
+                            await resp.write(piece)
+                        else:
+                            whole.append(piece)
+                if streamed:
+                    self.metrics.first_tokens.labels("prefill" if splice is not None and splice.sent
+                                                     else "decode").inc()
+                if splice is not None:
+                    if splice.state in ("mismatch", "splicing"):  # the decode leg left the text sent
+                        upstream.close()
+                        self.metrics.first_token_mismatches.inc()
+                        await prefill
+                        await self._recover(d, path, body, headers, splice, resp, transfer_id)
+                        await resp.write_eof()
+                        d.served += 1
+                        ok = True
+                        return resp
                 # The decode leg finished; the prefill leg must have succeeded too.
                 await prefill
                 if whole is not None:
@@ -239,8 +271,45 @@ class Router(Upstreams):
                 self.spans.export("kvpush router", transfer_id, self.trace.get(transfer_id), ctx=span,
                                   parent=parent, failed=not ok)
 
+    async def _recover(self, d: Backend, path: str, body: dict[str, Any], headers: dict[str, str],
+                       splice: first_token.Splice, resp: web.StreamResponse, transfer_id: str) -> None:
+        """The decode leg did not start with the first token the client was sent: the decode
+        engine continues from that token alone (prompt and token by ID, no transfer)."""
+        assert self.session is not None
+        log.warning("transfer %s: the decode leg's first token differs from the prefill leg's; "
+                    "continuing from the token sent", transfer_id)
+        self.trace.stamp(transfer_id, "router.first_token_recovery")
+        rb = splice.recovery(body)
+        want_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        if rb.get("max_tokens") == 0:  # the first token was the whole answer
+            await resp.write(splice.finished(want_usage))
+            return
+        async with self.session.post(
+            f"{d.url}/v1/completions", json=rb, headers={**headers, "x-request-id": headers["x-request-id"] + "-r"},
+            timeout=aiohttp.ClientTimeout(total=self.cfg.request_timeout_s),
+        ) as up:
+            if up.status != 200:
+                await resp.write(sse_error(502, f"decode engine {d.url}: {(await up.text())[:500]}"))
+                return
+            buf = b""
+            async for chunk in up.content.iter_any():
+                buf += chunk
+                while b"\n\n" in buf:
+                    ev, buf = buf.split(b"\n\n", 1)
+                    data = b"".join(line[5:].lstrip() for line in ev.split(b"\n") if line.startswith(b"data:"))
+                    if data == b"[DONE]":
+                        await resp.write(b"data: [DONE]\n\n")
+                        continue
+                    try:
+                        obj = json.loads(data)
+                    except ValueError:
+                        continue
+                    out = splice.recovered(obj, want_usage) if isinstance(obj, dict) else None
+                    if out is not None:
+                        await resp.write(out)
+
     async def _prefill(self, p: Backend, path: str, body: dict[str, Any], headers: dict[str, str],
-                       transfer_id: str) -> None:
+                       transfer_id: str) -> str:
         assert self.session is not None
         t0 = time.monotonic()
         try:
@@ -260,6 +329,7 @@ class Router(Upstreams):
         p.served += 1
         self.trace.stamp(transfer_id, "router.prefill_answered")
         log.debug("prefill leg done in %.1f ms", (time.monotonic() - t0) * 1e3)
+        return text
 
 
 def _without_params(body: bytes) -> bytes:

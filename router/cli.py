@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "name: URL[,node=NAME] (repeat for several)")
     ap.add_argument("--expose-transfer-id", action="store_true", default=None,
                     help="debugging: answer with x-kvpush-transfer-id (default: never)")
+    ap.add_argument("--first-token", choices=("prefill", "decode"),
+                    help="where a streamed answer's first token comes from (default prefill: the "
+                         "prefill leg's, sent as soon as it answers)")
     ap.add_argument("--policy", choices=("least-loaded", "round-robin"),
                     help="how a request picks its engines among several (default least-loaded)")
     ap.add_argument("--prefill-timeout", type=float, metavar="S",
@@ -91,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             "expose_transfer_id": args.expose_transfer_id,
             "policy": args.policy, "prefill_timeout_s": args.prefill_timeout,
             "request_timeout_s": args.request_timeout, "shutdown_grace_s": args.shutdown_grace,
-            "log_format": args.log_format,
+            "log_format": args.log_format, "first_token": args.first_token,
         })
     except RouterConfigError as exc:
         print(f"kvpush-router: {exc}", file=sys.stderr)

@@ -64,8 +64,17 @@ class LegFailed(RuntimeError):
     """One leg of a P/D request failed; the other is cancelled."""
 
 
-async def decode_chunks(up: aiohttp.ClientResponse, prefill: asyncio.Task[Any] | None) -> AsyncIterator[bytes]:
-    """Decode-leg bytes as they arrive; raise LegFailed once a concurrent prefill leg failed."""
+class _Marker(bytes):
+    """A bytes object no stream can yield: told apart by identity."""
+
+
+PREFILL_ANSWERED = _Marker()  # decode_chunks(announce=True): the prefill leg answered
+
+
+async def decode_chunks(up: aiohttp.ClientResponse, prefill: asyncio.Task[Any] | None,
+                        announce: bool = False) -> AsyncIterator[bytes]:
+    """Decode-leg bytes as they arrive; raise LegFailed once a concurrent prefill leg failed.
+    ``announce``: also yield PREFILL_ANSWERED (the very object) once the prefill leg succeeded."""
     it = up.content.iter_any().__aiter__()
     nxt: asyncio.Future[bytes] | None = None
     try:
@@ -75,6 +84,9 @@ async def decode_chunks(up: aiohttp.ClientResponse, prefill: asyncio.Task[Any] |
                 if exc is not None:
                     up.close()  # closing the decode leg aborts it in the engine
                     raise LegFailed(str(exc))
+                if announce:
+                    announce = False
+                    yield PREFILL_ANSWERED
             if nxt is None:
                 nxt = asyncio.ensure_future(it.__anext__())
             waits: set[asyncio.Future[Any]] = {nxt}

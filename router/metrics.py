@@ -52,6 +52,13 @@ class RouterMetrics:
                               ["stream"], buckets=LATENCY_BUCKETS, registry=r)
         self.latency = Histogram("kvpush_router_request_seconds", "Request in to last byte", ["stream"],
                                  buckets=LATENCY_BUCKETS, registry=r)
+        self.first_tokens = Counter("kvpush_router_first_tokens", "Streamed answers by the leg their first "
+                                    "token came from", ["source"], registry=r)
+        for src in ("prefill", "decode"):
+            self.first_tokens.labels(src)
+        self.first_token_mismatches = Counter(
+            "kvpush_router_first_token_mismatches", "Streams whose decode leg did not start with the prefill "
+            "leg's token: continued from the token sent, by the decode engine alone", registry=r)
         self.draining = Gauge("kvpush_router_draining", "1 once shutdown began", registry=r)
         Info("kvpush_build", "What is installed: kvpush version, wire protocol, python, nixl",
              registry=r).info(build_info())

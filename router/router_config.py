@@ -8,6 +8,7 @@
     shutdown_grace_s = 30            # SIGTERM: stop taking requests, let these finish
     max_body_bytes = 8388608         # a larger request body is refused (413), never forwarded
     log_format = "text"              # or "json": one object per line
+    first_token = "prefill"          # or "decode": where a streamed answer's first token comes from
     # otlp_traces_endpoint = "http://127.0.0.1:4318/v1/traces"  # OpenTelemetry (kvpush[otel])
 
     [[prefill]]
@@ -48,6 +49,7 @@ __all__ = ["Backend", "RouterConfig", "RouterConfigError", "load", "node_endpoin
 
 POLICIES = ("least-loaded", "round-robin")
 LOG_FORMATS = ("text", "json")
+FIRST_TOKEN = ("prefill", "decode")
 MAX_TP = 1024
 _HOSTPORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]+):(\d{1,5})$")
 
@@ -99,6 +101,9 @@ class RouterConfig:
                               "never forwarded", check=_check_body_bytes)
     log_format: str = key("text", "log line format: text, or json (one object per line)",
                           choices=LOG_FORMATS)
+    first_token: str = key("prefill", "where a streamed answer's first token comes from: prefill (the "
+                           "prefill leg's, sent as soon as it answers; the decode stream is checked "
+                           "against it) or decode (after the KV arrived)", choices=FIRST_TOKEN)
     expose_transfer_id: bool = key(False, "debugging: answer each request with its transfer ID "
                                    "(x-kvpush-transfer-id); clients never need it")
     otlp_traces_endpoint: str | None = key(None, "OTLP/HTTP traces URL (kvpush[otel]): export "

@@ -88,6 +88,7 @@ class LabStack:
     plugin_extra: dict[str, Any] = field(default_factory=dict)
     daemon_extra: dict[str, Any] = field(default_factory=dict)  # kvpushd.toml keys for every host
     engine_args: list[str] = field(default_factory=list)  # extra vLLM flags for every engine
+    router_args: list[str] = field(default_factory=list)  # extra kvpush-router flags
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -157,6 +158,7 @@ class LabStack:
             argv += ["--prefill", f"{self.url(h)}={','.join(self.endpoints(h))}"]
         for h in self.hosts("decode"):
             argv += ["--decode", self.url(h)]
+        argv += self.router_args
         self.procs["router"] = self.lab.popen(self.router_host, argv, self.work / "router.log",
                                               cpus=ve.parse_cpus(self.aux_cpus))
 

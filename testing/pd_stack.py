@@ -56,6 +56,8 @@ class PDStack:
     engine_python: str | None = None  # interpreter of the engines' venv (default: vllm_env's)
     by_name: frozenset[str] = frozenset()  # "prefill"/"decode": connector by name, no module path
     daemon_toml: str = ""  # extra kvpushd.toml lines (e.g. otlp_traces_endpoint)
+    p_model: Path | None = None  # the prefill engine's own checkpoint (default: ``model``)
+    router_args: list[str] = field(default_factory=list)  # extra kvpush-router flags
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     # Cores: each engine's whole process group on its own core; the router (and the kvpushd
     # supervisor) share the decode engine's core, each device daemon its own engine's
@@ -124,7 +126,7 @@ class PDStack:
         if not self.d_prefix_caching:
             d_args.append("--no-enable-prefix-caching")
         self.procs["prefill"] = ve.start_engine(
-            self.model, self.p_port, self.work / "prefill.log", cpu_bind=self.p_cpus, extra_args=p_args,
+            self.p_model or self.model, self.p_port, self.work / "prefill.log", cpu_bind=self.p_cpus, extra_args=p_args,
             env_extra=self.engine_env, python=self.engine_python,
             kv_transfer_config=kvpush_transfer_config("kv_producer", "prefill", self.engine_socket(0),
                                                       by_name="prefill" in self.by_name,
@@ -139,7 +141,7 @@ class PDStack:
             self.procs["router"] = popen(
                 [ve.vllm_python(), "-m", "kvpush.router.cli", "--listen", f"127.0.0.1:{self.r_port}",
                  "--prefill", f"{self.p_url}=127.0.0.1:{self.base_port},tp=1", "--decode", self.d_url,
-                 "--expose-transfer-id"],  # the tests and benchmarks follow each request by its ID
+                 "--expose-transfer-id", *self.router_args],  # tests and benchmarks follow requests by ID
                 self.work / "router.log", cpus=ve.parse_cpus(self.router_cpus) if self.router_cpus else self._aux())
         try:
             ve.wait_healthy(f"{self.p_url}/health", timeout, self.procs["prefill"])

@@ -320,9 +320,10 @@ def main(argv: list[str] | None = None) -> int:
                     for tid, tl in timelines(stack, stack.router_url, tids).items():
                         for seg, v in breakdown(tl).items():
                             segs.setdefault(seg, []).append(v)
-                        if "router.request_in" in tl and "router.decode_first_byte" in tl:
-                            inside = (tl["router.decode_first_byte"] - tl["router.request_in"]) / 1e6
-                            segs.setdefault("router.request_in -> router.decode_first_byte", []).append(inside)
+                        out = [tl[h] for h in ("router.prefill_first_token", "router.decode_first_byte") if h in tl]
+                        if "router.request_in" in tl and out:  # the first token: the prefill leg's, or the decode's
+                            inside = (min(out) - tl["router.request_in"]) / 1e6
+                            segs.setdefault("router.request_in -> first token out", []).append(inside)
                             segs.setdefault("client (TTFT outside the router)", []).append(ttft[tid] - inside)
                 raw["kvpush"]["decode_prompt_tokens_by_source"] = prompt_tokens_by_source(stack.d_url)
                 writes = write_latencies(stack)

@@ -291,6 +291,65 @@ def test_chat_completions_stream_through_router(pd: PDStack) -> None:
     assert "chat.completion.chunk" in run(go())
 
 
+async def streamed(url: str, b: dict[str, Any], chat: bool = False) -> tuple[str, float, float]:
+    """A streamed answer's text, and the seconds to its first and last event."""
+    out, t0, first = [], time.monotonic(), 0.0
+    async with aiohttp.ClientSession() as s, s.post(url, json={**b, "stream": True},
+                                                    timeout=aiohttp.ClientTimeout(total=300)) as r:
+        assert r.status == 200, await r.text()
+        async for raw in r.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            obj = json.loads(line[5:])
+            assert "error" not in obj, obj
+            first = first or time.monotonic() - t0
+            for c in obj["choices"]:
+                out.append((c["delta"].get("content") or "") if chat else c["text"])
+    return "".join(out), first, time.monotonic() - t0
+
+
+def router_counter(pd: PDStack, name: str, **labels: str) -> float:
+    return sum(v for sm, v in prom.scrape(f"{pd.router_url}/metrics").items()
+               if sm.name == name and all(sm.label(k) == w for k, w in labels.items()))
+
+
+def test_a_streamed_answer_starts_with_the_prefill_legs_token_and_equals_colocated(pd: PDStack) -> None:
+    """The router sends the prefill leg's token as soon as that leg answers and splices the
+    decode stream behind it: greedy, seeded and chat answers equal the engine's own, the KV
+    still came through kvpush, and no decode leg disagreed with the token sent."""
+    prompts = [ids(n, 300 + n) for n in (40, 700)]
+    early0 = router_counter(pd, "kvpush_router_first_tokens_total", source="prefill")
+    miss0 = router_counter(pd, "kvpush_router_first_token_mismatches_total")
+    ext0, _ = external(pd)
+    for p in prompts:
+        for extra in ({}, {"temperature": 0.9, "seed": 11, "top_p": 0.95}):
+            b = body(p, 10, **extra)
+            want = run(post_one(pd.p_url + "/v1/completions", b))
+            got, _, _ = run(streamed(f"{pd.router_url}/v1/completions", b))
+            assert got == want, (extra, got, want)
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "push the blocks please"}],
+            "max_tokens": 8, "temperature": 0.0, "stream_options": {"include_usage": True}}
+    want = run(post_one(pd.p_url + "/v1/chat/completions", chat))
+    got, _, _ = run(streamed(f"{pd.router_url}/v1/chat/completions", chat, chat=True))
+    assert got == want
+    # A sampled request without a seed: the router gives both legs one, so they agree.
+    for p in prompts:
+        run(streamed(f"{pd.router_url}/v1/completions", body(p, 6, temperature=1.0)))
+    ext1, _ = external(pd)
+    assert ext1 - ext0 >= 3 * sum(n - 1 for n in (40, 700))
+    assert router_counter(pd, "kvpush_router_first_tokens_total", source="prefill") - early0 == 7
+    assert router_counter(pd, "kvpush_router_first_token_mismatches_total") == miss0
+
+
+async def post_one(url: str, b: dict[str, Any]) -> str:
+    async with aiohttp.ClientSession() as s:
+        r = await post(s, url, {**{k: v for k, v in b.items() if k != "stream_options"}, "stream": False})
+    assert "error" not in r, r
+    c = r["choices"][0]
+    return c["message"]["content"] if "message" in c else c["text"]
+
+
 def test_router_failed_prefill_leg_cancels_decode_leg(pd: PDStack, tmp_path) -> None:
     """The prefill engine is unreachable: the client gets a clear error at once, and the
     decode leg (already registered, waiting for KV) is cancelled instead of waiting out

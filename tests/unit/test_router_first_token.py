@@ -1,0 +1,150 @@
+"""The router's first-token splice (kvpush.router.first_token): the client's text is always the
+decode leg's text, whatever the split of its stream; a decode leg that does not start with the
+token sent early is a mismatch, and nothing of it reaches the client."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpush.router.first_token import Splice, eligible, leg_bodies
+
+HEAD = {"id": "cmpl-x", "created": 1, "model": "tiny"}
+WORDS = st.lists(st.sampled_from([" a", " bb", "c", " 4817", "é", " x y", ""]), min_size=1, max_size=8)
+
+
+def d_events(tokens: list[str], chat: bool, usage: bool = False) -> bytes:
+    """A decode leg's stream in vLLM's shape: one event per token, the last one finishing."""
+    evs = []
+    if chat:
+        evs.append({**HEAD, "object": "chat.completion.chunk",
+                    "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
+    for i, t in enumerate(tokens):
+        fin = "length" if i == len(tokens) - 1 else None
+        c = ({"index": 0, "delta": {"content": t}, "finish_reason": fin} if chat
+             else {"index": 0, "text": t, "finish_reason": fin, "stop_reason": None})
+        evs.append({**HEAD, "object": "x", "choices": [c]})
+    if usage:
+        evs.append({**HEAD, "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": len(tokens)}})
+    return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in evs) + b"data: [DONE]\n\n"
+
+
+def answer(text: str, chat: bool) -> dict[str, Any]:
+    if chat:
+        return {**HEAD, "choices": [{"message": {"role": "assistant", "content": text}, "logprobs": None,
+                                     "token_ids": [7]}], "prompt_token_ids": [1, 2, 3]}
+    return {**HEAD, "choices": [{"text": text, "logprobs": None, "token_ids": [7], "prompt_token_ids": [1, 2, 3]}]}
+
+
+def client_text(out: bytes, chat: bool) -> tuple[str, bool]:
+    """The text a client reads from the spliced stream, and whether it ended with [DONE]."""
+    text, done = "", False
+    for ev in out.split(b"\n\n"):
+        if not ev:
+            continue
+        data = ev[len(b"data: "):]
+        if data == b"[DONE]":
+            done = True
+            continue
+        obj = json.loads(data)
+        for c in obj["choices"]:
+            text += (c["delta"].get("content") or "") if chat else c["text"]
+    return text, done
+
+
+def cuts(data: bytes, points: list[int]) -> list[bytes]:
+    ps = sorted({min(p, len(data)) for p in points} | {0, len(data)})
+    return [data[a:b] for a, b in zip(ps, ps[1:], strict=False) if b > a]
+
+
+@settings(max_examples=300, deadline=None)
+@given(tokens=WORDS, chat=st.booleans(), points=st.lists(st.integers(0, 2000), max_size=12),
+       p_first=st.booleans())
+def test_the_client_reads_the_decode_legs_text_whatever_the_split(tokens: list[str], chat: bool,
+                                                                  points: list[int], p_first: bool) -> None:
+    sp = Splice(chat)
+    out = b""
+    pieces = cuts(d_events(tokens, chat), points)
+    if p_first:
+        out += b"".join(sp.prefill(answer(tokens[0], chat)))
+    for piece in pieces:
+        out += b"".join(sp.decode(piece))
+    if not p_first:  # the decode leg spoke first: the prefill answer changes nothing
+        assert sp.prefill(answer(tokens[0], chat)) == []
+    assert sp.state == "passing"
+    assert client_text(out, chat) == ("".join(tokens), True)
+    if p_first and tokens[0]:
+        assert sp.sent == tokens[0]
+    if not p_first:
+        assert out == b"".join(pieces)  # untouched
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens=WORDS, chat=st.booleans(), points=st.lists(st.integers(0, 2000), max_size=12),
+       wrong=st.sampled_from([" zz", "q", " 4818"]))
+def test_a_decode_leg_that_does_not_start_with_the_sent_token_is_a_mismatch(
+        tokens: list[str], chat: bool, points: list[int], wrong: str) -> None:
+    if "".join(tokens).startswith(wrong):
+        return
+    sp = Splice(chat)
+    early = b"".join(sp.prefill(answer(wrong, chat)))
+    out = b""
+    for piece in cuts(d_events(tokens, chat), points):
+        out += b"".join(sp.decode(piece))
+    assert sp.state == "mismatch"
+    assert client_text(early + out, chat)[0] == wrong  # nothing of the decode leg went out
+
+
+def test_what_takes_the_early_path() -> None:
+    base = {"model": "m", "prompt": "hi", "stream": True, "max_tokens": 8}
+    assert eligible("/v1/completions", base)
+    assert eligible("/v1/chat/completions", {**base, "messages": [], "stream_options": {"include_usage": True}})
+    assert not eligible("/v1/completions", {**base, "stream": False})
+    assert not eligible("/v1/completions", {**base, "stop": ["x"]})
+    assert not eligible("/v1/completions", {**base, "logprobs": 2})
+    assert not eligible("/v1/completions", {**base, "n": 2})
+    assert not eligible("/v1/completions", {**base, "max_tokens": 0})
+    assert not eligible("/v1/embeddings", base)
+
+
+def test_a_sampled_request_without_a_seed_gets_one_for_both_legs() -> None:
+    p: dict[str, Any] = {}
+    d: dict[str, Any] = {}
+    leg_bodies({"temperature": 0.7}, p, d)
+    assert p["return_token_ids"] and p["seed"] == d["seed"]
+    p, d = {}, {}
+    leg_bodies({"temperature": 0.0}, p, d)
+    assert "seed" not in p and "seed" not in d
+    p, d = {}, {}
+    leg_bodies({"seed": 3}, p, d)
+    assert "seed" not in p and "seed" not in d  # the client's own seed goes to both legs as it is
+
+
+def test_prefill_text_that_is_not_plain_leaves_the_first_token_to_the_decode_leg() -> None:
+    for text in ("", "a\ufffd"):
+        sp = Splice(False)
+        assert sp.prefill(answer(text, False)) == [] and sp.state == "passing"
+    sp = Splice(True)
+    a = answer("x", True)
+    a["choices"][0]["message"]["tool_calls"] = [{"id": "t"}]
+    assert sp.prefill(a) == [] and sp.state == "passing"
+
+
+def test_recovery_continues_after_the_sent_token_and_counts_it_in_usage() -> None:
+    sp = Splice(True)
+    sp.prefill({**answer("x", True), "usage": {"prompt_tokens": 3, "completion_tokens": 1}})
+    rb = sp.recovery({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 4,
+                      "stream": True, "temperature": 0.0})
+    assert rb["prompt"] == [1, 2, 3, 7] and rb["max_tokens"] == 3 and "messages" not in rb
+    ev = sp.recovered({"id": "cmpl-r", "choices": [{"text": " y", "finish_reason": None}]}, True)
+    assert ev is not None
+    obj = json.loads(ev[6:])
+    assert obj["id"] == "cmpl-x" and obj["choices"][0]["delta"] == {"content": " y"}
+    ev = sp.recovered({"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 3}}, True)
+    assert ev is not None and json.loads(ev[6:])["usage"] == {"prompt_tokens": 3, "completion_tokens": 4}
+    assert sp.recovered({"choices": [], "usage": {}}, False) is None
+    text, done = client_text(sp.finished(False), True)
+    assert text == "" and done

@@ -296,7 +296,7 @@ class Router(Upstreams):
                 buf += chunk
                 while b"\n\n" in buf:
                     ev, buf = buf.split(b"\n\n", 1)
-                    data = b"".join(line[5:].lstrip() for line in ev.split(b"\n") if line.startswith(b"data:"))
+                    data = first_token.event_data(ev)
                     if data == b"[DONE]":
                         await resp.write(b"data: [DONE]\n\n")
                         continue

@@ -26,7 +26,7 @@ import json
 import secrets
 from typing import Any
 
-__all__ = ["PATHS", "Splice", "eligible", "leg_bodies"]
+__all__ = ["PATHS", "Splice", "eligible", "event_data", "leg_bodies"]
 
 PATHS = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat?
 # Request keys whose every value keeps the first token a plain sample both engines agree on.
@@ -64,6 +64,11 @@ def leg_bodies(body: dict[str, Any], p_body: dict[str, Any], d_body: dict[str, A
     if sampled and body.get("seed") is None:
         seed = secrets.randbits(31)
         p_body["seed"] = d_body["seed"] = seed
+
+
+def event_data(ev: bytes) -> bytes:
+    """The payload of one server-sent event (its ``data:`` lines joined)."""
+    return b"".join(line[5:].lstrip() for line in ev.split(b"\n") if line.startswith(b"data:"))
 
 
 def _event(obj: dict[str, Any]) -> bytes:
@@ -129,7 +134,7 @@ class Splice:
         return out
 
     def _event(self, ev: bytes) -> list[bytes]:
-        data = b"".join(line[5:].lstrip() for line in ev.split(b"\n") if line.startswith(b"data:"))
+        data = event_data(ev)
         if data == b"[DONE]":
             self.state = "mismatch"  # the decode stream ended short of the text already sent
             return []

@@ -238,8 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     lw.add_argument("--output-len", type=int, default=8)
     lw.add_argument("--seed", type=int, default=7)
     lw.add_argument("--modes", default=None,
-                    help="capped: colocated is always run; from whole,layerwise,auto,pull (default whole,"
-                         "layerwise,pull). "
+                    help="capped: colocated is always run; from whole,layerwise,auto,pull,default (default "
+                         "whole,layerwise,pull; default: as shipped, the first token from the prefill leg). "
                          "loopback: from whole,layerwise,auto (default all)")
     lw.add_argument("--cap", default=None, help="e.g. 300mbit (default: computed from the calibration)")
     lw.add_argument("--layer-group", type=int, default=None,

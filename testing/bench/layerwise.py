@@ -204,10 +204,11 @@ def start_colocated(model: Path, work: Path) -> Front:
     return Front(f"http://127.0.0.1:{port}", lambda: ve.stop_group(proc, grace=10), _direct, {})
 
 
-def start_kvpush(lab: Any, model: Path, work: Path, layerwise: str | None, layer_group: int | None = None) -> Front:
+def start_kvpush(lab: Any, model: Path, work: Path, layerwise: str | None, layer_group: int | None = None,
+                 router_args: list[str] | None = None) -> Front:
     """1P1D across the lab (P on p0, D on d0, router on rt); ``layerwise`` is the connector's
-    key (None: not sent at all, whole-request as today's kvpush); ``layer_group`` likewise
-    (None: the connector's default)."""
+    key (None: not sent at all, the connector's default); ``layer_group`` likewise (None: the
+    connector's default); ``router_args`` the router's flags (None: ``KV_BOUND``)."""
     from kvpush.testing.labstack import EngineSpec, LabStack
 
     extra: dict[str, Any] = {"timeout_ms": 30_000, "lease_ms": 30_000}
@@ -217,14 +218,16 @@ def start_kvpush(lab: Any, model: Path, work: Path, layerwise: str | None, layer
         extra["layer_group"] = layer_group
     stack = LabStack(lab, model, work, [EngineSpec("p0", "prefill", "0"), EngineSpec("d0", "decode", "1")],
                      ucx_log=False, plugin_extra=extra, daemon_extra={"write_timeout_s": 20.0},
-                     engine_args=["--kv-cache-memory-bytes", str(KV_CACHE_BYTES)], router_args=KV_BOUND)
+                     engine_args=["--kv-cache-memory-bytes", str(KV_CACHE_BYTES)],
+                     router_args=KV_BOUND if router_args is None else router_args)
     stack.start()
     return Front(stack.router_url, stack.stop, stack.client, {"stack": stack})
 
 
 # TTFT here is the first token the decode engine computes from the pushed KV: what streaming per
 # layer hides. (The router's default sends the prefill leg's token first; its TTFT is then the
-# prefill engine's, whatever the transfer: bench_ttft measures that.)
+# prefill engine's, whatever the transfer: mode ``default`` shows it, and its second token is
+# the first the KV bounds.)
 KV_BOUND = ["--first-token", "decode"]
 
 
@@ -360,6 +363,8 @@ def run_mode(name: str, start: Any, lengths: list[int], n: int, seed: int, out_l
         raw = measure(front, lengths, n, seed, out_len)
         res: dict[str, Any] = {"ttft": {L: ttft_stats(rs) for L, rs in raw.items()},
                                "ttft_ms": {L: [r.get("ttft_ms") for r in rs] for L, rs in raw.items()},
+                               "second": {L: ttft_stats([{"ttft_ms": r.get("second_ms")} for r in rs])
+                                          for L, rs in raw.items()},
                                "texts": {f"{L}:{i}": r.get("text") for L, rs in raw.items() for i, r in enumerate(rs)}}
         stack, pdstack = front.extra.get("stack"), front.extra.get("pdstack")
         if stack is not None or pdstack is not None:
@@ -430,11 +435,15 @@ def bench_layerwise(model: Path, lengths: list[int], n: int, seed: int, out_len:
                   "layerwise": (lambda: start_kvpush(lab, model, work / "layerwise", "on", layer_group), "layerwise"),
                   # the connector's default: streams where the link makes it worth it (and long prompts)
                   "auto": (lambda: start_kvpush(lab, model, work / "auto", "auto", layer_group), None),
-                  "pull": (lambda: start_pull(lab, model, work / "pull"), None)}
+                  "pull": (lambda: start_pull(lab, model, work / "pull"), None),
+                  # everything as shipped: the connector's layerwise default and the router's first
+                  # token from the prefill leg (TTFT = the prefill engine's; the second token waits on the KV)
+                  "default": (lambda: start_kvpush(lab, model, work / "default", None, layer_group, router_args=[]),
+                              None)}
         for m in modes:
             if m not in starts:
                 continue
-            if m in ("layerwise", "auto") and streaming_missing():
+            if m in ("layerwise", "auto", "default") and streaming_missing():
                 out["modes"][m] = {"error": streaming_missing()}
                 log(f"[{m}] NOT MEASURED: {streaming_missing()}")
                 continue
@@ -553,11 +562,15 @@ def _verdict(out: dict[str, Any], lengths: list[int]) -> None:
                                         for L in lengths if m["pull"]["ttft"][L].get("p50") and m["layerwise"]["ttft"][L].get("p50")}
     if "ttft" in m.get("whole", {}) and "ttft" in m.get("auto", {}):
         v["auto_hidden_fraction"] = {L: hidden(m["whole"], m["auto"], L) for L in lengths}
+    if "ttft" in m.get("default", {}) and "ttft" in m.get("colocated", {}):
+        v["default_minus_colocated_p50_ms"] = {L: round(m["default"]["ttft"][L]["p50"] - m["colocated"]["ttft"][L]["p50"], 1)
+                                               for L in lengths if m["default"]["ttft"][L].get("p50")
+                                               and m["colocated"]["ttft"][L].get("p50")}
     if "ttft" in m.get("whole", {}) and "ttft" in m.get("pull", {}):
         v["whole_over_pull_p50"] = {L: round(m["whole"]["ttft"][L]["p50"] / m["pull"]["ttft"][L]["p50"], 3)
                                     for L in lengths if m["pull"]["ttft"][L].get("p50") and m["whole"]["ttft"][L].get("p50")}
     ref = m.get("whole", {}).get("texts")
-    for name in ("layerwise", "auto", "pull"):
+    for name in ("layerwise", "auto", "pull", "default"):
         if ref and m.get(name, {}).get("texts"):
             t = m[name]["texts"]
             v[f"{name}_tokens_equal_whole"] = f"{sum(t[k] == ref.get(k) for k in t)}/{len(t)}"
@@ -582,9 +595,12 @@ def table_capped(out: dict[str, Any], command: str) -> str:
              f"(core 1), front end on rt; `tbf rate {c['rate']}` on p0's link. TTFT in ms, p50 / p90.", "",
              "| tokens | KV MiB | prefill ms (1 core) | transfer ms at cap (computed) | transfer / prefill | "
              "WRITE ms (daemon, whole) | colocated | kvpush whole | kvpush layer-wise | "
-             + ("kvpush auto (default) | " if "auto" in m else "") + "vLLM pull | hidden fraction |",
-             "|---|---|---|---|---|---|---|---|---|" + ("---|" if "auto" in m else "") + "---|---|"]
-    shown = ("colocated", "whole", "layerwise", *(("auto",) if "auto" in m else ()), "pull")
+             + ("kvpush auto (default) | " if "auto" in m else "")
+             + ("kvpush as shipped: 1st token (prefill leg's) | its 2nd token | " if "default" in m else "")
+             + "vLLM pull | hidden fraction |",
+             "|---|---|---|---|---|---|---|---|---|" + ("---|" if "auto" in m else "")
+             + ("---|---|" if "default" in m else "") + "---|---|"]
+    shown = ("colocated", "whole", "layerwise", *(("auto",) if "auto" in m else ()))
     hf = out["verdict"].get("hidden_fraction", {})
     for L in lengths:
         cl = cal["lengths"][L]
@@ -592,7 +608,9 @@ def table_capped(out: dict[str, Any], command: str) -> str:
             str(L), f"{cl['kv_mib']}", f"{cl['prefill_ms_p50']}", f"{c['transfer_ms_at_cap'].get(L)}",
             f"{c['transfer_over_prefill'].get(L)}", f"{m.get('whole', {}).get('transfer_ms', {}).get(L, '—')}",
             *(_cell(m.get(k, {}).get("ttft", {}).get(L)) for k in shown),
-            str(hf.get(L, "—"))]) + " |")
+            *((_cell(m["default"].get("ttft", {}).get(L)), _cell(m["default"].get("second", {}).get(L)))
+              if "default" in m else ()),
+            _cell(m.get("pull", {}).get("ttft", {}).get(L)), str(hf.get(L, "—"))]) + " |")
     lines += ["", "Notes:", "",
               f"- Model: {out['model']['layers']} layers, {out['model']['kv_bytes_per_token']} B of float32 KV a token. "
               f"The cap is the geometric mean over the lengths of the rate at which each length's KV crosses in its "
@@ -605,6 +623,10 @@ def table_capped(out: dict[str, Any], command: str) -> str:
               f"This run's transfer / prefill ratios above sit in the same 0.5-2x band.",
               "- hidden fraction = (TTFT whole - TTFT layer-wise) / WRITE ms (the prefill daemon's whole-request "
               "WRITE, post to completion, median at that length).",
+              "- TTFT is the first token the decode engine computes from the pushed KV (the router runs with "
+              "`--first-token decode`), except in the as-shipped columns: there the router sends the prefill "
+              "leg's token first (its default), so TTFT is the prefill engine's, and the second token is the "
+              "first one the KV bounds (one decode step after the KV-bound token of the other columns).",
               "- One run on a shared 2-core machine: absolute figures are noisy, compare modes side by side."]
     st = {k: m.get(k, {}).get("stream") or {} for k in ("whole", "layerwise", "auto")}
     if any(st.values()):

@@ -82,7 +82,7 @@ async def one(session: Any, url: str, ids: list[int], out_len: int) -> dict[str,
     body = {"model": "tiny", "prompt": ids, "max_tokens": out_len, "temperature": 0.0,
             "stream": True, "ignore_eos": True}
     t0 = time.perf_counter()
-    first = None
+    stamps: list[float] = []
     text: list[str] = []
     async with session.post(url + "/v1/completions", json=body) as r:
         if r.status != 200:
@@ -91,10 +91,11 @@ async def one(session: Any, url: str, ids: list[int], out_len: int) -> dict[str,
         async for data in sse_data(r):
             if "error" in data:
                 return {"error": str(data["error"])[:200]}
-            if first is None:  # the first token's chunk (its text may be empty: a partial UTF-8 char)
-                first = time.perf_counter()
+            if len(stamps) < 2:  # the first two tokens' chunks (a text may be empty: a partial UTF-8 char)
+                stamps.append(time.perf_counter())
             text.append(data["choices"][0].get("text", ""))
-    return {"ttft_ms": (first - t0) * 1e3 if first else None, "text": "".join(text), "transfer_id": tid}
+    ms = [(t - t0) * 1e3 for t in stamps] + [None, None]
+    return {"ttft_ms": ms[0], "second_ms": ms[1], "text": "".join(text), "transfer_id": tid}
 
 
 async def run_mode(url: str, lengths: list[int], n: int, out_len: int, conc: int, seed: int,

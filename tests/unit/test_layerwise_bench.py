@@ -122,6 +122,27 @@ def test_tables_render_with_a_mode_not_measured():
     assert "| 512 | 200.0 | 12.0 |" in lw.table_model(out["calibration"], "x")
 
 
+def test_the_as_shipped_mode_shows_its_first_and_second_token_and_its_cost_over_colocated():
+    st = lambda p50: {"p50": p50, "p90": p50 + 10, "errors": 0}  # noqa: E731
+    out = {"lengths": [512], "requests": 2, "output_len": 8, "seed": 7,
+           "model": {"dir": "deep", "layers": 24, "kv_bytes_per_token": 24576},
+           "calibration": {"layers": 24, "kv_bytes_per_token": 24576,
+                           "lengths": {512: {"prefill_ms_p50": 200.0, "kv_bytes": 512 * 24576, "kv_mib": 12.0}}},
+           "cap": lw.cap_for(cal({512: 200.0})), "deployment": lw.deployment_ratio(),
+           "modes": {"colocated": {"ttft": {512: st(210.0)}},
+                     "whole": {"ttft": {512: st(500.0)}, "texts": {"512:0": "a"}},
+                     "default": {"ttft": {512: st(216.0)}, "second": {512: st(340.0)}, "texts": {"512:0": "a"}},
+                     "pull": {"ttft": {512: st(1200.0)}}}}
+    lw._verdict(out, [512])
+    assert out["verdict"]["default_minus_colocated_p50_ms"] == {512: 6.0}
+    assert out["verdict"]["default_tokens_equal_whole"] == "1/1"
+    md = lw.table_capped(out, "scripts/bench_lab.py layerwise")
+    head, sep, row = (ln for ln in md.splitlines() if ln.startswith("| tokens") or ln.startswith("|---")
+                      or ln.startswith("| 512"))
+    assert head.count("|") == sep.count("|") == row.count("|")  # every column has its cell
+    assert "216 / 226 | 340 / 350 | 1200 / 1210 |" in row
+
+
 def test_stream_stats_map_final_rows_to_lengths_in_request_order() -> None:
     """Newest-first rows: warm-ups (one a length) are skipped, group rows ignored, medians per length."""
     def row(tail, groups=6, lag=2.0, **kw):

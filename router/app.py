@@ -47,6 +47,7 @@ from kvpush.router.front import (
 from kvpush.router.metrics import RouterMetrics
 from kvpush.router.router_config import Backend, RouterConfig
 
+SSE = "text/event-stream; charset=utf-8"  # what vLLM streams as
 log = logging.getLogger("kvpush.router")
 
 
@@ -187,29 +188,40 @@ class Router(Upstreams):
             if not decode.done() and prefill.exception() is not None:
                 decode.cancel()  # closes the connection: vLLM aborts the request
                 raise LegFailed(str(prefill.exception()))
+            first = decode_first = True
+            splice = first_token.Splice(first_token.PATHS[path]) if early else None
+            if splice is not None and not decode.done():
+                # The prefill leg answered before the decode engine sent its headers: the
+                # client's stream opens now, its first token need not wait for the decode engine.
+                resp = await self._open(req, rid, transfer_id, SSE)
+                out = splice.prefill(_json(prefill.result()))
+                if out:
+                    self.trace.stamp(transfer_id, "router.prefill_first_token")
+                    self.metrics.ttft.labels("true").observe(time.monotonic() - t0)
+                    first = False
+                    for piece in out:
+                        await resp.write(piece)
             async with await decode as upstream:
                 if upstream.status != 200:
                     text = await upstream.text()
                     prefill.cancel()
                     d.failed += 1
                     self.metrics.leg_failed("decode", None)
-                    return _error(upstream.status, f"decode engine {d.url}: {text[:500]}")
-                ctype = upstream.headers.get("content-type", "application/json")
-                out_headers = {"content-type": ctype, "x-request-id": rid}
-                if self.cfg.expose_transfer_id:
-                    out_headers["x-kvpush-transfer-id"] = transfer_id
-                resp = web.StreamResponse(status=200, headers=out_headers)
-                await resp.prepare(req)
-                first = decode_first = True
+                    message = f"decode engine {d.url}: {text[:500]}"
+                    return _error(upstream.status, message) if resp is None else await self._fail_stream(resp, message)
+                if resp is None:
+                    resp = await self._open(req, rid, transfer_id, upstream.headers.get("content-type", "application/json"))
                 streamed = self._streamed(resp)
                 whole: list[bytes] | None = None if streamed else []
-                splice = first_token.Splice(first_token.PATHS[path]) if early and streamed else None
-                async for chunk in decode_chunks(upstream, prefill, announce=splice is not None):
+                if not streamed:
+                    splice = None
+                announce = splice is not None and splice.state == "waiting"
+                async for chunk in decode_chunks(upstream, prefill, announce=announce):
                     if decode_first and chunk is not PREFILL_ANSWERED:
                         self.trace.stamp(transfer_id, "router.decode_first_byte")
                         decode_first = False
                     if splice is not None:
-                        out = (splice.prefill(json.loads(prefill.result())) if chunk is PREFILL_ANSWERED
+                        out = (splice.prefill(_json(prefill.result())) if chunk is PREFILL_ANSWERED
                                else splice.decode(chunk))
                         if splice.state == "mismatch":
                             break
@@ -271,6 +283,15 @@ class Router(Upstreams):
                 self.spans.export("kvpush router", transfer_id, self.trace.get(transfer_id), ctx=span,
                                   parent=parent, failed=not ok)
 
+    async def _open(self, req: web.Request, rid: str, transfer_id: str, ctype: str) -> web.StreamResponse:
+        """The client's response, 200 and headers sent."""
+        out_headers = {"content-type": ctype, "x-request-id": rid}
+        if self.cfg.expose_transfer_id:
+            out_headers["x-kvpush-transfer-id"] = transfer_id
+        resp = web.StreamResponse(status=200, headers=out_headers)
+        await resp.prepare(req)
+        return resp
+
     async def _recover(self, d: Backend, path: str, body: dict[str, Any], headers: dict[str, str],
                        splice: first_token.Splice, resp: web.StreamResponse, transfer_id: str) -> None:
         """The decode leg did not start with the first token the client was sent: the decode
@@ -330,6 +351,15 @@ class Router(Upstreams):
         self.trace.stamp(transfer_id, "router.prefill_answered")
         log.debug("prefill leg done in %.1f ms", (time.monotonic() - t0) * 1e3)
         return text
+
+
+def _json(text: str) -> Any:
+    """A leg's JSON answer (None where it is not JSON: the splice then leaves the first token
+    to the decode leg)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
 
 
 def _without_params(body: bytes) -> bytes:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 
 import aiohttp
 from aiohttp import web
@@ -94,3 +96,66 @@ def test_a_prefill_leg_failing_after_the_stream_started_ends_it_with_an_error_ev
     assert lines[0] == 'data: {"choices": [{"text": ""}]}'
     last = lines[-1]
     assert last.startswith("data: {\"error\"") and "prefill engine" in last and "500" in last, lines
+
+
+async def _prefill_first_decode_late(decode_status: int) -> tuple[bool, list[str]]:
+    """The prefill leg answers at once; the decode engine holds its headers until the client has
+    seen a first event (or 5 s pass). Returns whether that first event came before the decode
+    engine answered at all, and every line the client got."""
+    released, answered = asyncio.Event(), asyncio.Event()
+
+    async def prefill(_req: web.Request) -> web.Response:
+        return web.json_response({"id": "cmpl-1", "created": 1, "model": "tiny", "choices": [
+            {"index": 0, "text": " a", "token_ids": [5], "prompt_token_ids": [1, 2], "logprobs": None,
+             "finish_reason": "length"}], "usage": {"prompt_tokens": 2, "completion_tokens": 1}})
+
+    async def decode(req: web.Request) -> web.StreamResponse:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(released.wait(), 5)
+        answered.set()
+        if decode_status != 200:
+            return web.json_response({"error": {"message": "no room"}}, status=decode_status)
+        resp = web.StreamResponse(status=200, headers={"content-type": "text/event-stream"})
+        await resp.prepare(req)
+        for text, fin in ((" a", None), (" b", "length")):
+            await resp.write(b"data: " + json.dumps({"id": "cmpl-d", "object": "text_completion", "choices": [
+                {"index": 0, "text": text, "logprobs": None, "finish_reason": fin}]}).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    servers = []
+    for handler in (prefill, decode):
+        app = web.Application()
+        app.router.add_post("/v1/completions", handler)
+        servers.append(await serve(app))
+    (_, p_url), (_, d_url) = servers
+    router, url = await _router(p_url, d_url)
+    try:
+        async with aiohttp.ClientSession() as s:
+            body = {"model": "tiny", "prompt": "x", "max_tokens": 2, "stream": True, "temperature": 0}
+            async with s.post(f"{url}/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=20)) as r:
+                assert r.status == 200
+                lines, before = [], None
+                async for line in r.content:
+                    if line.strip():
+                        lines.append(line.decode().strip())
+                        if before is None:
+                            before = not answered.is_set()
+                            released.set()
+                return bool(before), lines
+    finally:
+        for x in (router, *(runner for runner, _ in servers)):
+            await x.cleanup()
+
+
+def test_the_prefill_legs_first_token_does_not_wait_for_the_decode_engines_headers():
+    before, lines = asyncio.run(_prefill_first_decode_late(200))
+    assert before, "the first token waited for the decode engine to answer"
+    texts = [json.loads(x[5:])["choices"][0]["text"] for x in lines if x != "data: [DONE]"]
+    assert texts == [" a", " b"] and lines[-1] == "data: [DONE]"
+
+
+def test_a_decode_leg_refused_after_the_first_token_went_out_ends_the_stream_with_its_error():
+    before, lines = asyncio.run(_prefill_first_decode_late(503))
+    assert before and json.loads(lines[0][5:])["choices"][0]["text"] == " a"
+    assert lines[-1].startswith('data: {"error"') and "no room" in lines[-1], lines

@@ -368,11 +368,15 @@ def run_mode(name: str, start: Any, lengths: list[int], n: int, seed: int, out_l
                                "texts": {f"{L}:{i}": r.get("text") for L, rs in raw.items() for i, r in enumerate(rs)}}
         stack, pdstack = front.extra.get("stack"), front.extra.get("pdstack")
         if stack is not None or pdstack is not None:
+            from kvpush.testing import prom
+
+            # where the client's first tokens came from (warm-ups included): the prefill leg's
+            # token is left to the decode engine where its text is not clean (U+FFFD in it)
+            res["first_tokens"] = prom.by_label(front.client(prom.scrape, f"{front.url}/metrics"),
+                                                "kvpush_router_first_tokens_total", "source")
             time.sleep(0.5)
             rows = prefill_daemon_transfers(stack) if stack is not None else recent_transfers(pdstack.ops_socket(0))
             if pdstack is not None:  # what the engine sent the daemon: auto's frames, or none
-                from kvpush.testing import prom
-
                 snap = prom.scrape(f"http://127.0.0.1:{pdstack.metrics_port}/metrics")
                 res["progress_frames"] = prom.total(snap, "kvpush_layer_progress_frames_total", device="cpu0")
             res["transfer_ms"] = _transfer_ms_by_length(rows, lengths, per_tok)
@@ -628,6 +632,13 @@ def table_capped(out: dict[str, Any], command: str) -> str:
               "leg's token first (its default), so TTFT is the prefill engine's, and the second token is the "
               "first one the KV bounds (one decode step after the KV-bound token of the other columns).",
               "- One run on a shared 2-core machine: absolute figures are noisy, compare modes side by side."]
+    ft = m.get("default", {}).get("first_tokens")
+    if ft:
+        lines.insert(-1, f"- As shipped, the client's first token came from the prefill leg in {ft.get('prefill', 0):g} of "
+                     f"{sum(ft.values()):g} requests (warm-ups included). The rest had a prefill answer that is not "
+                     "clean text (these prompts are random token IDs: one that ends inside a UTF-8 character "
+                     "gets U+FFFD in the first token's text), so the router left their first token to the decode "
+                     "engine, at the KV-bound time.")
     st = {k: m.get(k, {}).get("stream") or {} for k in ("whole", "layerwise", "auto")}
     if any(st.values()):
         lines += ["", "From the prefill daemon's final WRITE rows (`kvpushctl transfers`), medians: parts streamed "

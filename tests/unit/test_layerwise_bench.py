@@ -131,7 +131,8 @@ def test_the_as_shipped_mode_shows_its_first_and_second_token_and_its_cost_over_
            "cap": lw.cap_for(cal({512: 200.0})), "deployment": lw.deployment_ratio(),
            "modes": {"colocated": {"ttft": {512: st(210.0)}},
                      "whole": {"ttft": {512: st(500.0)}, "texts": {"512:0": "a"}},
-                     "default": {"ttft": {512: st(216.0)}, "second": {512: st(340.0)}, "texts": {"512:0": "a"}},
+                     "default": {"ttft": {512: st(216.0)}, "second": {512: st(340.0)}, "texts": {"512:0": "a"},
+                                 "first_tokens": {"prefill": 14.0, "decode": 1.0}},
                      "pull": {"ttft": {512: st(1200.0)}}}}
     lw._verdict(out, [512])
     assert out["verdict"]["default_minus_colocated_p50_ms"] == {512: 6.0}
@@ -141,6 +142,7 @@ def test_the_as_shipped_mode_shows_its_first_and_second_token_and_its_cost_over_
                       or ln.startswith("| 512"))
     assert head.count("|") == sep.count("|") == row.count("|")  # every column has its cell
     assert "216 / 226 | 340 / 350 | 1200 / 1210 |" in row
+    assert "from the prefill leg in 14 of 15 requests" in md
 
 
 def test_stream_stats_map_final_rows_to_lengths_in_request_order() -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -17,6 +19,23 @@ async def _router(p_url: str, d_url: str) -> tuple[web.AppRunner, str]:
     """The router in front of one prefill and one decode engine stand-in."""
     cfg = RouterConfig(prefill=[Backend(p_url, ["tcp://127.0.0.1:1"])], decode=[Backend(d_url, [])])
     return await serve(build_app(cfg))
+
+
+@contextlib.asynccontextmanager
+async def _pd(prefill: Any, decode: Any) -> AsyncIterator[str]:
+    """The router in front of two ``/v1/completions`` stand-ins (handlers); yields its URL."""
+    servers = []
+    for handler in (prefill, decode):
+        app = web.Application()
+        app.router.add_post("/v1/completions", handler)
+        servers.append(await serve(app))
+    (_, p_url), (_, d_url) = servers
+    router, url = await _router(p_url, d_url)
+    try:
+        yield url
+    finally:
+        for x in (router, *(runner for runner, _ in servers)):
+            await x.cleanup()
 
 
 async def _engine(healthy: bool) -> tuple[web.AppRunner, str]:
@@ -72,23 +91,11 @@ async def _streaming_decode_then_failing_prefill() -> list[str]:
         await asyncio.sleep(0.3)
         return web.json_response({"error": {"message": "boom"}}, status=500)
 
-    servers = []
-    for handler in (prefill, decode):
-        app = web.Application()
-        app.router.add_post("/v1/completions", handler)
-        servers.append(await serve(app))
-    (_, p_url), (_, d_url) = servers
-    router, url = await _router(p_url, d_url)
-    try:
-        async with aiohttp.ClientSession() as s:
-            body = {"model": "tiny", "prompt": "x", "max_tokens": 4, "stream": True}
-            async with s.post(f"{url}/v1/completions", json=body,
-                              timeout=aiohttp.ClientTimeout(total=20)) as r:
-                assert r.status == 200
-                return [line.decode().strip() async for line in r.content if line.strip()]
-    finally:
-        for x in (router, *(runner for runner, _ in servers)):
-            await x.cleanup()
+    async with _pd(prefill, decode) as url, aiohttp.ClientSession() as s:
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 4, "stream": True}
+        async with s.post(f"{url}/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=20)) as r:
+            assert r.status == 200
+            return [line.decode().strip() async for line in r.content if line.strip()]
 
 
 def test_a_prefill_leg_failing_after_the_stream_started_ends_it_with_an_error_event():
@@ -123,29 +130,18 @@ async def _prefill_first_decode_late(decode_status: int) -> tuple[bool, list[str
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
-    servers = []
-    for handler in (prefill, decode):
-        app = web.Application()
-        app.router.add_post("/v1/completions", handler)
-        servers.append(await serve(app))
-    (_, p_url), (_, d_url) = servers
-    router, url = await _router(p_url, d_url)
-    try:
-        async with aiohttp.ClientSession() as s:
-            body = {"model": "tiny", "prompt": "x", "max_tokens": 2, "stream": True, "temperature": 0}
-            async with s.post(f"{url}/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=20)) as r:
-                assert r.status == 200
-                lines, before = [], None
-                async for line in r.content:
-                    if line.strip():
-                        lines.append(line.decode().strip())
-                        if before is None:
-                            before = not answered.is_set()
-                            released.set()
-                return bool(before), lines
-    finally:
-        for x in (router, *(runner for runner, _ in servers)):
-            await x.cleanup()
+    async with _pd(prefill, decode) as url, aiohttp.ClientSession() as s:
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 2, "stream": True, "temperature": 0}
+        async with s.post(f"{url}/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=20)) as r:
+            assert r.status == 200
+            lines, before = [], None
+            async for line in r.content:
+                if line.strip():
+                    lines.append(line.decode().strip())
+                    if before is None:
+                        before = not answered.is_set()
+                        released.set()
+            return bool(before), lines
 
 
 def test_the_prefill_legs_first_token_does_not_wait_for_the_decode_engines_headers():

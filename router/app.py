@@ -196,8 +196,7 @@ class Router(Upstreams):
                 resp = await self._open(req, rid, transfer_id, SSE)
                 out = splice.prefill(_json(prefill.result()))
                 if out:
-                    self.trace.stamp(transfer_id, "router.prefill_first_token")
-                    self.metrics.ttft.labels("true").observe(time.monotonic() - t0)
+                    self._first_out(transfer_id, t0, streamed=True, prefill_token=True)
                     first = False
                     for piece in out:
                         await resp.write(piece)
@@ -228,9 +227,7 @@ class Router(Upstreams):
                     else:
                         out = [chunk]
                     if first and out:
-                        if chunk is PREFILL_ANSWERED:
-                            self.trace.stamp(transfer_id, "router.prefill_first_token")
-                        self.metrics.ttft.labels(str(streamed).lower()).observe(time.monotonic() - t0)
+                        self._first_out(transfer_id, t0, streamed, prefill_token=chunk is PREFILL_ANSWERED)
                         first = False
                     for piece in out:
                         if whole is None:
@@ -283,6 +280,12 @@ class Router(Upstreams):
                 self.spans.export("kvpush router", transfer_id, self.trace.get(transfer_id), ctx=span,
                                   parent=parent, failed=not ok)
 
+    def _first_out(self, transfer_id: str, t0: float, streamed: bool, prefill_token: bool) -> None:
+        """The client's first token is out: its time, and whose token it was."""
+        if prefill_token:
+            self.trace.stamp(transfer_id, "router.prefill_first_token")
+        self.metrics.ttft.labels(str(streamed).lower()).observe(time.monotonic() - t0)
+
     async def _open(self, req: web.Request, rid: str, transfer_id: str, ctype: str) -> web.StreamResponse:
         """The client's response, 200 and headers sent."""
         out_headers = {"content-type": ctype, "x-request-id": rid}
@@ -310,7 +313,7 @@ class Router(Upstreams):
             timeout=aiohttp.ClientTimeout(total=self.cfg.request_timeout_s),
         ) as up:
             if up.status != 200:
-                await resp.write(sse_error(502, f"decode engine {d.url}: {(await up.text())[:500]}"))
+                await self._fail_stream(resp, f"decode engine {d.url}: {(await up.text())[:500]}")
                 return
             buf = b""
             async for chunk in up.content.iter_any():

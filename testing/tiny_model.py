@@ -55,6 +55,13 @@ class TinySpec:
         return self.layers * 2 * self.kv_heads * self.head_dim * dtype_bytes
 
 
+def prompt_ids(n: int, seed: int) -> list[int]:
+    """A prompt of exactly ``n`` token IDs of the tiny models' vocabulary, drawn from ``seed``
+    (the same prompt for the same arguments, in every test that sends one)."""
+    rng = random.Random(seed)
+    return [rng.randrange(10, TinySpec.vocab - 10) for _ in range(n)]
+
+
 # ``deep``: 24 layers at hidden 256 (4 query heads, 2 KV heads of 64): 24 KiB of float32 KV a
 # token (48 MiB at 2,000 tokens), and on one core a 2,000-token prefill that costs a good
 # fraction of a second (docs/results/deep-model.md has the measured figures). Same tokenizer

@@ -22,6 +22,7 @@ import pytest
 from kvpush.testing import prom
 from kvpush.testing import vllm_env as ve
 from kvpush.testing.pd_stack import PDStack
+from kvpush.testing.tiny_model import prompt_ids as ids
 
 pytestmark = pytest.mark.e2e
 
@@ -40,13 +41,6 @@ def shifted(model: Path, out: Path) -> Path:
     shutil.copytree(model, out)
     subprocess.run([ve.vllm_python(), "-c", SHIFT, str(out / "model.safetensors")], check=True, timeout=120)
     return out
-
-
-def ids(n: int, seed: int) -> list[int]:
-    import random
-
-    rng = random.Random(seed)
-    return [rng.randrange(10, 2990) for _ in range(n)]
 
 
 def streamed(url: str, b: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -74,8 +68,8 @@ def test_a_decode_leg_that_disagrees_with_the_sent_token_is_continued_from_it(ti
     stack.start()
     try:
         def mismatches() -> float:
-            return sum(v for s, v in prom.scrape(f"{stack.router_url}/metrics").items()
-                       if s.name == "kvpush_router_first_token_mismatches_total")
+            return prom.total(prom.scrape(f"{stack.router_url}/metrics"),
+                              "kvpush_router_first_token_mismatches_total") or 0.0
 
         for n, max_tokens in ((300, 6), (40, 1)):
             prompt = ids(n, 900 + n)

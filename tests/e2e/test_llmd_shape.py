@@ -19,10 +19,10 @@ import aiohttp
 import pytest
 
 from kvpush.testing.pd_stack import PDStack, prompt_tokens_by_source
+from kvpush.testing.tiny_model import prompt_ids as ids
 
 pytestmark = pytest.mark.e2e
 
-VOCAB = 3000
 
 # What llm-d's sidecar puts on the prefill leg (the shape vLLM's NixlConnector expects).
 LLMD_PREFILL_PARAMS = {
@@ -33,13 +33,6 @@ LLMD_PREFILL_PARAMS = {
     "remote_host": None,
     "remote_port": None,
 }
-
-
-def ids(n: int, seed: int) -> list[int]:
-    import random
-
-    rng = random.Random(seed)
-    return [rng.randrange(10, VOCAB - 10) for _ in range(n)]
 
 
 async def post(s: aiohttp.ClientSession, url: str, body: dict[str, Any],

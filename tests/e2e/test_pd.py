@@ -20,19 +20,12 @@ import pytest
 
 from kvpush.testing import prom
 from kvpush.testing.pd_stack import PDStack, prompt_tokens_by_source
+from kvpush.testing.sse import sse_data
+from kvpush.testing.tiny_model import prompt_ids as ids
 
 pytestmark = pytest.mark.e2e
 
 MAX_MODEL_LEN = 4096
-VOCAB = 3000
-
-
-def ids(n: int, seed: int) -> list[int]:
-    """A prompt of exactly n tokens (token IDs; the tiny vocab has 3000)."""
-    import random
-
-    rng = random.Random(seed)
-    return [rng.randrange(10, VOCAB - 10) for _ in range(n)]
 
 
 async def post(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -291,27 +284,21 @@ def test_chat_completions_stream_through_router(pd: PDStack) -> None:
     assert "chat.completion.chunk" in run(go())
 
 
-async def streamed(url: str, b: dict[str, Any], chat: bool = False) -> tuple[str, float, float]:
-    """A streamed answer's text, and the seconds to its first and last event."""
-    out, t0, first = [], time.monotonic(), 0.0
+async def streamed(url: str, b: dict[str, Any], chat: bool = False) -> str:
+    """A streamed answer's text."""
+    out = []
     async with aiohttp.ClientSession() as s, s.post(url, json={**b, "stream": True},
                                                     timeout=aiohttp.ClientTimeout(total=300)) as r:
         assert r.status == 200, await r.text()
-        async for raw in r.content:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            obj = json.loads(line[5:])
+        async for obj in sse_data(r):
             assert "error" not in obj, obj
-            first = first or time.monotonic() - t0
             for c in obj["choices"]:
                 out.append((c["delta"].get("content") or "") if chat else c["text"])
-    return "".join(out), first, time.monotonic() - t0
+    return "".join(out)
 
 
 def router_counter(pd: PDStack, name: str, **labels: str) -> float:
-    return sum(v for sm, v in prom.scrape(f"{pd.router_url}/metrics").items()
-               if sm.name == name and all(sm.label(k) == w for k, w in labels.items()))
+    return prom.total(prom.scrape(f"{pd.router_url}/metrics"), name, **labels) or 0.0
 
 
 def test_a_streamed_answer_starts_with_the_prefill_legs_token_and_equals_colocated(pd: PDStack) -> None:
@@ -326,12 +313,12 @@ def test_a_streamed_answer_starts_with_the_prefill_legs_token_and_equals_colocat
         for extra in ({}, {"temperature": 0.9, "seed": 11, "top_p": 0.95}):
             b = body(p, 10, **extra)
             want = run(post_one(pd.p_url + "/v1/completions", b))
-            got, _, _ = run(streamed(f"{pd.router_url}/v1/completions", b))
+            got = run(streamed(f"{pd.router_url}/v1/completions", b))
             assert got == want, (extra, got, want)
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "push the blocks please"}],
             "max_tokens": 8, "temperature": 0.0, "stream_options": {"include_usage": True}}
     want = run(post_one(pd.p_url + "/v1/chat/completions", chat))
-    got, _, _ = run(streamed(f"{pd.router_url}/v1/chat/completions", chat, chat=True))
+    got = run(streamed(f"{pd.router_url}/v1/chat/completions", chat, chat=True))
     assert got == want
     # A sampled request without a seed: the router gives both legs one, so they agree.
     for p in prompts:

@@ -20,10 +20,9 @@ import pytest
 
 from kvpush.testing import prom
 from kvpush.testing.pd_stack import PDStack, prompt_tokens_by_source
+from kvpush.testing.tiny_model import prompt_ids as ids
 
 pytestmark = pytest.mark.e2e
-
-VOCAB = 3000
 
 
 @pytest.fixture(scope="module")
@@ -35,13 +34,6 @@ def pd_stream(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Any
         yield stack
     finally:
         stack.stop()
-
-
-def ids(n: int, seed: int) -> list[int]:
-    import random
-
-    rng = random.Random(seed)
-    return [rng.randrange(10, VOCAB - 10) for _ in range(n)]
 
 
 def body(prompt: list[int], max_tokens: int = 12) -> dict[str, Any]:

@@ -30,22 +30,15 @@ from kvpush.testing.otlp import OtlpReceiver
 from kvpush.testing.pd_stack import PDStack, kvpush_transfer_config
 from kvpush.testing.procs import free_port
 from kvpush.testing.prom import scrape
+from kvpush.testing.tiny_model import prompt_ids as ids
 
 pytestmark = pytest.mark.e2e
 
-VOCAB = 3000
 PROMPTS = (300, 1000)
 WARMUP = 200  # tokens of the warm-up prompt
 WARMUP_TRIES = 12
 MAX_TOKENS = 12
 COUNTER = "ray_vllm_prompt_tokens_by_source_total"
-
-
-def ids(n: int, seed: int) -> list[int]:
-    import random
-
-    rng = random.Random(seed)
-    return [rng.randrange(10, VOCAB - 10) for _ in range(n)]
 
 
 def body(prompt: list[int], **kw: Any) -> dict[str, Any]:

@@ -20,18 +20,11 @@ import pytest
 
 from kvpush.testing.labstack import EngineSpec, LabStack
 from kvpush.testing.netlab import Lab, sweep_stale
+from kvpush.testing.tiny_model import prompt_ids as ids
 
 pytestmark = [pytest.mark.lab, pytest.mark.e2e]
 
 MAX_TOKENS = 12
-VOCAB = 3000
-
-
-def ids(n: int, seed: int) -> list[int]:
-    import random
-
-    rng = random.Random(seed)
-    return [rng.randrange(10, VOCAB - 10) for _ in range(n)]
 
 
 PROMPTS = [ids(n, 100 + n) for n in (5, 127, 128, 129, 300, 700)]

@@ -315,11 +315,9 @@ class Router(Upstreams):
             if up.status != 200:
                 await self._fail_stream(resp, f"decode engine {d.url}: {(await up.text())[:500]}")
                 return
-            buf = b""
+            events = first_token.Events()
             async for chunk in up.content.iter_any():
-                buf += chunk
-                while b"\n\n" in buf:
-                    ev, buf = buf.split(b"\n\n", 1)
+                for ev in events.feed(chunk):
                     data = first_token.event_data(ev)
                     if data == b"[DONE]":
                         await resp.write(b"data: [DONE]\n\n")

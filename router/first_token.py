@@ -75,6 +75,23 @@ def _event(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
+class Events:
+    """A server-sent-event body that arrives in pieces: ``feed`` returns the whole events (each
+    with its blank line) and keeps a partial one for the next piece."""
+
+    def __init__(self) -> None:
+        self.pending = b""
+
+    def feed(self, raw: bytes) -> list[bytes]:
+        *whole, self.pending = (self.pending + raw).split(b"\n\n")
+        return [ev + b"\n\n" for ev in whole]
+
+    def take(self) -> bytes:
+        """The partial event held back, handed over as it is."""
+        rest, self.pending = self.pending, b""
+        return rest
+
+
 class Splice:
     """One streamed request's splice: ``prefill(answer)`` when the prefill leg answers,
     ``decode(raw)`` for each piece of the decode leg's body; both return the bytes to send the
@@ -91,7 +108,7 @@ class Splice:
         self.prompt_ids: list[int] = []
         self.head: dict[str, Any] = {}  # id, created, model of the stream
         self.usage: dict[str, Any] = {}  # the prefill leg's (prompt tokens, one completion token)
-        self._buf = b""
+        self._events = Events()
 
     # ---------------------------------------------------------------- prefill leg
     def prefill(self, answer: Any) -> list[bytes]:
@@ -121,16 +138,18 @@ class Splice:
             return []
         if self.state == "waiting":
             self.state = "passing"  # the decode leg spoke first: it streams as without the feature
-        if self.state == "passing" and not self._buf:
+        if self.state == "passing" and not self._events.pending:
             return [raw]
-        self._buf += raw
         out: list[bytes] = []
-        while self.state == "splicing" and b"\n\n" in self._buf:
-            ev, self._buf = self._buf.split(b"\n\n", 1)
-            out.extend(self._event(ev + b"\n\n"))
-        if self.state == "passing" and self._buf:
-            out.append(self._buf)
-            self._buf = b""
+        for ev in self._events.feed(raw):
+            if self.state == "splicing":
+                out.extend(self._event(ev))
+            elif self.state == "passing":
+                out.append(ev)  # checked up to here: the rest goes through untouched
+            else:
+                return out  # mismatch: nothing more from the decode leg
+        if self.state == "passing" and self._events.pending:
+            out.append(self._events.take())
         return out
 
     def _event(self, ev: bytes) -> list[bytes]:

@@ -10,7 +10,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpush.router.first_token import Splice, eligible, leg_bodies
+from kvpush.router.first_token import Events, Splice, eligible, leg_bodies
 
 HEAD = {"id": "cmpl-x", "created": 1, "model": "tiny"}
 WORDS = st.lists(st.sampled_from([" a", " bb", "c", " 4817", "é", " x y", ""]), min_size=1, max_size=8)
@@ -80,6 +80,19 @@ def test_the_client_reads_the_decode_legs_text_whatever_the_split(tokens: list[s
         assert sp.sent == tokens[0]
     if not p_first:
         assert out == b"".join(pieces)  # untouched
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens=WORDS, chat=st.booleans(), points=st.lists(st.integers(0, 2000), max_size=12))
+def test_events_are_the_streams_events_whatever_the_split(tokens: list[str], chat: bool, points: list[int]) -> None:
+    """The one SSE framer (the splice's and the recovery's): every whole event once, in order,
+    each as it was sent; a partial one is held until it is whole."""
+    body = d_events(tokens, chat)
+    ev = Events()
+    got = [e for piece in cuts(body, points) for e in ev.feed(piece)]
+    assert got == [e + b"\n\n" for e in body.split(b"\n\n")[:-1]] and ev.pending == b""
+    half = Events()
+    assert half.feed(body[:7]) == [] and half.take() == body[:7] and half.pending == b""
 
 
 @settings(max_examples=200, deadline=None)

@@ -246,8 +246,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the connector's layer_group for the layer-wise mode (default: its own); sets the TTFT bound")
     lw.add_argument("--loopback", action="store_true", help="no cap, one host: what streaming costs")
     lw.add_argument("--rounds", type=int, default=1,
-                    help="loopback: run the modes this many times, in reverse order every other round (A B B A), "
-                         "each on a fresh engine pair, and pool the requests")
+                    help="run colocated and the modes this many times, in reverse order every other round "
+                         "(A B B A), each on fresh engines, and pool the requests")
     lw.add_argument("--results-dir", default=str(ve.ROOT / "docs" / "results"))
     lw.add_argument("--workdir", default=None)
     for p in (w, s, lw):
@@ -286,7 +286,7 @@ def _layerwise(args: argparse.Namespace, argv: list[str] | None) -> int:
         lengths = [int(x) for x in (args.lengths or "512,2000,4000").split(",")]
         modes = (args.modes or "whole,layerwise,pull").split(",")
         out = lw.bench_layerwise(model, lengths, args.requests, args.seed, args.output_len, modes, args.cap, work,
-                                 args.layer_group)
+                                 args.layer_group, args.rounds)
         (results / "layerwise.md").write_text(lw.table_capped(out, command))
         (results / "deep-model.md").write_text(lw.table_model(out["calibration"], command))
     for m in out["modes"].values():

@@ -169,3 +169,42 @@ def test_rounds_pool_every_requests_ttft_and_keep_each_rounds_p50() -> None:
            "modes": {"whole": pooled, "auto": lw._pool([{"error": "boom"}, run([1], 0)])}}
     text = lw.table_loopback(out, "cmd")
     assert "whole: 16: 11 / 21" in text and "auto: not measured: boom" in text
+
+
+def test_round_order_runs_every_mode_each_round_reversed_every_other() -> None:
+    assert lw.round_order(["colocated", "whole", "default"], 2) == [
+        (0, "colocated"), (0, "whole"), (0, "default"), (1, "default"), (1, "whole"), (1, "colocated")]
+    assert lw.round_order(["a"], 1) == [(0, "a")]
+
+
+def test_pooled_rounds_keep_second_tokens_writes_texts_and_first_token_sources() -> None:
+    def run(first: list[float], second: list[float], write: float, text: str, prefill: float) -> dict:
+        return {"ttft": {512: lw.ttft_stats([{"ttft_ms": x} for x in first])}, "ttft_ms": {512: first},
+                "second_ms": {512: second}, "transfer_ms": {512: write}, "texts": {"512:0": text},
+                "first_tokens": {"prefill": prefill, "decode": 1.0}}
+
+    got = lw._pool([run([100, 110], [130, 140], 300.0, "a", 3), run([200, 210], [230, 240], 320.0, "b", 4),
+                    run([300, 310], [330, 340], 400.0, "c", 5)])
+    assert got["ttft"][512]["n"] == 6 and got["second"][512]["n"] == 6
+    assert got["transfer_ms"] == {512: 320.0}  # the rounds' median, not the last round's
+    assert got["texts"] == {"0:512:0": "a", "1:512:0": "b", "2:512:0": "c"}
+    assert got["first_tokens"] == {"prefill": 12.0, "decode": 3.0}
+    assert lw.decode_step_ms(got, 512) == 30.0
+
+
+def test_verdict_judges_the_as_shipped_ttft_and_names_the_decode_step_in_the_excess() -> None:
+    st = lambda p50: {"p50": p50, "p90": p50 + 10, "errors": 0}  # noqa: E731
+    out = {"model": {"layers": 24}, "layer_group": 2, "lengths": [2000],
+           "calibration": {"lengths": {2000: {"prefill_ms_p50": 1000.0}}},
+           "modes": {"whole": {"ttft": {2000: st(2300.0)}, "transfer_ms": {2000: 1200.0}},
+                     # the decode engine's first token lands 30 ms after the ideal; one step is 25 ms
+                     "layerwise": {"ttft": {2000: st(1330.0)}, "ttft_ms": {2000: [1330.0, 1331.0]},
+                                   "second_ms": {2000: [1355.0, 1356.0]}},
+                     "default": {"ttft": {2000: st(1020.0)}}}}
+    lw._verdict(out, [2000])
+    v = out["verdict"]
+    ideal = 1200 + 1200 * 2 / 24  # 1300
+    assert v["layerwise_ttft_over_bound"] == {2000: round(1330 / (ideal + 10), 3)} and v["layerwise_ttft_over_bound"][2000] > 1
+    assert v["decode_step_ms"] == {2000: 25.0}
+    assert v["layerwise_ttft_over_bound_plus_one_decode_step"] == {2000: round(1330 / (ideal + 35), 3)}
+    assert v["default_ttft_over_bound"] == {2000: round(1020 / (ideal + 10), 3)}

@@ -235,7 +235,7 @@ class Router(Upstreams):
                         else:
                             whole.append(piece)
                 if streamed:
-                    self.metrics.first_tokens.labels("prefill" if splice is not None and splice.sent
+                    self.metrics.first_tokens.labels("prefill" if splice is not None and splice.early
                                                      else "decode").inc()
                 if splice is not None:
                     if splice.state in ("mismatch", "splicing"):  # the decode leg left the text sent

@@ -39,7 +39,12 @@ SAFE_KEYS = frozenset({
     "spaces_between_special_tokens", "add_generation_prompt", "chat_template_kwargs",
     "add_special_tokens", "priority",
 })
-REPLACEMENT = "\ufffd"  # a partial UTF-8 character: the decode stream would hold it back
+# vLLM's detokenizer holds back text that ends inside a UTF-8 character (its streamed text for
+# such a token is ""), and shows the replacement character for bytes it gave up on (after a
+# prompt that ended inside a character, the first token's text even repeats the prompt's). Both
+# legs run the same detokenizer over the same token IDs, so the prefill leg's text for the
+# first token is the decode stream's text for it, either way.
+REPLACEMENT = "\ufffd"
 
 
 def eligible(path: str, body: dict[str, Any]) -> bool:
@@ -104,6 +109,7 @@ class Splice:
         self.state = "waiting"
         self.expect = ""  # the prefill text the decode stream has not yet shown
         self.sent = ""  # the prefill leg's text, sent early
+        self.early = False  # the prefill leg's chunk went out (its text may be "": see prefill)
         self.token_ids: list[int] = []
         self.prompt_ids: list[int] = []
         self.head: dict[str, Any] = {}  # id, created, model of the stream
@@ -115,14 +121,19 @@ class Splice:
         if self.state != "waiting":
             return []
         text, ids, prompt_ids = _first(answer, self.chat)
-        if not text or REPLACEMENT in text or not ids:
+        if not ids or text.endswith(REPLACEMENT):  # not a text the stream would show: left to it
             self.state = "passing"
             return []
+        if not text:
+            # The token ends inside a character: the engine's own stream sends an empty chunk for
+            # it, and so does the router, early. No text went out, so a recovery does not continue
+            # after it by ID (the character's remaining bytes would decode alone): it recomputes it.
+            ids = []
         self.sent = self.expect = text
         self.token_ids, self.prompt_ids = ids, prompt_ids
         self.head = {"id": answer.get("id"), "created": answer.get("created"), "model": answer.get("model")}
         self.usage = answer["usage"] if isinstance(answer.get("usage"), dict) else {}
-        self.state = "splicing"
+        self.state, self.early = "splicing", True
         if not self.chat:
             return [_event({**self.head, "object": "text_completion", "choices": [
                 {"index": 0, "text": text, "logprobs": None, "finish_reason": None, "stop_reason": None}]})]

@@ -371,8 +371,7 @@ def run_mode(name: str, start: Any, lengths: list[int], n: int, seed: int, out_l
         if stack is not None or pdstack is not None:
             from kvpush.testing import prom
 
-            # where the client's first tokens came from (warm-ups included): the prefill leg's
-            # token is left to the decode engine where its text is not clean (U+FFFD in it)
+            # where the client's first tokens came from (warm-ups included)
             res["first_tokens"] = prom.by_label(front.client(prom.scrape, f"{front.url}/metrics"),
                                                 "kvpush_router_first_tokens_total", "source")
             time.sleep(0.5)
@@ -705,10 +704,9 @@ def table_capped(out: dict[str, Any], command: str) -> str:
     ft = m.get("default", {}).get("first_tokens")
     if ft:
         lines.insert(-1, f"- As shipped, the client's first token came from the prefill leg in {ft.get('prefill', 0):g} of "
-                     f"{sum(ft.values()):g} requests (warm-ups included). The rest had a prefill answer that is not "
-                     "clean text (these prompts are random token IDs: one that ends inside a UTF-8 character "
-                     "gets U+FFFD in the first token's text), so the router left their first token to the decode "
-                     "engine, at the KV-bound time.")
+                     f"{sum(ft.values()):g} requests (warm-ups included); the decode engine's token, at the KV-bound "
+                     "time, in the rest (the router leaves it to the decode engine where the prefill leg's text is "
+                     "not what a stream would show).")
     st = {k: m.get(k, {}).get("stream") or {} for k in ("whole", "layerwise", "auto")}
     if any(st.values()):
         lines += ["", "From the prefill daemon's final WRITE rows (`kvpushctl transfers`), medians: parts streamed "

@@ -286,6 +286,11 @@ def test_chat_completions_stream_through_router(pd: PDStack) -> None:
 
 async def streamed(url: str, b: dict[str, Any], chat: bool = False) -> str:
     """A streamed answer's text."""
+    return "".join(await chunks(url, b, chat))
+
+
+async def chunks(url: str, b: dict[str, Any], chat: bool = False) -> list[str]:
+    """A streamed answer's text, chunk by chunk."""
     out = []
     async with aiohttp.ClientSession() as s, s.post(url, json={**b, "stream": True},
                                                     timeout=aiohttp.ClientTimeout(total=300)) as r:
@@ -294,7 +299,7 @@ async def streamed(url: str, b: dict[str, Any], chat: bool = False) -> str:
             assert "error" not in obj, obj
             for c in obj["choices"]:
                 out.append((c["delta"].get("content") or "") if chat else c["text"])
-    return "".join(out)
+    return out
 
 
 def router_counter(pd: PDStack, name: str, **labels: str) -> float:
@@ -326,6 +331,33 @@ def test_a_streamed_answer_starts_with_the_prefill_legs_token_and_equals_colocat
     ext1, _ = external(pd)
     assert ext1 - ext0 >= 3 * sum(n - 1 for n in (40, 700))
     assert router_counter(pd, "kvpush_router_first_tokens_total", source="prefill") - early0 == 7
+    assert router_counter(pd, "kvpush_router_first_token_mismatches_total") == miss0
+
+
+# The tiny model's byte-level BPE: a token that is one byte of a multi-byte UTF-8 character.
+LONE_BYTE = 140
+
+
+def test_a_first_token_inside_a_character_goes_out_from_the_prefill_leg_as_the_engine_streams_it(pd: PDStack) -> None:
+    """A first token may end inside a UTF-8 character (vLLM streams it as an empty chunk and
+    the character with the next one), or follow bytes the prompt left open (its text starts with
+    U+FFFD). Both legs' detokenizers agree on that text, so the router still sends the prefill
+    leg's chunk early: the client's stream equals the engine's own, chunk for chunk."""
+    open_end = [*ids(40, 600), LONE_BYTE]  # the prompt ends inside a character
+    lone_first = ids(40, 510)  # the tiny model's greedy first token here is a lone byte
+    # (vLLM's detokenizer then re-emits the prompt's text from its start with the first token)
+    premise = {"open_end": lambda t: "\ufffd" in t and not t.endswith("\ufffd"),
+               "lone_first": lambda t: t == ""}
+    for name, p in (("open_end", open_end), ("lone_first", lone_first)):
+        one = run(post_one(pd.p_url + "/v1/completions", body(p, 1)))
+        assert premise[name](one), f"{name}: the engine's first token no longer shows the case: {one!r}"
+    early0 = router_counter(pd, "kvpush_router_first_tokens_total", source="prefill")
+    miss0 = router_counter(pd, "kvpush_router_first_token_mismatches_total")
+    for p in (open_end, lone_first):
+        want = run(chunks(pd.p_url + "/v1/completions", body(p, 6)))
+        got = run(chunks(f"{pd.router_url}/v1/completions", body(p, 6)))
+        assert got == want
+    assert router_counter(pd, "kvpush_router_first_tokens_total", source="prefill") - early0 == 2
     assert router_counter(pd, "kvpush_router_first_token_mismatches_total") == miss0
 
 

@@ -137,9 +137,11 @@ def test_a_sampled_request_without_a_seed_gets_one_for_both_legs() -> None:
 
 
 def test_prefill_text_that_is_not_plain_leaves_the_first_token_to_the_decode_leg() -> None:
-    for text in ("", "a\ufffd"):
+    for text in ("a\ufffd", "\ufffd"):  # not a text vLLM's stream shows: it holds such text back
         sp = Splice(False)
-        assert sp.prefill(answer(text, False)) == [] and sp.state == "passing"
+        assert sp.prefill(answer(text, False)) == [] and sp.state == "passing" and not sp.early
+    sp = Splice(False)
+    assert sp.prefill({**answer("x", False), "choices": [{"text": "x", "logprobs": None}]}) == []  # no IDs
     sp = Splice(True)
     a = answer("x", True)
     a["choices"][0]["message"]["tool_calls"] = [{"id": "t"}]
@@ -161,3 +163,43 @@ def test_recovery_continues_after_the_sent_token_and_counts_it_in_usage() -> Non
     assert sp.recovered({"choices": [], "usage": {}}, False) is None
     text, done = client_text(sp.finished(False), True)
     assert text == "" and done
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens=WORDS, chat=st.booleans(), points=st.lists(st.integers(0, 2000), max_size=12))
+def test_a_first_token_inside_a_character_goes_out_early_as_the_engine_streams_it(
+        tokens: list[str], chat: bool, points: list[int]) -> None:
+    """The first token ends inside a UTF-8 character: vLLM's detokenizer gives it no text, in
+    the prefill leg's answer and in the decode stream alike. The router sends that empty chunk
+    early; the client's text is still the decode leg's, whatever the split and whatever the
+    decode leg's first token turned out to be."""
+    stream = ["", *tokens]  # the decode leg's first token: no text yet
+    sp = Splice(chat)
+    early = b"".join(sp.prefill(answer("", chat)))
+    assert early and client_text(early, chat) == ("", False) and sp.state == "splicing" and sp.early
+    out = b"".join(b"".join(sp.decode(piece)) for piece in cuts(d_events(stream, chat), points))
+    assert sp.state == "passing" and client_text(early + out, chat) == ("".join(tokens), True)
+    # nothing went out by ID: a recovery recomputes the token from the prompt alone
+    assert sp.recovery({"prompt": "p", "max_tokens": 5})["prompt"] == [1, 2, 3] and sp.recovery(
+        {"prompt": "p", "max_tokens": 5})["max_tokens"] == 5
+    # a decode leg whose first token had text (the engines drew differently) still reaches the
+    # client whole
+    sp = Splice(chat)
+    early = b"".join(sp.prefill(answer("", chat)))
+    out = b"".join(b"".join(sp.decode(piece)) for piece in cuts(d_events(tokens, chat), points))
+    assert client_text(early + out, chat) == ("".join(tokens), True)
+
+
+def test_a_first_token_after_bytes_the_prompt_left_open_goes_out_with_its_replacement_character() -> None:
+    """A prompt that ends inside a character: vLLM gives up on those bytes, and the first
+    token's text starts with U+FFFD in both legs. It goes out early and is checked as any text."""
+    text = "\ufffd106"
+    sp = Splice(False)
+    early = b"".join(sp.prefill(answer(text, False)))
+    assert client_text(early, False) == (text, False)
+    out = b"".join(sp.decode(d_events([text, " 7"], False)))
+    assert client_text(early + out, False) == (text + " 7", True)
+    sp = Splice(False)
+    sp.prefill(answer(text, False))
+    assert sp.decode(d_events(["106", " 7"], False)) == [] and sp.state == "mismatch"
+    assert sp.recovery({"prompt": "p", "max_tokens": 5})["prompt"] == [1, 2, 3, 7]

@@ -671,6 +671,18 @@ def last_write(rv: Rendezvous, rec: _Transfer, ev: WriteDone | WriteFailed) -> b
     return len(rec.inflight) == 1 and _ends_flight(rv, rec, ev)
 
 
+def drains_ended(rv: Rendezvous, rec: _Transfer, ev: WriteDone | WriteFailed) -> bool:
+    """The last group WRITE of an attempt that ended before the seal (cancelled, inconsistent)
+    lands: nothing is live or in flight any more, as if it had ended idle."""
+    return not rec.live and last_write(rv, rec, ev)
+
+
+def drains_to_heir(rv: Rendezvous, rec: _Transfer, ev: WriteDone | WriteFailed) -> bool:
+    """As ``drains_ended``, with a rival parked meanwhile: it takes the transfer over, as it
+    would have had the attempt ended idle (``cancels_with_heir``)."""
+    return drains_ended(rv, rec, ev) and bool(_heir(rv, rec, None))
+
+
 def busy(rv: Rendezvous, rec: _Transfer, ev: object) -> bool:
     """A (group) write is in flight."""
     return bool(rec.inflight)
@@ -766,10 +778,11 @@ def unbound(rv: Rendezvous, rec: _Transfer, ev: Registered) -> bool:
     return rec.prefill is not None and not rec.prefill.admits(ev.identity, ev.secret)
 
 
-def _heir(rv: Rendezvous, rec: _Transfer, prefill: Prefilled | None) -> list[_Parked]:
+def _heir(rv: Rendezvous, rec: _Transfer, prefill: Prefilled | None, skip: frozenset = frozenset()) -> list[_Parked]:
     """The parked registrations that would take the transfer over: the first parked identity
-    (admitted by ``prefill``'s binding, if given) with a live registration, its newest attempt."""
-    live = [p for p in rec.parked.values() if p.reg.deadline > rv.now
+    (admitted by ``prefill``'s binding, if given) with a live registration, its newest attempt
+    (``skip``: keys of parked registrations about to go)."""
+    live = [p for k, p in rec.parked.items() if p.reg.deadline > rv.now and k not in skip
             and (prefill is None or prefill.admits(p.reg.identity, p.reg.secret))]
     if not live:
         return []
@@ -822,7 +835,14 @@ def heir_after_timeout(rv: Rendezvous, rec: _Transfer, ev: object) -> bool:
 
 
 def cancels_with_heir(rv: Rendezvous, rec: _Transfer, ev: Aborted) -> bool:
-    return cancels_attempt(rv, rec, ev) and bool(_heir(rv, rec, None))
+    return cancels_attempt(rv, rec, ev) and bool(_heir(rv, rec, None, _cancelled_parked(rec, ev)))
+
+
+def _cancelled_parked(rec: _Transfer, ev: Aborted) -> frozenset:
+    """Keys of the parked registrations a peer's cancel takes back (see ``confirm``)."""
+    attempt = rec.attempt if ev.attempt is None else ev.attempt
+    return frozenset(k for k, p in rec.parked.items()
+                     if p.reg.peer == ev.peer and (ev.attempt is None or p.attempt == attempt))
 
 
 def lost_with_heir(rv: Rendezvous, rec: _Transfer, ev: PeerLost) -> bool:
@@ -906,10 +926,12 @@ def _refuse(ev: Registered, reason: str, cause: Cause, out: list) -> None:
 
 
 def _promote(rv: Rendezvous, rec: _Transfer, heir: list[_Parked]) -> None:
-    """The heir's registrations become the transfer's (the owner's attempt is over)."""
+    """The heir's registrations become the transfer's (the owner's attempt is over). What was
+    streamed went into the owner's blocks, not the heir's: nothing counts as posted to it."""
     first = heir[0]
     rec.attempt, rec.live, rec.expected, rec.owner = first.attempt, True, first.expected, first.reg.identity
     rec.regs, rec.started, rec.done = {p.dest_rank: p.reg for p in heir}, set(), set()
+    rec.posted, rec.told = {}, set()
     for p in heir:
         del rec.parked[(p.reg.identity, p.dest_rank)]
         rv._index_add(rec.transfer_id, rec, p.reg.peer)
@@ -1155,8 +1177,12 @@ def end_cancelled(rv: Rendezvous, rec: _Transfer, ev: Aborted, out: list) -> Non
 
 
 def confirm(rv: Rendezvous, rec: _Transfer, ev: Aborted, out: list) -> None:
-    """Answer the peer's cancel now, or when its last write of that attempt ends."""
+    """Answer the peer's cancel now, or when its last write of that attempt ends. A parked
+    registration of that peer's is forgotten: once confirmed, its blocks may hold another
+    request's KV, so it must never be promoted and written."""
     attempt = rec.attempt if ev.attempt is None else ev.attempt
+    for key in _cancelled_parked(rec, ev):
+        del rec.parked[key]
     flights = [f for (a, _), f in rec.inflight.items() if a == attempt and f.peer == ev.peer]
     for f in flights:
         f.confirm = True
@@ -1315,7 +1341,7 @@ TABLE = Table(State, (Registered, Prefilled, LayersReady, WriteDone, WriteFailed
     row(_EX, Registered, stale, _EX, reject_stale),
     row(_EX, Registered, duplicate, _EX),
     row(_EX, Registered, ended, _EX, reject_ended),
-    row(_EX, Registered, None, _WP, open_attempt, add_reg),
+    row(_EX, Registered, None, _WP, open_attempt, add_reg, pump),  # the progress kept goes out
 
     # STREAMED: progress only; the first registration takes its groups in one WRITE
     row(_ST, Registered, over_quota, _ST, reject_quota),
@@ -1356,8 +1382,10 @@ TABLE = Table(State, (Registered, Prefilled, LayersReady, WriteDone, WriteFailed
     # --- WriteDone / WriteFailed: only states holding a prefill have writes in flight --
     *[row(s, e, unknown_write, s) for s in (_WP, _WR, _WG, _DR) for e in (WriteDone, WriteFailed)],
     # group WRITEs before the seal: a live attempt's failure fails the transfer
-    row(_WP, WriteFailed, fails_attempt_last, _FL, land, fail_write, release),
-    row(_WP, WriteFailed, fails_attempt, _DR, land, fail_write),
+    row(_WP, WriteFailed, fails_attempt_last, _FL, land, fail_write, release, refuse_parked),
+    row(_WP, WriteFailed, fails_attempt, _DR, land, fail_write, refuse_parked),
+    *[row(_WP, e, drains_to_heir, _WP, land, promote_heir, pump) for e in (WriteDone, WriteFailed)],
+    *[row(_WP, e, drains_ended, _EX, land, refuse_parked) for e in (WriteDone, WriteFailed)],
     *[row(_WP, e, None, _WP, land, pump) for e in (WriteDone, WriteFailed)],
     *[row(s, WriteDone, final_too_late_last, _FL, land, fail_late, release) for s in (_WR, _WG)],
     *[row(s, WriteDone, final_too_late, _DR, land, fail_late) for s in (_WR, _WG)],
@@ -1380,7 +1408,7 @@ TABLE = Table(State, (Registered, Prefilled, LayersReady, WriteDone, WriteFailed
     row(_WP, Aborted, local_busy, _DR, fail_aborted, refuse_parked),
     row(_WP, Aborted, local, _FL, fail_aborted, refuse_parked),
     row(_WP, Aborted, cancels_busy, _WP, end_cancelled, confirm, refuse_parked),  # its groups drain first
-    row(_WP, Aborted, cancels_with_heir, _WP, end_owner_cancelled, confirm, promote_heir),
+    row(_WP, Aborted, cancels_with_heir, _WP, end_owner_cancelled, confirm, promote_heir, pump),
     row(_WP, Aborted, cancels_attempt, _EX, end_cancelled, confirm, refuse_parked),
     row(_WP, Aborted, None, _WP, confirm),
     row(_WR, Aborted, local_idle, _FL, fail_aborted, release),
@@ -1399,7 +1427,7 @@ TABLE = Table(State, (Registered, Prefilled, LayersReady, WriteDone, WriteFailed
 
     # --- PeerLost (fanned out through the peer index) ---------------------------------
     row(_WP, PeerLost, writes_to_peer_busy, _DR, fail_peer_lost, refuse_parked),
-    row(_WP, PeerLost, lost_with_heir, _WP, end_owner_lost, promote_heir),
+    row(_WP, PeerLost, lost_with_heir, _WP, end_owner_lost, promote_heir, pump),
     row(_WP, PeerLost, writes_to_peer, _FL, fail_peer_lost, refuse_parked),
     row(_WR, PeerLost, writes_to_peer_idle, _FL, fail_peer_lost, release),
     row(_WR, PeerLost, writes_to_peer, _DR, fail_peer_lost),
@@ -1412,7 +1440,7 @@ TABLE = Table(State, (Registered, Prefilled, LayersReady, WriteDone, WriteFailed
     # --- deadlines: registration, lease, tombstone --------------------------------------
     row(_WP, _Deadline, parked_expired, _WP, expire_parked),
     row(_WP, _Deadline, busy, _DR, fail_timeout, refuse_parked),  # the stream's writes drain first
-    row(_WP, _Deadline, heir_after_timeout, _WP, end_owner_timeout, expire_parked, promote_heir),
+    row(_WP, _Deadline, heir_after_timeout, _WP, end_owner_timeout, expire_parked, promote_heir, pump),
     row(_WP, _Deadline, None, _EX, end_timeout, expire_parked),
     row(_ST, _Deadline, None, None),  # progress nobody registered for or sealed: forget it
     row(_WR, _Deadline, idle, _FL, fail_lease, release),

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -88,13 +89,16 @@ NODES = {"p0": "n0", "p1": "n1"}  # each peer session's certificate identity
 def _rz_scripts() -> list[list[Any]]:
     """Sequences the random source rarely finds: a deferred final write whose groups land
     after the registration's deadline (with and without the seal's full set, last or not),
-    an older attempt's group failing, a duplicate while WRITING."""
+    an older attempt's group failing, a duplicate while WRITING, a cancelled attempt's last
+    group failing, a rival parked meanwhile taking over once it has landed."""
     def reg(dest: int, exp: int, attempt: int = 0, deadline: float = 5.0) -> rz.Registered:
         return rz.Registered("a", attempt, "p0", dest, exp, (dest, 9), 16, 0.0, deadline)
 
     lr = rz.LayersReady("a", 0, 0, 1, 0, (100, 101), 0.0, 30.0, ("", ""))
     seal = rz.Prefilled("a", (100, 101), 16, 0.0, 30.0, epoch=0)
     late = [rz.WriteDone("a", 0, 0, 6.0, 1)]
+    owner, rival = (dataclasses.replace(reg(0, 1, attempt), peer=f"p{attempt}", identity=f"n{attempt}")
+                    for attempt in (0, 1))
     return [
         [reg(0, 1), lr, seal, *late],  # WRITING, last flight -> FAILED
         [reg(0, 2), reg(1, 2), lr, seal, *late],  # WRITING, another flight -> DRAINING
@@ -104,6 +108,9 @@ def _rz_scripts() -> list[list[Any]]:
         [reg(0, 2), reg(1, 2), lr, rz.WriteFailed("a", 0, 0, "x", 1.0, group=1)],  # another dest's group flies
         [reg(0, 2), reg(1, 2), seal, rz.WriteDone("a", 0, 0, 1.0), reg(0, 2)],
         [reg(0, 1), seal, rz.WriteDone("a", 0, 0, 1.0), rz.LayersReady("a", 0, 1, 2, 0, (100, 101), 2.0, 9.0, ("", ""))],
+        [reg(0, 1), lr, rz.Aborted("a", 0, "x", "peer", 1.0, "p0"), rz.WriteFailed("a", 0, 0, "x", 1.0, group=1)],
+        *[[owner, lr, rz.Aborted("a", 0, "x", "peer", 1.0, "p0"), rival, end] for end in (  # the rival takes over
+            rz.WriteDone("a", 0, 0, 1.0, group=1), rz.WriteFailed("a", 0, 0, "x", 1.0, group=1))],
     ]
 
 

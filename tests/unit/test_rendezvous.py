@@ -693,6 +693,20 @@ def test_a_hijacker_ending_its_attempt_hands_the_transfer_to_the_parked_party() 
         (StartWrite, "good")]
 
 
+def test_a_parked_party_that_cancelled_is_never_promoted() -> None:
+    """Its cancel is confirmed at once (nothing was written to it), so the decode side may reuse
+    those blocks: when the owner's attempt ends later, it must not take the transfer over."""
+    rv = Rendezvous()
+    rv.handle(_as("nodeX", reg(peer="evil")))
+    rv.handle(_as("nodeD", reg(peer="good", attempt=1)))
+    out = rv.handle(rz.Aborted("t", 1, "cancel", "peer", 1.0, peer="good"))
+    assert [(type(a), a.peer) for a in out] == [(ConfirmCancel, "good")]
+    out = rv.handle(rz.Aborted("t", 0, "cancel", "peer", 2.0, peer="evil"))
+    assert [(type(a), a.peer) for a in out] == [(ConfirmCancel, "evil")]
+    assert rv.info("t").state == State.EXPIRED
+    assert of(StartWrite, rv.handle(pf(now=3.0))) == []
+
+
 def test_parked_registrations_are_bounded_and_count_in_quota() -> None:
     rv = Rendezvous(max_parked=2)
     rv.handle(_as("nodeD", reg(dest=0, expected=4)))

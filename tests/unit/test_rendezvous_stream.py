@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
 
@@ -21,6 +21,7 @@ from kvpush.daemon.rendezvous import (
     ConfirmCancel,
     LayersReady,
     NotifyFailure,
+    PeerLost,
     Prefilled,
     Registered,
     ReleaseBlocks,
@@ -41,6 +42,10 @@ SRC = (1, 2, 3)
 
 def lr(lo: int, hi: int, *, tid: str = "t", epoch: int = 0, first: int = 0, blocks=SRC, now: float = 0.0):
     return LayersReady(tid, epoch, lo, hi, first, blocks, now, now + 50, UNBOUND)
+
+
+def rz_tick(now: float) -> Tick:
+    return Tick(now)
 
 
 def sealed(epoch: int = 0, **kw) -> Prefilled:
@@ -138,7 +143,61 @@ def test_peer_cancel_mid_stream_is_confirmed_after_the_group_lands() -> None:
     (g,) = of(StartGroupWrite, rv.handle(lr(0, 2)))
     assert of(ConfirmCancel, rv.handle(Aborted("t", 0, "cancel", "peer", 1.0, peer="d0"))) == []
     assert rv.handle(lr(2, 4)) == []  # an ended attempt gets no more writes
+    assert rv.info("t").state is State.WAIT_PREFILL  # its group drains first
     assert of(ConfirmCancel, rv.handle(WriteDone("t", 0, 0, 2.0, group=g.group)))
+    assert rv.info("t").state is State.EXPIRED  # drained: as if it had been cancelled idle
+    (g2,) = of(StartGroupWrite, rv.handle(reg(attempt=1, now=3.0)))  # a new attempt gets the kept progress
+    assert g2.attempt == 1 and [(p.layer_lo, p.layer_hi) for p in g2.parts] == [(0, 2), (2, 4)]
+
+
+def test_a_rival_parked_during_a_stream_is_answered_when_the_stream_ends() -> None:
+    """A rival that registers while the owner's group WRITE flies is parked (the seal may yet
+    pick it). If the owner cancelled, the rival takes the transfer over once the group has
+    landed, and gets the progress; if the group fails, the transfer fails and so is the rival
+    told, not left parked."""
+
+    def by(identity: str, peer: str, attempt: int = 0) -> Registered:
+        return dataclasses.replace(reg(peer=peer, attempt=attempt), identity=identity)
+
+    rv = Rendezvous()
+    rv.handle(by("nodeA", "a"))
+    (g,) = of(StartGroupWrite, rv.handle(lr(0, 2)))
+    rv.handle(Aborted("t", 0, "cancel", "peer", 1.0, peer="a"))
+    assert rv.handle(by("nodeB", "b", attempt=1)) == []  # parked: the owner's group still flies
+    out = rv.handle(WriteDone("t", 0, 0, 2.0, group=g.group))
+    assert [type(a) for a in out] == [ConfirmCancel, StartGroupWrite]
+    assert (out[1].peer, out[1].attempt) == ("b", 1) and rv.info("t").state is State.WAIT_PREFILL
+
+    rv = Rendezvous()
+    rv.handle(by("nodeA", "a"))
+    (g,) = of(StartGroupWrite, rv.handle(lr(0, 2)))
+    assert rv.handle(by("nodeB", "b", attempt=1)) == []
+    out = rv.handle(WriteFailed("t", 0, 0, "boom", 2.0, group=g.group))
+    assert sorted((a.peer, a.cause.value) for a in of(NotifyFailure, out)) == [("a", "write_failed"), ("b", "closed")]
+    assert rv.info("t").state is State.FAILED and not rv._recs["t"].parked
+
+
+def test_a_party_that_takes_over_gets_every_layer_not_the_owners_skips() -> None:
+    """Groups written to the owner's blocks are not in the heir's: when a parked party takes
+    the transfer over (the owner cancelled, timed out or was lost), its final write skips
+    nothing the owner got, and the groups kept go to it."""
+
+    def by(identity: str, peer: str, attempt: int = 0, deadline: float = 100.0) -> Registered:
+        return dataclasses.replace(reg(peer=peer, attempt=attempt, deadline=deadline), identity=identity)
+
+    ends = [Aborted("t", 0, "cancel", "peer", 2.0, peer="a"), rz_tick(6.0), PeerLost("a", 2.0)]
+    for end in ends:
+        rv = Rendezvous()
+        rv.handle(by("nodeA", "a", deadline=5.0))
+        (g,) = of(StartGroupWrite, rv.handle(lr(0, 2)))
+        rv.handle(WriteDone("t", 0, 0, 1.0, group=g.group))
+        assert rv.handle(by("nodeB", "b", attempt=1)) == []  # parked
+        out = rv.handle(end)
+        (g2,) = of(StartGroupWrite, out)
+        assert (g2.peer, [(p.layer_lo, p.layer_hi) for p in g2.parts]) == ("b", [(0, 2)]), end
+        rv.handle(WriteDone("t", 1, 0, 7.0, group=g2.group))
+        (w,) = of(StartWrite, rv.handle(sealed(now=7.0)))
+        assert w.peer == "b" and [(p.layer_lo, p.layer_hi) for p in w.written] == [(0, 2)], end
 
 
 def test_group_bound_per_transfer_queues_the_rest() -> None:
@@ -187,6 +246,70 @@ def test_progress_nobody_claims_is_forgotten() -> None:
     rv.handle(lr(0, 2))
     rv.handle(Tick(51.0))
     assert rv.info("t") is None
+
+
+# ------------------------------------------------- who got which layers, two parties
+
+_PARTIES = {"a": ("nodeA", (7, 8, 9)), "b": ("nodeB", (4, 5, 6))}  # peer -> node, its blocks
+
+
+@st.composite
+def _race(draw: st.DrawFn) -> list:
+    """The steps of a two-party race, in any order: both register, two layer groups, their
+    WRITEs' ends, how the first party ends, the seal, and a few steps more of any kind."""
+    na, nb = draw(st.integers(0, 1)), draw(st.integers(0, 2))
+    end = draw(st.sampled_from(["cancel", "lost", "tick", "fail", "land"]))
+    steps = [("reg", "a", na), ("reg", "b", nb), ("lr", "a", 0), ("lr", "a", 1), ("land", "a", 0),
+             ("land", "a", 0), (end, "a", na if end == "cancel" else 3), ("seal", "a", 0)]
+    steps += draw(st.lists(st.tuples(st.sampled_from(["reg", "lr", "land", "fail", "cancel", "lost", "tick"]),
+                                     st.sampled_from("ab"), st.integers(0, 2)), max_size=4))
+    return draw(st.permutations(steps))
+
+
+@settings(max_examples=300, deadline=None)
+@given(_race())
+def test_a_final_write_skips_only_layers_that_registrations_blocks_got(ops: list) -> None:
+    """Two decode nodes race for one streamed transfer (the second is parked, and takes over
+    when the first ends: cancel, loss, timeout). Whatever the order, a final write may skip
+    only parts a group WRITE landed in the very blocks it writes, for its attempt; and no
+    WRITE goes to an attempt that ended. An honest transport answers only what is in flight."""
+    rv, now, flying, landed, ended = Rendezvous(), 0.0, {}, set(), set()
+    for op, peer, n in ops:
+        node, blocks = _PARTIES[peer]
+        if op == "reg":
+            ended.discard((n, peer))  # registers afresh (the decode side's new blocks)
+            ev: object = dataclasses.replace(reg(peer=peer, attempt=n, now=now, deadline=now + 5, blocks=blocks),
+                                             identity=node)
+        elif op == "lr":
+            ev = lr(n, n + 1, now=now)
+        elif op in ("land", "fail") and flying:
+            key = sorted(flying)[n % len(flying)]
+            g = flying.pop(key)
+            if op == "land":
+                landed.update((g.attempt, g.peer, g.dst_block_ids, p) for p in g.parts)
+            ev = (WriteDone(g.transfer_id, g.attempt, g.dest_rank, now, group=g.group) if op == "land"
+                  else WriteFailed(g.transfer_id, g.attempt, g.dest_rank, "boom", now, group=g.group))
+        elif op == "cancel":
+            ev = Aborted("t", n, "cancel", "peer", now, peer=peer)
+        elif op == "lost":
+            ev = PeerLost(peer, now)
+        elif op == "tick":
+            now += 2.0 * n
+            ev = Tick(now)
+        elif op == "seal":
+            ev = sealed(now=now, lease=now + 30)
+        else:
+            continue
+        for a in rv.handle(ev):
+            if isinstance(a, (NotifyFailure, ConfirmCancel)):
+                ended.add((a.attempt, a.peer))
+            if isinstance(a, StartGroupWrite):
+                assert (a.attempt, a.peer) not in ended, "group to an ended attempt"
+                flying[a.group] = a
+            elif isinstance(a, StartWrite):
+                assert (a.attempt, a.peer) not in ended, "final write to an ended attempt"
+                got = {(a.attempt, a.peer, a.dst_block_ids, p) for p in a.written}
+                assert got <= landed, f"skips layers its blocks never got: {got - landed}"
 
 
 # ------------------------------------------------------------ random interleavings

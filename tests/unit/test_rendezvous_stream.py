@@ -256,12 +256,14 @@ _PARTIES = {"a": ("nodeA", (7, 8, 9)), "b": ("nodeB", (4, 5, 6))}  # peer -> nod
 @st.composite
 def _race(draw: st.DrawFn) -> list:
     """The steps of a two-party race, in any order: both register, two layer groups, their
-    WRITEs' ends, how the first party ends, the seal, and a few steps more of any kind."""
+    WRITEs' ends, how the first party ends, the seal, and a few steps more of any kind (a
+    preemption on P among them: a new epoch, its layers in other blocks)."""
     na, nb = draw(st.integers(0, 1)), draw(st.integers(0, 2))
     end = draw(st.sampled_from(["cancel", "lost", "tick", "fail", "land"]))
     steps = [("reg", "a", na), ("reg", "b", nb), ("lr", "a", 0), ("lr", "a", 1), ("land", "a", 0),
              ("land", "a", 0), (end, "a", na if end == "cancel" else 3), ("seal", "a", 0)]
-    steps += draw(st.lists(st.tuples(st.sampled_from(["reg", "lr", "land", "fail", "cancel", "lost", "tick"]),
+    steps += draw(st.lists(st.tuples(st.sampled_from(["reg", "lr", "land", "fail", "cancel", "lost", "tick",
+                                                      "preempt"]),
                                      st.sampled_from("ab"), st.integers(0, 2)), max_size=4))
     return draw(st.permutations(steps))
 
@@ -272,8 +274,10 @@ def test_a_final_write_skips_only_layers_that_registrations_blocks_got(ops: list
     """Two decode nodes race for one streamed transfer (the second is parked, and takes over
     when the first ends: cancel, loss, timeout). Whatever the order, a final write may skip
     only parts a group WRITE landed in the very blocks it writes, for its attempt; and no
-    WRITE goes to an attempt that ended. An honest transport answers only what is in flight."""
-    rv, now, flying, landed, ended = Rendezvous(), 0.0, {}, set(), set()
+    WRITE goes to an attempt that ended, and what it skips is of the seal's epoch and blocks.
+    An honest transport answers only what is in flight."""
+    rv, now, flying, landed, ended, epoch = Rendezvous(), 0.0, {}, set(), set(), 0
+    src = SRC
     for op, peer, n in ops:
         node, blocks = _PARTIES[peer]
         if op == "reg":
@@ -281,7 +285,10 @@ def test_a_final_write_skips_only_layers_that_registrations_blocks_got(ops: list
             ev: object = dataclasses.replace(reg(peer=peer, attempt=n, now=now, deadline=now + 5, blocks=blocks),
                                              identity=node)
         elif op == "lr":
-            ev = lr(n, n + 1, now=now)
+            ev = lr(n, n + 1, now=now, epoch=epoch, blocks=src)
+        elif op == "preempt":  # P restarts the request: its KV is computed again, elsewhere
+            epoch, src = epoch + 1, tuple(b + 10 * (epoch + 1) for b in SRC)
+            ev = lr(n, n + 1, now=now, epoch=epoch, blocks=src)
         elif op in ("land", "fail") and flying:
             key = sorted(flying)[n % len(flying)]
             g = flying.pop(key)
@@ -297,7 +304,8 @@ def test_a_final_write_skips_only_layers_that_registrations_blocks_got(ops: list
             now += 2.0 * n
             ev = Tick(now)
         elif op == "seal":
-            ev = sealed(now=now, lease=now + 30)
+            seal = Prefilled("t", src, 40, now, now + 30, epoch=epoch)
+            ev = seal
         else:
             continue
         for a in rv.handle(ev):
@@ -310,6 +318,7 @@ def test_a_final_write_skips_only_layers_that_registrations_blocks_got(ops: list
                 assert (a.attempt, a.peer) not in ended, "final write to an ended attempt"
                 got = {(a.attempt, a.peer, a.dst_block_ids, p) for p in a.written}
                 assert got <= landed, f"skips layers its blocks never got: {got - landed}"
+                assert all(p.epoch == seal.epoch and p.src_block_ids == seal.block_ids for p in a.written)
 
 
 # ------------------------------------------------------------ random interleavings

@@ -42,11 +42,20 @@ def free_port(lo: int = 20000, hi: int = 32000) -> int:
 
 
 def popen(cmd: list[str], log: Path, env: dict[str, str] | None = None,
-          cpus: set[int] | None = None) -> subprocess.Popen[bytes]:
-    """``cmd`` in its own process group, output to ``log``, optionally pinned to ``cpus``."""
+          cpus: set[int] | None = None, nice: int = 0) -> subprocess.Popen[bytes]:
+    """``cmd`` in its own process group, output to ``log``, optionally pinned to ``cpus``;
+    ``nice`` is added to its niceness (inherited by its children and threads)."""
+    pin = pin_to(cpus)
+
+    def pre() -> None:
+        if pin is not None:
+            pin()
+        if nice:
+            os.nice(nice)
+
     return subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
                             env=env or dict(os.environ),
-                            preexec_fn=pin_to(cpus))
+                            preexec_fn=pre if pin is not None or nice else None)
 
 
 def group_cpu_seconds(proc: subprocess.Popen[bytes] | None) -> float:

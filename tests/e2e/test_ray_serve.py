@@ -26,6 +26,7 @@ import pytest
 
 from kvpush.daemon import otel
 from kvpush.testing import vllm_env as ve
+from kvpush.testing.labstack import DAEMON_NICE
 from kvpush.testing.otlp import OtlpReceiver
 from kvpush.testing.pd_stack import PDStack, kvpush_transfer_config
 from kvpush.testing.procs import free_port
@@ -134,8 +135,11 @@ def test_ray_serve_pd_app_through_kvpush_equals_colocated(tiny_model: Path, tmp_
     want = colocated(tiny_model, tmp_path, prompts)
 
     collector = OtlpReceiver()
+    # The daemons at kvpushd.service's niceness: at nice 0, Ray's dozen processes on two cores
+    # once kept both daemons off the CPU for 16 s mid-test (CI), and a measured transfer was
+    # rightly failed and recomputed.
     stack = PDStack(tiny_model, tmp_path / "pd", with_router=False, keys_dir=tmp_path,
-                    daemon_toml=f'otlp_traces_endpoint = "{collector.endpoint}"\n')
+                    daemon_toml=f'otlp_traces_endpoint = "{collector.endpoint}"\n', daemon_nice=DAEMON_NICE)
     stack.start_daemons()  # kvpushd beside the engines: device 0 serves P, device 1 serves D
     mport, hport = free_port(), free_port()
     shm_before = _vllm_shm()

@@ -874,6 +874,15 @@ def _end_attempt(
             _notify(rec, dest, reg, reason, cause, out)
 
 
+def _begin_attempt(rec: _Transfer, attempt: int, expected: int, regs: dict[int, _Reg]) -> None:
+    """The live attempt from now on (a newer registration, or a parked party taking over).
+    Nothing of the older attempt's bookkeeping carries over: what it was written, started or
+    told went to other blocks."""
+    rec.attempt, rec.live, rec.expected = attempt, True, expected
+    rec.regs, rec.started, rec.done = regs, set(), set()
+    rec.posted, rec.told = {}, set()
+
+
 def _fail(rec: _Transfer, reason: str, cause: Cause, out: list) -> None:
     """Fail the whole transfer: the source blocks go back as soon as nothing reads them."""
     _end_attempt(rec, reason, cause, out)
@@ -926,12 +935,10 @@ def _refuse(ev: Registered, reason: str, cause: Cause, out: list) -> None:
 
 
 def _promote(rv: Rendezvous, rec: _Transfer, heir: list[_Parked]) -> None:
-    """The heir's registrations become the transfer's (the owner's attempt is over). What was
-    streamed went into the owner's blocks, not the heir's: nothing counts as posted to it."""
+    """The heir's registrations become the transfer's (the owner's attempt is over)."""
     first = heir[0]
-    rec.attempt, rec.live, rec.expected, rec.owner = first.attempt, True, first.expected, first.reg.identity
-    rec.regs, rec.started, rec.done = {p.dest_rank: p.reg for p in heir}, set(), set()
-    rec.posted, rec.told = {}, set()
+    _begin_attempt(rec, first.attempt, first.expected, {p.dest_rank: p.reg for p in heir})
+    rec.owner = first.reg.identity
     for p in heir:
         del rec.parked[(p.reg.identity, p.dest_rank)]
         rv._index_add(rec.transfer_id, rec, p.reg.peer)
@@ -1052,9 +1059,7 @@ def open_attempt(rv: Rendezvous, rec: _Transfer, ev: Registered, out: list) -> N
     """A newer attempt supersedes the current one (same attempt: nothing to do)."""
     if ev.attempt > rec.attempt:
         _end_attempt(rec, f"superseded by attempt {ev.attempt}", Cause.SUPERSEDED, out)
-        rec.attempt, rec.live, rec.expected = ev.attempt, True, ev.expected_dests
-        rec.regs, rec.started, rec.done = {}, set(), set()
-        rec.posted, rec.told = {}, set()
+        _begin_attempt(rec, ev.attempt, ev.expected_dests, {})
 
 
 def add_reg(rv: Rendezvous, rec: _Transfer, ev: Registered, out: list) -> None:

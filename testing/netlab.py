@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kvpush.testing.vllm_env import pin_to
+from kvpush.testing.vllm_env import child_setup
 
 NETNS_DIR = "/run/netns"
 CLONE_NEWNET = 0x40000000
@@ -250,14 +250,12 @@ class Lab:
         """``argv`` inside ``host``'s namespace, in its own process group, output to ``log``;
         ``nice`` is added to its niceness (inherited by its children and threads)."""
         ns = self.ns(host)
-        pin = pin_to(cpus)
+        setup = child_setup(cpus, nice)
 
         def pre() -> None:
             enter_netns(ns)
-            if pin is not None:
-                pin()
-            if nice:
-                os.nice(nice)
+            if setup is not None:
+                setup()
 
         proc = subprocess.Popen(argv, stdout=open(log, "ab"), stderr=subprocess.STDOUT,  # noqa: SIM115
                                 stdin=subprocess.DEVNULL, start_new_session=True,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import psutil
 
-from kvpush.testing.vllm_env import pin_to
+from kvpush.testing.vllm_env import child_setup
 
 _given: set[int] = set()
 
@@ -45,17 +45,8 @@ def popen(cmd: list[str], log: Path, env: dict[str, str] | None = None,
           cpus: set[int] | None = None, nice: int = 0) -> subprocess.Popen[bytes]:
     """``cmd`` in its own process group, output to ``log``, optionally pinned to ``cpus``;
     ``nice`` is added to its niceness (inherited by its children and threads)."""
-    pin = pin_to(cpus)
-
-    def pre() -> None:
-        if pin is not None:
-            pin()
-        if nice:
-            os.nice(nice)
-
     return subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
-                            env=env or dict(os.environ),
-                            preexec_fn=pre if pin is not None or nice else None)
+                            env=env or dict(os.environ), preexec_fn=child_setup(cpus, nice))
 
 
 def group_cpu_seconds(proc: subprocess.Popen[bytes] | None) -> float:

@@ -107,6 +107,22 @@ def pin_to(cpus: set[int] | None) -> Callable[[], None] | None:
     return lambda: os.sched_setaffinity(0, usable)
 
 
+def child_setup(cpus: set[int] | None, nice: int = 0) -> Callable[[], None] | None:
+    """A Popen ``preexec_fn``: pinned as :func:`pin_to` says, ``nice`` added to its niceness
+    (both inherited by its children and threads); None when there is nothing to do."""
+    pin = pin_to(cpus)
+    if pin is None and not nice:
+        return None
+
+    def setup() -> None:
+        if pin is not None:
+            pin()
+        if nice:
+            os.nice(nice)
+
+    return setup
+
+
 def engine_env(cpu_bind: str, base: Mapping[str, str] | None = None) -> dict[str, str]:
     """Environment for one engine; `cpu_bind` is VLLM_CPU_OMP_THREADS_BIND (e.g. "0", "1", "0-1")."""
     env = dict(os.environ if base is None else base)

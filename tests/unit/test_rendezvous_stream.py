@@ -33,7 +33,7 @@ from kvpush.daemon.rendezvous import (
     WriteDone,
     WriteFailed,
 )
-from tests.unit.test_rendezvous import RendezvousMachine, of, pf, reg
+from tests.unit.test_rendezvous import RendezvousMachine, _as, of, pf, reg
 
 UNBOUND = ("", "")  # a stream that announced no binding (a client-named transfer)
 
@@ -42,10 +42,6 @@ SRC = (1, 2, 3)
 
 def lr(lo: int, hi: int, *, tid: str = "t", epoch: int = 0, first: int = 0, blocks=SRC, now: float = 0.0):
     return LayersReady(tid, epoch, lo, hi, first, blocks, now, now + 50, UNBOUND)
-
-
-def rz_tick(now: float) -> Tick:
-    return Tick(now)
 
 
 def sealed(epoch: int = 0, **kw) -> Prefilled:
@@ -64,18 +60,15 @@ def test_a_stream_writes_only_to_the_party_its_binding_admits() -> None:
     def bound(ev: LayersReady) -> LayersReady:
         return dataclasses.replace(ev, binding=("dnode", ""))
 
-    def by(identity: str, peer: str, attempt: int = 0) -> object:
-        return dataclasses.replace(reg(peer=peer, attempt=attempt), identity=identity)
-
     rv = Rendezvous()
     rv.handle(bound(lr(0, 2)))
-    assert of(StartGroupWrite, rv.handle(by("evil", "x"))) == []  # first, but not admitted
+    assert of(StartGroupWrite, rv.handle(_as("evil", reg(peer="x")))) == []  # first, but not admitted
     assert of(StartGroupWrite, rv.handle(bound(lr(2, 4)))) == []
     rv = Rendezvous()
     rv.handle(bound(lr(0, 2)))
-    (g,) = of(StartGroupWrite, rv.handle(by("dnode", "d0")))
+    (g,) = of(StartGroupWrite, rv.handle(_as("dnode", reg(peer="d0"))))
     assert g.peer == "d0"
-    assert rv.handle(by("evil", "x", attempt=1)) == []  # a rival is parked: no more groups until the seal picks
+    assert rv.handle(_as("evil", reg(peer="x", attempt=1))) == []  # a rival is parked: no more groups until the seal picks
     assert rv._recs["t"].parked  # the core's record (no view shows rivals)
     assert of(StartGroupWrite, rv.handle(bound(lr(2, 4)))) == []
     rv = Rendezvous()
@@ -156,22 +149,19 @@ def test_a_rival_parked_during_a_stream_is_answered_when_the_stream_ends() -> No
     landed, and gets the progress; if the group fails, the transfer fails and so is the rival
     told, not left parked."""
 
-    def by(identity: str, peer: str, attempt: int = 0) -> Registered:
-        return dataclasses.replace(reg(peer=peer, attempt=attempt), identity=identity)
-
     rv = Rendezvous()
-    rv.handle(by("nodeA", "a"))
+    rv.handle(_as("nodeA", reg(peer="a")))
     (g,) = of(StartGroupWrite, rv.handle(lr(0, 2)))
     rv.handle(Aborted("t", 0, "cancel", "peer", 1.0, peer="a"))
-    assert rv.handle(by("nodeB", "b", attempt=1)) == []  # parked: the owner's group still flies
+    assert rv.handle(_as("nodeB", reg(peer="b", attempt=1))) == []  # parked: the owner's group still flies
     out = rv.handle(WriteDone("t", 0, 0, 2.0, group=g.group))
     assert [type(a) for a in out] == [ConfirmCancel, StartGroupWrite]
     assert (out[1].peer, out[1].attempt) == ("b", 1) and rv.info("t").state is State.WAIT_PREFILL
 
     rv = Rendezvous()
-    rv.handle(by("nodeA", "a"))
+    rv.handle(_as("nodeA", reg(peer="a")))
     (g,) = of(StartGroupWrite, rv.handle(lr(0, 2)))
-    assert rv.handle(by("nodeB", "b", attempt=1)) == []
+    assert rv.handle(_as("nodeB", reg(peer="b", attempt=1))) == []
     out = rv.handle(WriteFailed("t", 0, 0, "boom", 2.0, group=g.group))
     assert sorted((a.peer, a.cause.value) for a in of(NotifyFailure, out)) == [("a", "write_failed"), ("b", "closed")]
     assert rv.info("t").state is State.FAILED and not rv._recs["t"].parked
@@ -181,17 +171,13 @@ def test_a_party_that_takes_over_gets_every_layer_not_the_owners_skips() -> None
     """Groups written to the owner's blocks are not in the heir's: when a parked party takes
     the transfer over (the owner cancelled, timed out or was lost), its final write skips
     nothing the owner got, and the groups kept go to it."""
-
-    def by(identity: str, peer: str, attempt: int = 0, deadline: float = 100.0) -> Registered:
-        return dataclasses.replace(reg(peer=peer, attempt=attempt, deadline=deadline), identity=identity)
-
-    ends = [Aborted("t", 0, "cancel", "peer", 2.0, peer="a"), rz_tick(6.0), PeerLost("a", 2.0)]
+    ends = [Aborted("t", 0, "cancel", "peer", 2.0, peer="a"), Tick(6.0), PeerLost("a", 2.0)]
     for end in ends:
         rv = Rendezvous()
-        rv.handle(by("nodeA", "a", deadline=5.0))
+        rv.handle(_as("nodeA", reg(peer="a", deadline=5.0)))
         (g,) = of(StartGroupWrite, rv.handle(lr(0, 2)))
         rv.handle(WriteDone("t", 0, 0, 1.0, group=g.group))
-        assert rv.handle(by("nodeB", "b", attempt=1)) == []  # parked
+        assert rv.handle(_as("nodeB", reg(peer="b", attempt=1))) == []  # parked
         out = rv.handle(end)
         (g2,) = of(StartGroupWrite, out)
         assert (g2.peer, [(p.layer_lo, p.layer_hi) for p in g2.parts]) == ("b", [(0, 2)]), end
@@ -282,8 +268,7 @@ def test_a_final_write_skips_only_layers_that_registrations_blocks_got(ops: list
         node, blocks = _PARTIES[peer]
         if op == "reg":
             ended.discard((n, peer))  # registers afresh (the decode side's new blocks)
-            ev: object = dataclasses.replace(reg(peer=peer, attempt=n, now=now, deadline=now + 5, blocks=blocks),
-                                             identity=node)
+            ev: object = _as(node, reg(peer=peer, attempt=n, now=now, deadline=now + 5, blocks=blocks))
         elif op == "lr":
             ev = lr(n, n + 1, now=now, epoch=epoch, blocks=src)
         elif op == "preempt":  # P restarts the request: its KV is computed again, elsewhere

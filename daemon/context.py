@@ -12,7 +12,7 @@ what they all need lives here, each fact with one owner:
 
 The ports (:class:`Wire` for the engine's unix socket and the peers' ZeroMQ, the transport for
 NIXL) are protocols, so the whole daemon can be driven in a unit test over the in-memory ones
-of :mod:`kvpush.testing.inmemory`.
+of :mod:`kvpush_dev.inmemory`.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvpush.daemon.daemon_config import DeviceConfig
-from kvpush.daemon.metrics import WorkerMetrics
+from kvpush.daemon.config import DeviceConfig
+from kvpush.daemon.metrics import DaemonMetrics
 from kvpush.proto.layout import KVLayout
 from kvpush.proto.trace import TraceRing
 
@@ -120,7 +120,7 @@ class DaemonContext:
     peer_endpoint: str  # what decode daemons dial to reach this one
     wire: Wire
     transport: Any  # NixlTransport or an in-memory stand-in with the same methods
-    metrics: WorkerMetrics
+    metrics: DaemonMetrics
     trace: TraceRing = field(default_factory=TraceRing)
     history: History = field(default_factory=History)
     auth: Any = None  # PeerAuth (None: insecure_peers, every peer is anonymous)

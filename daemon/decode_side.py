@@ -3,9 +3,9 @@
 Hops 2–3 and 7–8 of a request (see the sequence diagram in docs/design.md): the engine's Register
 becomes one PeerRegister per prefill rank that holds some of our heads; each of those
 producers' NIXL notifications is counted by the completion counter
-(:mod:`kvpush.daemon.counter`), which alone decides Received / ReceiveFailed / Released.
+(:mod:`kvpush.daemon.core.counter`), which alone decides Received / ReceiveFailed / Released.
 The counter owns everything about a registration (attempt, producers, deadline); this module
-owns the producer links (:mod:`kvpush.daemon.peers`) and the polling hints.
+owns the producer links (:mod:`kvpush.daemon.core.peers`) and the polling hints.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ import time
 from typing import Any
 
 from kvpush import proto
-from kvpush.daemon import counter as ctr
-from kvpush.daemon import peers as pr
-from kvpush.daemon.checks import bounded_s, check_blocks
 from kvpush.daemon.context import DaemonContext
+from kvpush.daemon.core import counter as ctr
+from kvpush.daemon.core import peers as pr
+from kvpush.daemon.core.checks import bounded_s, check_blocks
+from kvpush.daemon.core.peers import LinkAction, PeerLinkState, Producer
+from kvpush.daemon.core.planner import PlanError, producer_fanout
 from kvpush.daemon.handshake import compat_error, make_hello
-from kvpush.daemon.peers import LinkAction, PeerLinkState, Producer
-from kvpush.daemon.planner import PlanError, producer_fanout
 from kvpush.proto.notif import Notification
 from kvpush.proto.params import MAX_SECRET
 
@@ -45,7 +45,7 @@ class DecodeSide:
         self.ctx = ctx
         self.cfg = ctx.cfg
         # A timed-out registration's producers get a short grace to confirm a cancel: a live one
-        # answers in a round trip, and only then is a Fail safe (see kvpush.daemon.counter).
+        # answers in a round trip, and only then is a Fail safe (see kvpush.daemon.core.counter).
         self.counter = ctr.CompletionCounter(cancel_grace_s=min(CANCEL_GRACE_MAX_S, self.cfg.peer_timeout_s))
         self.producers: dict[str, Producer] = {}  # endpoint -> prefill daemon
         # transfer -> a WRITE its producer announced may still land until (monotonic)

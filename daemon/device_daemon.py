@@ -1,17 +1,17 @@
 """One accelerator's daemon: the composition root and the loop that drives its parts.
 
 The parts (each its own module, each unit-tested through the in-memory ports of
-:mod:`kvpush.testing.inmemory`):
+:mod:`kvpush_dev.inmemory`):
 
 * :class:`EngineSession` — the local engine rank: Attach, Register, PrefillDone, Abort;
 * :class:`PrefillSide` — decode peers that dial us, the rendezvous core, our WRITEs;
 * :class:`DecodeSide` — links to prefill daemons, the completion counter, notifications;
-* :mod:`kvpush.daemon.ops_views` — ``kvpushctl``'s view and commands.
+* :mod:`kvpush.daemon.ops.views` — ``kvpushctl``'s view and commands.
 
-They share a :class:`DaemonContext` (identity, ports, records). :class:`Worker` composes
+They share a :class:`DaemonContext` (identity, ports, records). :class:`DeviceDaemon` composes
 them over its :class:`Ports`, the one composition of a daemon: :func:`real_ports` builds the
 real ones (the socket shell :class:`DaemonWire`, :class:`NixlTransport`, peer keys, the shm
-ledger), :class:`kvpush.testing.inmemory.MemNode` is the same ``Worker`` over in-memory
+ledger), :class:`kvpush_dev.inmemory.MemNode` is the same ``DeviceDaemon`` over in-memory
 ports, so the timers it ticks are the real ones. The worker runs the loop: one thread that blocks on its sockets while idle (no NIXL progress thread, no busy
 polling), polls NIXL with a short adaptive interval only while WRITEs are in flight or
 notifications are expected, and ticks the cores' timers every 50 ms.
@@ -32,19 +32,19 @@ from typing import Any
 import zmq
 
 from kvpush import proto
+from kvpush.daemon.config import DeviceConfig, cpu_set
 from kvpush.daemon.context import DaemonContext, exit_fence
-from kvpush.daemon.daemon_config import DeviceConfig, cpu_set
+from kvpush.daemon.core.peers import PeerLinkState
 from kvpush.daemon.decode_side import DecodeSide
-from kvpush.daemon.endpoints import Endpoints
 from kvpush.daemon.engine_session import EngineSession, LocalTrust, RegionOpener, map_engine_region
-from kvpush.daemon.kv_mapping import ShmLedger
-from kvpush.daemon.metrics import WorkerMetrics
-from kvpush.daemon.ops_views import DaemonView, handle_ops
-from kvpush.daemon.peerauth import PeerAuth
-from kvpush.daemon.peers import PeerLinkState
+from kvpush.daemon.io.endpoints import Endpoints
+from kvpush.daemon.io.kv_mapping import ShmLedger
+from kvpush.daemon.io.transport import NixlTransport
+from kvpush.daemon.io.wire import DaemonWire, frame_node
+from kvpush.daemon.metrics import DaemonMetrics
+from kvpush.daemon.ops.views import DaemonView, handle_ops
 from kvpush.daemon.prefill_side import PrefillSide
-from kvpush.daemon.transport import NixlTransport
-from kvpush.daemon.wire import DaemonWire, frame_node
+from kvpush.daemon.trust.peerauth import PeerAuth
 from kvpush.proto.card import DaemonCard, card_path, remove_card, write_card
 
 log = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ class _Late:
 
 @dataclass
 class Ports:
-    """Everything a :class:`Worker` talks to outside its own process state."""
+    """Everything a :class:`DeviceDaemon` talks to outside its own process state."""
 
     wire: Any  # the Wire port (context.Wire); the real one also drives the loop's sockets
     transport: Any  # NixlTransport or an in-memory stand-in with the same methods
@@ -150,7 +150,7 @@ def real_ports(cfg: DeviceConfig) -> Ports:
     )
 
 
-class Worker:
+class DeviceDaemon:
     """One device's daemon: its parts over its ports, and the loop (startup, step, tick,
     shutdown)."""
 
@@ -159,11 +159,11 @@ class Worker:
         self.ports = ports
         self.wire = ports.wire
         self.ctx = DaemonContext(cfg, ports.daemon_id, ports.agent_name, ports.peer_endpoint, ports.wire,
-                                 ports.transport, WorkerMetrics(cfg.name), auth=ports.auth, fence=ports.fence)
+                                 ports.transport, DaemonMetrics(cfg.name), auth=ports.auth, fence=ports.fence)
         if ports.on_bad is not None:
             ports.on_bad.target = self.ctx.bad
         if cfg.otlp_traces_endpoint:
-            from kvpush.daemon.otel import SpanSink
+            from kvpush.common.otel import SpanSink
 
             self.ctx.trace.sink = SpanSink(f"kvpushd {cfg.name}", cfg.otlp_traces_endpoint).on_end(
                 f"kvpushd {cfg.name}")
@@ -377,7 +377,7 @@ def pin(cfg: DeviceConfig) -> None:
         log.info("daemon %s pinned to CPUs %s", cfg.name, ",".join(map(str, sorted(cpus))))
 
 
-def run_worker(cfg: DeviceConfig, ready_event: Any = None) -> int:
+def run_device_daemon(cfg: DeviceConfig, ready_event: Any = None) -> int:
     """Entry point of one accelerator's daemon (a supervisor child or `kvpushd worker`)."""
     logging.basicConfig(
         level=getattr(logging, str(cfg.log_level).upper(), logging.INFO),
@@ -389,7 +389,7 @@ def run_worker(cfg: DeviceConfig, ready_event: Any = None) -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     _tight_timers()
     pin(cfg)
-    w = Worker(cfg, real_ports(cfg))
+    w = DeviceDaemon(cfg, real_ports(cfg))
 
     def stop(signum: int, _frame: Any) -> None:
         w.stopping = True

@@ -23,7 +23,7 @@ from typing import Any
 from kvpush import proto
 from kvpush.daemon.context import Attached, DaemonContext
 from kvpush.daemon.decode_side import DecodeSide
-from kvpush.daemon.peercred import Holder, PeerCred, PeerTable, attach_refusal
+from kvpush.daemon.io.peercred import Holder, PeerCred, PeerTable, attach_refusal
 from kvpush.daemon.prefill_side import PrefillSide
 from kvpush.proto.handles import RegionError, process_start_time, shm_info
 from kvpush.proto.trace import HOP_SET
@@ -37,7 +37,7 @@ REAP_EVERY_S = 1.0  # how often exited engines' memory is looked for
 
 
 def map_engine_region(memory: proto.MemoryHandle, owner: Any = None) -> Any:
-    from kvpush.daemon.kv_mapping import open_region
+    from kvpush.daemon.io.kv_mapping import open_region
 
     return open_region(memory, owner)
 
@@ -49,7 +49,7 @@ class LocalTrust:
     taken as it comes."""
 
     peers: PeerTable
-    ledger: Any = None  # kvpush.daemon.kv_mapping.ShmLedger (None: nothing recorded)
+    ledger: Any = None  # kvpush.daemon.io.kv_mapping.ShmLedger (None: nothing recorded)
     start_time: Callable[[int], int | None] = process_start_time
     restart_grace_s: float = RESTART_GRACE_S
 
@@ -120,7 +120,7 @@ class EngineSession:
                 ctx.bad("attach_refused", f"engine {msg.engine_id!r}: {refusal}")
                 ctx.wire.to_engine(ident, proto.Error("attach_refused", refusal))
                 return
-            from kvpush.daemon.kv_mapping import ShmOwner
+            from kvpush.daemon.io.kv_mapping import ShmOwner
 
             assert peer is not None
             owner = ShmOwner(peer.pid, peer.uid)
@@ -217,7 +217,7 @@ class EngineSession:
         return held, peer_start
 
     def _record(self, region: Any) -> None:
-        from kvpush.daemon.kv_mapping import ShmRecord, ShmRegion
+        from kvpush.daemon.io.kv_mapping import ShmRecord, ShmRegion
 
         ledger = self.trust.ledger if self.trust is not None else None
         if ledger is not None and isinstance(region, ShmRegion):

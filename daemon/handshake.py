@@ -2,14 +2,14 @@
 
 Both sides of the daemon (the prefill side answering, the decode side dialling) build and
 check Hellos here, so "compatible" means the same thing in both directions and the byte-level
-rule is the planner's own (:func:`kvpush.daemon.planner.check_compatible`).
+rule is the planner's own (:func:`kvpush.daemon.core.planner.check_compatible`).
 """
 
 from __future__ import annotations
 
 from kvpush import proto
 from kvpush.daemon.context import DaemonContext
-from kvpush.daemon.planner import PlanError, check_compatible
+from kvpush.daemon.core.planner import PlanError, check_compatible
 from kvpush.proto.codec import clip
 
 REFUSED = "handshake refused"

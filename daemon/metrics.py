@@ -1,4 +1,4 @@
-"""Worker-side Prometheus metrics: one registry per accelerator daemon.
+"""A device daemon's Prometheus metrics: one registry per accelerator daemon.
 
 Each worker owns a private ``CollectorRegistry`` (not the global one) so that tests can run
 several workers in one process and the supervisor can merge the children's text by device.
@@ -26,7 +26,7 @@ WRITE_LATENCY_BUCKETS: tuple[float, ...] = (
 )
 
 
-class WorkerMetrics:
+class DaemonMetrics:
     """The metrics one worker updates; methods are cheap enough for the poll loop."""
 
     def __init__(self, device: str) -> None:

@@ -1,7 +1,7 @@
 """The prefill side of one daemon: decode peers that dial us, the rendezvous, our WRITEs.
 
 Hops 4–6 of a request (see the sequence diagram in docs/design.md): the engine's PrefillDone and the
-decode daemons' PeerRegisters meet in the rendezvous core (:mod:`kvpush.daemon.rendezvous`),
+decode daemons' PeerRegisters meet in the rendezvous core (:mod:`kvpush.daemon.core.rendezvous`),
 whose StartWrite actions become NIXL WRITEs with a notification; their completion releases
 the engine's blocks. This module owns the consumer records, the rendezvous core, the WRITEs
 in flight and the prepared descriptor lists; it talks to ZeroMQ and NIXL only through the
@@ -21,32 +21,27 @@ from typing import Any
 import numpy as np
 
 from kvpush import proto
-from kvpush.daemon import quotas
-from kvpush.daemon import rendezvous as rv
-from kvpush.daemon.checks import (
+from kvpush.daemon.context import DaemonContext
+from kvpush.daemon.core import quotas
+from kvpush.daemon.core import rendezvous as rv
+from kvpush.daemon.core.checks import (
     bounded_s,
     check_binding,
     check_blocks,
     check_progress,
     progress_events,
 )
-from kvpush.daemon.context import DaemonContext
+from kvpush.daemon.core.peers import Consumer
+from kvpush.daemon.core.planner import PlanError, addresses, block_pattern, plan, unwritten
 from kvpush.daemon.handshake import compat_error, make_hello, refusal
-from kvpush.daemon.layer_gate import EventError, LayerGate
-from kvpush.daemon.peerauth import endpoint_host
-from kvpush.daemon.peers import Consumer
-from kvpush.daemon.planner import PlanError, addresses, block_pattern, plan, unwritten
+from kvpush.daemon.io.layer_gate import EventError, LayerGate
+from kvpush.daemon.trust.peerauth import endpoint_host
 from kvpush.proto.notif import Notification
 from kvpush.proto.params import MAX_SECRET
 
 log = logging.getLogger(__name__)
 
 
-
-#: Does this daemon post layer-group WRITEs? (The lab bench and tests read it to skip the
-#: layer-wise modes of a daemon that would only write whole requests.) It streams to a consumer
-#: whose descriptor lists are prepared (equal block sizes); to others the seal writes it all.
-STREAMS_LAYERS = True
 
 # Poll cap while one of our WRITEs is in flight. NIXL runs without UCX's progress thread, so a
 # WRITE over TCP moves bytes only while we poll it: backing off like an idle loop would cap a

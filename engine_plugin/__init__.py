@@ -1,6 +1,6 @@
 """kvpush.engine_plugin: the thin vLLM side of kvpush.
 
-``KVPushConnector`` is resolved lazily so that ``kvpush.engine_plugin.client``
+``KVPushConnector`` is resolved lazily so that ``kvpush.engine_plugin.link.client``
 (and the daemon's tests) import without vLLM installed.
 """
 

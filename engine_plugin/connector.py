@@ -23,11 +23,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvpush.engine_plugin.connector_config import PluginConfig
+from kvpush.engine_plugin.config import PluginConfig
 from kvpush.engine_plugin.metadata import KVPushMetadata
-from kvpush.engine_plugin.scheduler_half import KVPushScheduler
+from kvpush.engine_plugin.scheduler.half import KVPushScheduler
 from kvpush.engine_plugin.stats import KVPushPromMetrics, KVPushStats, StatsDelta
-from kvpush.engine_plugin.worker_half import KVPushWorker
+from kvpush.engine_plugin.worker.half import KVPushWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

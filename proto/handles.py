@@ -1,7 +1,7 @@
 """What a :class:`~kvpush.proto.messages.MemoryHandle` carries, per memory kind.
 
-The engine plugin exports its KV memory (``kvpush.engine_plugin.kv_export``) and the daemon maps
-it (``kvpush.daemon.kv_mapping``); this module is the contract between them: the payload
+The engine plugin exports its KV memory (``kvpush.engine_plugin.worker.export``) and the daemon maps
+it (``kvpush.daemon.io.kv_mapping``); this module is the contract between them: the payload
 dataclasses that travel in ``MemoryHandle.handle`` (encoded by the one codec, validated at the
 daemon like any wire field), the shm naming rule, and what a process start time means.
 

@@ -1,6 +1,6 @@
 """What each ops command answers: the data of an ``OpsReply``, as typed dataclasses.
 
-The daemon (``daemon/ops_views.py``) builds these and sends ``to_data()`` as ``OpsReply.data``;
+The daemon (``daemon/ops/views.py``) builds these and sends ``to_data()`` as ``OpsReply.data``;
 its clients (``kvpushctl``, the supervisor's ``/metrics`` scrape, test harnesses) read
 them back with :func:`parse_reply`, which checks every field and raises
 :class:`OpsDataError` naming the field, never a ``KeyError`` deep inside a renderer.

@@ -8,8 +8,8 @@ this link (``scripts/bench_wake.py``, ``daemon_rtt_us``).
 
 One frame is a 4-byte big-endian length and then that many bytes: one msgpack message
 (:mod:`kvpush.proto.codec`). Both ends, the daemon's listener
-(:mod:`kvpush.daemon.enginelink`) and the engine's client
-(:mod:`kvpush.engine_plugin.client`), frame, deframe and buffer unsent frames through this
+(:mod:`kvpush.daemon.io.enginelink`) and the engine's client
+(:mod:`kvpush.engine_plugin.link.client`), frame, deframe and buffer unsent frames through this
 module only.
 
 :class:`Deframer` is sans-IO: bytes in, whole frames out. A length over the receiver's bound

@@ -91,7 +91,7 @@ class TraceRing:
     """Bounded timelines keyed by transfer ID. Not thread-safe (one owner thread).
 
     ``sink``, if set, is handed a copy of a timeline when an :data:`END_HOPS` hop is stamped
-    (the optional OpenTelemetry export, kvpush.daemon.otel); it must not block."""
+    (the optional OpenTelemetry export, kvpush.common.otel); it must not block."""
 
     __slots__ = ("max_transfers", "max_events", "_t", "sink")
 

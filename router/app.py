@@ -29,7 +29,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kvpush.daemon import otel
+from kvpush.common import otel
 from kvpush.proto.params import DecodeLeg, PrefillLeg, new_secret
 from kvpush.proto.trace import TraceRing
 from kvpush.router import first_token
@@ -62,7 +62,7 @@ class Router(Upstreams):
         # Per-request timeline (kvpushctl trace --router URL) and x-request-id -> transfer_id.
         self.trace = TraceRing()
         self.request_ids: dict[str, str] = {}
-        # Optional OpenTelemetry export of each request's timeline (kvpush.daemon.otel).
+        # Optional OpenTelemetry export of each request's timeline (kvpush.common.otel).
         self.spans = otel.SpanSink("kvpush-router", cfg.otlp_traces_endpoint) if cfg.otlp_traces_endpoint else None
 
     def pick(self, pool: list[Backend], key: str) -> Backend:
@@ -142,7 +142,7 @@ class Router(Upstreams):
             return _error(400, str(exc))
         self.stats["requests"] += 1
         # One trace per request: the client's (or, when exporting, a new one) goes on to both
-        # engines (vLLM's spans) and, inside the transfer ID, to both daemons (kvpush.daemon.otel).
+        # engines (vLLM's spans) and, inside the transfer ID, to both daemons (kvpush.common.otel).
         parent = otel.parse_traceparent(req.headers.get("traceparent"))
         span = parent.child() if parent else otel.TraceContext.new() if self.spans else None
         transfer_id = otel.transfer_id_for(span) if span else f"kvp-{uuid.uuid4().hex}"

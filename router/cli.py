@@ -19,7 +19,7 @@ import argparse
 import logging
 import sys
 
-from kvpush.daemon import logfmt
+from kvpush.common import logfmt
 from kvpush.proto.buildinfo import version_line
 from kvpush.router.router_config import (
     LOG_FORMATS,

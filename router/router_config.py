@@ -34,7 +34,7 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpush.configschema import (
+from kvpush.common.configschema import (
     ConfigError,
     check_fields,
     check_non_negative,
@@ -83,7 +83,7 @@ def _check_body_bytes(name: str, value: Any) -> None:
 @dataclass
 class RouterConfig:
     """The router's settings; the fields made with ``key`` are the file's scalar keys
-    (kvpush.configschema), ``listen`` sets host and port, [[prefill]] / [[decode]] the pools."""
+    (kvpush.common.configschema), ``listen`` sets host and port, [[prefill]] / [[decode]] the pools."""
 
     prefill: list[Backend]
     decode: list[Backend]

@@ -1,5 +1,5 @@
-"""Benchmarks across the multi-host lab (see kvpush.testing.bench.lab)."""
-from kvpush.testing.bench.lab import main
+"""Benchmarks across the multi-host lab (see kvpush_dev.bench.lab)."""
+from kvpush_dev.bench.lab import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

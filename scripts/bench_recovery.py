@@ -1,6 +1,6 @@
 """Recovery on real engines: freeze one daemon with SIGSTOP, resume it, time every request.
 
-Starts the local P/D stack (testing/pd_stack.py: kvpushd, a prefill and a decode vLLM engine,
+Starts the local P/D stack (dev/kvpush_dev/pd_stack.py: kvpushd, a prefill and a decode vLLM engine,
 the router) after a colocated reference run of the same prompts (greedy). Then, for each daemon
 to freeze (the prefill daemon, cpu0; the decode daemon, cpu1): SIGSTOP it for ``--stop-s``,
 send requests during the stop (including a few seconds before SIGCONT) and right after it,
@@ -25,12 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from kvpush import proto
-from kvpush.daemon import opsclient
-from kvpush.testing import vllm_env as ve
-from kvpush.testing.pd_stack import PDStack, prompt_tokens_by_source
-from kvpush.testing.procs import free_port
-from kvpush.testing.prom import parse
-from kvpush.testing.sse import run_prompts, stream_one
+from kvpush.daemon.ops import client as opsclient
+from kvpush_dev import vllm_env as ve
+from kvpush_dev.pd_stack import PDStack, prompt_tokens_by_source
+from kvpush_dev.procs import free_port
+from kvpush_dev.prom import parse
+from kvpush_dev.sse import run_prompts, stream_one
 
 ROOT = ve.ROOT
 BACK_BOUND_S = 2.0

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Thin entry point: what a revocation's NIXL rotation costs (``kvpush.testing.bench.rotation``; ``--help`` there)."""
-from kvpush.testing.bench.rotation import main
+"""Thin entry point: what a revocation's NIXL rotation costs (``kvpush_dev.bench.rotation``; ``--help`` there)."""
+from kvpush_dev.bench.rotation import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

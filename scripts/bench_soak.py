@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Thin entry point: soak benchmarks, collections and RSS after many transfers (``kvpush.testing.bench.soak``; ``--help`` there)."""
-from kvpush.testing.bench.soak import main
+"""Thin entry point: soak benchmarks, collections and RSS after many transfers (``kvpush_dev.bench.soak``; ``--help`` there)."""
+from kvpush_dev.bench.soak import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -1,4 +1,4 @@
-"""Write docs/configuration.md from the config schemas (kvpush.configschema), or check it.
+"""Write docs/configuration.md from the config schemas (kvpush.common.configschema), or check it.
 
     python scripts/config_reference.py            # rewrite docs/configuration.md
     python scripts/config_reference.py --check    # exit 1 if it differs from the schemas
@@ -14,8 +14,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvpush.configschema import describe, markdown_table
-from kvpush.daemon.daemon_config import (
+from kvpush.common.configschema import describe, markdown_table
+from kvpush.daemon.config import (
     DEFAULT_CONFIG,
     DEVICE,
     NODE,
@@ -25,7 +25,7 @@ from kvpush.daemon.daemon_config import (
     NodeConfig,
     env_var,
 )
-from kvpush.engine_plugin.connector_config import PluginConfig
+from kvpush.engine_plugin.config import PluginConfig
 from kvpush.router.router_config import LISTEN_DOC, RouterConfig
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"

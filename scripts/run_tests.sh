@@ -25,5 +25,7 @@ if ! command -v systemd-analyze >/dev/null || ! command -v shellcheck >/dev/null
 fi
 bash scripts/setup_env.sh "${KVPUSH_SETUP_ARGS:---vllm}"
 VENV="${KVPUSH_VENV:-$ROOT/.venv}"
-"$VENV/bin/ruff" check machine configschema daemon engine_plugin proto router testing scripts tests
+"$VENV/bin/ruff" check common daemon engine_plugin proto router dev scripts tests
+# The layering docs/design.md draws (pyproject.toml [tool.importlinter]): quiet when kept.
+"$VENV/bin/lint-imports" --no-cache >/dev/null || "$VENV/bin/lint-imports" --no-cache
 exec "$VENV/bin/python" -m pytest "$@"

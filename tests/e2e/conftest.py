@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpush.testing import vllm_env
+from kvpush_dev import vllm_env
 
 ROOT = vllm_env.ROOT
 MODEL_DIR = Path(os.environ.get("KVPUSH_TINY_MODEL", ROOT / ".models" / "tiny"))
@@ -35,7 +35,7 @@ def tiny_model() -> Path:
 
 @pytest.fixture(scope="session")
 def pd(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
-    from kvpush.testing.pd_stack import PDStack
+    from kvpush_dev.pd_stack import PDStack
 
     stack = PDStack(tiny_model, tmp_path_factory.mktemp("pd"), keys_dir=tmp_path_factory.getbasetemp())
     stack.start()

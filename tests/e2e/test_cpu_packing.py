@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvpush.daemon.planner import PlanError, plan
+from kvpush.daemon.core.planner import PlanError, plan
 from kvpush.proto.layout import KVLayout, vllm_cpu_layout
 
 pytestmark = pytest.mark.e2e

@@ -21,8 +21,8 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpush.testing.pd_stack import PDStack, prompt_tokens_by_source
-from kvpush.testing.procs import free_port
+from kvpush_dev.pd_stack import PDStack, prompt_tokens_by_source
+from kvpush_dev.procs import free_port
 
 pytestmark = pytest.mark.e2e
 

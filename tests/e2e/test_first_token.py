@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
-from kvpush.testing import prom
-from kvpush.testing import vllm_env as ve
-from kvpush.testing.pd_stack import PDStack
-from kvpush.testing.tiny_model import prompt_ids as ids
+from kvpush_dev import prom
+from kvpush_dev import vllm_env as ve
+from kvpush_dev.pd_stack import PDStack
+from kvpush_dev.tiny_model import prompt_ids as ids
 
 pytestmark = pytest.mark.e2e
 

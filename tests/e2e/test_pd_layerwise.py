@@ -18,9 +18,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from kvpush.testing import prom
-from kvpush.testing.pd_stack import PDStack, prompt_tokens_by_source
-from kvpush.testing.tiny_model import prompt_ids as ids
+from kvpush_dev import prom
+from kvpush_dev.pd_stack import PDStack, prompt_tokens_by_source
+from kvpush_dev.tiny_model import prompt_ids as ids
 
 pytestmark = pytest.mark.e2e
 
@@ -73,7 +73,7 @@ def test_vllm_cpu_calls_save_kv_layer_and_the_plugin_publishes_frames(pd_stream:
 def streamed_groups(pd: PDStack) -> int:
     """Layer groups the prefill daemon's final WRITEs did not send again (they had landed)."""
     from kvpush import proto
-    from kvpush.daemon.ctl import Target, ask
+    from kvpush.daemon.ops.ctl import Target, ask
 
     t = Target(pd.ops_socket(0), "cpu0")
     ask([t], proto.OpsRequest("transfers"), 5.0)

@@ -24,14 +24,14 @@ from typing import Any
 
 import pytest
 
-from kvpush.daemon import otel
-from kvpush.testing import vllm_env as ve
-from kvpush.testing.labstack import DAEMON_NICE
-from kvpush.testing.otlp import OtlpReceiver
-from kvpush.testing.pd_stack import PDStack, kvpush_transfer_config
-from kvpush.testing.procs import free_port
-from kvpush.testing.prom import scrape
-from kvpush.testing.tiny_model import prompt_ids as ids
+from kvpush.common import otel
+from kvpush_dev import vllm_env as ve
+from kvpush_dev.labstack import DAEMON_NICE
+from kvpush_dev.otlp import OtlpReceiver
+from kvpush_dev.pd_stack import PDStack, kvpush_transfer_config
+from kvpush_dev.procs import free_port
+from kvpush_dev.prom import scrape
+from kvpush_dev.tiny_model import prompt_ids as ids
 
 pytestmark = pytest.mark.e2e
 
@@ -86,7 +86,7 @@ def external_by_replica(metrics_url: str) -> dict[str, float]:
 
 def received_ok(stack: PDStack) -> set[str]:
     """Transfer IDs the decode daemon (device 1) finished receiving whole."""
-    from kvpush.testing.bench.layerwise import recent_transfers
+    from kvpush_dev.bench.layerwise import recent_transfers
 
     return {r["transfer_id"] for r in recent_transfers(stack.ops_socket(1)) if r.get("result") == "ok"}
 

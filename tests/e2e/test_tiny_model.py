@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpush.testing import vllm_env
+from kvpush_dev import vllm_env
 
 pytestmark = pytest.mark.e2e
 
@@ -52,7 +52,7 @@ def test_chat_template_works(port: int) -> None:
 
 
 def test_stop_group_leaves_nothing(tiny_model: Path, tmp_path: Path) -> None:
-    from kvpush.testing.procs import free_port
+    from kvpush_dev.procs import free_port
 
     p = free_port()
     proc = vllm_env.start_engine(tiny_model, p, tmp_path / "e.log", cpu_bind="1")

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from kvpush.daemon import otel
-from kvpush.testing import vllm_env as ve
-from kvpush.testing.otlp import OtlpReceiver
-from kvpush.testing.pd_stack import PDStack, prompt_tokens_by_source
-from kvpush.testing.procs import free_port, popen
+from kvpush.common import otel
+from kvpush_dev import vllm_env as ve
+from kvpush_dev.otlp import OtlpReceiver
+from kvpush_dev.pd_stack import PDStack, prompt_tokens_by_source
+from kvpush_dev.procs import free_port, popen
 
 pytestmark = pytest.mark.e2e
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpush.testing.daemon_harness import Daemon, device_config
+from kvpush_dev.daemon_harness import Daemon, device_config
 
 
 @pytest.fixture(scope="module")

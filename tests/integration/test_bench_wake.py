@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvpush.testing.bench.wake import main
+from kvpush_dev.bench.wake import main
 
 pytestmark = pytest.mark.integration
 

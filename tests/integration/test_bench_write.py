@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvpush.testing.bench.raw_nixl import _raw
-from kvpush.testing.bench.transfer import BLOCK_BYTES, daemon_e2e_gbps, daemon_pair
+from kvpush_dev.bench.raw_nixl import _raw
+from kvpush_dev.bench.transfer import BLOCK_BYTES, daemon_e2e_gbps, daemon_pair
 
 pytestmark = pytest.mark.integration
 

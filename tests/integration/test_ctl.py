@@ -27,9 +27,9 @@ import numpy as np
 import pytest
 
 from kvpush import proto
-from kvpush.daemon.ctl import main as ctl_main
-from kvpush.testing.daemon_harness import Daemon, Engine, device_config
-from kvpush.testing.kvref import make, reference_copy
+from kvpush.daemon.ops.ctl import main as ctl_main
+from kvpush_dev.daemon_harness import Daemon, Engine, device_config
+from kvpush_dev.kvref import make, reference_copy
 
 pytestmark = pytest.mark.integration
 
@@ -60,7 +60,7 @@ def ctl_json(*args: str) -> dict[str, Any]:
 
 def kvpushctl_cmd() -> list[str]:
     exe = shutil.which("kvpushctl", path=str(BIN))
-    return [exe] if exe else [sys.executable, "-m", "kvpush.daemon.ctl"]
+    return [exe] if exe else [sys.executable, "-m", "kvpush.daemon.ops.ctl"]
 
 
 def ctl_proc(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
@@ -383,7 +383,7 @@ def unprivileged() -> dict[str, Any]:
         return {}
     kw: dict[str, Any] = {"user": 65534, "group": 65534, "extra_groups": [], "cwd": "/"}
     try:
-        r = subprocess.run([sys.executable, "-c", "import kvpush.daemon.ctl"],
+        r = subprocess.run([sys.executable, "-c", "import kvpush.daemon.ops.ctl"],
                            capture_output=True, text=True, timeout=60, **kw)
     except OSError as e:
         pytest.skip(f"running as root and user nobody cannot start {sys.executable} ({e}); "

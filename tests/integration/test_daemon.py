@@ -19,7 +19,7 @@ import zmq
 
 from kvpush import proto
 from kvpush.proto.layout import KVLayout
-from kvpush.testing.daemon_harness import (
+from kvpush_dev.daemon_harness import (
     Daemon,
     Engine,
     amx_layout,
@@ -32,8 +32,8 @@ from kvpush.testing.daemon_harness import (
     register,
     tid,
 )
-from kvpush.testing.engine_peer import raw_request
-from kvpush.testing.kvref import reference_copy
+from kvpush_dev.engine_peer import raw_request
+from kvpush_dev.kvref import reference_copy
 
 pytestmark = pytest.mark.integration
 

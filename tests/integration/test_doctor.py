@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from kvpush.daemon.ctl import main as ctl_main
-from kvpush.daemon.peerauth import keygen
-from kvpush.testing.daemon_harness import Daemon, Engine, device_config
-from kvpush.testing.kvref import make
+from kvpush.daemon.ops.ctl import main as ctl_main
+from kvpush.daemon.trust.peerauth import keygen
+from kvpush_dev.daemon_harness import Daemon, Engine, device_config
+from kvpush_dev.kvref import make
 
 pytestmark = pytest.mark.integration
 

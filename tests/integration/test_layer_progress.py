@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from kvpush import proto
-from kvpush.daemon.planner import plan
-from kvpush.testing.daemon_harness import (
+from kvpush.daemon.core.planner import plan
+from kvpush_dev.daemon_harness import (
     Engine,
     amx_layout,
     check_transfer,

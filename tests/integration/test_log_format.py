@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from kvpush.daemon import logfmt
-from kvpush.testing.keys import lab_keys
-from kvpush.testing.procs import free_port
+from kvpush.common import logfmt
+from kvpush_dev.keys import lab_keys
+from kvpush_dev.procs import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -97,18 +97,18 @@ def test_kvpushd_json_lines_from_supervisor_and_device_daemon(runtime: Path, how
     else:
         (runtime / "kvpushd.toml").write_text('log_format = "json"\n')
         args += ["--config", str(runtime / "kvpushd.toml")]
-    lines = _run_until([sys.executable, "-m", "kvpush.daemon.cli", *args], port, _device_line,
+    lines = _run_until([sys.executable, "-m", "kvpush.daemon.node.cli", *args], port, _device_line,
                        lab_keys(runtime).env())
     objs = [json.loads(ln) for ln in lines]  # every line is one JSON object
     loggers = {o["logger"] for o in objs}
-    assert any(n.startswith("kvpush.daemon.") and n != "kvpush.daemon.supervisor" for n in loggers), loggers
-    assert "kvpush.daemon.supervisor" in loggers, loggers
+    assert any(n.startswith("kvpush.daemon.") and n != "kvpush.daemon.node.supervisor" for n in loggers), loggers
+    assert "kvpush.daemon.node.supervisor" in loggers, loggers
     assert {o["process"] for o in objs} >= {"MainProcess"} and len({o["pid"] for o in objs}) >= 2, objs
 
 
 def test_kvpushd_text_is_the_default(runtime: Path) -> None:
     port = free_port()
-    lines = _run_until([sys.executable, "-m", "kvpush.daemon.cli", "--devices", "cpu0", "--runtime-dir",
+    lines = _run_until([sys.executable, "-m", "kvpush.daemon.node.cli", "--devices", "cpu0", "--runtime-dir",
                         str(runtime), "--base-port", str(free_port()), "--metrics-port", str(port)],
                        port, lambda ls: any(" is up" in ln for ln in ls), lab_keys(runtime).env())
     assert lines and not any(ln.startswith("{") for ln in lines), lines

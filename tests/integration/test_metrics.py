@@ -30,11 +30,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpush import proto
-from kvpush.daemon.ctl import main as ctl_main
-from kvpush.daemon.daemon_config import DeviceConfig
-from kvpush.testing.daemon_harness import Engine, ops_request
-from kvpush.testing.keys import lab_keys
-from kvpush.testing.kvref import make
+from kvpush.daemon.config import DeviceConfig
+from kvpush.daemon.ops.ctl import main as ctl_main
+from kvpush_dev.daemon_harness import Engine, ops_request
+from kvpush_dev.keys import lab_keys
+from kvpush_dev.kvref import make
 
 pytestmark = pytest.mark.integration
 

@@ -3,7 +3,7 @@
 Engine stand-ins hold their KV the way vLLM allocates it on GPU (one allocation per layer, in
 the attention backend's shape; or the installed vLLM's one backing allocation), exported as
 one shared-memory region per allocation; the layouts come from
-:func:`kvpush.engine_plugin.layouts.derive_layout`. After each transfer the decode caches,
+:func:`kvpush.engine_plugin.worker.layouts.derive_layout`. After each transfer the decode caches,
 read through the backends' own views, equal the reference copy made token by token.
 """
 
@@ -15,9 +15,9 @@ import os
 import pytest
 
 from kvpush import proto
-from kvpush.engine_plugin.layouts import BACKENDS, derive_layout, shape_for_backend
-from kvpush.testing.daemon_harness import Daemon, Engine, device_config
-from kvpush.testing.vllm_layouts import (
+from kvpush.engine_plugin.worker.layouts import BACKENDS, derive_layout, shape_for_backend
+from kvpush_dev.daemon_harness import Daemon, Engine, device_config
+from kvpush_dev.vllm_layouts import (
     caches_equal,
     clone_caches,
     ignore_tail,
@@ -171,7 +171,7 @@ def test_mla_tp2_to_tp2_one_producer_per_destination(daemons):
 def test_gpu_check_daemon_step_passes_on_cpu_regions():
     """scripts/gpu_check.sh's daemon step, run with shm regions: the check itself can pass
     (its reference, comparison and clean-up are right); on a GPU it runs with CUDA IPC."""
-    from kvpush.testing.gpu_check import step_daemon
+    from kvpush_dev.gpu_check import step_daemon
 
     line = step_daemon("cpu")
     assert line.count("bytes equal") == 2 and "4+4 cpu regions" in line

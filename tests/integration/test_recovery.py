@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from kvpush import proto
-from kvpush.testing.daemon_harness import (
+from kvpush_dev.daemon_harness import (
     Daemon,
     Engine,
     amx_layout,
@@ -30,8 +30,8 @@ from kvpush.testing.daemon_harness import (
     prefill_done,
     register,
 )
-from kvpush.testing.kvref import reference_copy
-from kvpush.testing.prom import parse, total
+from kvpush_dev.kvref import reference_copy
+from kvpush_dev.prom import parse, total
 
 pytestmark = pytest.mark.integration
 

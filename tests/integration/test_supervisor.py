@@ -1,7 +1,7 @@
 """kvpushd supervisor with real processes: readiness, sd_notify, /health, /metrics, restart
 of one crashed child, crash-loop hold-down, SIGTERM shutdown (with a SIGKILL fallback).
 
-The children run :func:`kvpush.testing.fake_worker.target` (a stand-in for run_worker with the
+The children run :func:`kvpush_dev.fake_worker.target` (a stand-in for run_device_daemon with the
 same contract; in the package because spawned children import it by name);
 what each one does is read from ``modes.json`` / ``<name>.hold`` files in the runtime dir.
 
@@ -33,10 +33,10 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpush.daemon import sdnotify
-from kvpush.daemon.metrics import WorkerMetrics
-from kvpush.daemon.supervisor import merge_metrics
-from kvpush.testing.keys import lab_keys
+from kvpush.daemon.metrics import DaemonMetrics
+from kvpush.daemon.node import sdnotify
+from kvpush.daemon.node.supervisor import merge_metrics
+from kvpush_dev.keys import lab_keys
 
 pytestmark = pytest.mark.integration
 SLOW = 60.0  # bound on waiting for a condition that needs children to start (spawn + imports)
@@ -47,9 +47,9 @@ QUICK = 20.0  # bound on waiting for what needs no new process (a signal, a noti
 
 SUPERVISOR_MAIN = """
 import json, sys
-from kvpush.daemon.daemon_config import load_config
-from kvpush.daemon.supervisor import Supervisor, configure_logging
-from kvpush.testing.fake_worker import target
+from kvpush.daemon.config import load_config
+from kvpush.daemon.node.supervisor import Supervisor, configure_logging
+from kvpush_dev.fake_worker import target
 configure_logging("INFO")
 node = load_config(None, json.loads(sys.argv[1]), {})
 sys.exit(Supervisor(node, target=target).run())
@@ -294,7 +294,7 @@ def scraped(text: str, devices: list[str]) -> str:
 def test_merge_metrics_groups_families_by_name() -> None:
     texts = []
     for i, dev in enumerate(["cuda0", "cuda1"]):
-        m = WorkerMetrics(dev)
+        m = DaemonMetrics(dev)
         m.write_done(100 * (i + 1), 0.002)
         m.timeout("register")
         m.set_pending("prefill", "waiting_register", i)
@@ -328,13 +328,13 @@ def test_sdnotify_sends_one_datagram(tmp_path: Path, abstract: bool) -> None:
 # ----------------------------------------------------------------------------- real workers
 
 def _run_kvpushd(args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "kvpush.daemon.cli", *args],
+    return subprocess.Popen([sys.executable, "-m", "kvpush.daemon.node.cli", *args],
                             env={**os.environ, **env}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
 
 
 def test_kvpushd_runs_real_workers(runtime: Path) -> None:
-    """`kvpushd` end to end with the default target (kvpush.daemon.device_daemon.run_worker)."""
+    """`kvpushd` end to end with the default target (kvpush.daemon.device_daemon.run_device_daemon)."""
     port = free_port()
     proc = _run_kvpushd(["--devices", "cpu0", "--runtime-dir", str(runtime), "--base-port",
                          str(free_port()), "--metrics-port", str(port)], lab_keys(runtime).env())

@@ -36,8 +36,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpush.daemon.daemon_config import load_config
-from kvpush.testing.keys import lab_keys
+from kvpush.daemon.config import load_config
+from kvpush_dev.keys import lab_keys
 
 pytestmark = pytest.mark.integration
 
@@ -146,7 +146,7 @@ def test_unit_settings_and_example_config_agree() -> None:
 def test_example_config_names_only_schema_keys(tmp_path: Path) -> None:
     """Every key the example shows, commented out or not, is one kvpushd reads: uncommented
     (CURVE paths pointed at real files), the example still loads."""
-    from kvpush.daemon.daemon_config import TABLE_KEYS, TOP_KEYS
+    from kvpush.daemon.config import TABLE_KEYS, TOP_KEYS
 
     (tmp_path / "keys").mkdir()
     (tmp_path / "node.key_secret").write_text("secret")

@@ -24,9 +24,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpush.daemon.kv_mapping import open_region, reap_orphaned
-from kvpush.daemon.transport import NixlTransport
-from kvpush.engine_plugin.kv_export import export_cpu_tensor, unlink_export
+from kvpush.daemon.io.kv_mapping import open_region, reap_orphaned
+from kvpush.daemon.io.transport import NixlTransport
+from kvpush.engine_plugin.worker.export import export_cpu_tensor, unlink_export
 from kvpush.proto.codec import decode_struct, encode_struct
 from kvpush.proto.handles import CudaIpcInfo, RegionError, ShmInfo, cuda_info, shm_info
 from kvpush.proto.messages import MemoryHandle
@@ -351,7 +351,7 @@ def test_orphaned_shm_is_reaped_and_mapping_survives(tmp_path: Any) -> None:
 
 
 def test_transport_rejects_bad_use(tmp_path: Any) -> None:
-    from kvpush.daemon.transport import TransportError, host_lock
+    from kvpush.daemon.io.transport import TransportError, host_lock
 
     lock = str(tmp_path / "nixl.lock")
     with pytest.raises(TransportError, match="not supported"):

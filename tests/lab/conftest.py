@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpush.testing import vllm_env
-from kvpush.testing.netlab import unavailable_reason
+from kvpush_dev import vllm_env
+from kvpush_dev.netlab import unavailable_reason
 
 MODEL_DIR = Path(os.environ.get("KVPUSH_TINY_MODEL", vllm_env.ROOT / ".models" / "tiny"))
 

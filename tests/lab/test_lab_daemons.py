@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 from kvpush import proto
-from kvpush.testing import daemon_harness as harness
-from kvpush.testing.daemon_harness import (
+from kvpush_dev import daemon_harness as harness
+from kvpush_dev.daemon_harness import (
     Daemon,
     Engine,
     amx_layout,
@@ -30,9 +30,9 @@ from kvpush.testing.daemon_harness import (
     check_tp2_to_tp1,
     prefill_done,
 )
-from kvpush.testing.kvref import reference_copy
-from kvpush.testing.labstack import UCX_NETWORK_ENV, host_keys, lab_device_config, ucx_transports
-from kvpush.testing.netlab import Lab, sweep_stale
+from kvpush_dev.kvref import reference_copy
+from kvpush_dev.labstack import UCX_NETWORK_ENV, host_keys, lab_device_config, ucx_transports
+from kvpush_dev.netlab import Lab, sweep_stale
 
 pytestmark = pytest.mark.lab
 

@@ -9,7 +9,7 @@ heals every answer is exact again through kvpush (a late WRITE into released blo
 show as wrong tokens in the requests that reuse them).
 
 ``layerwise: off`` runs today (whole-request push). ``layerwise: on`` skips, saying why,
-until the installed kvpush streams per layer (``kvpush.testing.bench.layerwise.
+until the installed kvpush streams per layer (``kvpush_dev.bench.layerwise.
 streaming_missing``: the connector accepts the key and the daemon reports the mode); after
 the merge it runs by itself. One lab stack per mode, the destructive case last.
 """
@@ -25,18 +25,18 @@ from typing import Any
 
 import pytest
 
-from kvpush.testing import vllm_env
-from kvpush.testing.bench.layerwise import (
+from kvpush_dev import vllm_env
+from kvpush_dev.bench.layerwise import (
     KV_CACHE_BYTES,
     check_modes,
     daemon_transfers,
     prefill_daemon_transfers,
     streaming_missing,
 )
-from kvpush.testing.labstack import EngineSpec, LabStack
-from kvpush.testing.netlab import Lab, sweep_stale
-from kvpush.testing.procs import free_port
-from kvpush.testing.sse import run_prompts
+from kvpush_dev.labstack import EngineSpec, LabStack
+from kvpush_dev.netlab import Lab, sweep_stale
+from kvpush_dev.procs import free_port
+from kvpush_dev.sse import run_prompts
 
 pytestmark = [pytest.mark.lab, pytest.mark.e2e]
 

@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from kvpush.testing.demo_report import prompts
-from kvpush.testing.labdemo import colocated
-from kvpush.testing.labstack import EngineSpec, LabStack
-from kvpush.testing.netlab import Lab, sweep_stale
-from kvpush.testing.sse import run_prompts
+from kvpush_dev.demo_report import prompts
+from kvpush_dev.labdemo import colocated
+from kvpush_dev.labstack import EngineSpec, LabStack
+from kvpush_dev.netlab import Lab, sweep_stale
+from kvpush_dev.sse import run_prompts
 
 pytestmark = [pytest.mark.lab, pytest.mark.e2e]
 

@@ -18,9 +18,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from kvpush.testing.labstack import EngineSpec, LabStack
-from kvpush.testing.netlab import Lab, sweep_stale
-from kvpush.testing.tiny_model import prompt_ids as ids
+from kvpush_dev.labstack import EngineSpec, LabStack
+from kvpush_dev.netlab import Lab, sweep_stale
+from kvpush_dev.tiny_model import prompt_ids as ids
 
 pytestmark = [pytest.mark.lab, pytest.mark.e2e]
 

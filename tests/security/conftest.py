@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpush.testing.fleet import fleet
+from kvpush_dev.fleet import fleet
 
 _HERE = Path(__file__).parent
 

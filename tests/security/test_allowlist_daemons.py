@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 
 from kvpush import proto
-from kvpush.daemon.peerauth import PeerAuth, keygen
-from kvpush.testing.daemon_harness import Daemon, ops_request
-from kvpush.testing.fleet import ask, curve_client, transfer
-from kvpush.testing.kvref import small_layout as lay
+from kvpush.daemon.trust.peerauth import PeerAuth, keygen
+from kvpush_dev.daemon_harness import Daemon, ops_request
+from kvpush_dev.fleet import ask, curve_client, transfer
+from kvpush_dev.kvref import small_layout as lay
 
 pytestmark = pytest.mark.integration
 

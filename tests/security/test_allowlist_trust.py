@@ -19,8 +19,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpush.daemon.allowlist import Allowlist, NodeCert, admit, load
-from kvpush.daemon.peerauth import keygen
+from kvpush.daemon.trust.allowlist import Allowlist, NodeCert, admit, load
+from kvpush.daemon.trust.peerauth import keygen
 
 ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="making a file of another uid needs root")
@@ -151,7 +151,7 @@ def test_a_vanished_directory_revokes_everyone_loudly(adir: Path, tmp_path: Path
     allow = Allowlist(str(adir), start=False)
     assert allow.names() == {"a"}
     shutil.rmtree(adir)
-    with caplog.at_level(logging.ERROR, logger="kvpush.daemon.allowlist"):
+    with caplog.at_level(logging.ERROR, logger="kvpush.daemon.trust.allowlist"):
         assert allow.reload() is True
     assert allow.names() == set() and allow.refresh() is True
     assert any("every node is revoked" in r.message and r.levelno == logging.ERROR for r in caplog.records)
@@ -186,7 +186,7 @@ def test_two_certificates_with_one_name_are_both_refused(adir: Path, tmp_path: P
     accepted and its Hello evicted the real one."""
     put(adir, "dnode.key", cert(tmp_path / "k1", "dnode", ("127.0.0.2",)))
     put(adir, "evil.key", cert(tmp_path / "k2", "dnode", ("127.0.0.7",)))
-    with caplog.at_level(logging.WARNING, logger="kvpush.daemon.allowlist"):
+    with caplog.at_level(logging.WARNING, logger="kvpush.daemon.trust.allowlist"):
         allow = Allowlist(str(adir), start=False)
     assert allow.names() == set()
     assert any("dnode.key" in r.message and "evil.key" in r.message for r in caplog.records)

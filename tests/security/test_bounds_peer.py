@@ -17,11 +17,11 @@ import pytest
 import zmq
 
 from kvpush import proto
-from kvpush.daemon.ctl import main as ctl_main
+from kvpush.daemon.ops.ctl import main as ctl_main
 from kvpush.proto import codec
-from kvpush.testing.bench import flood
-from kvpush.testing.daemon_harness import Daemon, Engine, device_config
-from kvpush.testing.engine_peer import raw_request
+from kvpush_dev.bench import flood
+from kvpush_dev.daemon_harness import Daemon, Engine, device_config
+from kvpush_dev.engine_peer import raw_request
 
 pytestmark = pytest.mark.integration
 

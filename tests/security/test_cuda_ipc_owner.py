@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 
 from kvpush import proto
-from kvpush.engine_plugin.client import DaemonClient
+from kvpush.engine_plugin.link.client import DaemonClient
 from kvpush.proto.handles import CudaIpcInfo, cuda_handle
-from kvpush.testing.daemon_harness import Daemon, device_config
-from kvpush.testing.kvref import make
+from kvpush_dev.daemon_harness import Daemon, device_config
+from kvpush_dev.kvref import make
 
 pytestmark = pytest.mark.integration
 

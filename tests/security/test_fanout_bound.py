@@ -17,8 +17,8 @@ import time
 import pytest
 
 from kvpush import proto
-from kvpush.testing.daemon_harness import Daemon, Engine, device_config
-from kvpush.testing.kvref import small_layout as lay
+from kvpush_dev.daemon_harness import Daemon, Engine, device_config
+from kvpush_dev.kvref import small_layout as lay
 
 pytestmark = pytest.mark.integration
 

@@ -25,11 +25,11 @@ import numpy as np
 import pytest
 
 from kvpush import proto
-from kvpush.daemon.peerauth import PeerAuth
-from kvpush.testing.daemon_harness import ops_request
-from kvpush.testing.fleet import ask, curve_client, fleet
-from kvpush.testing.kvref import small_layout as lay
-from kvpush.testing.nixl_probe import MEDIA, agent, register, xfer
+from kvpush.daemon.trust.peerauth import PeerAuth
+from kvpush_dev.daemon_harness import ops_request
+from kvpush_dev.fleet import ask, curve_client, fleet
+from kvpush_dev.kvref import small_layout as lay
+from kvpush_dev.nixl_probe import MEDIA, agent, register, xfer
 
 pytestmark = pytest.mark.integration
 

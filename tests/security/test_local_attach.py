@@ -24,10 +24,10 @@ import pytest
 import torch
 
 from kvpush import proto
-from kvpush.engine_plugin.kv_export import export_cpu_tensor, unlink_export
+from kvpush.engine_plugin.worker.export import export_cpu_tensor, unlink_export
 from kvpush.proto.handles import shm_info
-from kvpush.testing.daemon_harness import Daemon, Engine, EngineProcess, device_config
-from kvpush.testing.kvref import make, reference_copy
+from kvpush_dev.daemon_harness import Daemon, Engine, EngineProcess, device_config
+from kvpush_dev.kvref import make, reference_copy
 
 pytestmark = pytest.mark.integration
 

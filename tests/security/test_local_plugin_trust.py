@@ -30,12 +30,12 @@ from pathlib import Path
 import pytest
 
 from kvpush import proto
-from kvpush.engine_plugin.cards import DaemonCards
-from kvpush.engine_plugin.client import DaemonClient
-from kvpush.engine_plugin.connector_config import PluginConfig
+from kvpush.engine_plugin.config import PluginConfig
+from kvpush.engine_plugin.link.client import DaemonClient
+from kvpush.engine_plugin.scheduler.cards import DaemonCards
 from kvpush.proto.card import DaemonCard, write_card
-from kvpush.testing.daemon_harness import Daemon, device_config
-from kvpush.testing.kvref import make
+from kvpush_dev.daemon_harness import Daemon, device_config
+from kvpush_dev.kvref import make
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(os.geteuid() != 0, reason="another uid's listener needs root (setuid)")]

@@ -11,14 +11,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpush.daemon.endpoints import (
+from kvpush.daemon.io.endpoints import (
     RuntimeDirError,
     check_private_dir,
     ensure_private_dir,
     runtime_dir_mode,
 )
-from kvpush.daemon.kv_mapping import ShmLedger, ShmRecord, torch_shm_name_ok
-from kvpush.daemon.peercred import Holder, PeerCred, PeerTable, attach_refusal
+from kvpush.daemon.io.kv_mapping import ShmLedger, ShmRecord, torch_shm_name_ok
+from kvpush.daemon.io.peercred import Holder, PeerCred, PeerTable, attach_refusal
 
 ids = st.integers(min_value=0, max_value=2**31 - 1)
 pids = st.integers(min_value=1, max_value=2**22)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvpush.proto import naming
-from kvpush.testing.daemon_harness import Daemon, device_config
+from kvpush_dev.daemon_harness import Daemon, device_config
 
 pytestmark = pytest.mark.integration
 

@@ -1,4 +1,4 @@
-"""The engine side's local trust rules (engine_plugin/local_trust.py) as pure functions of a
+"""The engine side's local trust rules (engine_plugin/link/local_trust.py) as pure functions of a
 stat result: a directory, socket or card is trusted exactly when its type is right, its owner
 is a trusted uid and (directory, card) no group or other may write it. Property-tested."""
 
@@ -10,7 +10,7 @@ import stat
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpush.engine_plugin.local_trust import (
+from kvpush.engine_plugin.link.local_trust import (
     dir_refusal,
     file_refusal,
     peer_refusal,

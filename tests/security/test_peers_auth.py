@@ -18,11 +18,11 @@ import pytest
 import zmq
 
 from kvpush import proto
-from kvpush.daemon.peerauth import PeerAuth
-from kvpush.testing.daemon_harness import Daemon, device_config, ops_request
-from kvpush.testing.fleet import ask, curve_client, node_keys, transfer
-from kvpush.testing.keys import allow
-from kvpush.testing.kvref import small_layout as lay
+from kvpush.daemon.trust.peerauth import PeerAuth
+from kvpush_dev.daemon_harness import Daemon, device_config, ops_request
+from kvpush_dev.fleet import ask, curve_client, node_keys, transfer
+from kvpush_dev.keys import allow
+from kvpush_dev.kvref import small_layout as lay
 
 pytestmark = pytest.mark.integration
 

@@ -16,9 +16,9 @@ import os
 import pytest
 
 from kvpush import proto
-from kvpush.testing.daemon_harness import Daemon, Engine, device_config, ops_request
-from kvpush.testing.keys import allow, lab_keys
-from kvpush.testing.kvref import small_layout as lay
+from kvpush_dev.daemon_harness import Daemon, Engine, device_config, ops_request
+from kvpush_dev.keys import allow, lab_keys
+from kvpush_dev.kvref import small_layout as lay
 
 pytestmark = pytest.mark.integration
 

@@ -1,4 +1,4 @@
-"""The per-identity quota rules (daemon/quotas.py) as pure functions, property-tested: an
+"""The per-identity quota rules (daemon/core/quotas.py) as pure functions, property-tested: an
 identity's holdings are the sum over its sessions, and a registration is refused exactly when
 that sum would pass a bound, however the holdings are split across sessions."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpush.daemon import quotas
-from kvpush.machine.core import Held
+from kvpush.common.machine.core import Held
+from kvpush.daemon.core import quotas
 
 _held = st.builds(Held, st.integers(0, 50), st.integers(0, 500))
 

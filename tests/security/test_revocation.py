@@ -7,7 +7,7 @@ able to READ and WRITE it (``test_new_keys_alone_do_not_revoke``: UCX checks mem
 on RDMA hardware); replacing the NIXL agent (its UCX worker, the address peers connected to)
 does (``test_a_new_agent_revokes``). So the decode daemon, when a producer it dialled (and
 sent its Hello to) leaves the allowlist, replaces its agent and re-handshakes the others
-(``kvpush.daemon.peers.LINK_TABLE``: Revoked -> ROTATE, the rest Rotated -> REDIAL).
+(``kvpush.daemon.core.peers.LINK_TABLE``: Revoked -> ROTATE, the rest Rotated -> REDIAL).
 
 The end-to-end test uses real daemons, CURVE and NIXL: node X is a prefill node of the
 decode daemon's allowlist, played by this test (a CURVE server that answers the Hello and
@@ -27,11 +27,11 @@ import numpy as np
 import pytest
 
 from kvpush import proto
-from kvpush.testing.daemon_harness import ops_request
-from kvpush.testing.fleet import NODES, fleet
-from kvpush.testing.kvref import reference_copy
-from kvpush.testing.kvref import small_engine as lay
-from kvpush.testing.nixl_probe import MEDIA, FakeProducer, agent, register, xfer
+from kvpush_dev.daemon_harness import ops_request
+from kvpush_dev.fleet import NODES, fleet
+from kvpush_dev.kvref import reference_copy
+from kvpush_dev.kvref import small_engine as lay
+from kvpush_dev.nixl_probe import MEDIA, FakeProducer, agent, register, xfer
 
 pytestmark = pytest.mark.integration
 

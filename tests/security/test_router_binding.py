@@ -19,7 +19,7 @@ import aiohttp
 from aiohttp import web
 
 from kvpush.router.app import Backend, RouterConfig, build_app
-from kvpush.testing.aioserve import serve
+from kvpush_dev.aioserve import serve
 
 
 async def _engine(seen: list[dict[str, Any]]) -> tuple[web.AppRunner, str]:

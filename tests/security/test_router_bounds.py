@@ -18,7 +18,7 @@ from aiohttp import web
 
 from kvpush.router.app import Backend, RouterConfig, build_app
 from kvpush.router.router_config import RouterConfigError
-from kvpush.testing.aioserve import serve
+from kvpush_dev.aioserve import serve
 
 
 async def _engine(seen: list[dict[str, Any]]) -> tuple[web.AppRunner, str]:

@@ -25,11 +25,11 @@ import numpy as np
 import pytest
 
 from kvpush import proto
-from kvpush.testing.daemon_harness import Daemon, Engine, device_config
-from kvpush.testing.keys import allow, lab_keys
-from kvpush.testing.kvref import reference_copy
-from kvpush.testing.kvref import small_engine as _lay
-from kvpush.testing.nixl_probe import MEDIA
+from kvpush_dev.daemon_harness import Daemon, Engine, device_config
+from kvpush_dev.keys import allow, lab_keys
+from kvpush_dev.kvref import reference_copy
+from kvpush_dev.kvref import small_engine as _lay
+from kvpush_dev.nixl_probe import MEDIA
 
 pytestmark = pytest.mark.integration
 

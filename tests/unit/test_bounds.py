@@ -13,13 +13,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpush import proto
-from kvpush.daemon import handshake, quotas
-from kvpush.daemon import rendezvous as rz
-from kvpush.daemon.daemon_config import DEFAULT_MAX_MESSAGE, ConfigError, DeviceConfig
-from kvpush.machine.core import Held
+from kvpush.common.machine.core import Held
+from kvpush.daemon.config import DEFAULT_MAX_MESSAGE, ConfigError, DeviceConfig
+from kvpush.daemon import handshake
+from kvpush.daemon.core import quotas
+from kvpush.daemon.core import rendezvous as rz
 from kvpush.proto import codec
-from kvpush.testing.inmemory import Fabric, MemNode, Net
-from kvpush.testing.kvref import make
+from kvpush_dev.inmemory import Fabric, MemNode, Net
+from kvpush_dev.kvref import make
 
 _ids = itertools.count()
 

@@ -12,9 +12,9 @@ import random
 
 import pytest
 
-from kvpush.daemon import children as cm
-from kvpush.daemon.children import TABLE, ChildFacts, ChildState, Policy
-from kvpush.machine import Row
+from kvpush.common.machine import Row
+from kvpush.daemon.node import children as cm
+from kvpush.daemon.node.children import TABLE, ChildFacts, ChildState, Policy
 
 S = ChildState
 POLICY = Policy(max_restarts_per_minute=3, restart_backoff_s=0.5, restart_backoff_max_s=4.0,

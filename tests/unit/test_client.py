@@ -1,5 +1,5 @@
 """DaemonClient against the daemon's real engine listener, which the test binds and plays
-the daemon with (kvpush.testing.engine_peer).
+the daemon with (kvpush_dev.engine_peer).
 
 Time is a fake clock wherever liveness is judged, so nothing waits for heartbeat periods; the
 only real waits are for the client to dial again or notice a closed peer. Those
@@ -21,7 +21,7 @@ from contextlib import contextmanager
 import msgpack
 import pytest
 
-from kvpush.engine_plugin.client import DaemonClient
+from kvpush.engine_plugin.link.client import DaemonClient
 from kvpush.proto import (
     Abort,
     Attach,
@@ -40,9 +40,9 @@ from kvpush.proto import (
     encode,
 )
 from kvpush.proto.layout import flash_layout
-from kvpush.testing.engine_peer import FakeDaemon
+from kvpush_dev.engine_peer import FakeDaemon
 
-LOGGER = "kvpush.engine_plugin.client"
+LOGGER = "kvpush.engine_plugin.link.client"
 
 
 class FakeClock:

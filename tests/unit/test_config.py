@@ -12,8 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpush.daemon import cli
-from kvpush.daemon.daemon_config import (
+from kvpush.daemon.config import (
     DEFAULT_BASE_PORT,
     KEY_DOCS,
     TABLE_KEYS,
@@ -29,6 +28,7 @@ from kvpush.daemon.daemon_config import (
     load_config,
     peer_port_for,
 )
+from kvpush.daemon.node import cli
 
 ENV = {"RUNTIME_DIRECTORY": "/run/kvpush-test"}
 
@@ -264,7 +264,7 @@ def test_validation_errors(overrides: dict, env: dict, message: str) -> None:
 def test_peer_keys_are_checked_when_the_daemon_starts_not_when_the_config_loads(tmp_path: Path) -> None:
     """kvpushctl loads the same config on hosts without the keys; kvpushd refuses to start
     without them (PeerAuth.load), unless insecure_peers says so explicitly."""
-    from kvpush.daemon.peerauth import PeerAuth, PeerAuthError
+    from kvpush.daemon.trust.peerauth import PeerAuth, PeerAuthError
 
     env = {"KVPUSH_CURVE_SECRET_KEY_FILE": str(tmp_path / "none"), "KVPUSH_AUTHORIZED_KEYS_DIR": str(tmp_path)}
     dev = load(env=env).devices[0]
@@ -490,7 +490,7 @@ def _print_config(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
 
 def test_kvpushd_reads_the_default_file_when_it_exists(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    from kvpush.daemon import daemon_config
+    from kvpush.daemon import config as daemon_config
 
     default, other = tmp_path / "kvpushd.toml", tmp_path / "other.toml"
     default.write_text(f'devices = ["cpu0"]\nruntime_dir = "{tmp_path}"\nbase_port = 18100\n')
@@ -510,7 +510,7 @@ def test_kvpushd_reads_the_default_file_when_it_exists(
 
 def test_default_file_errors_name_the_file(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    from kvpush.daemon import daemon_config
+    from kvpush.daemon import config as daemon_config
 
     default = tmp_path / "kvpushd.toml"
     default.write_text("base_prot = 1\n")

@@ -1,4 +1,4 @@
-"""One schema idiom for daemon, plugin and router (kvpush.configschema): strict types, errors
+"""One schema idiom for daemon, plugin and router (kvpush.common.configschema): strict types, errors
 that name the key and what it expects, in all three.
 
 Why: the plugin parsed ``unavailable_fail: "false"`` as true (bool("false")), and each of the
@@ -16,9 +16,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpush.configschema import ConfigError, accepts_strings, describe, parse_layer, parsers_of
-from kvpush.daemon.daemon_config import DeviceConfig, NodeConfig, load_config
-from kvpush.engine_plugin.connector_config import PluginConfig, PluginConfigError
+from kvpush.common.configschema import (
+    ConfigError,
+    accepts_strings,
+    describe,
+    parse_layer,
+    parsers_of,
+)
+from kvpush.daemon.config import DeviceConfig, NodeConfig, load_config
+from kvpush.engine_plugin.config import PluginConfig, PluginConfigError
 from kvpush.router.router_config import RouterConfig, RouterConfigError
 from kvpush.router.router_config import load as load_router
 

@@ -20,12 +20,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpush.daemon import counter as cm
-from kvpush.daemon import rendezvous as rz
-from kvpush.daemon.causes import Cause
-from kvpush.daemon.quotas import Quota
-from kvpush.machine import core
-from kvpush.machine.core import Row, Table, row
+from kvpush.common.machine import core
+from kvpush.common.machine.core import Row, Table, row
+from kvpush.daemon.core import counter as cm
+from kvpush.daemon.core import rendezvous as rz
+from kvpush.daemon.core.causes import Cause
+from kvpush.daemon.core.quotas import Quota
 
 # ------------------------------------------------------------------ the Table itself
 

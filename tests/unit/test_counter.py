@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpush.daemon import counter as cm
-from kvpush.daemon.counter import (
+from kvpush.daemon.core import counter as cm
+from kvpush.daemon.core.counter import (
     Aborted,
     Accepted,
     Cause,

@@ -1,7 +1,7 @@
 """The daemon's parts (engine session, prefill side, decode side) driven in one process.
 
 Real parts, real codec and real byte copies; the only stand-ins are the ports: ZeroMQ is an
-in-order message queue and NIXL an in-memory fabric (kvpush.testing.inmemory). The bytes a
+in-order message queue and NIXL an in-memory fabric (kvpush_dev.inmemory). The bytes a
 decode engine ends up with are compared with the token-by-token reference copy.
 """
 
@@ -16,11 +16,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvpush import proto
-from kvpush.daemon import peers as pr
+from kvpush.daemon.core import peers as pr
+from kvpush.daemon.core.peers import LINK_TABLE, LinkAction, PeerLinkState, Producer, link_step
 from kvpush.daemon.handshake import make_hello
-from kvpush.daemon.peers import LINK_TABLE, LinkAction, PeerLinkState, Producer, link_step
-from kvpush.testing.inmemory import Fabric, MemNode, Net
-from kvpush.testing.kvref import make, reference_copy
+from kvpush_dev.inmemory import Fabric, MemNode, Net
+from kvpush_dev.kvref import make, reference_copy
 
 _ids = itertools.count()
 
@@ -574,9 +574,9 @@ def test_attached_has_one_writer_the_engine_session(lab):
 
 
 def test_ops_sees_the_daemon_through_its_view_only(lab):
-    """The in-memory node is a Worker: ops answers from the same narrow view a real daemon
+    """The in-memory node is a DeviceDaemon: ops answers from the same narrow view a real daemon
     gives (handle_ops never gets the worker)."""
-    from kvpush.daemon.ops_views import DaemonView, handle_ops
+    from kvpush.daemon.ops.views import DaemonView, handle_ops
 
     net, fab = lab
     p, d = pair(net, fab)

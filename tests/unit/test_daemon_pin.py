@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from kvpush.daemon.daemon_config import DeviceConfig
+from kvpush.daemon.config import DeviceConfig
 from kvpush.daemon.device_daemon import pin
 
 

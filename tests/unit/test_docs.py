@@ -57,7 +57,7 @@ def test_there_is_something_to_check() -> None:
 def test_json_blocks_parse(where: str, line: int, text: str) -> None:
     data = json.loads(text)
     if isinstance(data, dict) and data.get("kv_connector") == "KVPushConnector":
-        from kvpush.engine_plugin.connector_config import PluginConfig
+        from kvpush.engine_plugin.config import PluginConfig
 
         PluginConfig.from_extra(data.get("kv_connector_extra_config"))
 
@@ -77,7 +77,7 @@ def test_toml_blocks_parse_and_load(where: str, line: int, text: str, tmp_path: 
 
         load(str(path))
         return
-    from kvpush.daemon.daemon_config import TOP_KEYS, load_config
+    from kvpush.daemon.config import TOP_KEYS, load_config
 
     if set(data) & set(TOP_KEYS):  # a kvpushd file (or a part of one): unknown keys fail
         load_config(str(path), {})
@@ -87,7 +87,7 @@ def test_toml_blocks_parse_and_load(where: str, line: int, text: str, tmp_path: 
 def test_shell_blocks_are_valid_bash_and_their_connector_configs_parse(where: str, line: int, text: str) -> None:
     r = subprocess.run(["bash", "-n"], input=text, capture_output=True, text=True, timeout=30)
     assert r.returncode == 0, f"{where}: {r.stderr}"
-    from kvpush.engine_plugin.connector_config import PluginConfig
+    from kvpush.engine_plugin.config import PluginConfig
 
     for cfg in _connector_configs(text):
         assert cfg["kv_connector"] == "KVPushConnector"

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpush.daemon.layer_gate import EventError
-from kvpush.testing.gpu_check import EXIT_NO_GPU, STEPS, _events_child, main, parse_steps
+from kvpush.daemon.io.layer_gate import EventError
+from kvpush_dev.gpu_check import EXIT_NO_GPU, STEPS, _events_child, main, parse_steps
 
 ROOT = Path(__file__).resolve().parents[2]
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: run scripts/gpu_check.sh")
@@ -43,7 +43,7 @@ def test_module_without_cuda_exits_77(capsys):
 @no_gpu
 def test_module_usage_error_is_distinct():
     assert main(["--no-such-flag"]) == 2
-    assert subprocess.run([sys.executable, "-m", "kvpush.testing.gpu_check", "--help"],
+    assert subprocess.run([sys.executable, "-m", "kvpush_dev.gpu_check", "--help"],
                           capture_output=True, timeout=60).returncode == 0
 
 

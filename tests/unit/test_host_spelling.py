@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvpush.daemon.allowlist import canonical_host
-from kvpush.daemon.peerauth import endpoint_host
+from kvpush.daemon.trust.allowlist import canonical_host
+from kvpush.daemon.trust.peerauth import endpoint_host
 
 
 @pytest.mark.parametrize("cert, endpoint", [

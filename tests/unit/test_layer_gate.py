@@ -1,4 +1,4 @@
-"""The daemon's gate on the engine's GPU events (kvpush.daemon.layer_gate), with a fake event port.
+"""The daemon's gate on the engine's GPU events (kvpush.daemon.io.layer_gate), with a fake event port.
 
 The fake is a model of one CUDA stream and its interprocess events: a record gets the next
 serial number on the stream, the stream completes its work in order (``run``), and an event
@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpush.daemon.layer_gate import (
+from kvpush.daemon.io.layer_gate import (
     CUDA_IPC_EVENT_HANDLE_BYTES,
     CudaEventPort,
     EventError,
@@ -200,12 +200,12 @@ def test_unknown_event_is_dropped_and_counted():
 def test_a_failing_query_drops_that_index_and_says_why(caplog):
     g, s, _ = gate(bad_query=frozenset({1}))
     g.admit(frame(s, 0), ["a"], 0.0)
-    with caplog.at_level(logging.WARNING, logger="kvpush.daemon.layer_gate"):
+    with caplog.at_level(logging.WARNING, logger="kvpush.daemon.io.layer_gate"):
         assert g.admit(frame(s, 1), ["b", "c"], 0.0) == []
     assert g.stats.dropped_error == 2 and g.waiting == 1
     assert "event 2" in g.stats.last_error and "exporter is gone" in g.stats.last_error
     assert caplog.text.count("event 2") == 1
-    with caplog.at_level(logging.WARNING, logger="kvpush.daemon.layer_gate"):
+    with caplog.at_level(logging.WARNING, logger="kvpush.daemon.io.layer_gate"):
         g.admit(frame(s, 1), ["d"], 0.0)
     assert caplog.text.count("event 2") == 1 and g.stats.dropped_error == 3  # said once per cause
     s.run()
@@ -271,7 +271,7 @@ def test_cuda_port_without_cuda_is_a_clear_error():
 
 
 def test_the_gate_imports_without_torch():
-    code = "import sys, kvpush.daemon.layer_gate; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, kvpush.daemon.io.layer_gate; assert 'torch' not in sys.modules, 'torch imported'"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
 

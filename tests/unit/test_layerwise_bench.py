@@ -1,4 +1,4 @@
-"""The layer-wise benchmark's arithmetic (kvpush.testing.bench.layerwise) and the deep model's
+"""The layer-wise benchmark's arithmetic (kvpush_dev.bench.layerwise) and the deep model's
 shape: the cap, the ratios, the hidden fraction and the loud refusal to measure whole-request
 under a layer-wise name are plain functions, checked here without engines."""
 
@@ -9,8 +9,8 @@ import json
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpush.testing.bench import layerwise as lw
-from kvpush.testing.tiny_model import PRESETS
+from kvpush_dev.bench import layerwise as lw
+from kvpush_dev.tiny_model import PRESETS
 
 
 def cal(prefill_ms: dict[int, float], per_tok: int = 24576) -> dict:
@@ -66,7 +66,7 @@ def test_ttft_bound_of_goals():
     assert lw.over_bound(out, 2000) == 1.0
     assert lw.over_ideal_ms(out, 2000) == 10.0  # 1410 - (1200 + 200)
     out["layer_group"] = None  # the run set none: the connector's default
-    from kvpush.engine_plugin.connector_config import LAYER_GROUP
+    from kvpush.engine_plugin.config import LAYER_GROUP
 
     assert lw.over_bound(out, 2000) == round(1410 / (1200 + 1200 * LAYER_GROUP / 24 + 10), 3)
 
@@ -93,18 +93,13 @@ def test_check_modes_refuses_whole_request_under_a_layerwise_name():
 
 
 def test_streaming_missing_follows_the_connector_schema(monkeypatch):
-    from kvpush.engine_plugin import connector_config
+    from kvpush.engine_plugin import config as connector_config
 
     if "layerwise" not in connector_config.KEYS:
         assert "layerwise" in lw.streaming_missing()
     monkeypatch.setattr(connector_config, "KEYS", ())
     assert "layerwise" in lw.streaming_missing()
     monkeypatch.undo()
-    from kvpush.daemon import prefill_side
-
-    monkeypatch.setattr(prefill_side, "STREAMS_LAYERS", False)
-    assert "layer-group WRITEs" in lw.streaming_missing()
-    monkeypatch.setattr(prefill_side, "STREAMS_LAYERS", True)
     assert lw.streaming_missing() == ""
 
 

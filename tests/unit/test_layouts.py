@@ -4,7 +4,7 @@ The caches are allocated the way vLLM allocates them: the installed vLLM's own
 ``allocate_kv_cache`` (every ``KVCacheLayout``), and per-layer allocations in the shapes of
 vLLM 0.10/0.11 (FlashAttention, FlashInfer NHD/HND, Triton, MLA; pinned). A derived layout is
 right when the plan from it, applied to the raw bytes, gives the same tokens as a copy made
-token by token through the backend's own tensor views (``kvpush.testing.vllm_layouts``).
+token by token through the backend's own tensor views (``kvpush_dev.vllm_layouts``).
 """
 
 from __future__ import annotations
@@ -15,16 +15,16 @@ import numpy as np
 import pytest
 import torch
 
-from kvpush.daemon.planner import PlanError, plan, producer_fanout
-from kvpush.engine_plugin.layouts import (
+from kvpush.daemon.core.planner import PlanError, plan, producer_fanout
+from kvpush.engine_plugin.worker.layouts import (
     BACKENDS,
     LayoutRefused,
     check_kv_cache_config,
     derive_layout,
     shape_for_backend,
 )
-from kvpush.testing.kvref import apply_plan_regions
-from kvpush.testing.vllm_layouts import (
+from kvpush_dev.kvref import apply_plan_regions
+from kvpush_dev.vllm_layouts import (
     caches_equal,
     clone_caches,
     ignore_tail,
@@ -49,7 +49,7 @@ FLASHINFER_V032_LAYOUTS = ("LBHNC", "BLHNC")
 
 
 def test_backend_names_are_the_installed_classes_names():
-    from kvpush.engine_plugin.layouts import KV_BACKENDS_V032, MLA_BACKENDS_V032
+    from kvpush.engine_plugin.worker.layouts import KV_BACKENDS_V032, MLA_BACKENDS_V032
 
     for name in BACKEND_CLASSES:
         assert backend_class(name).get_name() == name

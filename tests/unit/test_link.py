@@ -14,7 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpush.engine_plugin.link import (
+from kvpush.common.machine import Row
+from kvpush.engine_plugin.link.state import (
     EVENTS,
     FLOWS,
     LINK_UP,
@@ -37,7 +38,6 @@ from kvpush.engine_plugin.link import (
     Tick,
     shell_bug,
 )
-from kvpush.machine import Row
 
 HB, DEAD, MAXQ = 1.0, 3.0, 5
 

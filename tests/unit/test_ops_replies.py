@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpush import proto
-from kvpush.daemon import opsclient
+from kvpush.daemon.ops import client as opsclient
 from kvpush.proto import ops
 from kvpush.proto.ops import REPLY_TYPES, OpsDataError, parse_reply
 from kvpush.proto.trace import ClockPair
@@ -94,7 +94,7 @@ def pending_data() -> dict[str, Any]:
 
 
 def test_wire_shape_is_the_documented_one() -> None:
-    """What kvpushctl --json prints: the keys daemon/ops_views.py always sent."""
+    """What kvpushctl --json prints: the keys daemon/ops/views.py always sent."""
     d = pending_data()
     assert list(d["pending"][0]) == ["side", "transfer_id", "attempt", "state", "blocks",
                                      "registered", "expected", "writes_in_flight", "age", "deadline"]

@@ -1,4 +1,4 @@
-"""OpenTelemetry export of the per-request timeline (kvpush.daemon.otel).
+"""OpenTelemetry export of the per-request timeline (kvpush.common.otel).
 
 The SDK's in-memory exporter checks what spans a timeline becomes (the daemons' sink on the
 trace ring, the trace context carried in the transfer ID); one real OTLP/HTTP receive checks
@@ -20,11 +20,11 @@ pytest.importorskip("opentelemetry.sdk")
 
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
 
-from kvpush.daemon import otel  # noqa: E402
+from kvpush.common import otel
 from kvpush.proto.trace import ClockPair, TraceRing  # noqa: E402
 from kvpush.router.app import Backend, RouterConfig, build_app  # noqa: E402
-from kvpush.testing.aioserve import serve
-from kvpush.testing.otlp import OtlpReceiver  # noqa: E402
+from kvpush_dev.aioserve import serve
+from kvpush_dev.otlp import OtlpReceiver  # noqa: E402
 
 TP = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvpush.daemon.planner import (
+from kvpush.daemon.core.planner import (
     Plan,
     PlanError,
     block_pattern,
@@ -23,7 +23,7 @@ from kvpush.daemon.planner import (
     unwritten,
 )
 from kvpush.proto.layout import flash_layout, vllm_cpu_layout
-from kvpush.testing.kvref import apply_plan, make, reference_copy
+from kvpush_dev.kvref import apply_plan, make, reference_copy
 
 # ---- strategies ------------------------------------------------------------------
 
@@ -355,7 +355,7 @@ def test_one_region_per_layer_plans_the_same_bytes(sc, seed, split):
     """Multi-region layouts (either side or both): the plan's (region, offset) descriptors,
     applied region by region, give the reference copy; none crosses a region."""
     from kvpush.proto.layout import split_address
-    from kvpush.testing.kvref import apply_plan_regions
+    from kvpush_dev.kvref import apply_plan_regions
 
     (src_lay, src_p), src_blocks, (dst_lay, dst_p), dst_blocks, num_tokens, first = sc
     rng = np.random.default_rng(seed)

@@ -1,4 +1,4 @@
-"""kvpush.testing.sweep.plot (scripts/plot_sweep.py) on a tiny synthetic results directory (no vLLM, no engines)."""
+"""kvpush_dev.sweep.plot (scripts/plot_sweep.py) on a tiny synthetic results directory (no vLLM, no engines)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from kvpush.testing.sweep import plot as ps
+from kvpush_dev.sweep import plot as ps
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -28,13 +28,18 @@ from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput  # noqa: E
 from vllm.v1.request import Request  # noqa: E402
 
 from kvpush import proto  # noqa: E402
-from kvpush.engine_plugin.connector_config import PluginConfig  # noqa: E402
-from kvpush.engine_plugin.layer_events import FakeEvents, pool_size  # noqa: E402
-from kvpush.engine_plugin.layer_stream import chunks_bytes, frame_bytes, group_ends, span_bytes  # noqa: E402
+from kvpush.engine_plugin.config import PluginConfig  # noqa: E402
 from kvpush.engine_plugin.metadata import StreamChunk  # noqa: E402
-from kvpush.engine_plugin.scheduler_half import KVPushScheduler  # noqa: E402
-from kvpush.engine_plugin.worker_half import KVPushWorker  # noqa: E402
-from kvpush.testing.engine_peer import FakeDaemon  # noqa: E402
+from kvpush.engine_plugin.scheduler.half import KVPushScheduler  # noqa: E402
+from kvpush.engine_plugin.worker.half import KVPushWorker  # noqa: E402
+from kvpush.engine_plugin.worker.layer_events import FakeEvents, pool_size  # noqa: E402
+from kvpush.engine_plugin.worker.layer_stream import (  # noqa: E402
+    chunks_bytes,
+    frame_bytes,
+    group_ends,
+    span_bytes,
+)
+from kvpush_dev.engine_peer import FakeDaemon  # noqa: E402
 
 BLOCK = 16
 LAYERS = 10

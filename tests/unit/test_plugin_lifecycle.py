@@ -31,9 +31,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpush import proto
-from kvpush.engine_plugin import scheduler_lifecycle as sl
-from kvpush.engine_plugin import worker_lifecycle as wl
-from kvpush.machine import Row
+from kvpush.common.machine import Row
+from kvpush.engine_plugin.scheduler import lifecycle as sl
+from kvpush.engine_plugin.worker import lifecycle as wl
 from kvpush.proto.params import DecodeLeg, PrefillLeg
 
 BLOCK = 16

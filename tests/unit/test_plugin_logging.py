@@ -19,13 +19,15 @@ ENGINE = """
 from vllm.config.logging import LoggingConfig
 from vllm.logger import configure_logging
 configure_logging(LoggingConfig())
-from kvpush.engine_plugin import client, scheduler_half, worker_half
+from kvpush.engine_plugin.link import client
+from kvpush.engine_plugin.scheduler import half as scheduler_half
+from kvpush.engine_plugin.worker import half as worker_half
 for m in (worker_half, scheduler_half, client):
     m.log.info("kvpush: info from %s", m.__name__)
     m.log.debug("kvpush: debug from %s", m.__name__)
 """
 VLLM_LINE = re.compile(r"^\(MainProcess pid=\d+\) (INFO|DEBUG) \d\d-\d\d \d\d:\d\d:\d\d \[[^\]]+:\d+\] kvpush: "
-                       r"(info|debug) from kvpush\.engine_plugin\.\w+$")
+                       r"(info|debug) from kvpush\.engine_plugin\.[\w.]+$")
 
 
 def _engine_log(level: str) -> list[str]:
@@ -48,6 +50,6 @@ def test_vllms_level_governs_the_plugin() -> None:
 
 def test_without_vllm_loaded_a_module_logger() -> None:
     code = ("import sys; from kvpush.engine_plugin.logs import plugin_logger; "
-            "assert 'vllm' not in sys.modules; print(plugin_logger('kvpush.engine_plugin.client').name)")
+            "assert 'vllm' not in sys.modules; print(plugin_logger('kvpush.engine_plugin.link.client').name)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0 and out.stdout.strip() == "kvpush.engine_plugin.client", out.stderr
+    assert out.returncode == 0 and out.stdout.strip() == "kvpush.engine_plugin.link.client", out.stderr

@@ -19,11 +19,11 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvpush import proto  # noqa: E402
-from kvpush.engine_plugin.connector_config import PluginConfig  # noqa: E402
+from kvpush.engine_plugin.config import PluginConfig  # noqa: E402
 from kvpush.engine_plugin.metadata import AbortReq, KVPushMetadata, RegisterReq, SendReq  # noqa: E402
-from kvpush.engine_plugin.worker_half import KVPushWorker  # noqa: E402
-from kvpush.engine_plugin.worker_lifecycle import State  # noqa: E402
-from kvpush.testing.engine_peer import FakeDaemon  # noqa: E402
+from kvpush.engine_plugin.worker.half import KVPushWorker  # noqa: E402
+from kvpush.engine_plugin.worker.lifecycle import State  # noqa: E402
+from kvpush_dev.engine_peer import FakeDaemon  # noqa: E402
 
 
 @pytest.fixture
@@ -267,7 +267,7 @@ def test_a_persistent_load_failure_is_logged_once_and_counted(stack, caplog) -> 
     import logging
 
     w, daemon = stack
-    with caplog.at_level(logging.WARNING, logger="kvpush.engine_plugin.worker_half"):
+    with caplog.at_level(logging.WARNING, logger="kvpush.engine_plugin.worker.half"):
         for i in range(3):
             step(w, KVPushMetadata(registers=[RegisterReq(f"r{i}", f"t{i}", 0, [1 + i], 16, 0,
                                                           ["tcp://10.9.9.9:1"], 1)]), forward=False)
@@ -287,7 +287,7 @@ def test_hybrid_model_is_refused_before_anything_is_attached(stack) -> None:
     iface = pytest.importorskip("vllm.v1.kv_cache_interface")
     import torch
 
-    from kvpush.engine_plugin.layouts import LayoutRefused
+    from kvpush.engine_plugin.worker.layouts import LayoutRefused
 
     w, daemon = stack
     full = iface.FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.bfloat16)
@@ -307,7 +307,7 @@ def test_hybrid_model_is_refused_before_anything_is_attached(stack) -> None:
 def test_dead_after_ms_reaches_the_links_liveness_rule_and_is_bounded() -> None:
     """The key is how long the rank's link tolerates unanswered heartbeats; out-of-range values
     are refused at load with the allowed range, never clamped silently."""
-    from kvpush.engine_plugin.connector_config import PluginConfigError
+    from kvpush.engine_plugin.config import PluginConfigError
 
     d = tempfile.mkdtemp(prefix="kvw-", dir="/tmp")
     try:

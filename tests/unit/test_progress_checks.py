@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from kvpush import proto
-from kvpush.daemon.checks import check_progress, progress_events
-from kvpush.daemon.rendezvous import LayersReady, Rendezvous, StartGroupWrite
-from kvpush.testing.daemon_harness import amx_layout
+from kvpush.daemon.core.checks import check_progress, progress_events
+from kvpush.daemon.core.rendezvous import LayersReady, Rendezvous, StartGroupWrite
+from kvpush_dev.daemon_harness import amx_layout
 from tests.unit.test_rendezvous import reg
 
 LAYOUT = amx_layout(num_blocks=64)[0]  # the harness engines' layout

@@ -22,8 +22,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from kvpush.daemon import rendezvous as rz
-from kvpush.daemon.rendezvous import (
+from kvpush.daemon.core import rendezvous as rz
+from kvpush.daemon.core.rendezvous import (
     Aborted,
     Cause,
     ConfirmCancel,

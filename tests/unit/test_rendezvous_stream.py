@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
 
-from kvpush.daemon.rendezvous import (
+from kvpush.daemon.core.rendezvous import (
     Aborted,
     ConfirmCancel,
     LayersReady,

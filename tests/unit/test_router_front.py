@@ -12,7 +12,7 @@ import aiohttp
 from aiohttp import web
 
 from kvpush.router.app import Backend, RouterConfig, build_app
-from kvpush.testing.aioserve import serve
+from kvpush_dev.aioserve import serve
 
 
 async def _router(p_url: str, d_url: str) -> tuple[web.AppRunner, str]:

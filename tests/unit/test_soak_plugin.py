@@ -1,4 +1,4 @@
-"""A small soak of both plugin halves (testing/bench/soak.py): after 5,000 transfers of every
+"""A small soak of both plugin halves (dev/kvpush_dev/bench/soak.py): after 5,000 transfers of every
 kind (success, abort while loading, preemption, failure) every collection the halves keep is
 back at its baseline, once the scheduler's tombstones have had their time; caches with a cap
 of their own are at most at it. (The halves' attribute walk finds any collection, declared or
@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvpush.testing.bench.soak import grown, run_plugin  # noqa: E402
+from kvpush_dev.bench.soak import grown, run_plugin  # noqa: E402
 
 
 def test_plugin_halves_end_a_5k_soak_at_their_baseline() -> None:

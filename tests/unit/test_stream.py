@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpush.daemon.endpoints import bind_private_unix
-from kvpush.daemon.enginelink import EngineListener, Incoming
+from kvpush.daemon.io.endpoints import bind_private_unix
+from kvpush.daemon.io.enginelink import EngineListener, Incoming
 from kvpush.proto.stream import HEADER, Deframer, FrameTooLarge, Outbox, Put, frame
 
 payloads = st.lists(st.binary(max_size=300), max_size=20)

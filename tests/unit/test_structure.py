@@ -21,9 +21,12 @@ def _modules() -> dict[str, Path]:
     """kvpush module name -> file, from pyproject's package-dir (the one mapping)."""
     dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
     out: dict[str, Path] = {}
+    dirs = {**dirs, "kvpush_dev": "dev/kvpush_dev"}  # the dev tree: not in the wheel, still one graph
     for pkg, folder in dirs.items():
-        for f in sorted((ROOT / folder).glob("*.py")):
-            out[pkg if f.stem == "__init__" else f"{pkg}.{f.stem}"] = f
+        for f in sorted((ROOT / folder).rglob("*.py")):
+            rel = f.relative_to(ROOT / folder).with_suffix("").parts
+            name = ".".join((pkg, *rel))
+            out[name.removesuffix(".__init__")] = f
     return out
 
 
@@ -120,8 +123,12 @@ SAME_MEANING = {
     "__init__": "a package's marker",
     "cli": "a component's command line (kvpushd, kvpush-router, the sweep): its package says which",
     "metrics": "a component's own Prometheus registry (daemon, router): its package says which",
-    "demo": "scripts/demo.py is the thin entry point of kvpush.testing.demo",
-    "baseline_proxy": "scripts/baseline_proxy.py is the thin entry point of kvpush.testing.baseline_proxy",
+    "config": "a role's settings as data (daemon, plugin): its package says which",
+    "client": "a client of a daemon's socket: its room says which (ops/: the ops socket, link/: the engine socket)",
+    "half": "one half of the vLLM connector: its room (scheduler/, worker/) says which",
+    "lifecycle": "a connector half's per-request lifecycle table: its room (scheduler/, worker/) says which",
+    "demo": "scripts/demo.py is the thin entry point of kvpush_dev.demo",
+    "baseline_proxy": "scripts/baseline_proxy.py is the thin entry point of kvpush_dev.baseline_proxy",
 }
 
 
@@ -134,3 +141,29 @@ def test_no_two_modules_share_a_name_and_mean_different_things() -> None:
     assert dup == {}, f"rename one of each, or say in SAME_MEANING why they mean the same: {dup}"
     unused = [n for n in SAME_MEANING if len(by_name.get(n, ())) < 2]
     assert unused == [], f"allowed duplicates that no longer exist: {unused}"
+
+
+PRODUCT = ("proto", "common", "daemon", "engine_plugin", "router")
+MAX_MODULE_LINES = 900
+MAX_DAEMON_TOP_MODULES = 12
+
+
+def test_no_product_module_is_over_the_size_a_reader_holds() -> None:
+    big = {str(p.relative_to(ROOT)): n for pkg in PRODUCT for p in (ROOT / pkg).rglob("*.py")
+           if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert big == {}, f"split these by concern (over {MAX_MODULE_LINES} lines): {big}"
+
+
+def test_the_daemon_top_level_holds_one_device_daemons_composition() -> None:
+    """Everything else lives in a room (core/, io/, trust/, ops/, node/)."""
+    top = sorted(p.name for p in (ROOT / "daemon").glob("*.py") if p.name != "__init__.py")
+    assert len(top) <= MAX_DAEMON_TOP_MODULES, top
+    rooms = sorted(p.name for p in (ROOT / "daemon").iterdir() if (p / "__init__.py").exists())
+    assert rooms == ["core", "io", "node", "ops", "trust"]
+
+
+def test_the_product_never_imports_the_dev_tree() -> None:
+    """import-linter checks this too (scripts/run_tests.sh); here it also holds for a bare pytest run."""
+    graph = {m: _imports(m, p) for m, p in MODULES.items() if not m.startswith("kvpush_dev")}
+    assert {m: sorted(d for d in deps if d.startswith("kvpush_dev")) for m, deps in graph.items()
+            if any(d.startswith("kvpush_dev") for d in deps)} == {}

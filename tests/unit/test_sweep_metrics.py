@@ -1,6 +1,6 @@
 """The sweep's Prometheus maths on real exposition text (prometheus_client's own registry).
 
-Every snapshot here is ``generate_latest`` of a real registry parsed by kvpush.testing.prom,
+Every snapshot here is ``generate_latest`` of a real registry parsed by kvpush_dev.prom,
 so the tests cover the format the engines and daemons write, not a hand-made imitation.
 """
 
@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from kvpush.daemon.metrics import WorkerMetrics
-from kvpush.testing import prom
-from kvpush.testing.sweep import scrape_deltas as sm
+from kvpush.daemon.metrics import DaemonMetrics
+from kvpush_dev import prom
+from kvpush_dev.sweep import scrape_deltas as sm
 
 BUCKETS = (0.01, 0.1, 1.0)
 ITL = "vllm:inter_token_latency_seconds"
@@ -164,8 +164,8 @@ def test_counter_deltas_per_series_keyed_as_printed() -> None:
 
 
 def test_daemon_families_the_sweep_keeps_are_the_daemons_own() -> None:
-    """The daemon's real WorkerMetrics exposition: the sweep's DAEMON_* names must match it."""
-    m = WorkerMetrics("cpu0")
+    """The daemon's real DaemonMetrics exposition: the sweep's DAEMON_* names must match it."""
+    m = DaemonMetrics("cpu0")
     before = prom.parse(m.render())
     m.write_done(1 << 20, 0.004)
     m.write_done(1 << 20, 0.006)

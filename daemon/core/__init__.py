@@ -1,0 +1,1 @@
+"""The daemon's pure cores: (state, event) -> (state, actions), no I/O, no clock. Rendezvous, counter, planner, peers, quotas, checks."""

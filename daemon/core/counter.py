@@ -1,0 +1,645 @@
+"""Decode-side completion counter: when is a registered transfer fully received?
+
+Each destination rank's daemon expects exactly one notification from every producer
+rank that writes into it. This pure state machine (no I/O, no clock, no threads)
+counts them per (transfer, attempt) and decides what the local engine hears:
+``Complete`` (Received), ``Fail`` (ReceiveFailed: recompute) or, after an engine
+abort, ``Release`` (Released: the blocks may be reused). A registration it will not take
+(an older attempt than the transfer's newest, or one whose outcome was already told) is
+answered ``Refuse`` at once: silence would leave the engine waiting out its timeout.
+
+The rule that shapes it: the engine reuses blocks as soon as it hears Fail or Release,
+so neither is emitted while a producer might still write into them — every producer
+must have notified, failed, or confirmed a cancel first. A producer failure therefore
+cancels the other producers and fails once they answer, usually within a round trip.
+Where that cannot be known — the hard deadline passed with producers unresolved (a hung
+producer must not pin blocks forever), or a producer was given up with a WRITE possibly
+still on its way (``ProducerFailed.may_land``: its link went silent, or its own WRITE
+timed out; NIXL cannot recall a posted WRITE, and UCX delivers it after a partition
+heals) — the Fail or Release is marked ``unsafe``: the daemon must not hand those blocks
+back while its NIXL agent can still receive; it fences instead (kvpush.daemon.decode_side).
+
+The counter owns the registration: which producers (index ``i``: endpoint, TP rank and
+an opaque per-producer payload the caller forwards on ``Accepted``), since when, until
+when. The daemon loop asks it (``registration``, ``producer_index``, ``waiting_on``,
+``live``) instead of keeping a record of its own.
+
+Events are facts in the past tense (``Registered``, ``Notified``, ``ProducerCancelled``,
+``Aborted`` ...), never a wire message's name: the shell (:mod:`kvpush.daemon.decode_side`)
+translates ``proto.Register``, ``proto.CancelConfirmed``, ``proto.Abort`` into them.
+
+Every transition is one row of ``TABLE`` at the end of this module,
+``(state, event type, guard) -> (new state, steps)``; ``None`` = no record for that
+(transfer, attempt). See :mod:`kvpush.common.machine.core` for how rows are picked.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpush.common.machine.core import Core, Record, Table, _Deadline, row
+from kvpush.daemon.core.causes import Cause
+
+__all__ = [
+    "Aborted", "Accepted", "Action", "ProducerCancelled", "Cause", "Complete", "CompletionCounter",
+    "Event", "Registered", "Fail", "Notified", "PendingInfo", "ProducerFailed", "Refuse",
+    "Registration", "Release", "SendCancel", "State", "TABLE", "TOMBSTONES", "Tick",
+]
+
+# --------------------------------------------------------------------------- events
+
+
+@dataclass(frozen=True)
+class Registered:
+    """The engine registered blocks; ``producers`` producers will each notify exactly once.
+
+    ``endpoints[i]``, ``ranks[i]`` and ``forwards[i]`` describe producer ``i`` (its daemon's
+    endpoint, its TP rank, what to send it); empty, or one entry per producer."""
+
+    transfer_id: str
+    attempt: int
+    producers: int
+    now: float
+    deadline: float
+    endpoints: tuple[str, ...] = ()
+    ranks: tuple[int, ...] = ()
+    forwards: tuple[Any, ...] = ()
+
+
+@dataclass(frozen=True)
+class Notified:
+    """A producer's write landed (its NIXL notification arrived)."""
+
+    transfer_id: str
+    attempt: int
+    producer: int  # index into the registration's producers
+    now: float
+
+
+@dataclass(frozen=True)
+class ProducerFailed:
+    """A producer will not write this attempt (its write failed or it gave up)."""
+
+    transfer_id: str
+    attempt: int
+    producer: int
+    reason: str
+    now: float
+    cause: Cause = Cause.PRODUCER_FAILED  # e.g. PEER_LOST when its daemon died
+    may_land: bool = False  # a WRITE of it may still arrive (silent link, its WRITE timed out)
+
+
+@dataclass(frozen=True)
+class ProducerCancelled:
+    """A producer answered our cancel: nothing of this attempt is or will be in flight."""
+
+    transfer_id: str
+    attempt: int
+    producer: int
+    now: float
+
+
+@dataclass(frozen=True)
+class Aborted:
+    """The local engine no longer wants this attempt."""
+
+    transfer_id: str
+    attempt: int
+    reason: str
+    now: float
+
+
+@dataclass(frozen=True)
+class Tick:
+    """Time passed: expire what is due."""
+
+    now: float
+
+
+Event = Registered | Notified | ProducerFailed | ProducerCancelled | Aborted | Tick
+
+# -------------------------------------------------------------------------- actions
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """The registration is live: forward ``forwards[i]`` to ``endpoints[i]`` now (once)."""
+
+    transfer_id: str
+    attempt: int
+    forwards: tuple[Any, ...] = ()
+    endpoints: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Complete:
+    """Every producer notified: tell the engine Received."""
+
+    transfer_id: str
+    attempt: int
+
+
+@dataclass(frozen=True)
+class Fail:
+    """Tell the engine ReceiveFailed (it recomputes into the blocks)."""
+
+    transfer_id: str
+    attempt: int
+    reason: str
+    cause: Cause = Cause.INVALID
+    unsafe: bool = False  # a producer's WRITE may still land: fence, do not hand the blocks back
+
+
+@dataclass(frozen=True)
+class Refuse:
+    """Tell the engine ReceiveFailed for a registration not taken: nothing was forwarded or
+    counted (a bad registration, not a failed transfer)."""
+
+    transfer_id: str
+    attempt: int
+    reason: str
+    cause: Cause
+
+
+@dataclass(frozen=True)
+class Release:
+    """Tell the engine Released: the aborted registration's blocks may be reused."""
+
+    transfer_id: str
+    attempt: int
+    unsafe: bool = False  # as Fail.unsafe
+
+
+@dataclass(frozen=True)
+class SendCancel:
+    """Tell every producer of this attempt to cancel (their answers come back as
+    ProducerCancelled)."""
+
+    transfer_id: str
+    attempt: int
+    reason: str
+    cause: Cause = Cause.ABORTED
+
+
+Action = Accepted | Complete | Fail | Refuse | Release | SendCancel
+
+# --------------------------------------------------------------------------- states
+
+
+class State(enum.StrEnum):
+    """Per-(transfer, attempt) states. COMPLETED, FAILED and RELEASED are tombstones,
+    kept ``tombstone_s`` so late duplicates are recognised, then purged. Every live state
+    has at least one producer unresolved (otherwise its row would have left it)."""
+
+    WAITING = "waiting"  # counting notifications; every resolved producer notified
+    FAILING = "failing"  # a producer failed; cancelled the rest, Fail once all answered
+    ABORTING = "aborting"  # engine aborted; Release once all producers answered
+    SUPERSEDED = "superseded"  # a newer attempt exists; forgotten once all answered
+    COMPLETED = "completed"
+    FAILED = "failed"
+    RELEASED = "released"
+
+
+TOMBSTONES = frozenset({State.COMPLETED, State.FAILED, State.RELEASED})
+
+
+@dataclass(frozen=True)
+class PendingInfo:
+    """One (transfer, attempt) as ops sees it."""
+
+    transfer_id: str
+    attempt: int
+    state: State
+    notified: int
+    resolved: int  # notified, failed or cancel-confirmed
+    producers: int
+    age: float
+    deadline: float
+
+
+@dataclass(frozen=True)
+class Registration:
+    """One registered (transfer, attempt), everything the daemon loop needs about it."""
+
+    transfer_id: str
+    attempt: int
+    state: State
+    live: bool  # not a tombstone: the engine has not heard the outcome yet
+    producers: int
+    endpoints: tuple[str, ...]  # producer i's daemon endpoint (empty if not given)
+    ranks: tuple[int, ...]  # producer i's TP rank (empty if not given)
+    forwards: tuple[Any, ...]
+    since: float
+    deadline: float
+    notified: int
+
+
+@dataclass(eq=False)
+class _Attempt(Record):
+    transfer_id: str
+    attempt: int
+    producers: int
+    deadline: float  # hard deadline of this registration
+    endpoints: tuple[str, ...] = ()
+    ranks: tuple[int, ...] = ()
+    forwards: tuple[Any, ...] = ()
+    notified: set[int] = field(default_factory=set)
+    resolved: set[int] = field(default_factory=set)
+    reason: str = ""  # the first producer failure
+    cause: Cause = Cause.PRODUCER_FAILED
+    may_land: bool = False  # a producer given up on may still write (ProducerFailed.may_land)
+    superseded: bool = False  # a newer attempt was accepted: this one is not the newest
+
+    def unsafe(self) -> bool:
+        """May a WRITE still land in these blocks? (unresolved producers, or one given up on)"""
+        return self.may_land or len(self.resolved) < self.producers
+
+
+_Key = tuple[str, int]
+
+
+def _by_transfer(transfer_id: str) -> tuple[str, str]:
+    """The index name of a transfer's records (endpoints, the other names, are strings)."""
+    return ("transfer", transfer_id)
+
+
+def _hard_deadline(rec: _Attempt) -> float:
+    return rec.deadline
+
+
+#: Every live state waits at most until the registration's hard deadline.
+DEADLINES = {s: _hard_deadline for s in State if s not in TOMBSTONES}
+
+
+class CompletionCounter(Core[_Key, _Attempt]):
+    """Counts producer notifications per (transfer, attempt); see the module docstring.
+
+    ``handle`` is O(1) amortised per event; expiry is O(expired · log n) and a heap
+    peek when nothing is due. ``max_attempts`` bounds the live records (None: unbounded).
+    """
+
+    def __init__(self, *, tombstone_s: float = 60.0, max_attempts: int | None = None,
+                 cancel_grace_s: float = 0.0) -> None:
+        super().__init__(TABLE, TOMBSTONES, DEADLINES, tombstone_s=tombstone_s, max_live=max_attempts)
+        self.cancel_grace_s = cancel_grace_s  # after the hard deadline, for cancels to be answered
+
+    # ------------------------------------------------------------------ public API
+
+    def info(self, transfer_id: str, attempt: int, now: float | None = None) -> PendingInfo | None:
+        """One (transfer, attempt), tombstones included."""
+        return self._view((transfer_id, attempt), now)  # type: ignore[no-any-return]
+
+    def current(self, transfer_id: str) -> int | None:
+        """The newest accepted attempt of the transfer still on record: the one of its
+        records not superseded (accepting an attempt supersedes the newest before it, so
+        there is at most one). O(attempts on record of this transfer)."""
+        for key in self._index_get(_by_transfer(transfer_id)):
+            if not self._recs[key].superseded:
+                return key[1]
+        return None
+
+    def live(self, transfer_id: str) -> bool:
+        """The transfer's newest attempt is registered and its outcome not yet told."""
+        cur = self.current(transfer_id)
+        return cur is not None and self._is_live((transfer_id, cur))
+
+    def registration(self, transfer_id: str, attempt: int | None = None) -> Registration | None:
+        """That attempt (None: the newest) while on record, tombstones included."""
+        rec = self._rec(transfer_id, attempt)
+        if rec is None:
+            return None
+        return Registration(
+            transfer_id=rec.transfer_id,
+            attempt=rec.attempt,
+            state=rec.state,
+            live=rec.state not in TOMBSTONES,
+            producers=rec.producers,
+            endpoints=rec.endpoints,
+            ranks=rec.ranks,
+            forwards=rec.forwards,
+            since=rec.created,
+            deadline=rec.deadline,
+            notified=len(rec.notified),
+        )
+
+    def producer_index(self, transfer_id: str, endpoint: str, attempt: int | None = None) -> int | None:
+        """Which producer of that attempt (None: the newest) ``endpoint`` is."""
+        rec = self._rec(transfer_id, attempt)
+        if rec is None or endpoint not in rec.endpoints:
+            return None
+        return rec.endpoints.index(endpoint)
+
+    def rank_index(self, transfer_id: str, rank: int, attempt: int | None = None) -> int | None:
+        """Which producer of that attempt (None: the newest) TP rank ``rank`` is."""
+        rec = self._rec(transfer_id, attempt)
+        if rec is None or rank not in rec.ranks:
+            return None
+        return rec.ranks.index(rank)
+
+    def waiting_on(self, endpoint: str) -> list[tuple[str, int, int]]:
+        """(transfer, attempt, producer index) of every live attempt, current or older,
+        that has not heard from the producer at ``endpoint`` yet: what to fail when that
+        prefill daemon is gone."""
+        out = []
+        for key in self._index_get(endpoint):
+            rec = self._recs[key]
+            if rec.state in TOMBSTONES:
+                continue
+            for i, ep in enumerate(rec.endpoints):
+                if ep == endpoint and i not in rec.resolved:
+                    out.append((rec.transfer_id, rec.attempt, i))
+        return sorted(out)
+
+    # ------------------------------------------------------------ Core hooks
+
+    def _rec(self, transfer_id: str, attempt: int | None) -> _Attempt | None:
+        if attempt is None:
+            attempt = self.current(transfer_id)
+            if attempt is None:
+                return None
+        return self._recs.get((transfer_id, attempt))
+
+    def _route(self, ev: object) -> Iterable[_Key]:
+        if isinstance(ev, Tick):
+            return ()
+        key = (ev.transfer_id, ev.attempt)  # type: ignore[attr-defined]
+        if isinstance(ev, Registered) and key not in self._recs:
+            # The newest attempt hears a newer one first (its row supersedes it), but only
+            # when the table will accept the newer one: its row from "no record" creates one.
+            cur = self.current(ev.transfer_id)
+            if cur is not None and cur < ev.attempt and self.table.pick(self, None, ev).to is not None:
+                return ((ev.transfer_id, cur), key)
+        return (key,)
+
+    def _create(self, key: _Key, ev: Registered) -> _Attempt:
+        rec = _Attempt(
+            transfer_id=ev.transfer_id,
+            attempt=ev.attempt,
+            producers=ev.producers,
+            deadline=ev.deadline,
+            endpoints=tuple(ev.endpoints),
+            ranks=tuple(ev.ranks),
+            forwards=tuple(ev.forwards),
+        )
+        for ep in set(rec.endpoints):
+            self._index_add(key, rec, ep)
+        self._index_add(key, rec, _by_transfer(ev.transfer_id))
+        return rec
+
+    def _info(self, rec: _Attempt, now: float) -> PendingInfo:
+        return PendingInfo(
+            transfer_id=rec.transfer_id,
+            attempt=rec.attempt,
+            state=rec.state,
+            notified=len(rec.notified),
+            resolved=len(rec.resolved),
+            producers=rec.producers,
+            age=now - rec.created,
+            deadline=rec.deadline,
+        )
+
+
+# ============================================================================ guards
+# Pure predicates over (core, record, event), evaluated before any step of the row.
+
+
+def invalid(cc: CompletionCounter, rec: None, ev: Registered) -> bool:
+    sized = (ev.endpoints, ev.ranks, ev.forwards)
+    return ev.attempt < 0 or ev.producers < 1 or any(t and len(t) != ev.producers for t in sized)
+
+
+def late(cc: CompletionCounter, rec: None, ev: Registered) -> bool:
+    return ev.deadline <= cc.now
+
+
+def stale(cc: CompletionCounter, rec: None, ev: Registered) -> bool:
+    """An older attempt than the transfer's newest: refused."""
+    cur = cc.current(ev.transfer_id)
+    return cur is not None and ev.attempt < cur
+
+
+def overloaded(cc: CompletionCounter, rec: None, ev: Registered) -> bool:
+    return cc.overloaded()
+
+
+def newer(cc: CompletionCounter, rec: _Attempt, ev: Registered) -> bool:
+    """A newer attempt of this record's transfer that the table accepts (``_route`` routes
+    it here only then): this record is superseded."""
+    return ev.attempt > rec.attempt
+
+
+def stale_here(cc: CompletionCounter, rec: _Attempt, ev: Registered) -> bool:
+    """This record's own attempt registered again while a newer attempt is the newest."""
+    return rec.superseded
+
+
+def unresolvable(cc: CompletionCounter, rec: _Attempt, ev: Any) -> bool:
+    """An out-of-range producer, or one whose final word was already counted."""
+    p = ev.producer
+    return not 0 <= p < rec.producers or p in rec.resolved
+
+
+def completes(cc: CompletionCounter, rec: _Attempt, ev: Notified) -> bool:
+    """This notification is the last one missing."""
+    return len(rec.notified) + 1 == rec.producers
+
+
+def last_unresolved(cc: CompletionCounter, rec: _Attempt, ev: Any) -> bool:
+    """This producer is the last one whose final word was missing."""
+    return len(rec.resolved) + 1 == rec.producers
+
+
+# ============================================================================= steps
+# (core, record, event, out): change the record's facts, append actions. No states.
+
+
+def fail_invalid(cc: CompletionCounter, rec: None, ev: Registered, out: list) -> None:
+    out.append(Fail(ev.transfer_id, ev.attempt, "invalid registration", Cause.INVALID))
+
+
+def fail_late(cc: CompletionCounter, rec: None, ev: Registered, out: list) -> None:
+    out.append(Fail(ev.transfer_id, ev.attempt, "registration deadline already passed", Cause.INVALID))
+
+
+def refuse_stale(cc: CompletionCounter, rec: _Attempt | None, ev: Registered, out: list) -> None:
+    cur = cc.current(ev.transfer_id)
+    why = f"stale attempt: attempt {cur} is newer" if cur is not None else "stale attempt: superseded"
+    out.append(Refuse(ev.transfer_id, ev.attempt, why, Cause.SUPERSEDED))
+
+
+def refuse_ended(cc: CompletionCounter, rec: _Attempt, ev: Registered, out: list) -> None:
+    """Its outcome was told: repeating it could vouch for blocks nobody wrote."""
+    why = (f"attempt {ev.attempt} of this transfer already ended ({rec.state.name.lower()}); "
+           "register a new attempt")
+    out.append(Refuse(ev.transfer_id, ev.attempt, why, Cause.CLOSED))
+
+
+def fail_overloaded(cc: CompletionCounter, rec: None, ev: Registered, out: list) -> None:
+    out.append(Fail(ev.transfer_id, ev.attempt, "overloaded", Cause.OVERLOADED))
+
+
+def supersede(cc: CompletionCounter, rec: _Attempt, ev: Registered, out: list) -> None:
+    """A newer attempt is accepted: this one is no longer the transfer's newest."""
+    rec.superseded = True
+
+
+def accept(cc: CompletionCounter, rec: _Attempt, ev: Registered, out: list) -> None:
+    out.append(Accepted(rec.transfer_id, rec.attempt, rec.forwards, rec.endpoints))
+
+
+def resolve(cc: CompletionCounter, rec: _Attempt, ev: Any, out: list) -> None:
+    """Count one producer's final word (the row's guard ruled out repeats)."""
+    p = ev.producer
+    rec.resolved.add(p)
+    if isinstance(ev, Notified):
+        rec.notified.add(p)
+    elif isinstance(ev, ProducerFailed) and ev.may_land:
+        rec.may_land = True
+    if not isinstance(ev, Notified) and not rec.reason:
+        why = ev.reason if isinstance(ev, ProducerFailed) else "cancelled"
+        rec.reason = f"producer {p}: {why}"
+        rec.cause = ev.cause if isinstance(ev, ProducerFailed) else Cause.CANCELLED
+
+
+def _cancel_rest(rec: _Attempt, reason: str, cause: Cause, out: list) -> None:
+    """Stop producers that may still write (they may otherwise write late)."""
+    if len(rec.resolved) < rec.producers:
+        out.append(SendCancel(rec.transfer_id, rec.attempt, reason, cause))
+
+
+def cancel_failed(cc: CompletionCounter, rec: _Attempt, ev: Any, out: list) -> None:
+    _cancel_rest(rec, rec.reason, rec.cause, out)
+
+
+def cancel_aborted(cc: CompletionCounter, rec: _Attempt, ev: Aborted, out: list) -> None:
+    _cancel_rest(rec, f"aborted: {ev.reason}", Cause.ABORTED, out)
+
+
+def cancel_superseded(cc: CompletionCounter, rec: _Attempt, ev: Registered, out: list) -> None:
+    _cancel_rest(rec, f"superseded by attempt {ev.attempt}", Cause.SUPERSEDED, out)
+
+
+def complete(cc: CompletionCounter, rec: _Attempt, ev: Any, out: list) -> None:
+    out.append(Complete(rec.transfer_id, rec.attempt))
+
+
+def fail(cc: CompletionCounter, rec: _Attempt, ev: Any, out: list) -> None:
+    out.append(Fail(rec.transfer_id, rec.attempt, rec.reason, rec.cause, rec.unsafe()))
+
+
+def time_out(cc: CompletionCounter, rec: _Attempt, ev: _Deadline, out: list) -> None:
+    """The hard deadline passed: cancel the producers still out and give them ``cancel_grace_s``
+    to answer (a live one answers within a round trip, once nothing of it is in flight), so
+    that a timeout is a safe Fail; one that stays silent makes it unsafe (FAILING's deadline)."""
+    missing = rec.producers - len(rec.notified)
+    rec.reason = f"timed out waiting for {missing} of {rec.producers} producers"
+    rec.cause = Cause.TIMEOUT
+    rec.deadline = cc.now + cc.cancel_grace_s
+    _cancel_rest(rec, rec.reason, Cause.TIMEOUT, out)
+
+
+def fail_timeout(cc: CompletionCounter, rec: _Attempt, ev: _Deadline, out: list) -> None:
+    missing = rec.producers - len(rec.notified)
+    why = f"timed out waiting for {missing} of {rec.producers} producers"
+    out.append(Fail(rec.transfer_id, rec.attempt, why, Cause.TIMEOUT, rec.unsafe()))
+    _cancel_rest(rec, why, Cause.TIMEOUT, out)
+
+
+def graceless(cc: CompletionCounter, rec: _Attempt, ev: _Deadline) -> bool:
+    return cc.cancel_grace_s <= 0
+
+
+def release(cc: CompletionCounter, rec: _Attempt, ev: Any, out: list) -> None:
+    out.append(Release(rec.transfer_id, rec.attempt, rec.unsafe()))
+
+
+def release_settled(cc: CompletionCounter, rec: _Attempt, ev: Aborted, out: list) -> None:
+    """The engine heard the outcome already (Received, or a Fail it was safe to hear)."""
+    out.append(Release(rec.transfer_id, rec.attempt))
+
+
+def release_unknown(cc: CompletionCounter, rec: None, ev: Aborted, out: list) -> None:
+    """Nothing registered (or long settled) for this attempt: the blocks are free."""
+    out.append(Release(ev.transfer_id, ev.attempt))
+
+
+# ========================================================================= the table
+
+_WT, _FG, _AB, _SU = State.WAITING, State.FAILING, State.ABORTING, State.SUPERSEDED
+_CO, _FD, _RL = State.COMPLETED, State.FAILED, State.RELEASED
+_GONE = (ProducerFailed, ProducerCancelled)  # a producer that will not write
+_RESULTS = (Notified, *_GONE)
+_CURRENT_ONLY = "only the newest attempt is superseded, and a SUPERSEDED one is not the newest"
+
+TABLE = Table(State, (Registered, *_RESULTS, Aborted, _Deadline), [
+    # --- no record --------------------------------------------------------------------
+    row(None, Registered, invalid, None, fail_invalid),
+    row(None, Registered, late, None, fail_late),
+    row(None, Registered, stale, None, refuse_stale),
+    row(None, Registered, overloaded, None, fail_overloaded),
+    row(None, Registered, None, _WT, accept),
+    *[row(None, e, None, None) for e in _RESULTS],  # stale or unknown
+    row(None, Aborted, None, None, release_unknown),
+    row(None, _Deadline, None, None, unreachable="a forgotten record has no deadline"),
+
+    # --- Registered on record: a newer attempt supersedes the newest (``_route`` brings it
+    # here only when the table accepts it); the same attempt again is older than the
+    # newest, already told, or a duplicate of one still counting (its Accepted went out).
+    row(_WT, Registered, newer, _SU, supersede, cancel_superseded),
+    row(_WT, Registered, None, _WT),
+    row(_FG, Registered, newer, _SU, supersede),
+    row(_FG, Registered, None, _FG),
+    row(_AB, Registered, newer, _AB, supersede),
+    row(_AB, Registered, stale_here, _AB, refuse_stale),
+    row(_AB, Registered, None, _AB),
+    row(_SU, Registered, newer, _SU, unreachable=_CURRENT_ONLY),
+    row(_SU, Registered, stale_here, _SU, refuse_stale),
+    row(_SU, Registered, None, _SU, unreachable="a SUPERSEDED attempt is never the newest"),
+    *[r for s in (_CO, _FD, _RL) for r in (
+        row(s, Registered, newer, s, supersede),
+        row(s, Registered, stale_here, s, refuse_stale),
+        row(s, Registered, None, s, refuse_ended),
+    )],
+
+    # --- WAITING: counting ------------------------------------------------------------
+    *[row(_WT, e, unresolvable, _WT) for e in _RESULTS],
+    row(_WT, Notified, completes, _CO, resolve, complete),
+    row(_WT, Notified, None, _WT, resolve),
+    *[row(_WT, e, last_unresolved, _FD, resolve, fail) for e in _GONE],
+    *[row(_WT, e, None, _FG, resolve, cancel_failed) for e in _GONE],
+    row(_WT, Aborted, None, _AB, cancel_aborted),
+    row(_WT, _Deadline, graceless, _FD, fail_timeout),
+    row(_WT, _Deadline, None, _FG, time_out),
+
+    # --- FAILING: Fail once every producer answered --------------------------------------
+    *[row(_FG, e, unresolvable, _FG) for e in _RESULTS],
+    *[row(_FG, e, last_unresolved, _FD, resolve, fail) for e in _RESULTS],
+    *[row(_FG, e, None, _FG, resolve) for e in _RESULTS],
+    row(_FG, Aborted, None, _AB),  # the engine gets Release instead of Fail
+    row(_FG, _Deadline, None, _FD, fail),
+
+    # --- ABORTING: Release is owed whatever happens ---------------------------------------
+    *[row(_AB, e, unresolvable, _AB) for e in _RESULTS],
+    *[row(_AB, e, last_unresolved, _RL, resolve, release) for e in _RESULTS],
+    *[row(_AB, e, None, _AB, resolve) for e in _RESULTS],
+    row(_AB, Aborted, None, _AB),
+    row(_AB, _Deadline, None, _RL, release),
+
+    # --- SUPERSEDED: no engine output unless the engine aborts this attempt ---------------
+    *[row(_SU, e, unresolvable, _SU) for e in _RESULTS],
+    *[row(_SU, e, last_unresolved, None, resolve) for e in _RESULTS],
+    *[row(_SU, e, None, _SU, resolve) for e in _RESULTS],
+    row(_SU, Aborted, None, _AB),
+    row(_SU, _Deadline, None, None),
+
+    # --- tombstones -------------------------------------------------------------------
+    *[row(s, e, None, s) for s in (_CO, _FD, _RL) for e in _RESULTS],
+    row(_CO, Aborted, None, _RL, release_settled),  # all producers notified: nothing in flight
+    row(_FD, Aborted, None, _RL, release_settled),  # its Fail was safe, or the daemon fenced
+    row(_RL, Aborted, None, _RL),
+    *[row(s, _Deadline, None, None) for s in (_CO, _FD, _RL)],  # tombstone time is over
+])  # fmt: skip
+del _WT, _FG, _AB, _SU, _CO, _FD, _RL

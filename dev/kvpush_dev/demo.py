@@ -1,0 +1,99 @@
+"""The main job: a local 1P1D push demo on CPU with real vLLM engines and kvpush daemons.
+
+1. builds the tiny random-weight Llama (offline, deterministic);
+2. runs a colocated engine (no disaggregation) on the prompts: the reference tokens;
+3. starts `kvpushd` (one daemon per engine), a prefill and a decode vLLM engine with
+   KVPushConnector, and the kvpush router (both legs sent concurrently);
+4. sends the same prompts through the router (streaming), prints per-request TTFT,
+   TPOT and whether the generated tokens equal the colocated run; exits 1 if any differ.
+
+Every process runs in its own process group and is cleaned up, also on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from kvpush_dev import vllm_env as ve
+from kvpush_dev.demo_report import prompts, report
+from kvpush_dev.pd_stack import PDStack, prompt_tokens_by_source
+from kvpush_dev.procs import free_port
+from kvpush_dev.sse import run_prompts
+
+ROOT = ve.ROOT
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="demo.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-dir", default=str(ROOT / ".models" / "tiny"))
+    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--extra-prompts", type=int, default=8, help="more prompts, sent concurrently")
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--workdir", default=None, help="logs and sockets (default: a temp dir)")
+    ap.add_argument("--ucx-error-handling", choices=("peer", "none"), default="none")
+    ap.add_argument("--gpu", action="store_true",
+                    help="CUDA vLLM: both engines (and the reference) share one GPU, each a third of its memory")
+    ap.add_argument("--hosts", action="store_true",
+                    help="2P2D across network namespaces as hosts (UCX over TCP, router on its own host; "
+                         "needs root): kvpush_dev.labdemo")
+    args = ap.parse_args(argv)
+    if args.hosts:
+        from kvpush_dev import labdemo
+
+        return labdemo.main(args, prompts(args.extra_prompts))
+
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="kvpush-demo-"))
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"kvpush demo: logs and sockets in {work}")
+    model = ve.ensure_tiny_model(args.model_dir)
+    procs: list[Any] = []
+    gpu_args = ["--gpu-memory-utilization", "0.3"] if args.gpu else []
+    stack = PDStack(model, work, ucx_error_handling_mode=args.ucx_error_handling, engine_args=gpu_args)
+
+    def cleanup() -> None:
+        stack.stop()
+        for p in procs:
+            ve.stop_group(p, grace=10)
+        procs.clear()
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        cleanup()
+        raise SystemExit(130)
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    ps = prompts(args.extra_prompts)
+    try:
+        # 1. colocated reference: the same engine flags and one core, like each P/D engine
+        port = free_port()
+        print("starting the colocated reference engine ...", flush=True)
+        ref = ve.start_engine(model, port, work / "colocated.log", cpu_bind="0", extra_args=gpu_args)
+        procs.append(ref)
+        ve.wait_healthy(f"http://127.0.0.1:{port}/health", 600, ref)
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        asyncio.run(run_prompts(url, ps[:1], 2, 1))  # warm-up
+        reference = asyncio.run(run_prompts(url, ps, args.max_tokens, args.concurrency))
+        cleanup()
+
+        # 2. kvpushd + P + D + router
+        print("starting kvpushd (one daemon per engine), the prefill and decode engines, the router ...",
+              flush=True)
+        stack.start()
+        url = f"{stack.router_url}/v1/completions"
+        asyncio.run(run_prompts(url, ps[:1], 2, 1))  # warm-up
+        before = prompt_tokens_by_source(stack.d_url).get("external_kv_transfer", 0.0)
+        pd = asyncio.run(run_prompts(url, ps, args.max_tokens, args.concurrency))
+        after = prompt_tokens_by_source(stack.d_url).get("external_kv_transfer", 0.0)
+    finally:
+        cleanup()
+
+    return report(ps, reference, pd, after - before)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

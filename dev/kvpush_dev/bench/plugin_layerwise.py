@@ -30,7 +30,7 @@ from kvpush.engine_plugin.metadata import StreamChunk
 from kvpush.engine_plugin.worker.half import KVPushWorker
 from kvpush_dev.engine_peer import FakeDaemon
 
-RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
+RESULTS = Path(__file__).resolve().parents[3] / "docs" / "results"
 BLOCK = 16
 
 

@@ -53,7 +53,7 @@ from typing import Any
 
 import psutil
 
-RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
+RESULTS = Path(__file__).resolve().parents[3] / "docs" / "results"
 BLOCK = 16
 PROMPT = 64  # tokens: 4 blocks
 WAVE = 64  # transfers in flight together (GOALS: the hook cost is judged at 64 in flight)

@@ -1,6 +1,6 @@
 """The decode side of one daemon: registrations, links to prefill daemons, counting.
 
-Hops 2–3 and 7–8 of a request (see the sequence diagram in docs/design.md): the engine's Register
+Hops (2), (6) and (7) of a request (the sequence in docs/design.md): the engine's Register
 becomes one PeerRegister per prefill rank that holds some of our heads; each of those
 producers' NIXL notifications is counted by the completion counter
 (:mod:`kvpush.daemon.core.counter`), which alone decides Received / ReceiveFailed / Released.

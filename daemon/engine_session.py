@@ -1,6 +1,6 @@
 """The engine session: the one local engine rank a daemon serves, over its engine socket.
 
-Hops 1 and 9 of a request: the plugin's Attach maps the engine's KV memory and registers it
+Hops (1) and (3) in, (7) and (8) out, of the sequence in docs/design.md: the plugin's Attach maps the engine's KV memory and registers it
 with NIXL; its Register / PrefillDone / Abort go to the decode or prefill side; their answers
 go back through :meth:`DaemonContext.to_engine`. This module alone writes
 ``ctx.attached``. A re-attach (new memory) fails everything tied to the old one first.

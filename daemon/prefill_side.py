@@ -1,6 +1,6 @@
 """The prefill side of one daemon: decode peers that dial us, the rendezvous, our WRITEs.
 
-Hops 4–6 of a request (see the sequence diagram in docs/design.md): the engine's PrefillDone and the
+Hops (3), (4), (5) and (8) of a request (the sequence in docs/design.md): the engine's PrefillDone and the
 decode daemons' PeerRegisters meet in the rendezvous core (:mod:`kvpush.daemon.core.rendezvous`),
 whose StartWrite actions become NIXL WRITEs with a notification; their completion releases
 the engine's blocks. This module owns the consumer records, the rendezvous core, the WRITEs

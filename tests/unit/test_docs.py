@@ -142,3 +142,36 @@ def test_docs_are_self_contained(path: Path) -> None:
         resolved = (path.parent / target).resolve()
         assert resolved.is_relative_to(ROOT), f"{path.relative_to(ROOT)}: link {target} leaves the repository"
         assert resolved.exists(), f"{path.relative_to(ROOT)}: link {target} points nowhere"
+
+
+PRODUCT_FOLDERS = ("proto", "common", "daemon", "engine_plugin", "router")
+
+
+def _layout_rows() -> dict[str, set[str]]:
+    """docs/design.md's "Code layout" table: folder -> the modules its row lists."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    section = text[text.index("## Code layout"):]
+    section = section[: section.index("\n## ", 1)] if "\n## " in section[1:] else section
+    rows: dict[str, set[str]] = {}
+    for line in section.splitlines():
+        m = re.match(r"^\| `([\w/]+/)` \| ([^|]*) \|", line)
+        if m:
+            rows[m.group(1)] = set(re.findall(r"`(\w+)`", m.group(2)))
+    return rows
+
+
+def _tree() -> dict[str, set[str]]:
+    """Every product folder that is a package -> its modules and subpackages' own rows aside."""
+    out: dict[str, set[str]] = {}
+    for top in PRODUCT_FOLDERS:
+        for init in sorted((ROOT / top).rglob("__init__.py")):
+            folder = init.parent
+            mods = {p.stem for p in folder.glob("*.py") if p.stem != "__init__"}
+            out[f"{folder.relative_to(ROOT)}/"] = mods
+    return out
+
+
+def test_the_design_docs_layout_table_is_the_tree() -> None:
+    """A module added, moved or removed without its row (or a row naming a module that is
+    not there) fails here: the layout a newcomer reads is the code's."""
+    assert _layout_rows() == _tree()

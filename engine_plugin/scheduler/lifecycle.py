@@ -189,8 +189,8 @@ class Stream:
 class StreamAbort:
     """A prefill request's transfer ends unsealed (aborted, possibly before vLLM ever
     scheduled it (``abort_immediately``), streamed or not, or finished with nobody to fetch
-    it): the daemon drops its progress and fails a decode side's registration at once, so
-    that side recomputes now instead of when its registration times out."""
+    it): the daemon drops its progress and fails a decode side's registration it holds at
+    once, so that side recomputes now instead of when its registration times out."""
 
     req: AbortReq
 

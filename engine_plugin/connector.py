@@ -23,14 +23,23 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from kvpush.engine_plugin import compat
 from kvpush.engine_plugin.config import PluginConfig
 from kvpush.engine_plugin.metadata import KVPushMetadata
 from kvpush.engine_plugin.scheduler.half import KVPushScheduler
 from kvpush.engine_plugin.stats import KVPushPromMetrics, KVPushStats, StatsDelta
 from kvpush.engine_plugin.worker.half import KVPushWorker
 
+try:  # vLLM's token-source tiers (0.32+): kvpush's tokens come from a peer engine
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    _P2P: Any = CacheHitSource.P2P
+except ImportError:  # pragma: no cover - an older vLLM counts them as unspecified
+    _P2P = None
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.config.kv_transfer import KVCacheAccess, KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -43,8 +52,15 @@ _ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
 
 
 class KVPushConnector(KVConnectorBase_V1):
+    if _P2P is not None:
+        # get_external_cache_hit_sources (vLLM's base answers with this): every token kvpush
+        # loads was pushed by a peer engine's daemon, as NIXL's and Mooncake's are.
+        _cache_hit_source = _P2P
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
+        compat.refuse_sleep_mode(vllm_config)  # vLLM 0.32 does not ask supports_sleep_mode
+        compat.warn_if_untested()
         ktc = vllm_config.kv_transfer_config
         self.cfg = PluginConfig.from_extra(ktc.kv_connector_extra_config)
         self.block_size = vllm_config.cache_config.block_size
@@ -104,6 +120,32 @@ class KVPushConnector(KVConnectorBase_V1):
 
     def has_pending_push_work(self) -> bool:
         return self.scheduler is not None and self.scheduler.has_pending_push_work()
+
+    def has_pending_block_frees(self) -> bool:
+        """Blocks this connector holds will come back without a preemption (a prefill's
+        held blocks once the daemon sent them, an aborted load's once nothing can land):
+        vLLM then waits a step for them instead of preempting a running request."""
+        return self.scheduler is not None and self.scheduler.has_pending_block_frees()
+
+    # ------------------------------------------------------------------ engine set-up (classmethods)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        """No (vLLM 0.33+ asks at config time): after a wake the KV cache lives in new
+        physical pages that the daemon's mapping cannot follow."""
+        return False
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Yes whenever layer-wise push can stream on a GPU: full CUDA graphs skip
+        save_kv_layer, which reports each layer group's progress."""
+        return compat.piecewise_needed(extra_config)
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: KVTransferConfig) -> KVCacheAccess:
+        """vLLM 0.34+: the legacy allocation, which the daemon maps through CUDA IPC
+        (KVCacheAccess.LEGACY_IPC keeps vLLM's VMM-backed KV cache off)."""
+        return compat.legacy_ipc_access()  # type: ignore[no-any-return]
 
     # ------------------------------------------------------------------ worker side
 

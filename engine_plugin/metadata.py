@@ -88,7 +88,8 @@ class KVPushMetadata(KVConnectorMetadata):
     send_aborts: list[AbortReq] = field(default_factory=list)
     # Prefill side, layer-wise: the chunks this step's forward computes, of streamed requests.
     streams: list[StreamChunk] = field(default_factory=list)
-    # Prefill side, layer-wise: streamed requests that ended unsealed (the daemon drops them).
+    # Prefill side: transfers that ended unsealed, streamed or not (aborted, abort_immediately):
+    # the daemon drops them and fails a decode side's registration at once.
     stream_aborts: list[AbortReq] = field(default_factory=list)
     idle: bool = False  # the step runs no forward: the worker may wait briefly for the daemon
     # Timeline stamps taken by the scheduler half: (transfer_id, hop, monotonic ns).

@@ -23,6 +23,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
+from kvpush.engine_plugin.compat import finished_normally
 from kvpush.engine_plugin.config import PluginConfig
 from kvpush.engine_plugin.logonce import OncePer
 from kvpush.engine_plugin.logs import plugin_logger
@@ -118,14 +119,12 @@ class KVPushScheduler:
                                  request.num_prompt_tokens, decode_leg(request.kv_transfer_params)))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        from vllm.v1.request import RequestStatus
-
         rid = request.request_id
         pleg = prefill_leg(request.kv_transfer_params)
         if pleg is None and self.lifecycle.state(rid) is None:
             return False, None  # not ours: no event at all
         eps = self.cards.endpoints() if pleg is not None else None
-        ok = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+        ok = finished_normally(request.status)  # stop, length, repetition (engine_plugin.compat)
         hold = self._apply(sl.Finished(rid, time.monotonic(), ok, pleg, tuple(block_ids),
                                        request.num_prompt_tokens, None if eps is None else tuple(eps)))
         return (True, hold.answer) if hold is not None else (False, None)
@@ -168,6 +167,12 @@ class KVPushScheduler:
     def has_pending_push_work(self) -> bool:
         lc = self.lifecycle
         return bool(lc.count(sl.State.HELD) or lc.count(sl.State.RELEASING) or self._meta or self._meta.stamps)
+
+    def has_pending_block_frees(self) -> bool:
+        """Blocks held for the daemon (a finished prefill's until Sent, an aborted load's until
+        Released) come back without a preemption; both waits are bounded (lease, timeout)."""
+        lc = self.lifecycle
+        return bool(lc.count(sl.State.HELD) or lc.count(sl.State.RELEASING))
 
     def sizes(self) -> dict[str, int]:
         """Every collection this half keeps, and its size (the soak benchmark's view)."""

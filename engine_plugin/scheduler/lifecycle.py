@@ -187,8 +187,10 @@ class Stream:
 
 @dataclass(slots=True)
 class StreamAbort:
-    """A streamed request ended unsealed (aborted, or finished with nobody to fetch it): the
-    daemon drops its progress at once instead of when its lease runs out."""
+    """A prefill request's transfer ends unsealed (aborted, possibly before vLLM ever
+    scheduled it (``abort_immediately``), streamed or not, or finished with nobody to fetch
+    it): the daemon drops its progress and fails a decode side's registration it holds at
+    once, so that side recomputes now instead of when its registration times out."""
 
     req: AbortReq
 
@@ -349,9 +351,10 @@ def holds(sl: SchedulerLifecycle, rec: Req | None, ev: Finished) -> bool:
     return not ev.prefill.serial or ev.endpoints is not None
 
 
-def streamed(sl: SchedulerLifecycle, rec: Req, ev: Finished) -> bool:
-    """Some chunk of it was named to the worker (in this epoch or an earlier one)."""
-    return rec.streamed or rec.epoch > 0
+def abandons(sl: SchedulerLifecycle, rec: Req | None, ev: Finished) -> bool:
+    """A prefill leg with a transfer the router named, ended by vLLM without holding blocks
+    before any record of it (aborted while waiting; ``abort_immediately``)."""
+    return ev.prefill is not None and ev.prefill.transfer_id is not None and not ev.ok
 
 
 def confirms(sl: SchedulerLifecycle, rec: Req, ev: Finished) -> bool:
@@ -457,8 +460,15 @@ def send_early(sl: SchedulerLifecycle, rec: Req, ev: Step, out: list) -> None:
 
 
 def abort_stream(sl: SchedulerLifecycle, rec: Req, ev: Finished, out: list) -> None:
+    """Ended unsealed (streamed or not): the daemon drops it and fails a registration now."""
     assert rec.transfer_id is not None
     out.append(StreamAbort(AbortReq(rec.req_id, rec.transfer_id, 0)))
+
+
+def abandon(sl: SchedulerLifecycle, rec: Req | None, ev: Finished, out: list) -> None:
+    """As abort_stream, for a request that never had a record."""
+    assert ev.prefill is not None and ev.prefill.transfer_id is not None
+    out.append(StreamAbort(AbortReq(ev.req_id, ev.prefill.transfer_id, 0)))
 
 
 def _answer(rec: Req, ev: Finished) -> dict[str, Any] | None:
@@ -521,6 +531,7 @@ TABLE = Table(State, (Matched, Allocated, Step, Finished, Recved, SendingDone, _
         row(s, Allocated, registers, _LG, *first, register, unreachable=_OURS),
         row(s, Allocated, None, s),
         row(s, Finished, holds, _HD, *first, name, hold_send),  # a serial leg whose daemons became known
+        row(s, Finished, abandons, s, abandon),  # aborted before it was matched (abort_immediately)
         row(s, Finished, None, s),
     )],
     *[row(s, Step, None, s, unreachable=_ROUTED) for s in (None, _EN)],
@@ -560,8 +571,7 @@ TABLE = Table(State, (Matched, Allocated, Step, Finished, Recved, SendingDone, _
     row(_PF, Step, streams_chunk, _PF, stream),  # a later chunk
     row(_PF, Step, None, _PF),  # streamed, past its prompt (decoding: max_tokens > 1)
     *[row(s, Finished, holds, _HD, hold_send) for s in (_PF, _CA)],
-    *[row(s, Finished, streamed, None, abort_stream) for s in (_PF, _CA)],  # ended mid-stream, unsealed
-    *[row(s, Finished, None, None) for s in (_PF, _CA)],
+    *[row(s, Finished, None, None, abort_stream) for s in (_PF, _CA)],  # ended unsealed: withdrawn
     row(_EA, Finished, confirms, _HD, hold_send),
     row(_EA, Finished, None, _HD, withdraw),
     row(_HD, SendingDone, None, None),

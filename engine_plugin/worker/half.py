@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from kvpush import proto
+from kvpush.engine_plugin.compat import check_kv_allocation, target_layers
 from kvpush.engine_plugin.config import PluginConfig
 from kvpush.engine_plugin.link.client import DaemonClient
 from kvpush.engine_plugin.logonce import OncePer
@@ -166,6 +167,7 @@ class KVPushWorker:
     # ------------------------------------------------------------------ set-up
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        kv_caches = target_layers(kv_caches, self.vllm_config)  # a drafter's KV stays home
         first = next(iter(kv_caches.values()))
         if first.device.type == "cuda":
             self._register_gpu_kv_caches(kv_caches)
@@ -203,6 +205,7 @@ class KVPushWorker:
             shape_for_backend,
         )
 
+        check_kv_allocation(self.vllm_config)  # VMM-backed memory: refused with the fix, not a failed attach
         geo = engine_geometry(self.vllm_config, self.kv_cache_config)
         shape = shape_for_backend(geo.backend, geo.layer_view_order)
         names = sorted(kv_caches, key=_layer_key)
@@ -275,7 +278,7 @@ class KVPushWorker:
         for a in meta.aborts:
             self._apply(wl.AbortLoad(a.transfer_id, a.attempt, a.req_id, now, down))
         for a in meta.stream_aborts:  # no record, nothing to free: a refused one costs the daemon's lease
-            self.client.send(proto.Abort(a.transfer_id, 0, "request ended mid-stream"))
+            self.client.send(proto.Abort(a.transfer_id, 0, "request ended before its prefill was sent"))
 
     def after_forward(self) -> None:
         """Right after the step's forward (vLLM's wait_for_save): publish the PrefillDone of

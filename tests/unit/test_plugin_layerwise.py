@@ -156,14 +156,15 @@ def test_a_request_aborted_mid_stream_tells_the_daemon_to_drop_its_progress() ->
     assert s.request_finished(r, [7, 3]) == (False, None)  # nothing held: vLLM frees the blocks
     m = s.build_connector_meta(out())
     assert [(a.transfer_id, a.attempt) for a in m.stream_aborts] == [("t-a", 0)] and m
-    # not streamed (off): no such abort, as before
+    # not streamed (off): withdrawn all the same, so that a decode side's registration fails
+    # at once instead of when it times out (its engine recomputes now)
     s = sched("off")
     r = prefill_req("b", 40)
     match(s, r)
     s.build_connector_meta(out(new=[(r, [7, 3], 20)]))
     r.status = RequestStatus.FINISHED_ABORTED
     s.request_finished(r, [7, 3])
-    assert s.build_connector_meta(out()).stream_aborts == []
+    assert [(a.transfer_id, a.attempt) for a in s.build_connector_meta(out()).stream_aborts] == [("t-b", 0)]
 
 
 # ------------------------------------------------------------------ the worker half

@@ -273,9 +273,11 @@ class Sim:
         r.status = "finished"
         r.held = any(isinstance(a, sl.Hold) for a in out)
         ended = [a for a in out if isinstance(a, sl.StreamAbort)]
-        if ended:  # only a streamed request its daemon will not be sealed for
-            assert not r.held and (r.streamed or r.epoch > 0) and ended[0].req.req_id == r.rid
+        if ended:  # only a prefill leg's transfer that will not be sealed: withdrawn at once
+            assert not r.held and r.kind in ("prefill", "serial") and ended[0].req.req_id == r.rid
             self.stream_aborts += 1
+        elif r.kind == "prefill" and not r.held:  # the router named it: a decode side may wait for it
+            assert ok and not r.blocks, (r, "a router-named transfer ended unsent but was not withdrawn")
         if not r.held:
             self.give_back(r)
 

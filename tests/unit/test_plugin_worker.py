@@ -348,3 +348,29 @@ def test_a_restarted_daemon_fails_the_loads_and_frees_the_blocks_it_held(stack) 
     assert fr == {"r1"} and fs == {"r2", "r3"}
     assert w.take_load_errors() == {1, 2}
     assert w.lifecycle.live_count() == 0
+
+
+def test_draft_model_layers_are_not_attached(stack) -> None:
+    """vLLM 0.33+ marks a speculative drafter's attention layers (is_draft_layer): only the
+    target model's KV is described and attached (a prefill engine without a drafter and a
+    decode engine with one have the same layout)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    w, daemon = stack
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(2)] + ["drafter.layers.0.self_attn.attn"]
+    w.vllm_config = SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context={
+        names[0]: SimpleNamespace(is_draft_layer=False), names[1]: SimpleNamespace(is_draft_layer=False),
+        names[2]: SimpleNamespace(is_draft_layer=True)}))
+    kv = torch.zeros(3, 4, 1, 16, 16, dtype=torch.float32)
+    w.register_kv_caches({n: kv[i] for i, n in enumerate(names)})
+    assert w.layout is not None and w.layout.num_layers == 2
+    end = time.monotonic() + 5
+    while not any(isinstance(m, proto.Attach) for m in daemon.got):
+        w.client.poll()
+        daemon.serve()
+        assert time.monotonic() < end, "no Attach"
+        time.sleep(0.002)
+    (att,) = [m for m in daemon.got if isinstance(m, proto.Attach)]
+    assert att.layout.num_layers == 2

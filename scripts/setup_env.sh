@@ -66,6 +66,12 @@ if [[ $MODE == vllm ]] && ! "$VENV/bin/python" -m pip show -q ray >/dev/null 2>&
   quiet "${PIP[@]}" "ray[serve]==2.60.0" pyarrow "$CPU_TORCH"
 fi
 if [[ $MODE == vllm ]]; then
+  # The other vLLM releases the conformance suite drives (tests/compat): their wheels' Python
+  # trees, fetched once into a cache outside the clone (idempotent; a failure here is loud in
+  # the suite, which fetches again).
+  KVPUSH_VENV="$VENV" bash "$ROOT/scripts/fetch_vllm_releases.sh" || echo "warning: vLLM releases not fetched; tests/compat will try again"
+fi
+if [[ $MODE == vllm ]]; then
   "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
 dev_path

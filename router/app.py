@@ -166,7 +166,11 @@ class Router(Upstreams):
         p_body.pop("stream_options", None)
         if "max_completion_tokens" in p_body:
             p_body["max_completion_tokens"] = 1
+        # One prompt, one prefill: vLLM would split an n > 1 leg into n children of one token
+        # each. The decode leg keeps n (and refuses what n does not allow, e.g. greedy n > 1);
         # min_tokens above the leg's one token would be refused by the prefill engine alone.
+        if "n" in p_body:
+            p_body["n"] = 1
         if isinstance(p_body.get("min_tokens"), int) and p_body["min_tokens"] > 1:
             p_body["min_tokens"] = 1
         d_body = dict(body)

@@ -89,6 +89,8 @@ def prefill_body(body: dict[str, Any], kv_params: dict[str, Any]) -> dict[str, A
     out.pop("min_tokens", None)
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
+    if "n" in out:  # one prompt, one prefill; the decode leg keeps n
+        out["n"] = 1
     return out
 
 

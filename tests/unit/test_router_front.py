@@ -182,7 +182,8 @@ async def _pd_both(prefill: Any, decode: Any) -> AsyncIterator[str]:
             await x.cleanup()
 
 
-async def _refused_by(side: str, status: int, path: str, stream: bool) -> tuple[int, bytes, list[dict]]:
+async def _refused_by(side: str, status: int, path: str, stream: bool,
+                      **extra: Any) -> tuple[int, bytes, list[dict]]:
     """One engine (``side``) answers ``status`` with vLLM's body; the other waits for KV (decode)
     or answers a token (prefill). Returns the client's status, body and the legs' bodies."""
     seen: list[dict] = []
@@ -201,7 +202,8 @@ async def _refused_by(side: str, status: int, path: str, stream: bool) -> tuple[
         return handler
 
     async with _pd_both(engine("prefill"), engine("decode")) as url, aiohttp.ClientSession() as s:
-        body: dict[str, Any] = {"model": "tiny", "max_tokens": 4, "n": 2, "temperature": 0, "stream": stream}
+        body: dict[str, Any] = {"model": "tiny", "max_tokens": 4, "n": 2, "temperature": 0, "stream": stream,
+                                **extra}
         body.update({"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"})
         async with s.post(f"{url}{path}", json=body, timeout=aiohttp.ClientTimeout(total=20)) as r:
             out = r.status, await r.read(), seen
@@ -224,3 +226,9 @@ def test_an_engine_failing_is_still_a_5xx(side):
     got, raw, _ = asyncio.run(_refused_by(side, 500, "/v1/completions", False))
     assert 500 <= got < 600 and f"{side} engine" in json.loads(raw)["error"]["message"], raw
 
+
+def test_the_prefill_leg_asks_for_one_choice_and_one_token_the_decode_leg_for_what_the_client_asked():
+    _, _, seen = asyncio.run(_refused_by("neither", 400, "/v1/completions", False, min_tokens=3))
+    by_leg = {b["leg"]: b for b in seen}
+    assert (by_leg["prefill"]["n"], by_leg["prefill"]["min_tokens"]) == (1, 1)
+    assert (by_leg["decode"]["n"], by_leg["decode"]["min_tokens"]) == (2, 3)

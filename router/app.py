@@ -37,11 +37,15 @@ from kvpush.router.front import (
     PREFILL_ANSWERED,
     BadRequest,
     LegFailed,
+    LegRefused,
     Upstreams,
     decode_chunks,
     error_response,
     front_app,
     json_body,
+    leg_error,
+    refused_event,
+    refused_response,
     sse_error,
 )
 from kvpush.router.metrics import RouterMetrics
@@ -124,12 +128,14 @@ class Router(Upstreams):
     def _streamed(resp: web.StreamResponse) -> bool:
         return "event-stream" in resp.headers.get("content-type", "")
 
-    async def _fail_stream(self, resp: web.StreamResponse, message: str) -> web.StreamResponse:
+    async def _fail_stream(self, resp: web.StreamResponse, message: str,
+                           refused: LegRefused | None = None) -> web.StreamResponse:
         """A leg failed after the 200 went out: a streaming client gets the error as its last
-        event (a non-streaming body is cut short, which its JSON parser reports)."""
+        event (a non-streaming body is cut short, which its JSON parser reports); an engine's
+        refusal goes out as the engine wrote it."""
         if self._streamed(resp):
             with contextlib.suppress(ConnectionError, RuntimeError):  # the client may be gone
-                await resp.write(sse_error(502, message))
+                await resp.write(refused_event(refused) if refused is not None else sse_error(502, message))
         return resp
 
     async def forward(self, req: web.Request, path: str, t0: float) -> web.StreamResponse:
@@ -160,6 +166,13 @@ class Router(Upstreams):
         p_body.pop("stream_options", None)
         if "max_completion_tokens" in p_body:
             p_body["max_completion_tokens"] = 1
+        # One prompt, one prefill: vLLM would split an n > 1 leg into n children of one token
+        # each. The decode leg keeps n (and refuses what n does not allow, e.g. greedy n > 1);
+        # min_tokens above the leg's one token would be refused by the prefill engine alone.
+        if "n" in p_body:
+            p_body["n"] = 1
+        if isinstance(p_body.get("min_tokens"), int) and p_body["min_tokens"] > 1:
+            p_body["min_tokens"] = 1
         d_body = dict(body)
         d_body["kv_transfer_params"] = DecodeLeg(
             transfer_id, tuple(p.kv_endpoints), len(p.kv_endpoints), secret).to_params()
@@ -185,9 +198,11 @@ class Router(Upstreams):
             # A non-streaming decode leg answers only when generation is done: race its
             # headers against the prefill leg so a failed prefill cancels it at once.
             await asyncio.wait({decode, prefill}, return_when=asyncio.FIRST_COMPLETED)
-            if not decode.done() and prefill.exception() is not None:
+            if not decode.done() and (exc := prefill.exception()) is not None:
+                if isinstance(exc, LegRefused) and (verdict := await self._decode_verdict(decode)) is not None:
+                    return verdict
                 decode.cancel()  # closes the connection: vLLM aborts the request
-                raise LegFailed(str(prefill.exception()))
+                raise exc if isinstance(exc, LegFailed) else LegFailed(str(exc))
             first = decode_first = True
             splice = first_token.Splice(first_token.PATHS[path]) if early else None
             if splice is not None and not decode.done():
@@ -202,11 +217,15 @@ class Router(Upstreams):
                         await resp.write(piece)
             async with await decode as upstream:
                 if upstream.status != 200:
-                    text = await upstream.text()
+                    raw = await upstream.read()
                     prefill.cancel()
                     d.failed += 1
                     self.metrics.leg_failed("decode", None)
-                    message = f"decode engine {d.url}: {text[:500]}"
+                    message = f"decode engine {d.url}: {raw[:500].decode(errors='replace')}"
+                    refused = leg_error(upstream.status, raw, message)
+                    if isinstance(refused, LegRefused):
+                        return refused_response(refused) if resp is None else await self._fail_stream(
+                            resp, message, refused)
                     return _error(upstream.status, message) if resp is None else await self._fail_stream(resp, message)
                 if resp is None:
                     resp = await self._open(req, rid, transfer_id, upstream.headers.get("content-type", "application/json"))
@@ -255,6 +274,11 @@ class Router(Upstreams):
                 d.served += 1
                 ok = True
                 return resp
+        except LegRefused as exc:  # the client's fault: its 4xx, the engine's body
+            self.stats["errors"] += 1
+            if resp is None:
+                return refused_response(exc)
+            return await self._fail_stream(resp, str(exc), exc)
         except LegFailed as exc:
             d.failed += 1
             self.stats["errors"] += 1
@@ -279,6 +303,24 @@ class Router(Upstreams):
             if self.spans is not None and span is not None:
                 self.spans.export("kvpush router", transfer_id, self.trace.get(transfer_id), ctx=span,
                                   parent=parent, failed=not ok)
+
+    async def _decode_verdict(self, decode: asyncio.Future[aiohttp.ClientResponse]) -> web.Response | None:
+        """The prefill leg was refused. The decode leg carries the request as the client sent it,
+        so its own answer is what a colocated engine would say (a refused streamed request is a
+        200 whose one event is the error): it gets ``refusal_grace_s`` to give it whole. None
+        where it does not (it accepted the request and waits for KV that will not come)."""
+        try:
+            async with asyncio.timeout(self.cfg.refusal_grace_s):
+                async with await decode as up:
+                    raw = await up.read()
+                    ctype = up.headers.get("content-type", "application/json")
+        except (TimeoutError, aiohttp.ClientError):
+            return None
+        if up.status >= 500:
+            return None
+        out = web.Response(body=raw if "event-stream" in ctype else _without_params(raw), status=up.status)
+        out.headers["content-type"] = ctype
+        return out
 
     def _first_out(self, transfer_id: str, t0: float, streamed: bool, prefill_token: bool) -> None:
         """The client's first token is out: its time, and whose token it was."""
@@ -339,11 +381,12 @@ class Router(Upstreams):
                 f"{p.url}{path}", json=body, headers=headers,
                 timeout=aiohttp.ClientTimeout(total=self.cfg.prefill_timeout_s),
             ) as r:
-                text = await r.text()
+                raw = await r.read()
+                text = raw.decode(errors="replace")
                 if r.status != 200:
                     p.failed += 1
                     self.metrics.leg_failed("prefill", None)
-                    raise LegFailed(f"prefill engine {p.url} answered {r.status}: {text[:500]}")
+                    raise leg_error(r.status, raw, f"prefill engine {p.url} answered {r.status}: {text[:500]}")
         except (TimeoutError, aiohttp.ClientError) as exc:
             p.failed += 1
             self.metrics.leg_failed("prefill", exc)

@@ -64,6 +64,35 @@ class LegFailed(RuntimeError):
     """One leg of a P/D request failed; the other is cancelled."""
 
 
+class LegRefused(LegFailed):
+    """An engine refused a leg as the client's fault (4xx): the client gets that status and
+    the engine's own body, as a colocated engine would answer, not a 502 around it."""
+
+    def __init__(self, status: int, body: bytes, message: str) -> None:
+        super().__init__(message)
+        self.status, self.body = status, body
+
+
+def leg_error(status: int, body: bytes, message: str) -> LegFailed:
+    """What a leg's non-200 answer raises: a refusal for 4xx, a failure for anything else."""
+    return LegRefused(status, body, message) if 400 <= status < 500 else LegFailed(message)
+
+
+def refused_response(exc: LegRefused) -> web.Response:
+    """The engine's refusal, status and body, passed through."""
+    return web.Response(body=exc.body, status=exc.status, content_type="application/json")
+
+
+def refused_event(exc: LegRefused) -> bytes:
+    """The engine's refusal as a stream's last event (its 200 went out already): the body as
+    vLLM puts an error in a stream, on one ``data:`` line."""
+    try:
+        doc = json.loads(exc.body)
+    except (ValueError, RecursionError):
+        return sse_error(exc.status, str(exc))
+    return b"data: " + json.dumps(doc).encode() + b"\n\n"
+
+
 class _Marker(bytes):
     """A bytes object no stream can yield: told apart by identity."""
 
@@ -83,7 +112,7 @@ async def decode_chunks(up: aiohttp.ClientResponse, prefill: asyncio.Task[Any] |
                 exc = prefill.exception()
                 if exc is not None:
                     up.close()  # closing the decode leg aborts it in the engine
-                    raise LegFailed(str(exc))
+                    raise exc if isinstance(exc, LegFailed) else LegFailed(str(exc))
                 if announce:
                     announce = False
                     yield PREFILL_ANSWERED

@@ -95,6 +95,9 @@ class RouterConfig:
                                    check=check_non_negative)
     prefill_timeout_s: float = key(300.0, "seconds for the prefill leg", check=check_non_negative)
     request_timeout_s: float = key(600.0, "seconds for the decode leg", check=check_non_negative)
+    refusal_grace_s: float = key(2.0, "a prefill leg refused (4xx): seconds the decode leg, which carries "
+                                 "the request as the client sent it, gets to give its own answer",
+                                 check=check_non_negative)
     shutdown_grace_s: float = key(30.0, "SIGTERM: stop taking requests, let those in flight "
                                   "finish for this long", check=check_non_negative)
     max_body_bytes: int = key(8 << 20, "a larger request body is refused (413): never buffered, "

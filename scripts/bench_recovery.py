@@ -6,8 +6,10 @@ to freeze (the prefill daemon, cpu0; the decode daemon, cpu1): SIGSTOP it for ``
 send requests during the stop (including a few seconds before SIGCONT) and right after it,
 and print per request: send and finish time relative to SIGCONT, whether its tokens equal the
 colocated engine's, and each daemon's ``kvpush_failures_total`` by cause (deltas over the
-freeze). Targets (issue 25): no request finishes later than 2 s after the peer is back unless
-it finished within 2 s of being sent; tokens equal colocated; zero ``unauthenticated``.
+freeze). Targets (issues 25, 43): no request finishes later than 2 s after the peer is back
+unless it finished within 2 s of being sent; tokens equal colocated; zero ``unauthenticated``.
+The summary prints, per frozen side, the worst finish after resume of the requests in flight
+at the freeze (sent just before SIGSTOP) and of those sent during it.
 
 Run it under the engine lock: ``flock /tmp/kvpush-engines.lock timeout 900 \\
 .venv/bin/python scripts/bench_recovery.py --out docs/results/recovery.md``.
@@ -34,7 +36,9 @@ from kvpush_dev.sse import run_prompts, stream_one
 
 ROOT = ve.ROOT
 BACK_BOUND_S = 2.0
-# Seconds after SIGSTOP (during the stop) and after SIGCONT at which a request is sent.
+# Seconds before SIGSTOP (in flight at the freeze), after SIGSTOP (during the stop, scaled to
+# --stop-s) and after SIGCONT at which a request is sent.
+BEFORE = (0.3, 0.15, 0.05)
 DURING = (1.0, 5.0, 12.0, 20.0, 28.0, 34.0, 37.0, 39.0)
 AFTER = (0.0, 0.2, 0.5, 1.0, 2.0, 4.0)
 
@@ -63,8 +67,8 @@ def failures(stack: PDStack, idx: int) -> dict[str, float]:
 
 
 async def freeze(stack: PDStack, idx: int, ps: list[str], stop_s: float, max_tokens: int) -> tuple[list[dict], float]:
-    """SIGSTOP daemon ``idx`` for ``stop_s``; requests at DURING (scaled to stop_s) and AFTER.
-    Returns per-request rows (times relative to SIGCONT) and when SIGCONT was sent."""
+    """SIGSTOP daemon ``idx`` for ``stop_s``; requests at BEFORE, DURING (scaled to stop_s) and
+    AFTER. Returns per-request rows (with their ``phase``) and when SIGCONT was sent."""
     import aiohttp
 
     pid = int(ops(stack, idx, "status")["pid"])
@@ -72,22 +76,26 @@ async def freeze(stack: PDStack, idx: int, ps: list[str], stop_s: float, max_tok
     rows: list[dict] = []
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as s:
-        async def one(i: int, at: float) -> None:
+        async def one(i: int, at: float, phase: str) -> None:
             await asyncio.sleep(max(0.0, at - time.monotonic()))
             sent = time.monotonic()
             r = await stream_one(s, url, ps[i], max_tokens)
-            rows.append({"i": i, "sent": sent, "done": time.monotonic(), **r})
+            rows.append({"i": i, "sent": sent, "done": time.monotonic(), "phase": phase, **r})
 
-        t0 = time.monotonic()
+        t_stop = time.monotonic() + max(BEFORE)
         scale = stop_s / 40.0
-        tasks = [asyncio.create_task(one(k, t0 + d * scale)) for k, d in enumerate(DURING)]
+        tasks = [asyncio.create_task(one(k, t_stop - d, "in flight")) for k, d in enumerate(BEFORE)]
+        tasks += [asyncio.create_task(one(len(BEFORE) + k, t_stop + d * scale, "sent during"))
+                  for k, d in enumerate(DURING)]
+        await asyncio.sleep(max(0.0, t_stop - time.monotonic()))
         os.kill(pid, signal.SIGSTOP)
         try:
             await asyncio.sleep(stop_s)
         finally:
             os.kill(pid, signal.SIGCONT)
         back = time.monotonic()
-        tasks += [asyncio.create_task(one(len(DURING) + k, back + d)) for k, d in enumerate(AFTER)]
+        first = len(BEFORE) + len(DURING)
+        tasks += [asyncio.create_task(one(first + k, back + d, "after")) for k, d in enumerate(AFTER)]
         await asyncio.gather(*tasks)
     return rows, back
 
@@ -107,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     model = ve.ensure_tiny_model(args.model_dir)
     victims = [v for v in ("prefill", "decode") if args.freeze in (v, "both")]
-    n = len(DURING) + len(AFTER)
+    n = len(BEFORE) + len(DURING) + len(AFTER)
     ps = prompts(n * len(victims))
 
     port = free_port()
@@ -125,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
              "tokens equal to a colocated engine's (greedy), zero `unauthenticated`. Default daemon and plugin",
              "timeouts (peer_timeout_s 10, register timeout 30, the plugin's dead_after_ms 3000).", ""]
     worst = 0.0
+    worst_by: dict[tuple[str, str], float] = {}  # (frozen side, phase) -> worst finish after back
     bad = 0
     try:
         print("starting kvpushd, the engines and the router ...", flush=True)
@@ -140,15 +149,17 @@ def main(argv: list[str] | None = None) -> int:
             after = [failures(stack, 0), failures(stack, 1)]
             src1 = prompt_tokens_by_source(stack.d_url)
             lines += [f"## {victim} daemon (cpu{idx}) frozen {args.stop_s:g} s", "",
-                      "| # | sent | finished | took | after back | tokens = colocated | error |",
-                      "|---|---|---|---|---|---|---|"]
+                      "| # | phase | sent | finished | took | after back | tokens = colocated | error |",
+                      "|---|---|---|---|---|---|---|---|"]
             for r in sorted(rows, key=lambda r: r["sent"]):
                 took = r["done"] - r["sent"]
                 late = max(0.0, r["done"] - max(r["sent"], back))
                 same = "error" not in r and r.get("text") == reference[k * n + r["i"]].get("text")
                 worst = max(worst, late)
+                key = (victim, r["phase"])
+                worst_by[key] = max(worst_by.get(key, 0.0), late)
                 bad += (not same) + (late > BACK_BOUND_S)
-                lines.append(f"| {r['i']} | {r['sent'] - back:+.2f} | {r['done'] - back:+.2f} | {took:.2f} | "
+                lines.append(f"| {r['i']} | {r['phase']} | {r['sent'] - back:+.2f} | {r['done'] - back:+.2f} | {took:.2f} | "
                              f"{late:.2f} | {'yes' if same else 'NO'} | {r.get('error', '')[:60]} |")
             lines += ["", "| daemon | failures over the freeze, by cause |", "|---|---|"]
             for d in (0, 1):
@@ -162,7 +173,9 @@ def main(argv: list[str] | None = None) -> int:
                       + ", ".join(f"{k} {v:g}" for k, v in sorted(srcs.items())), ""]
     finally:
         stack.stop()
-    lines.append(f"Worst finish after the daemon was back: {worst:.2f} s; target misses: {bad}.")
+    lines += ["| frozen daemon | requests | worst finish after it was back (s) |", "|---|---|---|"]
+    lines += [f"| {v} | {ph} | {w:.2f} |" for (v, ph), w in sorted(worst_by.items())]
+    lines += ["", f"Worst finish after the daemon was back: {worst:.2f} s; target misses: {bad}."]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

@@ -46,11 +46,14 @@ from kvpush.proto.params import (
 from kvpush.router.front import (  # one front end, two policies
     BadRequest,
     LegFailed,
+    LegRefused,
     Upstreams,
     decode_chunks,
     error_response,
     front_app,
     json_body,
+    leg_error,
+    refused_response,
 )
 
 log = logging.getLogger("baseline-proxy")
@@ -86,6 +89,8 @@ def prefill_body(body: dict[str, Any], kv_params: dict[str, Any]) -> dict[str, A
     out.pop("min_tokens", None)
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
+    if "n" in out:  # one prompt, one prefill; the decode leg keeps n
+        out["n"] = 1
     return out
 
 
@@ -145,6 +150,9 @@ class Proxy(Upstreams):
             if self.cfg.mode == "pull":
                 return await self._pull(req, body, headers)
             return await self._push(req, body, headers, rid)
+        except LegRefused as exc:  # the client's fault: its 4xx, the engine's body
+            self.stats["errors"] += 1
+            return refused_response(exc)
         except LegFailed as exc:
             self.stats["errors"] += 1
             return _error(502, str(exc))
@@ -157,9 +165,10 @@ class Proxy(Upstreams):
         try:
             async with self.session.post(url, json=body, headers=headers,
                                          timeout=aiohttp.ClientTimeout(total=self.cfg.prefill_timeout_s)) as r:
-                text = await r.text()
+                raw = await r.read()
+                text = raw.decode(errors="replace")
                 if r.status != 200:
-                    raise LegFailed(f"prefill engine answered {r.status}: {text[:500]}")
+                    raise leg_error(r.status, raw, f"prefill engine answered {r.status}: {text[:500]}")
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise LegFailed(f"prefill engine: {type(exc).__name__}: {exc}") from exc
         try:
@@ -198,7 +207,9 @@ class Proxy(Upstreams):
             async with self.session.post(f"{self.cfg.decode_url}{req.path}", json=d_body, headers=headers,
                                          timeout=aiohttp.ClientTimeout(total=self.cfg.request_timeout_s)) as up:
                 if up.status != 200:
-                    raise LegFailed(f"decode engine answered {up.status}: {(await up.text())[:500]}")
+                    raw = await up.read()
+                    raise leg_error(up.status, raw, f"decode engine answered {up.status}: "
+                                                    f"{raw[:500].decode(errors='replace')}")
                 resp = web.StreamResponse(status=200, headers={
                     "content-type": up.headers.get("content-type", "application/json")})
                 await resp.prepare(req)

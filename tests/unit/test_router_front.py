@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 from kvpush.router.app import Backend, RouterConfig, build_app
@@ -155,3 +156,79 @@ def test_a_decode_leg_refused_after_the_first_token_went_out_ends_the_stream_wit
     before, lines = asyncio.run(_prefill_first_decode_late(503))
     assert before and json.loads(lines[0][5:])["choices"][0]["text"] == " a"
     assert lines[-1].startswith('data: {"error"') and "no room" in lines[-1], lines
+
+
+# ---- an engine's refusal is the client's answer, not a 502 around it ----
+
+VLLM_400 = {"error": {"message": "n must be 1 when using greedy sampling, got 2.", "type": "BadRequestError",
+                      "param": None, "code": 400}}
+
+
+@contextlib.asynccontextmanager
+async def _pd_both(prefill: Any, decode: Any) -> AsyncIterator[str]:
+    """Like ``_pd`` with both OpenAI APIs routed to the stand-ins."""
+    servers = []
+    for handler in (prefill, decode):
+        app = web.Application()
+        app.router.add_post("/v1/completions", handler)
+        app.router.add_post("/v1/chat/completions", handler)
+        servers.append(await serve(app))
+    (_, p_url), (_, d_url) = servers
+    router, url = await _router(p_url, d_url)
+    try:
+        yield url
+    finally:
+        for x in (router, *(runner for runner, _ in servers)):
+            await x.cleanup()
+
+
+async def _refused_by(side: str, status: int, path: str, stream: bool,
+                      **extra: Any) -> tuple[int, bytes, list[dict]]:
+    """One engine (``side``) answers ``status`` with vLLM's body; the other waits for KV (decode)
+    or answers a token (prefill). Returns the client's status, body and the legs' bodies."""
+    seen: list[dict] = []
+    answered = asyncio.Event()
+    refusal = json.dumps({**VLLM_400, "error": {**VLLM_400["error"], "code": status}}).encode()
+
+    def engine(me: str) -> Any:
+        async def handler(req: web.Request) -> web.StreamResponse:
+            seen.append({"leg": me, **await req.json()})
+            if me == side:
+                return web.Response(body=refusal, status=status, content_type="application/json")
+            if me == "decode":  # waits for KV that never comes: the refusal must not wait for it
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(answered.wait(), 5)
+            return web.json_response({"choices": [{"index": 0, "text": " a", "finish_reason": "length"}]})
+        return handler
+
+    async with _pd_both(engine("prefill"), engine("decode")) as url, aiohttp.ClientSession() as s:
+        body: dict[str, Any] = {"model": "tiny", "max_tokens": 4, "n": 2, "temperature": 0, "stream": stream,
+                                **extra}
+        body.update({"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"})
+        async with s.post(f"{url}{path}", json=body, timeout=aiohttp.ClientTimeout(total=20)) as r:
+            out = r.status, await r.read(), seen
+        answered.set()
+        return out
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(("side", "status"), [("prefill", 400), ("decode", 400), ("prefill", 404),
+                                              ("decode", 404)])
+def test_an_engines_refusal_reaches_the_client_as_its_4xx_with_the_engines_body(side, status, path, stream):
+    got, raw, _ = asyncio.run(_refused_by(side, status, path, stream))
+    assert got == status, raw
+    assert json.loads(raw) == {**VLLM_400, "error": {**VLLM_400["error"], "code": status}}
+
+
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+def test_an_engine_failing_is_still_a_5xx(side):
+    got, raw, _ = asyncio.run(_refused_by(side, 500, "/v1/completions", False))
+    assert 500 <= got < 600 and f"{side} engine" in json.loads(raw)["error"]["message"], raw
+
+
+def test_the_prefill_leg_asks_for_one_choice_and_one_token_the_decode_leg_for_what_the_client_asked():
+    _, _, seen = asyncio.run(_refused_by("neither", 400, "/v1/completions", False, min_tokens=3))
+    by_leg = {b["leg"]: b for b in seen}
+    assert (by_leg["prefill"]["n"], by_leg["prefill"]["min_tokens"]) == (1, 1)
+    assert (by_leg["decode"]["n"], by_leg["decode"]["min_tokens"]) == (2, 3)

@@ -168,16 +168,18 @@ def step_vmm() -> str:
         lsock.settimeout(120)
         child = mp.get_context("spawn").Process(target=_vmm_child, args=(path, 0), daemon=True)
         child.start()
-        drv = CudaVmm(0)
+        drv = None
         try:
+            drv = CudaVmm(0)
             try:
                 sock, _ = lsock.accept()
             except TimeoutError:
                 raise RuntimeError(f"the importing child did not connect (exit code {child.exitcode})") from None
             return engine_side(sock, drv) + f" (importer pid {child.pid})"
         finally:
-            drv.close()
-            lsock.close()
+            if drv is not None:
+                drv.close()
+            lsock.close()  # a child still waiting to connect is refused, and ends
             child.join(30)
             if child.is_alive():
                 child.kill()

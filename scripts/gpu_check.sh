@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# The GPU path on a machine with a GPU, in one command: CUDA IPC export/open across two
-# processes, NIXL VRAM registration, a kvpushd WRITE between two GPU regions (per-layer
+# The GPU path on a machine with a GPU, in one command: the legacy allocation (a cudaMalloc
+# tensor exported by CUDA IPC, opened in a second process, NIXL VRAM registration), the VMM
+# allocation (cuMemCreate with the POSIX-fd export type, the fd passed over a unix socket by
+# SCM_RIGHTS, imported and mapped in a second process, bytes compared both ways, NIXL VRAM
+# registration), a kvpushd WRITE between two GPU regions (per-layer
 # FlashAttention caches, bytes compared with the reference copy), layer-wise streaming's
 # interprocess event pool opened in a second process by the daemon's gate (LayerGate over
 # CudaEventPort: held while the kernel runs, through once it ended) and, when vLLM with CUDA
@@ -8,7 +11,7 @@
 #
 # Exit codes: 0 PASS, 1 FAIL, 2 bad usage or kvpush not installable,
 #             77 no GPU here (nothing was run; 77 is automake's / CTest's "skipped").
-# Options: --skip-vllm, --model DIR (for the 1P1D step), --steps ipc,daemon,events (run a
+# Options: --skip-vllm, --model DIR (for the 1P1D step), --steps legacy,vmm,daemon,events (run a
 # subset). $KVPUSH_PYTHON picks the interpreter.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -6,7 +6,9 @@ given read-write access on the device; NIXL then registers that range as VRAM. E
 descriptor is closed once imported (the imported handle keeps the memory), and a failure
 unwinds whatever was mapped. :class:`VmmImportDriver` is the CUDA driver API
 (cuMemImportFromShareableHandle, cuMemAddressReserve, cuMemMap, cuMemSetAccess and their
-inverses); the unit tests use a fake whose allocations are memfd files.
+inverses: :class:`kvpush.common.cuda_vmm.CudaVmm`, run on a GPU only by
+``scripts/gpu_check.sh``'s ``vmm`` step); the unit tests use fakes whose allocations are
+memfd files.
 """
 
 from __future__ import annotations
@@ -60,12 +62,15 @@ def map_regions(fds: list[int], sizes: list[int], offsets: list[int], device: in
             finally:
                 os.close(fd)
                 fds[i] = -1
-            va = None
+            va, is_mapped = None, False
             try:
                 va = driver.reserve(size)
                 driver.map(va, size, h)
+                is_mapped = True
                 driver.set_access(va, size, device)
-            except BaseException:
+            except BaseException:  # undo in reverse: a range is freed only once unmapped
+                if is_mapped:
+                    driver.unmap(va, size)
                 if va is not None:
                     driver.free(va, size)
                 driver.release(h)

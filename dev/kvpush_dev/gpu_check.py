@@ -4,21 +4,30 @@ Steps, each printed as one line, then one verdict line ``gpu_check: PASS`` / ``F
 
 1. ``cuda``: a CUDA device is visible to torch. None: ``gpu_check: NO GPU ...`` and exit
    :data:`EXIT_NO_GPU` (77, the "skipped" code of automake and CTest) without trying more.
-2. ``ipc``: two processes: a child exports a CUDA tensor by CUDA IPC, this process opens it
-   (``daemon.kv_mapping.CudaIpcRegion``), registers it with NIXL as VRAM and reads the child's bytes.
-3. ``daemon``: two real kvpushd processes and two engine stand-ins in this process whose KV is
+2. ``legacy``: the allocation kvpush exports today (``kv_cache_access``: LEGACY_IPC): a child
+   exports a torch (cudaMalloc) tensor by legacy CUDA IPC, this process opens it
+   (``daemon.kv_mapping.CudaIpcRegion``), reads the child's bytes and registers it with NIXL
+   as VRAM.
+3. ``vmm``: the VMM export of docs/gpu-memory.md (built, not switched on): this process
+   creates two physical chunks with the POSIX-fd export type in one reserved range
+   (``common.cuda_vmm.CudaVmm``: ctypes over libcuda), writes them, exports two regions as
+   the engine would (``worker.vmm_export``) and passes the descriptors over a unix socket
+   (``proto.fdpass``) to a child, which maps them as the daemon would (``io.vmm_import``),
+   compares the bytes, writes its own (read back here), registers the mappings with NIXL as
+   VRAM and unmaps (``kvpush_dev.vmm_check``).
+4. ``daemon``: two real kvpushd processes and two engine stand-ins in this process whose KV is
    per-layer CUDA allocations in FlashAttention's shape (one region per layer, CUDA IPC); a
    Register and a PrefillDone make the prefill daemon WRITE into the decode engine's GPU
    memory; the decode caches, read back and compared through the backend's views, must equal
    the reference copy byte for byte (equal block sizes, then a block-size mismatch).
-4. ``events``: layer-wise streaming's event pool (``engine_plugin.layer_events.CudaEvents``):
+5. ``events``: layer-wise streaming's event pool (``engine_plugin.layer_events.CudaEvents``):
    this process records pool events behind a long kernel; a second process, as the daemon
    does, opens their IPC handles (what proto.LayerEvents carries) through
    ``daemon.layer_gate.LayerGate`` and its ``CudaEventPort`` and admits one item per event:
    the pending event's item is held while the fired ones' go through, and goes once the
    kernel ends; re-recorded behind another kernel (the pool's reuse), every item is held
    again until the newer recordings complete; nothing is dropped.
-5. ``vllm``: if vLLM with CUDA imports, a 1P1D pair on this one GPU (two engines sharing its
+6. ``vllm``: if vLLM with CUDA imports, a 1P1D pair on this one GPU (two engines sharing its
    memory) through kvpush, whose greedy output must equal a colocated engine's. Otherwise the
    step says why it was skipped (the verdict does not depend on it).
 
@@ -28,11 +37,14 @@ Exit codes: 0 PASS, 1 FAIL, :data:`EXIT_NO_GPU` no GPU, 2 bad usage.
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
+import socket
 import sys
 import tempfile
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +67,7 @@ def cuda_visible() -> str:
     return ""
 
 
-def _ipc_child(conn: Any) -> None:
+def _legacy_child(conn: Any) -> None:
     import torch
 
     from kvpush.engine_plugin.worker.export import export_cuda_tensor
@@ -66,7 +78,7 @@ def _ipc_child(conn: Any) -> None:
     conn.recv()  # keep the allocation alive until the parent is done
 
 
-def step_ipc() -> str:
+def step_legacy() -> str:
     import numpy as np
     import torch
 
@@ -75,7 +87,7 @@ def step_ipc() -> str:
 
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
-    child = ctx.Process(target=_ipc_child, args=(child_conn,), daemon=True)
+    child = ctx.Process(target=_legacy_child, args=(child_conn,), daemon=True)
     child.start()
     try:
         if not conn.poll(120):
@@ -84,16 +96,93 @@ def step_ipc() -> str:
         got = region.view(torch.int32)[:8].cpu().numpy()
         if not np.array_equal(got, np.arange(8, dtype=np.int32)):
             raise RuntimeError(f"opened handle reads {got}, expected 0..7")
-        t = NixlTransport("gpu-check-ipc")
+        t = NixlTransport("gpu-check-legacy")
         t.register(region)
         t.close()
         region.close()
-        return f"CUDA IPC export (pid {child.pid}) -> open here, bytes equal, NIXL VRAM registration ok"
+        return (f"torch (cudaMalloc) tensor exported by legacy CUDA IPC (pid {child.pid}) -> opened here, "
+                "bytes equal, NIXL VRAM registration ok")
     finally:
         conn.send("done")
         child.join(30)
         if child.is_alive():
             child.kill()
+
+
+@dataclass(frozen=True)
+class _VmmRange:
+    """A mapped VMM range as NixlTransport.register takes a region."""
+
+    base: int
+    size: int
+    device: int
+    kind: str = "cuda_vmm_fd"
+    mem_type: str = "VRAM"
+
+
+def _nixl_register(mapped: list[Any], device: int) -> str:
+    """The daemon's next step after mapping: register each whole mapping with NIXL as VRAM."""
+    from kvpush.daemon.io.transport import NixlTransport
+
+    t = NixlTransport("gpu-check-vmm")
+    try:
+        for m in mapped:
+            t.register(_VmmRange(m.va, m.size, device))
+    finally:
+        t.close()
+    return f"{len(mapped)} mappings registered with NIXL as VRAM"
+
+
+def _vmm_child(path: str, device: int) -> None:
+    """The daemon's side, in its own process (its own address space, as kvpushd)."""
+    from kvpush.common.cuda_vmm import CudaVmm
+    from kvpush_dev.vmm_check import daemon_side
+
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(120)
+    sock.connect(path)
+    try:
+        drv = CudaVmm(device)
+    except Exception as exc:  # say why to the engine's side, which waits for an answer
+        from kvpush.proto.fdpass import send_frame_with_fds
+
+        send_frame_with_fds(sock, json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode(), [])
+        while sock.recv(1 << 16):  # until the engine side closes (it reads the error first)
+            pass
+        return
+    try:
+        daemon_side(sock, drv, register=_nixl_register)
+    finally:
+        drv.close()
+
+
+def step_vmm() -> str:
+    from kvpush.common.cuda_vmm import CudaVmm
+    from kvpush_dev.vmm_check import engine_side
+
+    with tempfile.TemporaryDirectory(prefix="kvpush-gpu-check-") as tmp:
+        path = str(Path(tmp) / "vmm.sock")
+        lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        lsock.bind(path)
+        lsock.listen(1)
+        lsock.settimeout(120)
+        child = mp.get_context("spawn").Process(target=_vmm_child, args=(path, 0), daemon=True)
+        child.start()
+        drv = None
+        try:
+            drv = CudaVmm(0)
+            try:
+                sock, _ = lsock.accept()
+            except TimeoutError:
+                raise RuntimeError(f"the importing child did not connect (exit code {child.exitcode})") from None
+            return engine_side(sock, drv) + f" (importer pid {child.pid})"
+        finally:
+            if drv is not None:
+                drv.close()
+            lsock.close()  # a child still waiting to connect is refused, and ends
+            child.join(30)
+            if child.is_alive():
+                child.kill()
 
 
 def _events_child(conn: Any, port: Any = None) -> None:
@@ -276,7 +365,7 @@ def step_vllm(model: str) -> tuple[bool | None, str]:
     return rc == 0, f"1P1D on one GPU through kvpush (demo --gpu): exit {rc}"
 
 
-STEPS = {"ipc": step_ipc, "daemon": step_daemon, "events": step_events}
+STEPS = {"legacy": step_legacy, "vmm": step_vmm, "daemon": step_daemon, "events": step_events}
 
 
 def parse_steps(text: str) -> tuple[str, ...]:

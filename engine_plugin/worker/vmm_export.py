@@ -9,9 +9,9 @@ type, and export each region here; the descriptors go with the Attach
 
 :func:`export_regions` is driver-agnostic (:class:`VmmExportDriver`: the CUDA driver API's
 cuMemRetainAllocationHandle, cuMemGetAddressRange, cuMemExportToShareableHandle and
-cuMemRelease). The CUDA driver comes with ``scripts/gpu_check.sh``'s ``vmm`` step, on a GPU,
-before this is enabled; the unit tests drive it with a fake whose physical allocations are
-memfd files.
+cuMemRelease). The CUDA driver is :class:`kvpush.common.cuda_vmm.CudaVmm`, run on a GPU only
+by ``scripts/gpu_check.sh``'s ``vmm`` step, which must pass before this is enabled; the unit
+tests drive it with fakes whose physical allocations are memfd files.
 """
 
 from __future__ import annotations

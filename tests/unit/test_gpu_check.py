@@ -1,6 +1,7 @@
 """scripts/gpu_check.sh on a machine without a GPU: it says so and exits with its own code;
-its options parse; the ``events`` step's daemon-side process speaks its protocol (over a fake
-event port: the real one needs the GPU).
+its options parse (the ``legacy`` and ``vmm`` steps among them); the ``events`` step's
+daemon-side process speaks its protocol (over a fake event port: the real one needs the GPU).
+The ``vmm`` step's two sides run here over a fake libcuda in tests/unit/test_cuda_vmm.py.
 
 (On a machine with a GPU the script is the check itself; run it there.)
 """
@@ -48,19 +49,23 @@ def test_module_usage_error_is_distinct():
 
 
 def test_steps_parse_to_a_subset_in_run_order():
+    """Both allocations have a step: ``legacy`` (CUDA IPC of cudaMalloc memory, what runs) and
+    ``vmm`` (the POSIX-fd export of VMM memory, built and not switched on)."""
+    assert tuple(STEPS) == ("legacy", "vmm", "daemon", "events")
     assert parse_steps("events") == ("events",)
-    assert parse_steps(" events, ipc ") == ("ipc", "events")
+    assert parse_steps(" events, vmm ,legacy") == ("legacy", "vmm", "events")
     assert parse_steps(",".join(STEPS)) == tuple(STEPS)
-    for bad in ("", ",", "event", "ipc,nope"):
-        with pytest.raises(argparse.ArgumentTypeError, match="subset of ipc,daemon,events"):
+    for bad in ("", ",", "event", "ipc", "legacy,nope"):
+        with pytest.raises(argparse.ArgumentTypeError, match="subset of legacy,vmm,daemon,events"):
             parse_steps(bad)
 
 
 @no_gpu
 def test_steps_option_is_checked_before_the_gpu(capsys):
     assert main(["--steps", "nope"]) == 2
-    assert "subset of ipc,daemon,events" in capsys.readouterr().err
+    assert "subset of legacy,vmm,daemon,events" in capsys.readouterr().err
     assert main(["--steps", "events", "--skip-vllm"]) == EXIT_NO_GPU
+    assert main(["--steps", "vmm,legacy", "--skip-vllm"]) == EXIT_NO_GPU
 
 
 class _Port:

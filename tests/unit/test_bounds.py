@@ -53,9 +53,9 @@ def _recount(rv: rz.Rendezvous) -> dict[str, Held]:
             continue
         mine: dict[str, int] = {}
         for dest, reg in rec.regs.items():
-            if rec.live or (rec.attempt, dest) in rec.inflight:
+            if rec.live or (rec.attempt, dest) in rec.writes.inflight:
                 mine[reg.peer] = mine.get(reg.peer, 0) + len(reg.block_ids)
-        for f in rec.inflight.values():
+        for f in rec.writes.inflight.values():
             mine.setdefault(f.peer, 0)
         for peer, n in mine.items():
             h = out.get(peer, Held())

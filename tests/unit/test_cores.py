@@ -247,11 +247,11 @@ def _rz_state_from_facts(rec: Any) -> rz.State:
     rules the core applied before its table named the states)."""
     v = rec.verdict
     if v is not None:
-        if rec.inflight:
+        if rec.writes.inflight:
             return rz.State.DRAINING
         return rz.State.DONE if v.ok else rz.State.FAILED
     if rec.prefill is None:
-        if (rec.live and rec.regs) or rec.inflight:  # or a cancelled attempt's groups drain
+        if (rec.live and rec.regs) or rec.writes.inflight:  # or a cancelled attempt's groups drain
             return rz.State.WAIT_PREFILL
         return rz.State.STREAMED if rec.attempt < 0 else rz.State.EXPIRED  # progress only
     if rec.live and len(rec.regs) == rec.expected:
@@ -309,8 +309,8 @@ class _Watch:
 def _rz_facts(c: rz.Rendezvous, key: str, rec: Any, r: Row) -> None:
     assert _rz_state_from_facts(rec) is rec.state, f"{r}: facts say {_rz_state_from_facts(rec)}"
     if rec.state is rz.State.WRITING:
-        assert rec.inflight, "WRITING without a write in flight"
-    assert not rec.parked or rec.state is rz.State.WAIT_PREFILL, "parked rivals outlive WAIT_PREFILL"
+        assert rec.writes.inflight, "WRITING without a write in flight"
+    assert not rec.contest.parked or rec.state is rz.State.WAIT_PREFILL, "parked rivals outlive WAIT_PREFILL"
 
 
 @settings(max_examples=150, deadline=None)

@@ -69,7 +69,7 @@ def test_a_stream_writes_only_to_the_party_its_binding_admits() -> None:
     (g,) = of(StartGroupWrite, rv.handle(_as("dnode", reg(peer="d0"))))
     assert g.peer == "d0"
     assert rv.handle(_as("evil", reg(peer="x", attempt=1))) == []  # a rival is parked: no more groups until the seal picks
-    assert rv._recs["t"].parked  # the core's record (no view shows rivals)
+    assert rv._recs["t"].contest.parked  # the core's record (no view shows rivals)
     assert of(StartGroupWrite, rv.handle(bound(lr(2, 4)))) == []
     rv = Rendezvous()
     rv.handle(dataclasses.replace(lr(0, 2), binding=None))
@@ -164,7 +164,7 @@ def test_a_rival_parked_during_a_stream_is_answered_when_the_stream_ends() -> No
     assert rv.handle(_as("nodeB", reg(peer="b", attempt=1))) == []
     out = rv.handle(WriteFailed("t", 0, 0, "boom", 2.0, group=g.group))
     assert sorted((a.peer, a.cause.value) for a in of(NotifyFailure, out)) == [("a", "write_failed"), ("b", "closed")]
-    assert rv.info("t").state is State.FAILED and not rv._recs["t"].parked
+    assert rv.info("t").state is State.FAILED and not rv._recs["t"].contest.parked
 
 
 def test_a_party_that_takes_over_gets_every_layer_not_the_owners_skips() -> None:

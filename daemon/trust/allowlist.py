@@ -13,7 +13,9 @@ read is a security decision, and it must never stall the daemon's loop. The rule
 * **Content, not timestamps.** Every reload reads the files (each at most
   ``MAX_CERT_BYTES``: a certificate is ~300 bytes) and compares a hash of names and contents,
   so a key rotated in place with its mtime kept (``cp -p``, ``rsync -a``) is noticed.
-* **A vanished directory revokes everyone**, with an error log line.
+* **A vanished directory revokes everyone**, with an error log line; a transient failure to
+  read it (out of file descriptors or memory) keeps the last good allowlist, logged as
+  ``PEER ALLOWLIST NOT RELOADED``.
 * **Unique identities.** Two certificates with the same name, or listing the same host, are
   both refused (a log line names both files): a name is a session's identity and a host is
   what an endpoint claim is checked against, so each must belong to exactly one certificate.
@@ -27,6 +29,7 @@ read is a security decision, and it must never stall the daemon's loop. The rule
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import ipaddress
 import logging
@@ -50,6 +53,17 @@ _META = re.compile(r"^\s+([A-Za-z0-9_\-]+)\s*=\s*\"?([^\"]*)\"?\s*$")
 
 class AllowlistError(ValueError):
     """A certificate file, or the directory, cannot be trusted or read."""
+
+
+# Errors of this process or host, not of the directory: no reason to revoke anyone (issue 44:
+# a daemon out of file descriptors once emptied its allowlist and evicted every node).
+TRANSIENT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS, errno.EAGAIN,
+                              errno.EINTR})
+
+
+class AllowlistUnread(RuntimeError):
+    """The directory could not be read this time for a transient reason (out of descriptors,
+    memory): the last good allowlist stays."""
 
 
 ROLES = ("prefill", "decode")
@@ -229,6 +243,8 @@ def load(directory: str, uids: frozenset[int] | None = None, cap: int = MAX_CERT
         real = os.path.realpath(directory)
         names = sorted(n for n in os.listdir(real) if n.endswith(CERT_SUFFIX))
     except (OSError, AllowlistError) as exc:
+        if isinstance(exc, OSError) and exc.errno in TRANSIENT_ERRNOS:
+            raise AllowlistUnread(f"authorized_keys_dir {directory}: {exc.strerror}") from exc
         why = exc if isinstance(exc, AllowlistError) else f"authorized_keys_dir {directory}: {exc.strerror}"
         msg = f"authorized_keys_dir {directory} cannot be trusted or read ({why}): every node is revoked"
         return Snapshot({}, (msg,), hashlib.sha256(msg.encode()).digest())
@@ -245,6 +261,8 @@ def load(directory: str, uids: frozenset[int] | None = None, cap: int = MAX_CERT
             parsed.append((n, parse_cert(data.decode("utf-8"), n.removesuffix(CERT_SUFFIX))))
             h.update(b"%d:%s\0%d:" % (len(n), n.encode(), len(data)) + data)
         except (OSError, ValueError) as exc:  # AllowlistError and UnicodeDecodeError are ValueErrors
+            if isinstance(exc, OSError) and exc.errno in TRANSIENT_ERRNOS:
+                raise AllowlistUnread(f"{path}: {exc.strerror}") from exc
             problems.append(f"{path}: ignored, {exc}")
             h.update(b"!%s\0" % n.encode())
     certs, refused = admit(parsed)
@@ -284,8 +302,16 @@ class Allowlist:
             self._thread.start()
 
     def reload(self) -> bool:
-        """Read the directory now (any thread); True if what it admits changed."""
-        snap = load(self.directory, cap=self.max_cert_bytes)
+        """Read the directory now (any thread); True if what it admits changed. A transient
+        failure (:class:`AllowlistUnread`) keeps the last good allowlist, logged as an error."""
+        try:
+            snap = load(self.directory, cap=self.max_cert_bytes)
+        except AllowlistUnread as exc:
+            with self._lock:
+                kept = len(self._snap.by_key)
+            log.error("PEER ALLOWLIST NOT RELOADED: %s; keeping the last good allowlist (%d node(s)) "
+                      "and retrying in %g s", exc, kept, self.interval_s)
+            return False
         with self._lock:
             old = self._snap
             if snap.digest == old.digest:

@@ -327,9 +327,18 @@ class DeviceConfig:
         "what registrations naming dead or closed endpoints cost (file descriptors, connects)",
         check=_check_count)
     max_sessions_per_peer: int = key(
-        64, "handshaken sessions one certificate identity may hold with this daemon (a decode "
-        "node has one per decode daemon; restarts replace theirs); a Hello over it is refused",
+        64, "sessions one certificate identity may hold with this daemon (a decode node has one "
+        "per decode daemon; restarts replace theirs), counted from the CURVE handshake on: a "
+        "session over it is refused before its Hello",
         check=_check_count)
+    hello_deadline_s: float = key(
+        10.0, "a peer connection (CURVE session) that carries no handshaken session this long "
+        "after it was accepted, or after its session ended (refused, evicted), is closed: "
+        "sessions that never say Hello cannot pile up", check=_check_positive)
+    reserved_fds: int = key(
+        256, "file descriptors the peer port leaves to the daemon's own files (allowlist, "
+        "shared memory, engine and producer sockets): it holds at most the soft RLIMIT_NOFILE "
+        "less this many connections, closing the newest beyond", check=_check_count)
     poll_min_s: float = key(0.0005, "shortest sleep of the idle loop", check=_check_positive)
     poll_max_s: float = key(0.05, "longest sleep of the idle loop", check=_check_positive)
     max_prepped_descriptors: int = key(

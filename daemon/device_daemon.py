@@ -25,6 +25,7 @@ import signal
 import socket
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,7 @@ from kvpush import proto
 from kvpush.daemon.config import DeviceConfig, cpu_set
 from kvpush.daemon.context import DaemonContext, exit_fence
 from kvpush.daemon.core.peers import PeerLinkState
+from kvpush.daemon.core.session_gate import PendingCap
 from kvpush.daemon.decode_side import DecodeSide
 from kvpush.daemon.engine_session import EngineSession, LocalTrust, RegionOpener, map_engine_region
 from kvpush.daemon.io.endpoints import Endpoints
@@ -132,13 +134,14 @@ def real_ports(cfg: DeviceConfig) -> Ports:
                     "(NIXL metadata and KV memory included)", cfg.peer_host, cfg.peer_port)
     else:
         auth = PeerAuth.load(cfg.curve_secret_key_file, cfg.authorized_keys_dir)
+        auth.pending = PendingCap(cfg.max_sessions_per_peer, cfg.hello_deadline_s)
     ep = Endpoints(
         zctx, engine=cfg.engine_socket, peer=f"tcp://{cfg.peer_host}:{cfg.peer_port or 0}",
         max_message=cfg.max_message_bytes, handshake_ms=round(cfg.peer_handshake_s * 1000),
         ops=cfg.ops_socket, socket_mode=cfg.socket_mode, auth=auth,
     )
     bad = _Late()
-    wire = DaemonWire(ep, bad)
+    wire = DaemonWire(ep, bad, hello_deadline_s=cfg.hello_deadline_s, reserved_fds=cfg.reserved_fds)
     params = {"ucx_error_handling_mode": cfg.ucx_error_handling_mode} if cfg.backend == "UCX" else {}
     adv = cfg.advertise_host or cfg.peer_host
     ledger = ShmLedger(os.path.join(cfg.runtime_dir, f"shm-{cfg.name}.json"))
@@ -162,6 +165,8 @@ class DeviceDaemon:
                                  ports.transport, DaemonMetrics(cfg.name), auth=ports.auth, fence=ports.fence)
         if ports.on_bad is not None:
             ports.on_bad.target = self.ctx.bad
+        if hasattr(ports.wire, "session_live"):  # a peer connection lives while its session does
+            ports.wire.session_live = lambda ident: ident in self.prefill.consumers
         if cfg.otlp_traces_endpoint:
             from kvpush.common.otel import SpanSink
 
@@ -280,6 +285,12 @@ class DeviceDaemon:
 
     def _on_peer(self, ident: bytes, msg: Any, node: str) -> None:
         self.prefill.on_peer(ident, msg, time.monotonic(), node)
+        pending = self.ctx.auth.pending if self.ctx.auth is not None else None
+        if pending is not None and isinstance(msg, proto.Hello) and ident in self.prefill.consumers:
+            pending.handshaken(node, self._sessions_by_node())
+
+    def _sessions_by_node(self) -> dict[str, int]:
+        return dict(Counter(c.node for c in self.prefill.consumers.values() if c.node))
 
     def _on_producer(self, endpoint: str, msg: Any) -> None:
         self.decode.on_producer(endpoint, msg, time.monotonic())
@@ -306,6 +317,8 @@ class DeviceDaemon:
         auth = self.ctx.auth
         if auth is not None and now - self.last_auth >= AUTH_REFRESH_S:
             self.last_auth = now
+            if auth.pending is not None:
+                auth.pending.set_live(self._sessions_by_node())
             if auth.allow.refresh():  # a node added, rotated or revoked
                 names = auth.allow.names()
                 self.prefill.revoke(names, now)

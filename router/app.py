@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import itertools
 import json
 import logging
@@ -110,11 +111,24 @@ class Router(Upstreams):
         log.info("shutting down: %d request(s) in flight get up to %.0f s to finish", busy, self.cfg.shutdown_grace_s)
 
     async def trace_view(self, req: web.Request) -> web.Response:
-        """``?transfer_id=`` (whoever asks knows it already) or, with ``expose_transfer_id``,
-        ``?request_id=`` (which would tell a client its transfer ID): this router's stamps."""
-        by_rid = self.request_ids.get(req.query.get("request_id", ""), "") if self.cfg.expose_transfer_id else ""
-        tid = req.query.get("transfer_id") or by_rid
+        """``?transfer_id=`` or, with ``expose_transfer_id``, ``?request_id=``: this router's
+        stamps of that request; none given: the recent transfer IDs. An ID this router has no
+        stamps of (or a request ID while they are not exposed) is 404, never the recent list.
+        Operators only (the admin listener)."""
+        q = req.query
+        if "request_id" in q:
+            tid = self.request_ids.get(q["request_id"], "") if self.cfg.expose_transfer_id else ""
+        else:
+            tid = q.get("transfer_id", "")
+        if ("request_id" in q or "transfer_id" in q) and tid not in self.trace:
+            return _error(404, "no such request in this router's trace")
         return web.json_response({"host": socket.gethostname(), **self.trace.view(tid)})
+
+    async def drain(self, _req: web.Request) -> web.Response:
+        """Stop taking requests (health answers 503) and let those in flight finish."""
+        self.draining = True
+        self.metrics.draining.set(1)
+        return web.json_response({"draining": True})
 
     async def completions(self, req: web.Request) -> web.StreamResponse:
         t0 = time.monotonic()
@@ -424,10 +438,48 @@ def _error(status: int, message: str) -> web.Response:
 
 
 def build_app(cfg: RouterConfig) -> web.Application:
+    """The client app: the OpenAI API, /health and /metrics. It starts (and stops) the admin
+    app on ``cfg.admin_host:admin_port`` with itself; its URL is ``app["admin_url"]``."""
     r = Router(cfg)
-    app = front_app(r, "/router/status", cfg.max_body_bytes)
-    app.router.add_get("/router/trace", r.trace_view)
+    app = front_app(r, None, cfg.max_body_bytes)
     app.router.add_get("/metrics", r.metrics_view)
     app.on_shutdown.append(r.begin_shutdown)
     app["router"] = r
+    admin = build_admin_app(r)
+
+    async def start_admin(app: web.Application) -> None:
+        runner = web.AppRunner(admin, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, cfg.admin_host, cfg.admin_port or 0)  # unvalidated (None): any
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        app["admin_runner"], app["admin_url"] = runner, f"http://{host}:{port}"
+        log.info("operator endpoints on %s%s", app["admin_url"], " (token required)" if cfg.admin_token else "")
+
+    async def stop_admin(app: web.Application) -> None:
+        if "admin_runner" in app:
+            await app["admin_runner"].cleanup()
+
+    app.on_startup.append(start_admin)
+    app.on_cleanup.append(stop_admin)
+    return app
+
+
+def build_admin_app(r: Router) -> web.Application:
+    """The operators' endpoints: /router/status, /router/trace, /router/drain (and /metrics),
+    behind ``admin_token`` when one is set."""
+    token = r.cfg.admin_token
+
+    @web.middleware
+    async def bearer(req: web.Request, handler: Any) -> web.StreamResponse:
+        got = req.headers.get("Authorization", "")
+        if token and not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
+            return _error(401, "operator endpoint: Authorization: Bearer <admin_token> required")
+        return await handler(req)
+
+    app = web.Application(middlewares=[bearer])
+    app.router.add_get("/router/status", r.status)
+    app.router.add_get("/router/trace", r.trace_view)
+    app.router.add_post("/router/drain", r.drain)
+    app.router.add_get("/metrics", r.metrics_view)
     return app

@@ -9,7 +9,8 @@
 daemon at BASE_PORT + r); ``URL=tcp://h:p[,tcp://h:p...]`` lists the daemons instead. Several
 ``--prefill`` / ``--decode`` give XpYd, least-loaded (default) or round-robin. The config file's
 format is in ``kvpush.router.router_config``. Serves /v1/completions, /v1/chat/completions, /v1/models,
-/health, /metrics, /router/status, /router/trace. SIGTERM: stop accepting, finish what is in
+/health and /metrics to clients; /router/status, /router/trace and POST /router/drain (and /metrics)
+to operators on ``--admin-listen`` (default loopback, the client port + 1). SIGTERM: stop accepting, finish what is in
 flight (``--shutdown-grace``), exit 0.
 """
 
@@ -55,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="router TOML file (keys: docs/configuration.md); flags override it")
     ap.add_argument("--listen", metavar="HOST:PORT",
                     help="address the OpenAI API listens on (default 127.0.0.1:8000)")
+    ap.add_argument("--admin-listen", metavar="HOST:PORT",
+                    help="address the operator endpoints (/router/*) listen on (default 127.0.0.1, "
+                         "the client port + 1); not loopback: set admin_token in the config file")
     ap.add_argument("--host", help=argparse.SUPPRESS)  # older spelling of --listen's parts
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--prefill", type=_prefill, action="append", default=[], metavar="URL=NODE",
@@ -91,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load(args.config, {
             "prefill": args.prefill, "decode": args.decode, "listen": listen,
+            "admin_listen": args.admin_listen,
             "expose_transfer_id": args.expose_transfer_id,
             "policy": args.policy, "prefill_timeout_s": args.prefill_timeout,
             "request_timeout_s": args.request_timeout, "shutdown_grace_s": args.shutdown_grace,

@@ -170,16 +170,18 @@ async def json_body(req: web.Request) -> dict[str, Any]:
 MAX_BODY_BYTES = 8 << 20  # a request body larger is answered 413 before it is read whole
 
 
-def front_app(front: Any, status_path: str, max_body_bytes: int = MAX_BODY_BYTES) -> web.Application:
+def front_app(front: Any, status_path: str | None, max_body_bytes: int = MAX_BODY_BYTES) -> web.Application:
     """The OpenAI-API surface shared by the router and the baselines' proxy: ``front``
-    provides start/stop/health/models/status/completions. A body over ``max_body_bytes`` is
+    provides start/stop/health/models/status/completions (``status_path`` None: no status
+    here; the router serves it to operators apart). A body over ``max_body_bytes`` is
     refused with 413 (aiohttp stops reading it), so no client makes us buffer more."""
     app = web.Application(client_max_size=max_body_bytes)
     app.on_startup.append(front.start)
     app.on_cleanup.append(front.stop)
     app.router.add_get("/health", front.health)
     app.router.add_get("/v1/models", front.models)
-    app.router.add_get(status_path, front.status)
+    if status_path is not None:
+        app.router.add_get(status_path, front.status)
     app.router.add_post("/v1/completions", front.completions)
     app.router.add_post("/v1/chat/completions", front.completions)
     return app

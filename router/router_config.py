@@ -29,6 +29,7 @@ and override its scalars.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -75,6 +76,11 @@ def _check_otlp_url(name: str, value: Any) -> None:
         raise ConfigError(f"{name} must be an http(s) URL, got {value!r}")
 
 
+def _check_token(name: str, value: Any) -> None:
+    if len(str(value)) < 16:
+        raise ConfigError(f"{name} must be at least 16 characters")
+
+
 def _check_body_bytes(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not 1024 <= value <= 1 << 30:
         raise ConfigError(f"{name} must be an integer in [1024, 2**30], got {value!r}")
@@ -91,6 +97,13 @@ class RouterConfig:
                       choices=POLICIES)
     host: str = "127.0.0.1"
     port: int = 8000
+    # The operators' endpoints (/router/status, /router/trace, /router/drain) listen apart from
+    # the clients' (admin_listen; None: the client port + 1 on loopback; port 0: any free one).
+    admin_host: str = "127.0.0.1"
+    admin_port: int | None = None
+    admin_token: str | None = key(None, "operator endpoints (/router/*) want the header Authorization: "
+                                  "Bearer TOKEN; required when admin_listen is not a loopback address",
+                                  check=_check_token)
     connect_timeout_s: float = key(10.0, "seconds to connect to an engine",
                                    check=check_non_negative)
     prefill_timeout_s: float = key(300.0, "seconds for the prefill leg", check=check_non_negative)
@@ -122,6 +135,13 @@ class RouterConfig:
             raise RouterConfigError(str(e)) from None
         if not 0 <= self.port < 65536:
             raise RouterConfigError(f"port {self.port} out of range")
+        if self.admin_port is None:
+            self.admin_port = self.port + 1 if self.port else 0
+        if not 0 <= self.admin_port < 65536:
+            raise RouterConfigError(f"admin port {self.admin_port} out of range")
+        if not self.admin_token and not _loopback(self.admin_host):
+            raise RouterConfigError(f"admin_listen {self.admin_host}:{self.admin_port} is not a loopback address: "
+                                    "set admin_token too (operator endpoints show every request's timings)")
         for b in [*self.prefill, *self.decode]:
             if not b.url.startswith(("http://", "https://")):
                 raise RouterConfigError(f"engine url must be http(s)://..., got {b.url!r}")
@@ -234,10 +254,21 @@ def _p_list(v: Any) -> list[Any]:
     return v
 
 
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 SCALARS = parsers_of(RouterConfig)
 # The file's keys: the scalars, listen, and the two pools (entries parsed one by one below).
-FILE_KEYS = {**SCALARS, "listen": _p_listen, "prefill": _p_list, "decode": _p_list}
-LISTEN_DOC = "HOST:PORT the OpenAI API listens on (default 127.0.0.1:8000)"
+FILE_KEYS = {**SCALARS, "listen": _p_listen, "admin_listen": _p_listen, "prefill": _p_list, "decode": _p_list}
+LISTEN_DOC = "HOST:PORT the OpenAI API, /health and /metrics listen on (default 127.0.0.1:8000)"
+ADMIN_LISTEN_DOC = ("HOST:PORT the operator endpoints (/router/status, /router/trace, /router/drain) listen on "
+                    "(default 127.0.0.1 and the client port + 1); not loopback: admin_token is required")
 
 
 def _layer(where: str, raw: dict[str, Any], known: dict[str, Any]) -> dict[str, Any]:
@@ -264,11 +295,14 @@ def load(path: str | None = None, overrides: dict[str, Any] | None = None) -> Ro
     prefill = [_prefill_entry(i, d) for i, d in enumerate(file.pop("prefill", []))] + list(o.pop("prefill", []))
     decode = [_decode_entry(i, d) for i, d in enumerate(file.pop("decode", []))] + list(o.pop("decode", []))
     flags = _layer("command line", {k: v for k, v in o.items() if v is not None},
-                   {**SCALARS, "listen": _p_listen})
+                   {**SCALARS, "listen": _p_listen, "admin_listen": _p_listen})
     kw: dict[str, Any] = {**file, **flags}
     listen = kw.pop("listen", None)
     if listen is not None:
         kw.update(host=listen[0], port=listen[1])
+    admin = kw.pop("admin_listen", None)
+    if admin is not None:
+        kw.update(admin_host=admin[0], admin_port=admin[1])
     cfg = RouterConfig(prefill=prefill, decode=decode, **kw)
     cfg.validate()
     return cfg

@@ -26,7 +26,7 @@ from kvpush.daemon.config import (
     env_var,
 )
 from kvpush.engine_plugin.config import PluginConfig
-from kvpush.router.router_config import LISTEN_DOC, RouterConfig
+from kvpush.router.router_config import ADMIN_LISTEN_DOC, LISTEN_DOC, RouterConfig
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 
@@ -69,13 +69,14 @@ A JSON object. `daemon` is required.
 ## kvpush-router (`--config FILE`, TOML; flags override)
 
 {markdown_table(describe(RouterConfig))}| `listen` | string | "127.0.0.1:8000" | {LISTEN_DOC} |
+| `admin_listen` | string | "127.0.0.1:<listen's port + 1>" | {ADMIN_LISTEN_DOC} |
 
 Engines: one `[[prefill]]` table per prefill engine (`url`, and either `host` + `base_port` +
 `tp_size` (default 1) naming its node's kvpushd, rank r at `base_port + r`, or `endpoints`, a
 list of `tcp://host:port` in rank order) and one `[[decode]]` table per decode engine (`url`,
 and `node`: its node's certificate name, the only node the prefill daemon then lets register
 the request's transfer; see [security.md](security.md)). Flags: `--prefill URL=HOST:BASE_PORT[,tp=N]` or
-`URL=tcp://h:p[,...]`, `--decode URL[,node=NAME]` (added to the file's pools), `--listen`,
+`URL=tcp://h:p[,...]`, `--decode URL[,node=NAME]` (added to the file's pools), `--listen`, `--admin-listen`,
 `--policy`, `--prefill-timeout`, `--request-timeout`, `--shutdown-grace`, `--expose-transfer-id`.
 """
 

@@ -11,6 +11,9 @@ failing never takes the loop down.
 from __future__ import annotations
 
 import logging
+import os
+import resource
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +21,7 @@ from typing import Any
 import zmq
 
 from kvpush import proto
+from kvpush.daemon.core.session_gate import SessionTable
 from kvpush.daemon.io.endpoints import Endpoints
 from kvpush.daemon.io.enginelink import EngineListener
 
@@ -35,8 +39,40 @@ def frame_node(frame: zmq.Frame) -> str:
         return ""
 
 
+def shut(fd: int) -> None:
+    """End the TCP connection on ZeroMQ's descriptor ``fd`` without closing the descriptor
+    (ZeroMQ owns it; and no dup: at the descriptor limit there is none to spare): ZeroMQ
+    sees the end, closes it and reports it disconnected."""
+    try:
+        s = socket.socket(fileno=fd)
+    except OSError:
+        return  # gone meanwhile
+    try:
+        if s.type == socket.SOCK_STREAM and s.family in (socket.AF_INET, socket.AF_INET6):
+            s.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        s.detach()
+
+
+def fds_short(reserved: int) -> int:
+    """How many descriptors short of ``reserved`` free ones this process is (0: none short):
+    the peer port leaves them to the daemon's own files (allowlist, shm, engine and producer
+    sockets)."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return 0
+    try:
+        used = len(os.listdir("/proc/self/fd")) - 1  # less the listing's own
+    except OSError:
+        return reserved  # none left even to look
+    return max(0, reserved - (soft - used))
+
+
 class DaemonWire:
-    def __init__(self, ep: Endpoints, bad: Bad) -> None:
+    def __init__(self, ep: Endpoints, bad: Bad, *, hello_deadline_s: float = 10.0,
+                 reserved_fds: int = 256) -> None:
         self.ep = ep
         self.bad = bad
         ep.engine.bad = bad
@@ -50,6 +86,13 @@ class DaemonWire:
         for s in (ep.peer, ep.ops):
             self.poller.register(s, zmq.POLLIN)
         self.poller.register(self._engine_fd, zmq.POLLIN)
+        # Peer connections by descriptor: each must carry a live session (Hello said) within
+        # hello_deadline_s, and at most session_limit(reserved_fds) exist (session_gate).
+        self.sessions = SessionTable(hello_deadline_s)
+        self.reserved_fds = reserved_fds
+        self.session_live: Callable[[bytes], bool] = lambda ident: False
+        self._peer_mon = ep.peer.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self.poller.register(self._peer_mon, zmq.POLLIN)
 
     # ------------------------------------------------------------------ the Wire port
 
@@ -131,8 +174,36 @@ class DaemonWire:
         return ready
 
     def expire(self, now: float) -> None:
-        """Timers of the wire itself: engine connections that never sent a whole frame."""
+        """Timers of the wire itself: engine connections that never sent a whole frame, peer
+        connections without a live session for hello_deadline_s."""
         self.ep.engine.expire(now)
+        self._peer_events(now)
+        overdue = self.sessions.overdue(now, self.session_live)
+        if overdue:
+            self.bad("handshake", f"{len(overdue)} peer connection(s) said no Hello within "
+                     f"{self.sessions.hello_deadline_s:g} s: closed")
+        for fd in overdue:
+            shut(fd)
+
+    def _peer_events(self, now: float) -> None:
+        """Connections accepted and closed on the peer port; when fewer than reserved_fds
+        descriptors are free, the newest connections close."""
+        accepted = False
+        while self._peer_mon.poll(0):
+            ev = self._peer_mon.recv_multipart()
+            kind, fd = int.from_bytes(ev[0][:2], "little"), int.from_bytes(ev[0][2:6], "little")
+            if kind == zmq.EVENT_ACCEPTED:
+                self.sessions.accepted(fd, now)
+                accepted = True
+            else:
+                self.sessions.closed(fd)
+        short = fds_short(self.reserved_fds) if accepted else 0
+        over = self.sessions.over(len(self.sessions.conns) - short, self.session_live) if short else []
+        if over:
+            self.bad("overloaded", f"{len(over)} peer connection(s) over the descriptor limit "
+                     f"(soft RLIMIT_NOFILE less reserved_fds {self.reserved_fds}): closed")
+        for fd in over:
+            shut(fd)
 
     def drain_engine(self, handler: Callable[[bytes, Any, Any], None]) -> bool:
         """Hand every decoded frame from the local engines to ``handler(identity, msg, cred)``:
@@ -163,6 +234,8 @@ class DaemonWire:
                 self.bad("frames", f"{len(raw)} frames")
                 continue
             ident, payload = raw[0].bytes, raw[1].bytes
+            if sock is self.ep.peer:
+                self.sessions.carried(raw[1].get(zmq.SRCFD), ident)
             extra = () if meta is None else (meta(raw[1]),)
             self._dispatch(lambda m, v=proto.PROTOCOL_VERSION, ident=ident: self._reply(sock, ident, m, v),
                            ident, payload, handler, extra)
@@ -192,6 +265,9 @@ class DaemonWire:
 
     def drain_dealer(self, sock: zmq.Socket, handler: Callable[[str, Any], None]) -> bool:
         """Hand every decoded frame from a prefill daemon to ``handler(endpoint, msg)``."""
+        if sock is self._peer_mon:
+            self._peer_events(time.monotonic())
+            return False
         endpoint = self._by_sock.get(sock)
         got = False
         for _ in range(DRAIN_MAX):
@@ -224,4 +300,6 @@ class DaemonWire:
     def close(self) -> None:
         for endpoint in list(self.dealers):
             self.close_producer(endpoint)
+        self.ep.peer.disable_monitor()
+        self._peer_mon.close(0)
         self.ep.close()

@@ -463,10 +463,14 @@ def render(cmd: str, targets: list[Target]) -> str:
 
 
 def fetch_router_trace(url: str, tid: str) -> dict[str, Any] | None:
-    """The router's stamps of ``tid`` (``/router/trace``), or None when it does not answer."""
+    """The router's stamps of ``tid`` (``/router/trace`` on its admin address; the token, if
+    it wants one, from ``KVPUSH_ROUTER_ADMIN_TOKEN``), or None when it does not answer."""
     q = urllib.parse.urlencode({"transfer_id": tid})
+    req = urllib.request.Request(f"{url.rstrip('/')}/router/trace?{q}")
+    if os.environ.get("KVPUSH_ROUTER_ADMIN_TOKEN"):
+        req.add_header("Authorization", f"Bearer {os.environ['KVPUSH_ROUTER_ADMIN_TOKEN']}")
     try:
-        with urllib.request.urlopen(f"{url.rstrip('/')}/router/trace?{q}", timeout=HEALTH_TIMEOUT_S) as r:
+        with urllib.request.urlopen(req, timeout=HEALTH_TIMEOUT_S) as r:
             data = json.loads(r.read())
     except (urllib.error.URLError, OSError, ValueError):
         return None
@@ -547,7 +551,8 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "trace":
             p.add_argument("transfer_id", nargs="?", default="")
             p.add_argument("--router", metavar="URL", default=None,
-                           help="also merge this router's stamps (e.g. http://127.0.0.1:8000)")
+                           help="also merge this router's stamps: its admin address (e.g. http://127.0.0.1:8001; "
+                                "a token from KVPUSH_ROUTER_ADMIN_TOKEN)")
         if name == "doctor":
             p.add_argument("--peer", metavar="ENDPOINT", action="append", default=[],
                            help="probe this peer daemon (tcp://HOST:PORT) instead of every "

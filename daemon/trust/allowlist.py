@@ -13,10 +13,14 @@ read is a security decision, and it must never stall the daemon's loop. The rule
 * **Content, not timestamps.** Every reload reads the files (each at most
   ``MAX_CERT_BYTES``: a certificate is ~300 bytes) and compares a hash of names and contents,
   so a key rotated in place with its mtime kept (``cp -p``, ``rsync -a``) is noticed.
-* **A vanished directory revokes everyone**, with an error log line.
-* **Unique identities.** Two certificates with the same name, or listing the same host, are
-  both refused (a log line names both files): a name is a session's identity and a host is
-  what an endpoint claim is checked against, so each must belong to exactly one certificate.
+* **A vanished directory revokes everyone**, with an error log line; a transient failure to
+  read it (out of file descriptors or memory) keeps the last good allowlist, logged as
+  ``PEER ALLOWLIST NOT RELOADED``.
+* **Unique identities.** Two certificates with the same name, or listing the same host,
+  conflict (an error line, ``PEER ALLOWLIST CONFLICT``, names both files): a name is a
+  session's identity and a host is what an endpoint claim is checked against, so each must
+  belong to exactly one certificate. The one admitted before keeps it and only the newcomer is
+  refused; if neither was admitted (both new, or at start), both are refused.
 * **Off the loop.** A thread (started when the daemon serves its peer port) reloads every
   ``interval_s``; the loop only asks
   :meth:`Allowlist.refresh` whether the set changed since it last asked (no I/O there).
@@ -27,6 +31,7 @@ read is a security decision, and it must never stall the daemon's loop. The rule
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import ipaddress
 import logging
@@ -50,6 +55,17 @@ _META = re.compile(r"^\s+([A-Za-z0-9_\-]+)\s*=\s*\"?([^\"]*)\"?\s*$")
 
 class AllowlistError(ValueError):
     """A certificate file, or the directory, cannot be trusted or read."""
+
+
+# Errors of this process or host, not of the directory: no reason to revoke anyone (issue 44:
+# a daemon out of file descriptors once emptied its allowlist and evicted every node).
+TRANSIENT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS, errno.EAGAIN,
+                              errno.EINTR})
+
+
+class AllowlistUnread(RuntimeError):
+    """The directory could not be read this time for a transient reason (out of descriptors,
+    memory): the last good allowlist stays."""
 
 
 ROLES = ("prefill", "decode")
@@ -122,13 +138,19 @@ def parse_cert(text: str, fallback_name: str) -> NodeCert:
     return NodeCert(name, public.encode(), hosts, roles)
 
 
-def admit(certs: Iterable[tuple[str, NodeCert]]) -> tuple[dict[bytes, NodeCert], list[str]]:
+def admit(certs: Iterable[tuple[str, NodeCert]],
+          admitted: dict[bytes, NodeCert] | None = None) -> tuple[dict[bytes, NodeCert], list[str]]:
     """The certificates that may be in the allowlist, by public key, and why others are not.
 
-    ``certs``: (file name, certificate) pairs. A name or a host listed by two files refuses
-    every file that has it (fail closed: we cannot tell which one is the real node); a public
-    key in two files is one node only if the files agree, else both are refused. Pure."""
+    ``certs``: (file name, certificate) pairs; ``admitted``: the last allowlist. A name or a
+    host listed by two files conflicts: the certificate already admitted with it (the same key,
+    name and hosts) keeps it, and only the newcomers are refused, so a rogue file never locks
+    the honest node out (issue 44, item 7); when none of them was admitted, all are refused
+    (fail closed: we cannot tell which one is the real node). A public key in two files is one
+    node only if the files agree, else both are refused. Pure."""
     pairs = sorted(certs)
+    old = admitted or {}
+    incumbent = {f for f, c in pairs if old.get(c.public) == c}
     by_name: dict[str, list[str]] = {}
     by_host: dict[str, list[str]] = {}
     by_key: dict[bytes, list[tuple[str, NodeCert]]] = {}
@@ -138,14 +160,22 @@ def admit(certs: Iterable[tuple[str, NodeCert]]) -> tuple[dict[bytes, NodeCert],
             by_host.setdefault(h, []).append(f)
         by_key.setdefault(c.public, []).append((f, c))
     bad: dict[str, str] = {}
+
+    def conflict(files: list[str], what: str) -> None:
+        kept = [f for f in files if f in incumbent]
+        for f in files:
+            if len(kept) == 1 and f == kept[0]:
+                continue
+            why = f"{what} is in {' and '.join(files)}"
+            bad.setdefault(f, f"{why}; {kept[0]} was admitted with it first and keeps it" if len(kept) == 1
+                           else why)
+
     for name, files in by_name.items():
         if len(files) > 1:
-            for f in files:
-                bad.setdefault(f, f"node name {name!r} is in {' and '.join(files)}")
+            conflict(files, f"node name {name!r}")
     for host, files in by_host.items():
         if len(files) > 1:
-            for f in files:
-                bad.setdefault(f, f"host {host!r} is listed by {' and '.join(files)}")
+            conflict(files, f"host {host!r}")
     for key_files in by_key.values():
         if len({c for _, c in key_files}) > 1:
             files = [f for f, _ in key_files]
@@ -220,15 +250,18 @@ class Snapshot:
     digest: bytes
 
 
-def load(directory: str, uids: frozenset[int] | None = None, cap: int = MAX_CERT_BYTES) -> Snapshot:
-    """Read ``directory`` once (no state): fail closed to an empty allowlist if it is gone or
-    untrusted."""
+def load(directory: str, uids: frozenset[int] | None = None, cap: int = MAX_CERT_BYTES,
+         admitted: dict[bytes, NodeCert] | None = None) -> Snapshot:
+    """Read ``directory`` once: fail closed to an empty allowlist if it is gone or untrusted.
+    ``admitted``: the last allowlist (a conflict keeps its incumbent: :func:`admit`)."""
     uids = _trusted_uids() if uids is None else uids
     try:
         check_dir_chain(directory, uids)
         real = os.path.realpath(directory)
         names = sorted(n for n in os.listdir(real) if n.endswith(CERT_SUFFIX))
     except (OSError, AllowlistError) as exc:
+        if isinstance(exc, OSError) and exc.errno in TRANSIENT_ERRNOS:
+            raise AllowlistUnread(f"authorized_keys_dir {directory}: {exc.strerror}") from exc
         why = exc if isinstance(exc, AllowlistError) else f"authorized_keys_dir {directory}: {exc.strerror}"
         msg = f"authorized_keys_dir {directory} cannot be trusted or read ({why}): every node is revoked"
         return Snapshot({}, (msg,), hashlib.sha256(msg.encode()).digest())
@@ -245,9 +278,11 @@ def load(directory: str, uids: frozenset[int] | None = None, cap: int = MAX_CERT
             parsed.append((n, parse_cert(data.decode("utf-8"), n.removesuffix(CERT_SUFFIX))))
             h.update(b"%d:%s\0%d:" % (len(n), n.encode(), len(data)) + data)
         except (OSError, ValueError) as exc:  # AllowlistError and UnicodeDecodeError are ValueErrors
+            if isinstance(exc, OSError) and exc.errno in TRANSIENT_ERRNOS:
+                raise AllowlistUnread(f"{path}: {exc.strerror}") from exc
             problems.append(f"{path}: ignored, {exc}")
             h.update(b"!%s\0" % n.encode())
-    certs, refused = admit(parsed)
+    certs, refused = admit(parsed, admitted)
     problems += refused
     for p in problems:
         h.update(p.encode())
@@ -284,8 +319,18 @@ class Allowlist:
             self._thread.start()
 
     def reload(self) -> bool:
-        """Read the directory now (any thread); True if what it admits changed."""
-        snap = load(self.directory, cap=self.max_cert_bytes)
+        """Read the directory now (any thread); True if what it admits changed. A transient
+        failure (:class:`AllowlistUnread`) keeps the last good allowlist, logged as an error."""
+        try:
+            with self._lock:
+                last = self._snap.by_key
+            snap = load(self.directory, cap=self.max_cert_bytes, admitted=last)
+        except AllowlistUnread as exc:
+            with self._lock:
+                kept = len(self._snap.by_key)
+            log.error("PEER ALLOWLIST NOT RELOADED: %s; keeping the last good allowlist (%d node(s)) "
+                      "and retrying in %g s", exc, kept, self.interval_s)
+            return False
         with self._lock:
             old = self._snap
             if snap.digest == old.digest:
@@ -297,6 +342,8 @@ class Allowlist:
         for p in snap.problems:
             if not snap.by_key and "every node is revoked" in p:
                 log.error("PEER ALLOWLIST EMPTY: %s", p)
+            elif " is in " in p:  # two certificates claim one name or host: someone may be posing
+                log.error("PEER ALLOWLIST CONFLICT: %s", p)
             else:
                 log.warning("peer allowlist: %s", p)
         log.info("peer allowlist: %d node(s) in %s", len(snap.by_key), self.directory)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +29,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
+from kvpush.daemon.core.session_gate import PendingCap
 from kvpush.daemon.trust.allowlist import (
     CERT_SUFFIX,
     ROLES,
@@ -113,12 +115,21 @@ def keygen(directory: str | Path, name: str, hosts: list[str], roles: list[str] 
 class _Zap(ThreadAuthenticator):
     """ZAP over the allowlist: authenticated sessions carry the certificate's name as User-Id."""
 
-    def __init__(self, ctx: zmq.Context, allow: Allowlist) -> None:
+    def __init__(self, ctx: zmq.Context, allow: Allowlist, pending: PendingCap | None) -> None:
         super().__init__(ctx)
         self.allow = allow
+        self.pending = pending
 
     def callback(self, _domain: str, key: bytes) -> bool:
-        return self.allow.by_key(key) is not None
+        cert = self.allow.by_key(key)
+        if cert is None:
+            return False
+        pending = self.pending
+        if pending is not None and not pending.admit(cert.name, time.monotonic()):
+            log.warning("peer %r refused a session: max_sessions_per_peer reached (counted before its Hello)",
+                        cert.name)
+            return False
+        return True
 
     def curve_user_id(self, client_public_key: bytes) -> str:
         cert = self.allow.by_key(zmq.utils.z85.encode(client_public_key))
@@ -132,6 +143,7 @@ class PeerAuth:
     me: NodeCert
     secret: bytes
     allow: Allowlist
+    pending: PendingCap | None = None  # the per-identity session cap, before the Hello
     _zap: _Zap | None = None
 
     @staticmethod
@@ -154,7 +166,7 @@ class PeerAuth:
         """Make ``sock`` (not yet bound) a CURVE server admitting only the allowlist."""
         self.allow.start()  # from now on the allowlist follows its directory
         if self._zap is None:
-            self._zap = _Zap(ctx, self.allow)
+            self._zap = _Zap(ctx, self.allow, self.pending)
             self._zap.start()
             self._zap.configure_curve_callback(domain="*", credentials_provider=self._zap)
         sock.curve_secretkey = self.secret

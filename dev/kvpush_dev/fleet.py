@@ -66,10 +66,11 @@ def transfer(p: Daemon, pe: Engine, de: Engine, dst: Sequence[int] = (4, 5, 6), 
 
 @contextmanager
 def fleet(tmp: Path, *, x_allowed_by: str = "", env: dict[str, str] | None = None,
-          layout: KVLayout | None = None, seed: int = 3) -> Iterator[Fleet]:
+          layout: KVLayout | None = None, seed: int = 3, p_cfg: dict[str, Any] | None = None) -> Iterator[Fleet]:
     """P and D running, each with an engine attached; X's key made when ``x_allowed_by``
     (``"d"``, ``"pd"``) names the daemons that allowlist it. ``env`` goes to both daemons
-    (e.g. ``UCX_TLS``). Everything stops on exit, whatever failed."""
+    (e.g. ``UCX_TLS``); ``p_cfg``: P's configuration keys beyond the defaults. Everything
+    stops on exit, whatever failed."""
     lay = layout or small_layout()
     kp, kd = node_keys(tmp, "p"), node_keys(tmp, "d")
     kx = node_keys(tmp, "x") if x_allowed_by else None
@@ -77,7 +78,7 @@ def fleet(tmp: Path, *, x_allowed_by: str = "", env: dict[str, str] | None = Non
     allow(kp, kd, *extra["p"])
     allow(kd, kp, *extra["d"])
     with ExitStack() as stack:
-        p = stack.enter_context(Daemon(device_config(tmp, 0, **kp.config()), env=env))
+        p = stack.enter_context(Daemon(device_config(tmp, 0, **kp.config(), **(p_cfg or {})), env=env))
         host = NODES["d"][1]
         d = stack.enter_context(Daemon(device_config(tmp, 1, peer_host=host, advertise_host=host, **kd.config()),
                                        env=env))

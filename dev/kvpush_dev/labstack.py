@@ -207,7 +207,8 @@ class LabStack:
         return by_label(parse(text), "vllm:prompt_tokens_by_source_total", "source")
 
     def router_status(self) -> dict[str, Any]:
-        return self.client(ve.get_json, f"{self.router_url}/router/status", timeout=30)  # type: ignore[no-any-return]
+        # The operator endpoints listen on the router host's loopback (client port + 1).
+        return self.client(ve.get_json, f"http://127.0.0.1:{ROUTER_PORT + 1}/router/status", timeout=30)  # type: ignore[no-any-return]
 
     def transports(self) -> dict[str, list[str]]:
         """Per host, what UCX picked for its peers (from the daemons' logs)."""

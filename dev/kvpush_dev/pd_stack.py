@@ -82,6 +82,7 @@ class PDStack:
         self.base_port = free_port()
         self.metrics_port = free_port()
         self.p_port, self.d_port, self.r_port = free_port(), free_port(), free_port()
+        self.admin_port = free_port()
 
     # ------------------------------------------------------------------ urls
     @property
@@ -95,6 +96,11 @@ class PDStack:
     @property
     def router_url(self) -> str:
         return f"http://127.0.0.1:{self.r_port}"
+
+    @property
+    def admin_url(self) -> str:
+        """The router's operator endpoints (/router/*)."""
+        return f"http://127.0.0.1:{self.admin_port}"
 
     @property
     def prefill_endpoint(self) -> str:
@@ -143,6 +149,7 @@ class PDStack:
         if self.with_router:
             self.procs["router"] = popen(
                 [ve.vllm_python(), "-m", "kvpush.router.cli", "--listen", f"127.0.0.1:{self.r_port}",
+                 "--admin-listen", f"127.0.0.1:{self.admin_port}",
                  "--prefill", f"{self.p_url}=127.0.0.1:{self.base_port},tp=1", "--decode", self.d_url,
                  "--expose-transfer-id", *self.router_args],  # tests and benchmarks follow requests by ID
                 self.work / "router.log", cpus=ve.parse_cpus(self.router_cpus) if self.router_cpus else self._aux())

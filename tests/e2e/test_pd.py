@@ -230,7 +230,7 @@ def test_trace_shows_every_hop_of_a_request_in_order(pd: PDStack) -> None:
         return tid, "trace-me"
 
     tid, rid = run(go())
-    with urllib.request.urlopen(f"{pd.router_url}/router/trace?request_id={rid}", timeout=10) as r:
+    with urllib.request.urlopen(f"{pd.admin_url}/router/trace?request_id={rid}", timeout=10) as r:
         assert json.loads(r.read())["transfer_id"] == tid  # x-request-id -> transfer_id
     want = ["router.request_in", "router.legs_sent", "d.plugin.claim", "d.plugin.register_published",
             "d.daemon.register_in", "d.daemon.register_forwarded", "p.daemon.register_in",

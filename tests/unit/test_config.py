@@ -327,6 +327,8 @@ EXAMPLES: dict[str, tuple[str, Any]] = {
     "max_transfers_per_peer": ("64", lambda n: n.devices[0].max_transfers_per_peer == 64),
     "max_blocks_per_peer": ("4096", lambda n: n.devices[0].max_blocks_per_peer == 4096),
     "max_sessions_per_peer": ("8", lambda n: n.devices[0].max_sessions_per_peer == 8),
+    "hello_deadline_s": ("3.5", lambda n: n.devices[0].hello_deadline_s == 3.5),
+    "reserved_fds": ("128", lambda n: n.devices[0].reserved_fds == 128),
     "max_producers": ("32", lambda n: n.devices[0].max_producers == 32),
     "max_progress_chunks": ("16", lambda n: n.devices[0].max_progress_chunks == 16),
     "max_layer_groups": ("8", lambda n: n.devices[0].max_layer_groups == 8),

@@ -111,7 +111,7 @@ async def sampler(s: aiohttp.ClientSession, pd: PDStack, win: tuple[float, float
             if now >= next_slow:  # the HTTP probes cost engine time: once a second
                 next_slow = now + 1.0
                 try:
-                    async with s.get(f"{pd.router_url}/router/status",
+                    async with s.get(f"{pd.admin_url}/router/status",
                                      timeout=aiohttp.ClientTimeout(total=2)) as r:
                         st = await r.json()
                     load.router_in_flight.append({"prefill": st["prefill"][0]["in_flight"],

@@ -59,6 +59,7 @@ STALL_WARN_S = 0.5  # a loop step this long is logged (and counted as failure{ca
 # Ticks further apart than an idle wait plus a stalled step: the loop did not run (the process
 # was stopped, or its host stalled), and that time is not its peers' silence.
 FROZEN_GAP_S = IDLE_POLL_S + STALL_WARN_S
+BACKLOG_TURNS = 256  # engine socket reads that drain what piled up while the daemon did not run
 AUTH_REFRESH_S = 0.1  # how often the loop asks the allowlist (in memory; its thread reads the disk)
 
 
@@ -242,14 +243,20 @@ class DeviceDaemon:
     def step(self) -> None:
         ready = self.wire.poll(self.poll_s if self.busy() else IDLE_POLL_S)
         now = time.monotonic()
+        backlog = False
         if self.last_tick and now - self.last_tick > FROZEN_GAP_S:
             # Before any message is handled: what we held may have been given up meanwhile.
-            self.resumed(now - self.last_tick, now)
+            gap = now - self.last_tick
+            self.resumed(gap, now)
             self.last_tick = now - TICK_S  # the tick below runs now, and sees no second gap
+            backlog = gap >= proto.ENGINE_DEAD_AFTER_MIN_S
         engine, peer, ops = self.wire.bound()
         activity = False
         lap = _Laps()
-        if engine in ready:
+        if backlog:
+            activity |= self._drain_backlog()
+            lap("engine backlog")
+        elif engine in ready:
             activity |= self.wire.drain_engine(self._on_engine)
             lap("engine messages")
         if peer in ready:
@@ -279,6 +286,25 @@ class DeviceDaemon:
         # Our own WRITEs in flight poll tightly too: they move only while polled.
         cap = min(self.decode.poll_cap(now), self.prefill.poll_cap())
         self.poll_s = min(self.cfg.poll_min_s, cap) if activity else min(self.poll_s * 2, cap)
+
+    def _drain_backlog(self) -> bool:
+        """Everything the engine wrote while we did not run, before any peer frame: it may have
+        given us up meanwhile (proto.ENGINE_DEAD_AFTER_MIN_S), so its PrefillDones name blocks
+        that may be free (failed, never written), and its Aborts say which prefills it gave up
+        without telling us (remembered, so their registrations are refused at once)."""
+        got = False
+        self.prefill.backlog, self.prefill.backlog_failed = True, 0
+        try:
+            for _ in range(BACKLOG_TURNS):  # each turn reads a bounded slice per connection
+                if not self.wire.drain_engine(self._on_engine):
+                    break
+                got = True
+        finally:
+            self.prefill.backlog = False
+        if self.prefill.backlog_failed:
+            log.warning("%d prefill(s) the engine sent while this daemon did not run failed (their blocks may "
+                        "have been freed); their decode sides recompute", self.prefill.backlog_failed)
+        return got
 
     def _on_engine(self, ident: bytes, msg: Any, peer: Any = None) -> None:
         self.session.on_engine(ident, msg, time.monotonic(), peer)

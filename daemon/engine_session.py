@@ -102,7 +102,11 @@ class EngineSession:
             self.prefill.on_layer_events(msg)
         elif isinstance(msg, proto.Abort):
             known = self.decode.abort(msg.transfer_id, msg.attempt, msg.reason, now)
-            known = self.prefill.abort(msg.transfer_id, msg.reason, now) or known
+            # A prefill engine's Abort of a transfer we never saw: it gave the prefill up while
+            # it could not reach us (remembered: the registration is refused at once).
+            a = ctx.attached
+            known = self.prefill.abort(msg.transfer_id, msg.reason, now,
+                                       remember=a is not None and a.role != "decode") or known
             if not known:
                 # Nothing to wait for: the blocks are already safe to reuse.
                 ctx.to_engine(proto.Released(msg.transfer_id, msg.attempt))

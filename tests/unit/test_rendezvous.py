@@ -253,6 +253,19 @@ def test_local_abort_fails_everything_after_writes_end() -> None:
     assert rv.handle(pf("u", now=4.0)) == [ReleaseBlocks("u", SRC, False, "aborted: x", Cause.ABORTED)]
 
 
+def test_a_local_abort_of_an_unknown_transfer_is_remembered() -> None:
+    """The engine gave a prefill up before this daemon saw it (issue 43): its registration is
+    refused at once instead of waiting its deadline, a late PrefillDone is released at once,
+    and the memory ends with the tombstone's time."""
+    rv = Rendezvous(tombstone_s=10.0)
+    assert rv.handle(Aborted("g", None, "given up", "local", 0.0)) == []
+    out = rv.handle(reg("g", now=1.0))
+    assert [type(a) for a in out] == [NotifyFailure] and out[0].cause is Cause.CLOSED
+    assert rv.handle(pf("g", now=2.0)) == [ReleaseBlocks("g", SRC, False, "aborted: given up", Cause.ABORTED)]
+    rv.handle(Tick(20.0))
+    assert rv.info("g") is None
+
+
 def test_peer_lost_fails_its_transfers_only() -> None:
     rv = Rendezvous()
     rv.handle(reg("a", peer="p1"))

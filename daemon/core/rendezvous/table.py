@@ -257,7 +257,9 @@ TABLE = Table(State, (Registered, Prefilled, LayersReady, WriteDone, WriteFailed
 
     # --- Aborted ------------------------------------------------------------------------
     row(None, Aborted, from_peer, None, confirm_unknown),
-    row(None, Aborted, None, None),  # a local abort of an unknown transfer
+    # A local abort of an unknown transfer: the engine gave its prefill up before we saw it (it
+    # was unavailable to the engine): remembered, so its registration is refused at once.
+    row(None, Aborted, None, _FL, decide_aborted),
     row(_WP, Aborted, local_busy, _DR, fail_aborted, refuse_parked),
     row(_WP, Aborted, local, _FL, fail_aborted, refuse_parked),
     row(_WP, Aborted, cancels_busy, _WP, end_cancelled, confirm, refuse_parked),  # its groups drain first

@@ -1,7 +1,10 @@
 """The main job: a local 1P1D push demo on CPU with real vLLM engines and kvpush daemons.
 
-1. builds the tiny random-weight Llama (offline, deterministic);
-2. runs a colocated engine (no disaggregation) on the prompts: the reference tokens;
+1. builds the tiny random-weight model of ``--model-preset`` (offline, deterministic; the
+   Llama ``tiny`` by default, or one per KV family: ``mla``, ``swa``, ``linear``, ``mamba``,
+   each with the engine settings it needs, kvpush_dev.tiny_model.FAMILIES);
+2. runs a colocated engine (no disaggregation, the same settings) on the prompts: the
+   reference tokens;
 3. starts `kvpushd` (one daemon per engine), a prefill and a decode vLLM engine with
    KVPushConnector, and the kvpush router (both legs sent concurrently);
 4. sends the same prompts through the router (streaming), prints per-request TTFT,
@@ -19,6 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from kvpush_dev import tiny_model
 from kvpush_dev import vllm_env as ve
 from kvpush_dev.demo_report import prompts, report
 from kvpush_dev.pd_stack import PDStack, prompt_tokens_by_source
@@ -30,7 +34,9 @@ ROOT = ve.ROOT
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="demo.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model-dir", default=str(ROOT / ".models" / "tiny"))
+    ap.add_argument("--model-preset", default="tiny", choices=tiny_model.ALL_PRESETS,
+                    help="which tiny model (and the engine settings it needs); default tiny")
+    ap.add_argument("--model-dir", default=None, help="where the preset is built (default .models/PRESET)")
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--extra-prompts", type=int, default=8, help="more prompts, sent concurrently")
     ap.add_argument("--concurrency", type=int, default=8)
@@ -50,9 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="kvpush-demo-"))
     work.mkdir(parents=True, exist_ok=True)
     print(f"kvpush demo: logs and sockets in {work}")
-    model = ve.ensure_tiny_model(args.model_dir)
+    model = ve.ensure_tiny_model(args.model_dir or ROOT / ".models" / args.model_preset, preset=args.model_preset)
     procs: list[Any] = []
-    gpu_args = ["--gpu-memory-utilization", "0.3"] if args.gpu else []
+    gpu_args = [*(["--gpu-memory-utilization", "0.3"] if args.gpu else []), *tiny_model.engine_args(args.model_preset)]
+    print(f"model preset {args.model_preset}: {model} (engine flags: {' '.join(gpu_args) or 'defaults'})")
     stack = PDStack(model, work, ucx_error_handling_mode=args.ucx_error_handling, engine_args=gpu_args)
 
     def cleanup() -> None:

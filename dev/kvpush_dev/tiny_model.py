@@ -155,6 +155,11 @@ def engine_args(preset: str) -> tuple[str, ...]:
     return FAMILIES[preset].engine
 
 
+def spec_dtype(preset: str) -> str:
+    """The weights' (and so the engines') dtype of ``preset``."""
+    return FAMILIES[preset].dtype if preset in FAMILIES else "float32"
+
+
 def prefix_caching(preset: str) -> bool:
     """Whether the preset's engines may keep prefix caching on (the Mamba2 family may not)."""
     return "--no-enable-prefix-caching" not in engine_args(preset)

@@ -51,6 +51,17 @@ if TYPE_CHECKING:
 _ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
 
 
+def _refuse_hybrid(vllm_config: Any) -> None:
+    """Models with layers kvpush cannot move yet (sliding window, Mamba, linear attention) are
+    refused at start-up, naming their layer kinds (engine_plugin.model_kinds)."""
+    from kvpush.engine_plugin.model_kinds import check_model
+
+    mc = getattr(vllm_config, "model_config", None)
+    hf = getattr(mc, "hf_text_config", None)
+    if hf is not None:
+        check_model(hf, os.path.basename(str(mc.model).rstrip("/")))
+
+
 class KVPushConnector(KVConnectorBase_V1):
     if _P2P is not None:
         # get_external_cache_hit_sources (vLLM's base answers with this): every token kvpush
@@ -61,6 +72,7 @@ class KVPushConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
         compat.refuse_sleep_mode(vllm_config)  # vLLM 0.32 does not ask supports_sleep_mode
         compat.warn_if_untested()
+        _refuse_hybrid(vllm_config)
         ktc = vllm_config.kv_transfer_config
         self.cfg = PluginConfig.from_extra(ktc.kv_connector_extra_config)
         self.block_size = vllm_config.cache_config.block_size
@@ -95,6 +107,14 @@ class KVPushConnector(KVConnectorBase_V1):
 
             install(self, "scheduler" if self.scheduler is not None else "worker", prefix,
                     meta={"engine_id": self.engine_id, "kv_role": str(ktc.kv_role)})
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """No layout of its own. The first hook vLLM's engine core calls with the model's config
+        before it builds the KV cache (or fails to, for a Mamba hybrid without the hybrid
+        allocator): a model kvpush cannot move is refused here, with its layer kinds."""
+        _refuse_hybrid(vllm_config)
+        return None
 
     # ------------------------------------------------------------------ scheduler side
 

@@ -9,7 +9,7 @@ cd "$ROOT"
 if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
   echo "usage: scripts/run_tests.sh [pytest arguments]"
   sed -n '2,5s/^# \{0,1\}//p' "$0"
-  echo "Markers: integration, e2e, security, multiregion, lab, vllm_compat (see pyproject.toml)."
+  echo "Markers: integration, e2e, security, multiregion, lab, vllm_compat, models (see pyproject.toml)."
   exit 0
 fi
 if ! command -v systemd-analyze >/dev/null || ! command -v shellcheck >/dev/null || ! command -v nft >/dev/null; then

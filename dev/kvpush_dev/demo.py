@@ -1,11 +1,16 @@
 """The main job: a local 1P1D push demo on CPU with real vLLM engines and kvpush daemons.
 
-1. builds the tiny random-weight Llama (offline, deterministic);
-2. runs a colocated engine (no disaggregation) on the prompts: the reference tokens;
+1. builds the tiny random-weight model of ``--model-preset`` (offline, deterministic; the
+   Llama ``tiny`` by default, or one per KV family: ``mla``, ``swa``, ``linear``, ``mamba``,
+   each with the engine settings it needs, kvpush_dev.tiny_model.FAMILIES);
+2. runs a colocated engine (no disaggregation, the same settings) on the prompts: the
+   reference tokens;
 3. starts `kvpushd` (one daemon per engine), a prefill and a decode vLLM engine with
    KVPushConnector, and the kvpush router (both legs sent concurrently);
 4. sends the same prompts through the router (streaming), prints per-request TTFT,
-   TPOT and whether the generated tokens equal the colocated run; exits 1 if any differ.
+   TPOT and whether the generated tokens equal the colocated run; exits 1 if any differ
+   (bf16 presets: unless it parts from colocated, each prompt alone, at a near tie of its
+   top two tokens, docs/models.md).
 
 Every process runs in its own process group and is cleaned up, also on Ctrl-C.
 """
@@ -19,8 +24,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from kvpush_dev import tiny_model
 from kvpush_dev import vllm_env as ve
-from kvpush_dev.demo_report import prompts, report
+from kvpush_dev.demo_report import near_tie, prompts, report
 from kvpush_dev.pd_stack import PDStack, prompt_tokens_by_source
 from kvpush_dev.procs import free_port
 from kvpush_dev.sse import run_prompts
@@ -30,7 +36,9 @@ ROOT = ve.ROOT
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="demo.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model-dir", default=str(ROOT / ".models" / "tiny"))
+    ap.add_argument("--model-preset", default="tiny", choices=tiny_model.ALL_PRESETS,
+                    help="which tiny model (and the engine settings it needs); default tiny")
+    ap.add_argument("--model-dir", default=None, help="where the preset is built (default .models/PRESET)")
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--extra-prompts", type=int, default=8, help="more prompts, sent concurrently")
     ap.add_argument("--concurrency", type=int, default=8)
@@ -50,9 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="kvpush-demo-"))
     work.mkdir(parents=True, exist_ok=True)
     print(f"kvpush demo: logs and sockets in {work}")
-    model = ve.ensure_tiny_model(args.model_dir)
+    model = ve.ensure_tiny_model(args.model_dir or ROOT / ".models" / args.model_preset, preset=args.model_preset)
     procs: list[Any] = []
-    gpu_args = ["--gpu-memory-utilization", "0.3"] if args.gpu else []
+    gpu_args = [*(["--gpu-memory-utilization", "0.3"] if args.gpu else []), *tiny_model.engine_args(args.model_preset)]
+    print(f"model preset {args.model_preset}: {model} (engine flags: {' '.join(gpu_args) or 'defaults'})")
     stack = PDStack(model, work, ucx_error_handling_mode=args.ucx_error_handling, engine_args=gpu_args)
 
     def cleanup() -> None:
@@ -78,6 +87,11 @@ def main(argv: list[str] | None = None) -> int:
         url = f"http://127.0.0.1:{port}/v1/completions"
         asyncio.run(run_prompts(url, ps[:1], 2, 1))  # warm-up
         reference = asyncio.run(run_prompts(url, ps, args.max_tokens, args.concurrency))
+        judged = None
+        if tiny_model.spec_dtype(args.model_preset) != "float32":  # bf16: near ties may tip
+            judged = [ve.post_json(url, {"model": "tiny", "prompt": p, "max_tokens": args.max_tokens,
+                                         "temperature": 0.0, "ignore_eos": True, "logprobs": 2},
+                                   timeout=600)["choices"][0] for p in ps]
         cleanup()
 
         # 2. kvpushd + P + D + router
@@ -92,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         cleanup()
 
-    return report(ps, reference, pd, after - before)
+    tie = None if judged is None else (lambda i, got: near_tie(got, judged[i]))
+    return report(ps, reference, pd, after - before, tie)
 
 
 if __name__ == "__main__":

@@ -178,13 +178,24 @@ class KVPushWorker:
             from kvpush.engine_plugin.worker.layouts import check_kv_cache_config
 
             check_kv_cache_config(self.kv_cache_config, pages=False)
+        from kvpush.engine_plugin.worker.layouts import cpu_mla_layout, is_mla
+
         heads = first.shape[1]
-        whole, _ = describe_cpu_kv(kv_caches, model=self.model, head_start=self.rank * heads,
-                                   total_heads=self.total_kv_heads)
+        if is_mla(self.vllm_config, self.kv_cache_config):  # one latent a token, plain rows
+
+            def describe() -> tuple[torch.Tensor, KVLayout]:
+                head_size = int(self.vllm_config.model_config.get_head_size())
+                return cpu_mla_layout(kv_caches, sorted(kv_caches, key=_layer_key), head_size=head_size,
+                                      model=self.model)
+        else:
+
+            def describe() -> tuple[torch.Tensor, KVLayout]:
+                return describe_cpu_kv(kv_caches, model=self.model, head_start=self.rank * heads,
+                                       total_heads=self.total_kv_heads)
+        whole, _ = describe()
         handle = export_cpu_tensor(whole)  # moves the storage into shared memory in place
         # Addresses changed with the move: describe again from the live tensors.
-        whole, self.layout = describe_cpu_kv(kv_caches, model=self.model, head_start=self.rank * heads,
-                                             total_heads=self.total_kv_heads)
+        whole, self.layout = describe()
         self._whole = whole
         self.handle = handle
         atexit.register(self._unlink_export)  # a normal exit that skips shutdown() too

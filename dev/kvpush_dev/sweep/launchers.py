@@ -74,7 +74,9 @@ def start_colocated(model: Path, logs: Path, startup_timeout: float) -> ModeStac
     return ModeStack("colocated", url, url, url, {"engine": proc}, {"decode": f"{url}/metrics"}, stop)
 
 
-def start_nixl(mode: str, model: Path, logs: Path, startup_timeout: float, request_timeout: float) -> ModeStack:
+def start_nixl(mode: str, model: Path, logs: Path, startup_timeout: float, request_timeout: float,
+               engine_args: tuple[str, ...] = ()) -> ModeStack:
+    """``engine_args``: extra flags for both engines (a model preset's, tiny_model.engine_args)."""
     connector = "NixlConnector" if mode == "pull" else "NixlPushConnector"
     p_port, d_port, px_port, p_side, d_side = (free_port() for _ in range(5))
     procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -85,11 +87,11 @@ def start_nixl(mode: str, model: Path, logs: Path, startup_timeout: float, reque
     side = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
     try:
         procs["prefill"] = ve.start_engine(
-            model, p_port, logs / "prefill.log", cpu_bind="0",
+            model, p_port, logs / "prefill.log", cpu_bind="0", extra_args=list(engine_args),
             kv_transfer_config=nixl_transfer_config(connector, "prefill"),
             env_extra={**side, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(p_side)})
         procs["decode"] = ve.start_engine(
-            model, d_port, logs / "decode.log", cpu_bind="1", extra_args=["--no-enable-prefix-caching"],
+            model, d_port, logs / "decode.log", cpu_bind="1", extra_args=[*engine_args, "--no-enable-prefix-caching"],
             kv_transfer_config=nixl_transfer_config(connector, "decode"),
             env_extra={**side, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(d_side)})
         p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"

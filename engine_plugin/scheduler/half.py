@@ -78,13 +78,13 @@ class KVPushScheduler:
                 meta.aborts.append(a.req)
             elif isinstance(a, sl.AbortSend):
                 meta.send_aborts.append(a.req)
-            else:  # Claim, Hold: the hook's return value
+            else:  # Claim, Defer, Hold: the hook's return value
                 answer = a
         return answer
 
     # ------------------------------------------------------------------ hooks
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         params = request.kv_transfer_params
         dleg = decode_leg(params)
         pleg = prefill_leg(params) if dleg is None else None
@@ -96,6 +96,8 @@ class KVPushScheduler:
                                        request.num_prompt_tokens - num_computed_tokens, dleg, pleg,
                                        None if eps is None else tuple(eps), request.max_tokens == 1,
                                        request.num_prompt_tokens))
+        if isinstance(claim, sl.Defer):
+            return None, False  # vLLM skips the request this step and asks again
         return (claim.count, True) if claim is not None else (0, False)
 
     def _warn_unusable(self, params: dict[str, Any] | None) -> None:

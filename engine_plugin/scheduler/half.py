@@ -49,13 +49,13 @@ def _fresh_transfer_id() -> str:
 
 class KVPushScheduler:
     def __init__(self, cfg: PluginConfig, block_size: int, tp_size: int = 1, num_layers: int | None = None,
-                 gpu: bool = False) -> None:
+                 gpu: bool = False, prefix_caching: bool = True) -> None:
         self.cfg = cfg
         self.block_size = block_size
         self.cards = DaemonCards(cfg, tp_size)
         self.lifecycle = sl.SchedulerLifecycle(block_size, name_transfer=_fresh_transfer_id,
                                                stream_min_tokens=cfg.stream_min_tokens(num_layers, gpu),
-                                               stream_auto=cfg.layerwise == "auto")
+                                               stream_auto=cfg.layerwise == "auto", share_prefix=prefix_caching)
         self._meta = KVPushMetadata()  # this step's, handed to the worker by build_connector_meta
         self._warned = OncePer(WARN_KEY_SETS)  # key sets of unusable decode legs already logged
 

@@ -17,7 +17,8 @@ each with the same decode leg, so the same transfer. The first child to be match
 registers it; a sibling matched while that load is under way waits (``Defer``: vLLM asks again
 next step, and nothing is held meanwhile), and once it has landed takes none of it (vLLM's
 local prefix cache holds what the first child loaded: its full blocks are cached on the load's
-end). So one prefill, one WRITE, one registration: the prefill daemon frees its blocks as
+end, so the sibling computes at most its prompt's last block). Without prefix caching on this
+engine there is nothing to wait for: the siblings compute their prompts here at once. So one prefill, one WRITE, one registration: the prefill daemon frees its blocks as
 for ``n = 1``, and no child registers a newer attempt that would supersede the first. Prefill side: a request with a prefill leg knows its transfer (PREFILLING,
 or CANDIDATE while its one output token may let PrefillDone go out early, EARLY once it
 did); once vLLM finished it normally its blocks are held (HELD) until the worker says the
@@ -265,7 +266,7 @@ class SchedulerLifecycle(TrackedCore):
 
     def __init__(self, block_size: int, *, name_transfer: Callable[[], str],
                  make_secret: Callable[[], str] = new_secret, tombstone_s: float = TOMBSTONE_S,
-                 stream_min_tokens: int | None = None, stream_auto: bool = False) -> None:
+                 stream_min_tokens: int | None = None, stream_auto: bool = False, share_prefix: bool = True) -> None:
         super().__init__(TABLE, TOMBSTONES, DEADLINES, tracked=(State.LOADED, State.CANDIDATE),
                          tombstone_s=tombstone_s)
         self.block_size = block_size
@@ -273,6 +274,7 @@ class SchedulerLifecycle(TrackedCore):
         self.make_secret = make_secret
         self.stream_min_tokens = stream_min_tokens  # None: layerwise off (PluginConfig)
         self.stream_auto = stream_auto  # layerwise "auto": the daemon weighs each stream against its link
+        self.share_prefix = share_prefix  # vLLM's prefix caching is on: a sibling's loaded blocks are a hit
 
     def streaming(self, req_id: str) -> bool:
         """Is this a live prefill request whose KV streams (the shell's Step needs its chunk)?"""
@@ -322,8 +324,13 @@ def _siblings(sl: SchedulerLifecycle, ev: Matched) -> list[Req]:
 
 
 def sibling_loading(sl: SchedulerLifecycle, rec: Req | None, ev: Matched) -> bool:
-    """Another request claimed this transfer and its load has not ended: wait for it (a second
-    registration would be a newer attempt, superseding the first at the prefill daemon)."""
+    """Another request claimed this transfer and its load has not ended: wait for it, if its
+    blocks will be a prefix hit (a second registration would be a newer attempt, superseding
+    the first at the prefill daemon)."""
+    return sl.share_prefix and _sibling_loading(sl, rec, ev)
+
+
+def _sibling_loading(sl: SchedulerLifecycle, rec: Req | None, ev: Matched) -> bool:
     return claims(sl, rec, ev) and any(r.state in _SIBLING_LOADING and r.transfer_id == ev.decode.transfer_id
                                        for r in _siblings(sl, ev))
 
@@ -332,9 +339,12 @@ def sibling_loaded(sl: SchedulerLifecycle, rec: Req | None, ev: Matched) -> bool
     """Another request's load of this transfer ended: vLLM's prefix cache holds its blocks
     (whatever of them was written; a failed load caches only its valid part), so this one
     claims nothing (its prompt is a local hit, the rest computed here). The prefill daemon
-    already released its blocks: a registration now could only be refused."""
+    already released its blocks: a registration now could only be refused. (Without prefix
+    caching, a sibling still loading counts too: nothing to wait for, it computes here.)"""
     if not claims(sl, rec, ev):
         return False
+    if _sibling_loading(sl, rec, ev):
+        return True
     tid = ev.decode.transfer_id
     return any((r.state in _SIBLING_LOADED and r.transfer_id == tid)
                or (r.state is State.ENDED and r.loaded and r.registered == tid) for r in _siblings(sl, ev))

@@ -605,3 +605,13 @@ def test_a_sibling_of_a_load_that_never_ended_registers_a_newer_attempt() -> Non
     assert any(isinstance(a, sl.Claim) for a in s.handle(sl.Matched("1_p", 0.3, 40, leg, None, None, False, 40)))
     regs = [a.req for a in s.handle(sl.Allocated("1_p", 0.3, 40, (4, 5, 6), 40, leg)) if isinstance(a, sl.Register)]
     assert [(r.req_id, r.attempt) for r in regs] == [("1_p", 1)]
+
+
+def test_without_prefix_caching_a_sibling_computes_at_once_instead_of_waiting() -> None:
+    """No prefix cache on this engine: the first child's blocks would never be a hit, so a
+    sibling neither waits for its load nor registers (which would supersede it): it computes."""
+    s = sl.SchedulerLifecycle(BLOCK, name_transfer=lambda: "x", share_prefix=False)
+    leg = DecodeLeg("t", ("tcp://p:1",), 1)
+    s.handle(sl.Matched("0_p", 0.0, 40, leg, None, None, False, 40))
+    s.handle(sl.Allocated("0_p", 0.0, 40, (1, 2, 3), 40, leg))
+    assert s.handle(sl.Matched("1_p", 0.0, 40, leg, None, None, False, 40)) == []

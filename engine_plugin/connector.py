@@ -84,7 +84,8 @@ class KVPushConnector(KVConnectorBase_V1):
             self.scheduler = KVPushScheduler(self.cfg, self.block_size,
                                              vllm_config.parallel_config.tensor_parallel_size,
                                              vllm_config.model_config.get_num_layers(vllm_config.parallel_config),
-                                             gpu=str(vllm_config.device_config.device_type) != "cpu")
+                                             gpu=str(vllm_config.device_config.device_type) != "cpu",
+                                             prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching))
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 

@@ -49,13 +49,13 @@ def _fresh_transfer_id() -> str:
 
 class KVPushScheduler:
     def __init__(self, cfg: PluginConfig, block_size: int, tp_size: int = 1, num_layers: int | None = None,
-                 gpu: bool = False) -> None:
+                 gpu: bool = False, prefix_caching: bool = True) -> None:
         self.cfg = cfg
         self.block_size = block_size
         self.cards = DaemonCards(cfg, tp_size)
         self.lifecycle = sl.SchedulerLifecycle(block_size, name_transfer=_fresh_transfer_id,
                                                stream_min_tokens=cfg.stream_min_tokens(num_layers, gpu),
-                                               stream_auto=cfg.layerwise == "auto")
+                                               stream_auto=cfg.layerwise == "auto", share_prefix=prefix_caching)
         self._meta = KVPushMetadata()  # this step's, handed to the worker by build_connector_meta
         self._warned = OncePer(WARN_KEY_SETS)  # key sets of unusable decode legs already logged
 
@@ -78,13 +78,13 @@ class KVPushScheduler:
                 meta.aborts.append(a.req)
             elif isinstance(a, sl.AbortSend):
                 meta.send_aborts.append(a.req)
-            else:  # Claim, Hold: the hook's return value
+            else:  # Claim, Defer, Hold: the hook's return value
                 answer = a
         return answer
 
     # ------------------------------------------------------------------ hooks
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         params = request.kv_transfer_params
         dleg = decode_leg(params)
         pleg = prefill_leg(params) if dleg is None else None
@@ -96,6 +96,8 @@ class KVPushScheduler:
                                        request.num_prompt_tokens - num_computed_tokens, dleg, pleg,
                                        None if eps is None else tuple(eps), request.max_tokens == 1,
                                        request.num_prompt_tokens))
+        if isinstance(claim, sl.Defer):
+            return None, False  # vLLM skips the request this step and asks again
         return (claim.count, True) if claim is not None else (0, False)
 
     def _warn_unusable(self, params: dict[str, Any] | None) -> None:

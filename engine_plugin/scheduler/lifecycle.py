@@ -10,7 +10,16 @@ Decode side: a request whose decode leg names a prefill daemon claims its prompt
 (CLAIMED), is registered once its blocks are allocated (LOADING: the attempt is numbered
 here), ends its load when the worker reports it (LOADED, then DECODING after its first
 forward). Finished while loading, it keeps its blocks until the daemon released them
-(RELEASING). Prefill side: a request with a prefill leg knows its transfer (PREFILLING,
+(RELEASING).
+
+Parallel sampling (``n > 1``): vLLM splits the request into child requests (``f"{i}_{parent}"``),
+each with the same decode leg, so the same transfer. The first child to be matched claims and
+registers it; a sibling matched while that load is under way waits (``Defer``: vLLM asks again
+next step, and nothing is held meanwhile), and once it has landed takes none of it (vLLM's
+local prefix cache holds what the first child loaded: its full blocks are cached on the load's
+end, so the sibling computes at most its prompt's last block). Without prefix caching on this
+engine there is nothing to wait for: the siblings compute their prompts here at once. So one prefill, one WRITE, one registration: the prefill daemon frees its blocks as
+for ``n = 1``, and no child registers a newer attempt that would supersede the first. Prefill side: a request with a prefill leg knows its transfer (PREFILLING,
 or CANDIDATE while its one output token may let PrefillDone go out early, EARLY once it
 did); once vLLM finished it normally its blocks are held (HELD) until the worker says the
 daemon is done with them. Preemption is not a hook of its own: a preempted request is
@@ -42,7 +51,7 @@ from kvpush.engine_plugin.metadata import AbortReq, RegisterReq, SendReq, Stream
 from kvpush.proto.params import DecodeLeg, PrefillLeg, new_secret
 
 __all__ = [
-    "AbortLoad", "AbortSend", "Allocated", "CachedReq", "Claim", "Finished", "Hold", "Matched", "NewReq",
+    "AbortLoad", "AbortSend", "Allocated", "CachedReq", "Claim", "Defer", "Finished", "Hold", "Matched", "NewReq",
     "Recved", "Register", "SchedulerLifecycle", "Send", "SendingDone", "Stamp", "State", "Step", "Stream", "StreamAbort",
     "TABLE", "TOMBSTONES",
 ]
@@ -151,6 +160,12 @@ class Claim:
 
 
 @dataclass(slots=True)
+class Defer:
+    """Answer get_num_new_matched_tokens with (None, False): not decidable yet, ask again next
+    step (a sibling child's load of the same transfer is under way)."""
+
+
+@dataclass(slots=True)
 class Hold:
     """Answer request_finished with (True, answer): vLLM keeps the blocks until finished_sending."""
 
@@ -203,7 +218,7 @@ class Stamp:
     hop: str
 
 
-Action = Claim | Hold | Register | Send | AbortLoad | AbortSend | Stream | StreamAbort | Stamp
+Action = Claim | Defer | Hold | Register | Send | AbortLoad | AbortSend | Stream | StreamAbort | Stamp
 
 # --------------------------------------------------------------------------- states
 
@@ -234,6 +249,7 @@ class Req(Record):
     transfer_id: str | None = None  # decode: the leg's; prefill: the router's, or named here
     attempt: int = -1  # decode: the attempt registered (-1: none) ...
     registered: str | None = None  # ... of this transfer (kept when a tombstone's ID is reused)
+    loaded: bool = False  # ... and the worker reported that load's end (its blocks are cached)
     # prefill, layer-wise:
     streams: bool = False  # its prompt's KV is streamed per layer group
     num_prompt: int = 0
@@ -250,7 +266,7 @@ class SchedulerLifecycle(TrackedCore):
 
     def __init__(self, block_size: int, *, name_transfer: Callable[[], str],
                  make_secret: Callable[[], str] = new_secret, tombstone_s: float = TOMBSTONE_S,
-                 stream_min_tokens: int | None = None, stream_auto: bool = False) -> None:
+                 stream_min_tokens: int | None = None, stream_auto: bool = False, share_prefix: bool = True) -> None:
         super().__init__(TABLE, TOMBSTONES, DEADLINES, tracked=(State.LOADED, State.CANDIDATE),
                          tombstone_s=tombstone_s)
         self.block_size = block_size
@@ -258,6 +274,7 @@ class SchedulerLifecycle(TrackedCore):
         self.make_secret = make_secret
         self.stream_min_tokens = stream_min_tokens  # None: layerwise off (PluginConfig)
         self.stream_auto = stream_auto  # layerwise "auto": the daemon weighs each stream against its link
+        self.share_prefix = share_prefix  # vLLM's prefix caching is on: a sibling's loaded blocks are a hit
 
     def streaming(self, req_id: str) -> bool:
         """Is this a live prefill request whose KV streams (the shell's Step needs its chunk)?"""
@@ -292,6 +309,45 @@ class SchedulerLifecycle(TrackedCore):
 
 
 # ============================================================================ guards
+
+_SIBLING_LOADING = frozenset({State.CLAIMED, State.LOADING})
+_SIBLING_LOADED = frozenset({State.LOADED, State.DECODING})
+
+
+def _siblings(sl: SchedulerLifecycle, ev: Matched) -> list[Req]:
+    """The other requests of this decode leg's transfer on record: an ``n > 1`` request's
+    children (or a client's repeat of the same leg). O(records of that transfer)."""
+    assert ev.decode is not None
+    tid = ev.decode.transfer_id
+    recs = (sl._recs[k] for k in sl._index_get(tid) if k != ev.req_id)
+    return [r for r in recs if r.transfer_id == tid or r.registered == tid]
+
+
+def sibling_loading(sl: SchedulerLifecycle, rec: Req | None, ev: Matched) -> bool:
+    """Another request claimed this transfer and its load has not ended: wait for it, if its
+    blocks will be a prefix hit (a second registration would be a newer attempt, superseding
+    the first at the prefill daemon)."""
+    return sl.share_prefix and _sibling_loading(sl, rec, ev)
+
+
+def _sibling_loading(sl: SchedulerLifecycle, rec: Req | None, ev: Matched) -> bool:
+    return claims(sl, rec, ev) and any(r.state in _SIBLING_LOADING and r.transfer_id == ev.decode.transfer_id
+                                       for r in _siblings(sl, ev))
+
+
+def sibling_loaded(sl: SchedulerLifecycle, rec: Req | None, ev: Matched) -> bool:
+    """Another request's load of this transfer ended: vLLM's prefix cache holds its blocks
+    (whatever of them was written; a failed load caches only its valid part), so this one
+    claims nothing (its prompt is a local hit, the rest computed here). The prefill daemon
+    already released its blocks: a registration now could only be refused. (Without prefix
+    caching, a sibling still loading counts too: nothing to wait for, it computes here.)"""
+    if not claims(sl, rec, ev):
+        return False
+    if _sibling_loading(sl, rec, ev):
+        return True
+    tid = ev.decode.transfer_id
+    return any((r.state in _SIBLING_LOADED and r.transfer_id == tid)
+               or (r.state is State.ENDED and r.loaded and r.registered == tid) for r in _siblings(sl, ev))
 
 
 def claims(sl: SchedulerLifecycle, rec: Req | None, ev: Matched) -> bool:
@@ -375,9 +431,20 @@ def reuse(sl: SchedulerLifecycle, rec: Req, ev: Any, out: list) -> None:
 
 
 def claim(sl: SchedulerLifecycle, rec: Req, ev: Matched, out: list) -> None:
+    """Claim the prompt; known under its transfer from now on, so its siblings wait for it."""
     assert ev.decode is not None
+    rec.transfer_id = ev.decode.transfer_id
+    sl._index_add(rec.req_id, rec, ev.decode.transfer_id)
     out.append(Stamp(ev.decode.transfer_id, "d.plugin.claim"))
     out.append(Claim(ev.count))
+
+
+def defer(sl: SchedulerLifecycle, rec: Req | None, ev: Matched, out: list) -> None:
+    out.append(Defer())
+
+
+def loaded(sl: SchedulerLifecycle, rec: Req, ev: Recved, out: list) -> None:
+    rec.loaded = True
 
 
 def name(sl: SchedulerLifecycle, rec: Req, ev: Matched | Finished, out: list) -> None:
@@ -439,6 +506,7 @@ def register(sl: SchedulerLifecycle, rec: Req, ev: Allocated, out: list) -> None
     first_token -= first_token % sl.block_size  # a local hit ending inside a block: load it all
     rec.attempt = sl.next_attempt(leg.transfer_id)
     rec.transfer_id = rec.registered = leg.transfer_id
+    rec.loaded = False
     sl._index_add(rec.req_id, rec, leg.transfer_id)
     out.append(Register(RegisterReq(
         rec.req_id, leg.transfer_id, rec.attempt, list(ev.block_ids[first_token // sl.block_size:]),
@@ -521,6 +589,8 @@ _ONE_REPORT = ("the worker reports a request once, and only the load of a LOADIN
 TABLE = Table(State, (Matched, Allocated, Step, Finished, Recved, SendingDone, _Deadline), [
     # --- no record (or a tombstone whose request ID came again) ----------------------------
     *[r for s, first in ((None, ()), (_EN, (reuse,))) for r in (
+        row(s, Matched, sibling_loading, s, defer),  # n > 1: a sibling child's load is under way
+        row(s, Matched, sibling_loaded, s),  # ... or landed: its blocks are a local prefix hit
         row(s, Matched, claims, _CL, *first, claim),
         row(s, Matched, a_decode_leg, s, unreachable=_LAST_TOKEN),
         row(s, Matched, early_candidate, _CA, *first, name, policy),
@@ -548,7 +618,7 @@ TABLE = Table(State, (Matched, Allocated, Step, Finished, Recved, SendingDone, _
     row(_LG, Matched, None, _LG, unreachable=_REMOTE),
     row(_LG, Allocated, None, _LG, unreachable=_REMOTE),
     *[row(s, Allocated, None, s) for s in (_LD, _DC)],
-    row(_LG, Recved, None, _LD),
+    row(_LG, Recved, None, _LD, loaded),
     row(_LG, Finished, None, _RL, abort_load),
     row(_LD, Step, None, _DC, first_step),
     row(_LD, Finished, None, _EN),

@@ -101,6 +101,12 @@ class Sim:
 
     def sched(self, ev: Any) -> list[Any]:
         out = self.s.handle(ev)
+        loading: dict[str, int] = {}  # n > 1: one request per transfer loads it, its siblings wait
+        for k in self.s._recs:
+            rec = self.s.record(k)
+            if rec is not None and rec.state in (sl.State.CLAIMED, sl.State.LOADING):
+                loading[rec.transfer_id] = loading.get(rec.transfer_id, 0) + 1
+        assert all(n == 1 for n in loading.values()), loading
         self.meta += [a for a in out if isinstance(a, (sl.Register, sl.Send, sl.AbortLoad, sl.AbortSend))]
         return out
 
@@ -155,6 +161,9 @@ class Sim:
         tid = f"t{self.rng.randrange(n // 3 + 1)}" if kind == "decode" else f"t{n}"  # retries reuse IDs
         reuse = self.reuse_ids and self.reqs and self.rng.random() < 0.05
         rid = self.rng.choice(list(self.reqs)) if reuse else f"r{n}"
+        loading = [r.tid for r in self.reqs.values() if r.kind == "decode" and r.status == "remote"]
+        if kind == "decode" and loading and (reuse or self.rng.random() < 0.3):
+            tid = self.rng.choice(loading)  # n > 1: a sibling child of a request whose load is under way
         old = self.reqs.get(rid)
         if old is not None and (old.status != "finished" or (old.held and not old.freed)):
             return  # vLLM keeps a request (and its ID) until its blocks are free
@@ -170,6 +179,9 @@ class Sim:
                 eps = EPS if self.cards else None
                 out = self.sched(sl.Matched(r.rid, self.now, r.prompt - r.computed, r.decode(), r.prefill(),
                                             eps if r.kind == "serial" else None, r.max_tokens == 1, r.prompt))
+                if any(isinstance(a, sl.Defer) for a in out):
+                    assert r.kind == "decode"
+                    continue  # a sibling's load of its transfer is under way: asked again next step
                 claim = next((a.count for a in out if isinstance(a, sl.Claim)), 0)
                 if self.rng.random() < 0.1:
                     continue  # no free blocks this step: matched again later
@@ -544,3 +556,62 @@ def test_the_worker_publishes_the_binding_in_prefill_done_and_the_secret_in_regi
     out = w.handle(wl.Register("u", 0, "q", (1, 2), 32, 0, ("tcp://p:1",), 1, 0.0, False, "s3"))
     regs = [a.msg for a in out if isinstance(a, wl.Publish) and isinstance(a.msg, proto.Register)]
     assert [m.secret for m in regs] == ["s3"]
+
+
+# ------------------------------------------------------- parallel sampling (n > 1, issue 43)
+
+
+def test_n_children_of_one_transfer_register_once_and_the_siblings_share_its_load() -> None:
+    """vLLM splits an n > 1 request into children with the same decode leg. The first claims
+    and registers attempt 0; the others wait (Defer) while it loads, then claim nothing (vLLM's
+    prefix cache holds the loaded blocks). On the old core every child registered a newer
+    attempt, superseding the one before at the prefill daemon: one got the KV, the others
+    waited out their deadlines and recomputed."""
+    s = sl.SchedulerLifecycle(BLOCK, name_transfer=lambda: "x")
+    leg = DecodeLeg("t", ("tcp://p:1",), 1)
+    kids = [f"{i}_parent" for i in range(3)]
+    regs = []
+
+    def match(rid: str, now: float) -> list[Any]:
+        return s.handle(sl.Matched(rid, now, 40, leg, None, None, False, 40))
+
+    assert [type(a) for a in match(kids[0], 0.0)] == [sl.Stamp, sl.Claim]
+    regs += [a.req for a in s.handle(sl.Allocated(kids[0], 0.0, 40, (1, 2, 3), 40, leg)) if isinstance(a, sl.Register)]
+    for now in (0.0, 0.1):  # asked again every step while the load is under way
+        for rid in kids[1:]:
+            assert [type(a) for a in match(rid, now)] == [sl.Defer]
+            assert s.state(rid) is None  # nothing is held for a waiting sibling
+    s.handle(sl.Recved(kids[0], 0.2))
+    for rid in kids[1:]:
+        assert match(rid, 0.2) == []  # (0, False): its prompt is a local prefix hit
+        assert s.handle(sl.Allocated(rid, 0.2, 0, (), 40, leg)) == []
+    assert [(r.req_id, r.attempt) for r in regs] == [(kids[0], 0)]
+    # the first child finished: a late sibling still claims nothing (the daemon released the blocks)
+    s.handle(sl.Step(0.3, {kids[0]: 1}, {}))
+    s.handle(sl.Finished(kids[0], 0.4, True, None, (1, 2, 3), 40, None))
+    assert s.state(kids[0]) is sl.State.ENDED and match("3_parent", 0.5) == []
+
+
+def test_a_sibling_of_a_load_that_never_ended_registers_a_newer_attempt() -> None:
+    """The first child was aborted while loading (RELEASING, then ENDED without a load's end):
+    nothing is cached, so a later request of the transfer registers a newer attempt, as before."""
+    s = sl.SchedulerLifecycle(BLOCK, name_transfer=lambda: "x")
+    leg = DecodeLeg("t", ("tcp://p:1",), 1)
+    s.handle(sl.Matched("0_p", 0.0, 40, leg, None, None, False, 40))
+    s.handle(sl.Allocated("0_p", 0.0, 40, (1, 2, 3), 40, leg))
+    s.handle(sl.Finished("0_p", 0.1, False, None, (1, 2, 3), 40, None))
+    assert s.state("0_p") is sl.State.RELEASING
+    s.handle(sl.SendingDone("0_p", 0.2))
+    assert any(isinstance(a, sl.Claim) for a in s.handle(sl.Matched("1_p", 0.3, 40, leg, None, None, False, 40)))
+    regs = [a.req for a in s.handle(sl.Allocated("1_p", 0.3, 40, (4, 5, 6), 40, leg)) if isinstance(a, sl.Register)]
+    assert [(r.req_id, r.attempt) for r in regs] == [("1_p", 1)]
+
+
+def test_without_prefix_caching_a_sibling_computes_at_once_instead_of_waiting() -> None:
+    """No prefix cache on this engine: the first child's blocks would never be a hit, so a
+    sibling neither waits for its load nor registers (which would supersede it): it computes."""
+    s = sl.SchedulerLifecycle(BLOCK, name_transfer=lambda: "x", share_prefix=False)
+    leg = DecodeLeg("t", ("tcp://p:1",), 1)
+    s.handle(sl.Matched("0_p", 0.0, 40, leg, None, None, False, 40))
+    s.handle(sl.Allocated("0_p", 0.0, 40, (1, 2, 3), 40, leg))
+    assert s.handle(sl.Matched("1_p", 0.0, 40, leg, None, None, False, 40)) == []

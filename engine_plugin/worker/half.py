@@ -151,10 +151,8 @@ class KVPushWorker:
         self._finished_recving: set[str] = set()
         self._reported: list[str] = []  # received this step: stamp when handed to vLLM
         self._whole: torch.Tensor | None = None
-        self._daemon_id: str | None = None
-        self._down_logged = False
+        self._down_logged = False  # the "failing loads" warning of this unavailability was said
         self.idle_step = False
-        self._created = time.monotonic()
         # This rank's timeline stamps, reported to the daemon once a transfer is behind us.
         self.trace = TraceRing(max_transfers=1024)
         self.trace_dropped = 0
@@ -344,14 +342,10 @@ class KVPushWorker:
         return self.lifecycle.handle(wl.Unsent(key, time.monotonic()))
 
     def _daemon_down(self) -> bool:
-        """Is the daemon known to be unreachable? Not merely "no answer yet": right after
-        start-up the Attach is in flight and messages queue behind it. Down = it answered
-        once and is now lost, or it never answered within the client's dead_after_s."""
-        if not self.cfg.unavailable_fail or self.client.available:
-            return False
-        if self._daemon_id is not None:
-            return True
-        return time.monotonic() - self._created > self.client.dead_after_s
+        """Fail publishes at once? Only where the daemon is known unreachable (the link's
+        judgement, :meth:`kvpush.engine_plugin.link.state.DaemonLink.down`) and the
+        configuration asks for it (``unavailable_fail``)."""
+        return self.cfg.unavailable_fail and self.client.down()
 
     def collect(self) -> tuple[set[str], set[str]]:
         """Poll the daemon and return (finished_sending, finished_recving).
@@ -457,9 +451,8 @@ class KVPushWorker:
                     continue
                 log.warning("kvpush: daemon error %s: %s (%s)", m.code, m.message, m.ref)
             elif isinstance(m, proto.AttachAck):
-                if self._daemon_id is not None and m.daemon_id != self._daemon_id:
+                if self.client.take_replaced():  # another daemon than the one that held our work
                     self._daemon_lost("daemon restarted")
-                self._daemon_id = m.daemon_id
                 self._down_logged = False
 
     @property

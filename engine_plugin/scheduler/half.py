@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 
 log = plugin_logger(__name__)
 WARN_KEY_SETS = 32  # distinct unusable decode-leg key sets logged, at most
+_FOR_WORKER = frozenset({sl.Register, sl.Send, sl.AbortLoad, sl.SendAbort, sl.StreamAbort})
 
 
 def _fresh_transfer_id() -> str:
@@ -64,20 +65,13 @@ class KVPushScheduler:
         answer = None
         meta = self._meta
         for a in self.lifecycle.handle(ev):
-            if isinstance(a, sl.Stamp):
+            t = type(a)
+            if t in _FOR_WORKER:  # the worker lifecycle's own event: handed over as it is
+                meta.events.append(a)
+            elif t is sl.Stamp:
                 meta.stamps.append((a.transfer_id, a.hop, now_ns()))
-            elif isinstance(a, sl.Register):
-                meta.registers.append(a.req)
-            elif isinstance(a, sl.Stream):
-                meta.streams.append(a.chunk)
-            elif isinstance(a, sl.StreamAbort):
-                meta.stream_aborts.append(a.req)
-            elif isinstance(a, sl.Send):
-                meta.sends.append(a.req)
-            elif isinstance(a, sl.AbortLoad):
-                meta.aborts.append(a.req)
-            elif isinstance(a, sl.AbortSend):
-                meta.send_aborts.append(a.req)
+            elif t is sl.StreamChunk:
+                meta.streams.append(a)
             else:  # Claim, Defer, Hold: the hook's return value
                 answer = a
         return answer
@@ -180,6 +174,5 @@ class KVPushScheduler:
         """Every collection this half keeps, and its size (the soak benchmark's view)."""
         m = self._meta
         return {**{f"lifecycle.{k}": v for k, v in self.lifecycle.sizes().items()},
-                "meta": len(m.registers) + len(m.sends) + len(m.aborts) + len(m.send_aborts) + len(m.stamps)
-                + len(m.streams) + len(m.stream_aborts),
+                "meta": len(m.events) + len(m.stamps) + len(m.streams),
                 "warned": len(self._warned._seen)}

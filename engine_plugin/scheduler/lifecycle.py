@@ -47,12 +47,20 @@ from typing import Any
 from kvpush.common.machine import Record, Table, row
 from kvpush.common.machine.core import _Deadline
 from kvpush.common.machine.tracked import TrackedCore
-from kvpush.engine_plugin.metadata import AbortReq, RegisterReq, SendReq, StreamChunk
+from kvpush.engine_plugin.metadata import (
+    AbortLoad,
+    Register,
+    Send,
+    SendAbort,
+    StreamAbort,
+    StreamChunk,
+)
 from kvpush.proto.params import DecodeLeg, PrefillLeg, new_secret
 
 __all__ = [
-    "AbortLoad", "AbortSend", "Allocated", "CachedReq", "Claim", "Defer", "Finished", "Hold", "Matched", "NewReq",
-    "Recved", "Register", "SchedulerLifecycle", "Send", "SendingDone", "Stamp", "State", "Step", "Stream", "StreamAbort",
+    "AbortLoad", "Allocated", "CachedReq", "Claim", "Defer", "Finished", "Hold", "Matched", "NewReq", "Recved",
+    "Register", "SchedulerLifecycle", "Send", "SendAbort", "SendingDone", "Stamp", "State", "Step", "StreamAbort",
+    "StreamChunk",
     "TABLE", "TOMBSTONES",
 ]
 
@@ -173,44 +181,6 @@ class Hold:
 
 
 @dataclass(slots=True)
-class Register:
-    req: RegisterReq
-
-
-@dataclass(slots=True)
-class Send:
-    req: SendReq
-
-
-@dataclass(slots=True)
-class AbortLoad:
-    req: AbortReq
-
-
-@dataclass(slots=True)
-class AbortSend:
-    req: AbortReq
-
-
-@dataclass(slots=True)
-class Stream:
-    """This step's forward computes a chunk of a streamed request: the worker reports its
-    layers as they finish."""
-
-    chunk: StreamChunk
-
-
-@dataclass(slots=True)
-class StreamAbort:
-    """A prefill request's transfer ends unsealed (aborted, possibly before vLLM ever
-    scheduled it (``abort_immediately``), streamed or not, or finished with nobody to fetch
-    it): the daemon drops its progress and fails a decode side's registration it holds at
-    once, so that side recomputes now instead of when its registration times out."""
-
-    req: AbortReq
-
-
-@dataclass(slots=True)
 class Stamp:
     """A timeline stamp for the transfer (taken by the shell: the core has no clock)."""
 
@@ -218,7 +188,11 @@ class Stamp:
     hop: str
 
 
-Action = Claim | Defer | Hold | Register | Send | AbortLoad | AbortSend | Stream | StreamAbort | Stamp
+# Besides Claim, Defer, Hold and Stamp, the actions are what the worker half is handed in the
+# step's metadata, built here once: the worker lifecycle's own events (Register, Send, AbortLoad,
+# SendAbort, StreamAbort; the worker stamps ``now`` and ``down``) and StreamChunk (the chunks
+# this step's forward computes of streamed requests).
+Action = Claim | Defer | Hold | Register | Send | AbortLoad | SendAbort | StreamAbort | StreamChunk | Stamp
 
 # --------------------------------------------------------------------------- states
 
@@ -494,8 +468,8 @@ def stream(sl: SchedulerLifecycle, rec: Req, ev: Step, out: list) -> None:
     end = min(start + ev.scheduled[rid], rec.num_prompt)
     first = start // bs
     assert rec.transfer_id is not None
-    out.append(Stream(StreamChunk(rec.transfer_id, rec.epoch, first, blocks[first:-(-end // bs)], first * bs, end,
-                                  rec.bind_node, rec.secret, sl.stream_auto, rec.num_prompt)))
+    out.append(StreamChunk(rec.transfer_id, rec.epoch, first, blocks[first:-(-end // bs)], first * bs, end,
+                           rec.bind_node, rec.secret, sl.stream_auto, rec.num_prompt))
 
 
 def register(sl: SchedulerLifecycle, rec: Req, ev: Allocated, out: list) -> None:
@@ -508,9 +482,8 @@ def register(sl: SchedulerLifecycle, rec: Req, ev: Allocated, out: list) -> None
     rec.transfer_id = rec.registered = leg.transfer_id
     rec.loaded = False
     sl._index_add(rec.req_id, rec, leg.transfer_id)
-    out.append(Register(RegisterReq(
-        rec.req_id, leg.transfer_id, rec.attempt, list(ev.block_ids[first_token // sl.block_size:]),
-        ev.num_prompt, first_token, list(leg.prefill_endpoints), leg.prefill_tp_size, leg.secret)))
+    out.append(Register(leg.transfer_id, rec.attempt, rec.req_id, ev.block_ids[first_token // sl.block_size:],
+                        ev.num_prompt, first_token, leg.prefill_endpoints, leg.prefill_tp_size, leg.secret))
 
 
 def first_step(sl: SchedulerLifecycle, rec: Req, ev: Step, out: list) -> None:
@@ -522,21 +495,20 @@ def first_step(sl: SchedulerLifecycle, rec: Req, ev: Step, out: list) -> None:
 def send_early(sl: SchedulerLifecycle, rec: Req, ev: Step, out: list) -> None:
     assert rec.transfer_id is not None
     n = ev.new[rec.req_id]
-    out.append(Send(SendReq(rec.req_id, rec.transfer_id, list(n.block_ids), n.num_prompt, early=True,
-                            bind_node=rec.bind_node, bind_secret=rec.secret,
-                            streamed=rec.streams and rec.streamed, epoch=rec.epoch)))
+    out.append(Send(rec.transfer_id, rec.req_id, n.block_ids, n.num_prompt, True, rec.bind_node, rec.secret,
+                    rec.streams and rec.streamed, rec.epoch))
 
 
 def abort_stream(sl: SchedulerLifecycle, rec: Req, ev: Finished, out: list) -> None:
     """Ended unsealed (streamed or not): the daemon drops it and fails a registration now."""
     assert rec.transfer_id is not None
-    out.append(StreamAbort(AbortReq(rec.req_id, rec.transfer_id, 0)))
+    out.append(StreamAbort(rec.transfer_id, rec.req_id))
 
 
 def abandon(sl: SchedulerLifecycle, rec: Req | None, ev: Finished, out: list) -> None:
     """As abort_stream, for a request that never had a record."""
     assert ev.prefill is not None and ev.prefill.transfer_id is not None
-    out.append(StreamAbort(AbortReq(ev.req_id, ev.prefill.transfer_id, 0)))
+    out.append(StreamAbort(ev.prefill.transfer_id, ev.req_id))
 
 
 def _answer(rec: Req, ev: Finished) -> dict[str, Any] | None:
@@ -551,9 +523,8 @@ def hold_send(sl: SchedulerLifecycle, rec: Req, ev: Finished, out: list) -> None
     """Keep the blocks; PrefillDone goes out with this step (or confirms the early one)."""
     assert rec.transfer_id is not None
     out.append(Stamp(rec.transfer_id, "p.plugin.prefill_finished"))
-    out.append(Send(SendReq(rec.req_id, rec.transfer_id, list(ev.block_ids), ev.num_prompt,
-                            bind_node=rec.bind_node, bind_secret=rec.secret,
-                            streamed=rec.streams and rec.streamed, epoch=rec.epoch)))
+    out.append(Send(rec.transfer_id, rec.req_id, ev.block_ids, ev.num_prompt, False, rec.bind_node, rec.secret,
+                    rec.streams and rec.streamed, rec.epoch))
     out.append(Hold(_answer(rec, ev)))
 
 
@@ -561,14 +532,14 @@ def withdraw(sl: SchedulerLifecycle, rec: Req, ev: Finished, out: list) -> None:
     """Aborted after its early PrefillDone (or a serial leg nobody will fetch): the daemon
     must let go of the blocks before they are reported free."""
     assert rec.transfer_id is not None
-    out.append(AbortSend(AbortReq(rec.req_id, rec.transfer_id, 0)))
+    out.append(SendAbort(rec.transfer_id, rec.req_id))
     out.append(Hold(_answer(rec, ev) if ev.ok else None))
 
 
 def abort_load(sl: SchedulerLifecycle, rec: Req, ev: Finished, out: list) -> None:
     """Gone while its registration is live: no reuse of the blocks until no WRITE can land."""
     assert rec.transfer_id is not None
-    out.append(AbortLoad(AbortReq(rec.req_id, rec.transfer_id, rec.attempt)))
+    out.append(AbortLoad(rec.transfer_id, rec.attempt, rec.req_id))
     out.append(Hold(None))
 
 

@@ -151,10 +151,8 @@ class KVPushWorker:
         self._finished_recving: set[str] = set()
         self._reported: list[str] = []  # received this step: stamp when handed to vLLM
         self._whole: torch.Tensor | None = None
-        self._daemon_id: str | None = None
-        self._down_logged = False
+        self._down_logged = False  # the "failing loads" warning of this unavailability was said
         self.idle_step = False
-        self._created = time.monotonic()
         # This rank's timeline stamps, reported to the daemon once a transfer is behind us.
         self.trace = TraceRing(max_transfers=1024)
         self.trace_dropped = 0
@@ -273,29 +271,21 @@ class KVPushWorker:
 
 
     def publish(self, meta: KVPushMetadata) -> None:
+        """Apply what the scheduler half decided: its events, each stamped with the two facts
+        only this half knows (the time, and whether the daemon is known down)."""
         now = time.monotonic()
         if not (self.client.available and self.client.attached):
             self._handle(self.client.poll())  # an AttachAck or a liveness change may be waiting
         down = self._daemon_down()
-        for r in meta.registers:
-            self._apply(wl.Register(r.transfer_id, r.attempt, r.req_id, tuple(r.block_ids), r.num_tokens,
-                                    r.first_token, tuple(r.prefill_endpoints), r.prefill_tp_size, now, down,
-                                    r.secret))
-        for s in meta.sends:
-            self._apply(wl.Send(s.transfer_id, s.req_id, tuple(s.block_ids), s.num_tokens, s.early, now, down,
-                                s.bind_node, s.bind_secret, s.streamed, s.epoch))
-        for a in meta.send_aborts:
-            self._apply(wl.SendAbort(a.transfer_id, a.req_id, now, down))
-        for a in meta.aborts:
-            self._apply(wl.AbortLoad(a.transfer_id, a.attempt, a.req_id, now, down))
-        for a in meta.stream_aborts:  # no record, nothing to free: a refused one costs the daemon's lease
-            self.client.send(proto.Abort(a.transfer_id, 0, "request ended before its prefill was sent"))
+        for ev in meta.events:
+            ev.now, ev.down = now, down
+            self._apply(ev)
 
     def after_forward(self) -> None:
         """Right after the step's forward (vLLM's wait_for_save): publish the PrefillDone of
         requests whose last prompt token this forward computed, a whole step earlier than
         request_finished could. Their blocks are reported free only once the scheduler
-        confirmed that vLLM finished them (the plain SendReq or a send_abort)."""
+        confirmed that vLLM finished them (the plain Send or a SendAbort)."""
         if self.stream is not None:
             self.stream.end()
         if not self.lifecycle.count(wl.State.QUEUED):
@@ -344,14 +334,10 @@ class KVPushWorker:
         return self.lifecycle.handle(wl.Unsent(key, time.monotonic()))
 
     def _daemon_down(self) -> bool:
-        """Is the daemon known to be unreachable? Not merely "no answer yet": right after
-        start-up the Attach is in flight and messages queue behind it. Down = it answered
-        once and is now lost, or it never answered within the client's dead_after_s."""
-        if not self.cfg.unavailable_fail or self.client.available:
-            return False
-        if self._daemon_id is not None:
-            return True
-        return time.monotonic() - self._created > self.client.dead_after_s
+        """Fail publishes at once? Only where the daemon is known unreachable (the link's
+        judgement, :meth:`kvpush.engine_plugin.link.state.DaemonLink.down`) and the
+        configuration asks for it (``unavailable_fail``)."""
+        return self.cfg.unavailable_fail and self.client.down()
 
     def collect(self) -> tuple[set[str], set[str]]:
         """Poll the daemon and return (finished_sending, finished_recving).
@@ -457,9 +443,8 @@ class KVPushWorker:
                     continue
                 log.warning("kvpush: daemon error %s: %s (%s)", m.code, m.message, m.ref)
             elif isinstance(m, proto.AttachAck):
-                if self._daemon_id is not None and m.daemon_id != self._daemon_id:
+                if self.client.take_replaced():  # another daemon than the one that held our work
                     self._daemon_lost("daemon restarted")
-                self._daemon_id = m.daemon_id
                 self._down_logged = False
 
     @property

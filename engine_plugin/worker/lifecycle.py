@@ -3,7 +3,10 @@
 The worker half (:mod:`kvpush.engine_plugin.worker.half`) publishes what the scheduler
 half decided and reports what the daemon answered. Each decode registration is one record
 keyed ``("recv", transfer, attempt)``; each prefill send one keyed ``("send", transfer)``.
-The shell turns the step's metadata, the forward's end, the daemon's replies (Received,
+What the scheduler half decides arrives as this core's own events (Register, Send,
+AbortLoad, SendAbort, StreamAbort), built there and carried by the step's metadata; a record
+keeps the one that made it (``order``), and :func:`wire` builds every message to the daemon
+from it. The shell feeds those, and turns the forward's end, the daemon's replies (Received,
 ReceiveFailed, Sent, SendFailed, Released), a publish the link refused, and the daemon's
 loss or restart into events; the actions it carries out are the publishes, vLLM's
 finished sets and load errors, samples and trace reports.
@@ -33,9 +36,9 @@ from kvpush.common.machine.core import _Deadline
 from kvpush.common.machine.tracked import TrackedCore
 
 __all__ = [
-    "AbortLoad", "Forward", "Free", "LoadEnded", "Lost", "Publish", "Received", "ReceiveFailed", "Register",
-    "Released", "ReportTrace", "Send", "SendAbort", "SendDone", "SendSample", "State", "TABLE", "Tick", "Unsent",
-    "WorkerLifecycle",
+    "AbortLoad", "Forward", "Free", "FromScheduler", "LoadEnded", "Lost", "Publish", "Received", "ReceiveFailed",
+    "Register", "Released", "ReportTrace", "Send", "SendAbort", "SendDone", "SendSample", "State", "StreamAbort",
+    "TABLE", "Tick", "Unsent", "WorkerLifecycle", "wire",
 ]
 
 # --------------------------------------------------------------------------- events
@@ -43,9 +46,15 @@ __all__ = [
 # engine loop for every request, and a frozen one costs several times more to build.
 
 
+# The scheduler half's decisions: it builds these and puts them in the step's metadata
+# (:class:`kvpush.engine_plugin.metadata.KVPushMetadata`), and the worker half applies them as
+# they are, after stamping the two facts only it knows: ``now`` (its clock) and ``down`` (its
+# daemon is known unreachable, :meth:`kvpush.engine_plugin.link.state.DaemonLink.down`).
+
+
 @dataclass(slots=True)
 class Register:
-    """Metadata: register these blocks for the transfer's KV (decode)."""
+    """Decode: register these blocks for the transfer's KV (tokens ``[first_token, num_tokens)``)."""
 
     transfer_id: str
     attempt: int
@@ -55,48 +64,70 @@ class Register:
     first_token: int
     prefill_endpoints: tuple[str, ...]
     prefill_tp_size: int
-    now: float
-    down: bool
-    secret: str = ""
+    secret: str = ""  # the transfer's secret from the decode leg's params
+    now: float = 0.0  # stamped by the worker half
+    down: bool = False  # stamped by the worker half
 
 
 @dataclass(slots=True)
 class AbortLoad:
-    """Metadata: vLLM finished a request while its registration was live (decode)."""
+    """Decode: vLLM finished a request while its registration was live."""
 
     transfer_id: str
     attempt: int
     req_id: str
-    now: float
-    down: bool
+    now: float = 0.0
+    down: bool = False
 
 
 @dataclass(slots=True)
 class Send:
-    """Metadata: the request's KV is in these blocks (prefill). ``early``: publish after
-    this step's forward; else vLLM finished the request (it confirms an early one)."""
+    """Prefill: the request's KV is in these blocks, held until the daemon is done with them.
+
+    ``early``: sent with the step that computes the request's last prompt token (its only
+    output token is sampled there too): published right after that forward, and the same
+    transfer's later plain Send (from ``request_finished``) only confirms that vLLM finished
+    the request, after which its blocks may be reported free."""
 
     transfer_id: str
     req_id: str
     block_ids: tuple[int, ...]
     num_tokens: int
-    early: bool
-    now: float
-    down: bool
-    bind_node: str = ""
+    early: bool = False
+    bind_node: str = ""  # who may register: this decode node, or whoever presents bind_secret
     bind_secret: str = ""
-    streamed: bool = False  # its chunks were streamed per layer group, the last one in ``epoch``
+    streamed: bool = False  # layer-wise: its chunks were streamed, the last one in ``epoch``
     epoch: int = 0
+    now: float = 0.0
+    down: bool = False
 
 
 @dataclass(slots=True)
 class SendAbort:
-    """Metadata: an early-published request vLLM finished abnormally (prefill)."""
+    """Prefill: an early-published request vLLM then finished abnormally: the daemon must stop
+    using its blocks before they are reported free."""
 
     transfer_id: str
     req_id: str
-    now: float
-    down: bool
+    now: float = 0.0
+    down: bool = False
+
+
+@dataclass(slots=True)
+class StreamAbort:
+    """Prefill: a request's transfer ends unsealed (aborted, possibly before vLLM ever
+    scheduled it (``abort_immediately``), streamed or not, or finished with nobody to fetch
+    it): the daemon drops its progress and fails a decode side's registration it holds at
+    once, so that side recomputes now instead of when its registration times out. No record:
+    nothing of the engine's to free."""
+
+    transfer_id: str
+    req_id: str
+    now: float = 0.0
+    down: bool = False
+
+
+FromScheduler = Register | AbortLoad | Send | SendAbort | StreamAbort
 
 
 @dataclass(slots=True)
@@ -163,7 +194,7 @@ class Tick:
     now: float
 
 
-Event = Register | AbortLoad | Send | SendAbort | Forward | Received | ReceiveFailed | SendDone | Released | Unsent | Lost
+Event = FromScheduler | Forward | Received | ReceiveFailed | SendDone | Released | Unsent | Lost
 
 # -------------------------------------------------------------------------- actions
 
@@ -228,18 +259,26 @@ class State(enum.StrEnum):
 
 @dataclass(eq=False)
 class Transfer(Record):
-    transfer_id: str
-    req_id: str = ""
-    attempt: int = 0
-    block_ids: tuple[int, ...] = ()
-    num_tokens: int = 0
+    """One registration or send. ``order`` is the scheduler half's event that made it, kept as
+    it is (nothing else holds it once applied): its facts are read there, not copied here."""
+
+    key: Hashable
+    order: Register | Send
     since: float = 0.0  # when it was published
     deadline: float | None = None  # decode: when the engine stops waiting for the daemon
     confirmed: bool = True  # prefill: vLLM finished the request (an early send: not yet)
-    bind_node: str = ""  # prefill: who may register (PrefillDone's binding)
-    bind_secret: str = ""
-    streamed: bool = False  # prefill, layer-wise: PrefillDone.streamed / epoch
-    epoch: int = 0
+
+    @property
+    def transfer_id(self) -> str:
+        return self.order.transfer_id
+
+    @property
+    def req_id(self) -> str:
+        return self.order.req_id
+
+    @property
+    def block_ids(self) -> tuple[int, ...]:
+        return self.order.block_ids
 
 
 def _deadline(rec: Transfer) -> float | None:
@@ -269,6 +308,8 @@ class WorkerLifecycle(TrackedCore):
             return (("send", ev.transfer_id),)
         if isinstance(ev, Released):
             return (("recv", ev.transfer_id, ev.attempt), ("send", ev.transfer_id))
+        if isinstance(ev, StreamAbort):
+            return (("stream", ev.transfer_id),)
         if isinstance(ev, Unsent):
             return (ev.key,)
         if isinstance(ev, Forward):
@@ -277,8 +318,8 @@ class WorkerLifecycle(TrackedCore):
             return [*self.keys_in(State.LOADING), *self.keys_in(State.RELEASING), *self.keys_in(State.SENDING)]
         return ()  # Tick
 
-    def _create(self, key: Hashable, ev: Any) -> Transfer:
-        return Transfer(transfer_id=ev.transfer_id)
+    def _create(self, key: Hashable, ev: Register | Send) -> Transfer:
+        return Transfer(key=key, order=ev)
 
     def _info(self, rec: Transfer, now: float) -> Any:
         return (rec.transfer_id, rec.state, rec.req_id, now - rec.created)
@@ -303,23 +344,37 @@ def down_confirmed(wl: WorkerLifecycle, rec: Transfer, ev: Any) -> bool:
     return bool(ev.down) and rec.confirmed
 
 
+def a_stream_abort(wl: WorkerLifecycle, rec: None, ev: Unsent) -> bool:
+    return ev.key[0] == "stream"  # type: ignore[index]
+
+
 # ============================================================================= steps
 
 
-def _key(rec: Transfer) -> Hashable:
-    return ("send", rec.transfer_id) if rec.attempt < 0 else ("recv", rec.transfer_id, rec.attempt)
+def wire(wl: WorkerLifecycle, order: Register | Send | StreamAbort, *, abort: bool = False) -> Any:
+    """The one place a message to the daemon is built: from the scheduler half's event
+    itself (a record's ``order``), nothing copied in between."""
+    if isinstance(order, Register):
+        if abort:
+            return proto.Abort(order.transfer_id, order.attempt, "request aborted")
+        return proto.Register(order.transfer_id, order.attempt, order.block_ids, order.num_tokens,
+                              order.prefill_endpoints, order.prefill_tp_size, wl.timeout_ms, order.first_token,
+                              order.secret)
+    if isinstance(order, Send):
+        if abort:
+            return proto.Abort(order.transfer_id, 0, "prefill request aborted")
+        return proto.PrefillDone(order.transfer_id, order.block_ids, order.num_tokens, wl.lease_ms, order.bind_node,
+                                 order.bind_secret, order.streamed, order.epoch)
+    return proto.Abort(order.transfer_id, 0, "request ended before its prefill was sent")
 
 
-def load_facts(wl: WorkerLifecycle, rec: Transfer | None, ev: Register, out: list) -> None:
-    if rec is not None:
-        rec.req_id, rec.attempt, rec.block_ids, rec.since = ev.req_id, ev.attempt, ev.block_ids, ev.now
-        rec.deadline = ev.now + wl.load_wait_s
+def load_facts(wl: WorkerLifecycle, rec: Transfer, ev: Register, out: list) -> None:
+    rec.since = ev.now
+    rec.deadline = ev.now + wl.load_wait_s
 
 
 def publish_register(wl: WorkerLifecycle, rec: Transfer, ev: Register, out: list) -> None:
-    out.append(Publish(_key(rec), proto.Register(
-        ev.transfer_id, ev.attempt, ev.block_ids, ev.num_tokens, ev.prefill_endpoints, ev.prefill_tp_size,
-        wl.timeout_ms, ev.first_token, ev.secret), "registered", "d.plugin.register_published"))
+    out.append(Publish(rec.key, wire(wl, rec.order), "registered", "d.plugin.register_published"))
 
 
 def unavailable(wl: WorkerLifecycle, rec: None, ev: Register, out: list) -> None:
@@ -344,10 +399,13 @@ def load_lost(wl: WorkerLifecycle, rec: Transfer, ev: Any, out: list) -> None:
 def publish_abort(wl: WorkerLifecycle, rec: Transfer, ev: AbortLoad | SendAbort, out: list) -> None:
     if isinstance(ev, AbortLoad):
         rec.deadline = None  # Released is owed; only the daemon's loss ends the wait otherwise
-        out.append(Publish(_key(rec), proto.Abort(rec.transfer_id, rec.attempt, "request aborted")))
     else:
         rec.confirmed = True
-        out.append(Publish(_key(rec), proto.Abort(rec.transfer_id, 0, "prefill request aborted")))
+    out.append(Publish(rec.key, wire(wl, rec.order, abort=True)))
+
+
+def publish_stream_abort(wl: WorkerLifecycle, rec: None, ev: StreamAbort, out: list) -> None:
+    out.append(Publish(("stream", ev.transfer_id), wire(wl, ev)))
 
 
 def free_req(wl: WorkerLifecycle, rec: Transfer | None, ev: Any, out: list) -> None:
@@ -355,19 +413,13 @@ def free_req(wl: WorkerLifecycle, rec: Transfer | None, ev: Any, out: list) -> N
     out.append(Free(rec.req_id if rec is not None else ev.req_id))
 
 
-def send_facts(wl: WorkerLifecycle, rec: Transfer | None, ev: Send, out: list) -> None:
-    if rec is not None:
-        rec.req_id, rec.attempt, rec.block_ids, rec.num_tokens = ev.req_id, -1, ev.block_ids, ev.num_tokens
-        rec.confirmed = not ev.early
-        rec.bind_node, rec.bind_secret = ev.bind_node, ev.bind_secret
-        rec.streamed, rec.epoch = ev.streamed, ev.epoch
+def send_facts(wl: WorkerLifecycle, rec: Transfer, ev: Send, out: list) -> None:
+    rec.confirmed = not ev.early
 
 
 def publish_prefill_done(wl: WorkerLifecycle, rec: Transfer, ev: Any, out: list) -> None:
     rec.since = ev.now
-    out.append(Publish(_key(rec), proto.PrefillDone(rec.transfer_id, rec.block_ids, rec.num_tokens, wl.lease_ms,
-                                                         rec.bind_node, rec.bind_secret, rec.streamed, rec.epoch),
-                       "prefill_done", "p.plugin.prefill_done_published"))
+    out.append(Publish(rec.key, wire(wl, rec.order), "prefill_done", "p.plugin.prefill_done_published"))
 
 
 def confirm(wl: WorkerLifecycle, rec: Transfer, ev: Any, out: list) -> None:
@@ -395,7 +447,9 @@ _NEXT_STEP = "vLLM finishes a request a step after the forward that queued its e
 _ROUTED = "routed only to records in the states it concerns"
 _NO_DEADLINE = "only LOADING has a deadline"
 
-TABLE = Table(State, (*_RECV_EVENTS, *_SEND_EVENTS, Forward, Released, Unsent, Lost, _Deadline), [
+_NO_STREAM_RECORD = "no record is keyed by a stream abort"
+
+TABLE = Table(State, (*_RECV_EVENTS, *_SEND_EVENTS, StreamAbort, Forward, Released, Unsent, Lost, _Deadline), [
     # --- no record ----------------------------------------------------------------------------
     row(None, Register, down, None, unavailable),
     row(None, Register, None, _LG, load_facts, publish_register),
@@ -407,6 +461,8 @@ TABLE = Table(State, (*_RECV_EVENTS, *_SEND_EVENTS, Forward, Released, Unsent, L
         unreachable="an early send keeps its record until vLLM's confirmation (this or its Send)"),
     row(None, SendDone, None, None, report),  # the timeline of a send already reported free
     *[row(None, e, None, None) for e in (Received, ReceiveFailed, Released)],  # late, or not ours
+    row(None, StreamAbort, None, None, publish_stream_abort),  # nothing to free: a refused one costs its lease
+    row(None, Unsent, a_stream_abort, None),
     row(None, Unsent, None, None, unreachable="fed right after the publish its record asked for"),
     *[row(None, e, None, None, unreachable=_ROUTED) for e in (Forward, Lost, _Deadline)],
 
@@ -456,5 +512,6 @@ TABLE = Table(State, (*_RECV_EVENTS, *_SEND_EVENTS, Forward, Released, Unsent, L
     # --- rows no record takes -------------------------------------------------------------------
     *[row(s, e, None, s, unreachable=_BY_KIND) for s in (_LG, _RL) for e in (*_SEND_EVENTS, Forward)],
     *[row(s, e, None, s, unreachable=_BY_KIND) for s in (_QU, _SE, _SX) for e in _RECV_EVENTS],
+    *[row(s, StreamAbort, None, s, unreachable=_NO_STREAM_RECORD) for s in State],
 ])  # fmt: skip
 del _LG, _RL, _QU, _SE, _SX

@@ -169,6 +169,7 @@ _step = st.one_of(
 def _play(sh: Shell, steps: list[object]) -> None:
     now = 0.0
     had_attach = sh.link.state not in (State.PLAIN_DOWN, State.PLAIN_UP)
+    holder = None  # the daemon whose AttachAck came last
     for step in steps:
         link = sh.link
         if link.state is State.CLOSED and step != "send":
@@ -188,6 +189,9 @@ def _play(sh: Shell, steps: list[object]) -> None:
             sh.feed(Close(), now)
         elif isinstance(step, tuple) and step[0] == "attach_ack":
             sh.feed(AttachAcked(step[1], "agent", now), now)
+            # The worker half fails what it published exactly when another daemon acknowledged.
+            assert link.take_replaced() == (holder is not None and holder != step[1]) and not link.take_replaced()
+            holder = step[1]
         elif isinstance(step, tuple) and step[0] == "hb_ack":
             sh.feed(HeartbeatAcked(link.hb_seq, step[1], now), now)
         elif isinstance(step, tuple) and step[0] == "poll":
@@ -203,6 +207,9 @@ def _play(sh: Shell, steps: list[object]) -> None:
         if isinstance(step, tuple) and step[0] == "poll":  # liveness is judged per poll
             assert not link.available or link.state in LINK_UP
         assert link.attached == (link.state is State.ATTACHED)
+        # Known down: unavailable after an acknowledged Attach, or never answered within DEAD.
+        assert link.holder == holder
+        assert link.down(now) == (not link.available and (holder is not None or now > DEAD))
         if link.state is not State.CLOSED:
             assert had_attach == (link.state not in (State.PLAIN_DOWN, State.PLAIN_UP))
     msgs = [int(f[3:]) for frames in sh.links for f in frames if f.startswith("Msg")]
@@ -254,6 +261,40 @@ def test_silence_then_answer_reattaches_and_restart_reattaches() -> None:
     sh.feed(HeartbeatAcked(sh.link.hb_seq, "d2", t), t)  # same link, another daemon
     assert sh.links[-1].count("Attach") == 3 and sh.link.counters.restarts_seen == 1
     assert sh.link.daemon_id == "d2"
+
+
+def test_down_is_known_unreachable_not_merely_unanswered_yet() -> None:
+    """The one judgement of the daemon's liveness the worker half acts on (it fails loads at
+    once while down): not during start-up's first dead_after_s while the Attach is in flight;
+    at once when the link of an attached daemon drops; never while it is available."""
+    sh = Shell()
+    sh.feed(AttachRequested(), 0.0)
+    sh.feed(Connected(0.0), 0.0)
+    sh.feed(Drained(DEAD - 0.1), DEAD - 0.1)
+    assert not sh.link.available and not sh.link.down(DEAD - 0.1)  # still starting
+    assert sh.link.down(DEAD + 0.1)  # never answered
+    sh.feed(AttachAcked("d1", "a", 0.5), 0.5)
+    sh.feed(Drained(0.5), 0.5)
+    assert sh.link.available and not sh.link.down(0.5) and sh.link.holder == "d1"
+    sh.feed(Disconnected(1.0), 1.0)
+    sh.feed(Drained(1.0), 1.0)
+    assert sh.link.down(1.0)  # it answered once and is lost: down before DEAD
+    assert not sh.link.take_replaced()
+
+
+def test_a_restart_is_reported_once_by_the_attach_ack_of_the_new_daemon() -> None:
+    """A HeartbeatAck naming another daemon re-attaches; only that Attach's ack says the
+    daemon holding the engine's work was replaced, and it says so once."""
+    sh = Shell()
+    sh.feed(AttachRequested(), 0.0)
+    sh.feed(Connected(0.0), 0.0)
+    sh.feed(AttachAcked("d1", "a", 0.0), 0.0)
+    sh.feed(AttachAcked("d1", "a", 0.1), 0.1)  # the same daemon again (a re-attach after silence)
+    assert not sh.link.take_replaced()
+    sh.feed(HeartbeatAcked(sh.link.hb_seq, "d2", 0.2), 0.2)
+    assert sh.link.state is State.ATTACHING and not sh.link.take_replaced() and sh.link.holder == "d1"
+    sh.feed(AttachAcked("d2", "a", 0.3), 0.3)
+    assert sh.link.holder == "d2" and sh.link.take_replaced() and not sh.link.take_replaced()
 
 
 def test_failed_attach_send_is_retried_each_poll_and_gates_messages() -> None:

@@ -18,6 +18,7 @@ from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from kvpush.engine_plugin import compat  # noqa: E402
 from kvpush.engine_plugin.config import PluginConfig  # noqa: E402
 from kvpush.engine_plugin.connector import KVPushConnector  # noqa: E402
+from kvpush.engine_plugin.metadata import Send, StreamAbort  # noqa: E402
 from kvpush.engine_plugin.scheduler.half import KVPushScheduler  # noqa: E402
 from kvpush.engine_plugin.scheduler.lifecycle import State  # noqa: E402
 
@@ -149,8 +150,8 @@ def test_every_normal_finish_holds_and_pushes(status, held):
     assert s.request_finished(r, [1, 2, 3])[0] is held
     m = s.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=0, num_scheduled_tokens={},
                                                scheduled_new_reqs=[]))
-    assert [x.transfer_id for x in m.sends] == (["t-p"] if held else [])
-    assert [x.transfer_id for x in m.stream_aborts] == ([] if held else ["t-p"])  # withdrawn: D recomputes now
+    assert [x.transfer_id for x in m.events if type(x) is Send] == (["t-p"] if held else [])
+    assert [x.transfer_id for x in m.events if type(x) is StreamAbort] == ([] if held else ["t-p"])  # withdrawn
 
 
 def test_abort_immediately_withdraws_the_transfer_at_once():
@@ -163,12 +164,12 @@ def test_abort_immediately_withdraws_the_transfer_at_once():
     assert s.request_finished(r, []) == (False, None)
     m = s.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=0, num_scheduled_tokens={},
                                                scheduled_new_reqs=[]))
-    assert [(a.transfer_id, a.attempt) for a in m.stream_aborts] == [("t-p", 0)] and m
+    assert [(type(a), a.transfer_id) for a in m.events] == [(StreamAbort, "t-p")] and m
     assert not s.lifecycle.live_count()
     # a serial leg (no transfer ID yet) has nothing anyone waits for
     r = req("q", {"do_remote_decode": True}, abort_immediately=True)
     r.status = RequestStatus.FINISHED_ABORTED
-    assert s.request_finished(r, []) == (False, None) and not s._meta.stream_aborts
+    assert s.request_finished(r, []) == (False, None) and not s._meta.events
 
 
 def test_pending_block_frees_while_blocks_wait_for_the_daemon():

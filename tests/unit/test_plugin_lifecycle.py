@@ -38,6 +38,8 @@ from kvpush.proto.params import DecodeLeg, PrefillLeg
 
 BLOCK = 16
 EPS = ("tcp://10.0.0.1:17500",)
+# The scheduler core's actions that are the worker core's own events: the step's metadata.
+FOR_WORKER = (sl.Register, sl.Send, sl.AbortLoad, sl.SendAbort, sl.StreamAbort)
 
 
 @dataclass
@@ -107,7 +109,7 @@ class Sim:
             if rec is not None and rec.state in (sl.State.CLAIMED, sl.State.LOADING):
                 loading[rec.transfer_id] = loading.get(rec.transfer_id, 0) + 1
         assert all(n == 1 for n in loading.values()), loading
-        self.meta += [a for a in out if isinstance(a, (sl.Register, sl.Send, sl.AbortLoad, sl.AbortSend))]
+        self.meta += [a for a in out if type(a) in FOR_WORKER]
         return out
 
     def take(self, n: int) -> tuple[int, ...] | None:
@@ -144,7 +146,7 @@ class Sim:
             if isinstance(a, wl.Publish):
                 if self.rng.random() < 0.04:  # the link's queue is full
                     todo += self.w.handle(wl.Unsent(a.key, self.now))
-                else:
+                elif a.key[0] != "stream":  # stream aborts: unanswered here (the model's IDs span roles)
                     self.daemon.append(a.msg)
             elif isinstance(a, wl.Free):
                 assert a.req_id not in self.fs, f"{a.req_id} freed twice in one step"
@@ -225,23 +227,13 @@ class Sim:
         if not idle:
             before = {rid: self.reqs[rid].computed for rid in scheduled}
             for a in self.sched(sl.Step(self.now, scheduled, new, self.cached(scheduled, new))):
-                if isinstance(a, sl.Stream):
-                    self.check_chunk(a.chunk, scheduled, before)
+                if isinstance(a, sl.StreamChunk):
+                    self.check_chunk(a, scheduled, before)
         # the worker: bind (publish), forward, wait_for_save, get_finished
         meta, self.meta = self.meta, []
-        for a in meta:
-            q = a.req
-            if isinstance(a, sl.Register):
-                self.work(wl.Register(q.transfer_id, q.attempt, q.req_id, tuple(q.block_ids), q.num_tokens,
-                                      q.first_token, tuple(q.prefill_endpoints), q.prefill_tp_size, self.now,
-                                      self.down))
-            elif isinstance(a, sl.Send):
-                self.work(wl.Send(q.transfer_id, q.req_id, tuple(q.block_ids), q.num_tokens, q.early, self.now,
-                                  self.down))
-            elif isinstance(a, sl.AbortSend):
-                self.work(wl.SendAbort(q.transfer_id, q.req_id, self.now, self.down))
-            else:
-                self.work(wl.AbortLoad(q.transfer_id, q.attempt, q.req_id, self.now, self.down))
+        for ev in meta:  # applied as the scheduler core built them, stamped as the worker half does
+            ev.now, ev.down = self.now, self.down
+            self.work(ev)
         if self.w.count(wl.State.QUEUED):
             self.work(wl.Forward(self.now, self.down))
         self.answer()
@@ -286,7 +278,7 @@ class Sim:
         r.held = any(isinstance(a, sl.Hold) for a in out)
         ended = [a for a in out if isinstance(a, sl.StreamAbort)]
         if ended:  # only a prefill leg's transfer that will not be sealed: withdrawn at once
-            assert not r.held and r.kind in ("prefill", "serial") and ended[0].req.req_id == r.rid
+            assert not r.held and r.kind in ("prefill", "serial") and ended[0].req_id == r.rid
             self.stream_aborts += 1
         elif r.kind == "prefill" and not r.held:  # the router named it: a decode side may wait for it
             assert ok and not r.blocks, (r, "a router-named transfer ended unsent but was not withdrawn")
@@ -451,7 +443,7 @@ def test_a_transfer_s_attempts_only_increase_while_the_daemon_may_remember_it(se
         out = sched(ev)
         for a in out:
             if isinstance(a, sl.Register):
-                tid, att = a.req.transfer_id, a.req.attempt
+                tid, att = a.transfer_id, a.attempt
                 assert att > last.get(tid, -1), (tid, att, last)
                 last[tid] = att
         return out
@@ -511,7 +503,7 @@ def _prefill_through(leg: PrefillLeg, endpoints: tuple[str, ...] | None) -> tupl
     s = sl.SchedulerLifecycle(BLOCK, name_transfer=lambda: "named", make_secret=lambda: "fresh-secret")
     s.handle(sl.Matched("r", 0.0, 0, None, leg, endpoints, False))
     out = s.handle(sl.Finished("r", 0.1, True, leg, (1, 2), 32, endpoints))
-    sends = [a.req for a in out if isinstance(a, sl.Send)]
+    sends = [a for a in out if isinstance(a, sl.Send)]
     answers = [a.answer for a in out if isinstance(a, sl.Hold)]
     return sends, answers[0]
 
@@ -526,7 +518,7 @@ def test_a_serial_leg_gets_a_fresh_secret_in_its_answer_and_its_prefill_done() -
     assert leg is not None and leg.secret == "fresh-secret"
     s = sl.SchedulerLifecycle(BLOCK, name_transfer=lambda: "x")
     s.handle(sl.Matched("d", 0.0, 32, leg, None, None, False))
-    regs = [a.req for a in s.handle(sl.Allocated("d", 0.0, 32, (1, 2), 32, leg)) if isinstance(a, sl.Register)]
+    regs = [a for a in s.handle(sl.Allocated("d", 0.0, 32, (1, 2), 32, leg)) if isinstance(a, sl.Register)]
     assert [r.secret for r in regs] == ["fresh-secret"]
 
 
@@ -550,10 +542,10 @@ def test_a_secret_is_128_bit_random_and_malformed_bindings_are_not_a_leg() -> No
 
 def test_the_worker_publishes_the_binding_in_prefill_done_and_the_secret_in_register() -> None:
     w = wl.WorkerLifecycle(timeout_ms=1000, lease_ms=1000)
-    out = w.handle(wl.Send("t", "r", (1, 2), 32, False, 0.0, False, "dnode", "s3"))
+    out = w.handle(wl.Send("t", "r", (1, 2), 32, False, "dnode", "s3"))
     done = [a.msg for a in out if isinstance(a, wl.Publish) and isinstance(a.msg, proto.PrefillDone)]
     assert [(m.bind_node, m.bind_secret) for m in done] == [("dnode", "s3")]
-    out = w.handle(wl.Register("u", 0, "q", (1, 2), 32, 0, ("tcp://p:1",), 1, 0.0, False, "s3"))
+    out = w.handle(wl.Register("u", 0, "q", (1, 2), 32, 0, ("tcp://p:1",), 1, "s3"))
     regs = [a.msg for a in out if isinstance(a, wl.Publish) and isinstance(a.msg, proto.Register)]
     assert [m.secret for m in regs] == ["s3"]
 
@@ -576,7 +568,7 @@ def test_n_children_of_one_transfer_register_once_and_the_siblings_share_its_loa
         return s.handle(sl.Matched(rid, now, 40, leg, None, None, False, 40))
 
     assert [type(a) for a in match(kids[0], 0.0)] == [sl.Stamp, sl.Claim]
-    regs += [a.req for a in s.handle(sl.Allocated(kids[0], 0.0, 40, (1, 2, 3), 40, leg)) if isinstance(a, sl.Register)]
+    regs += [a for a in s.handle(sl.Allocated(kids[0], 0.0, 40, (1, 2, 3), 40, leg)) if isinstance(a, sl.Register)]
     for now in (0.0, 0.1):  # asked again every step while the load is under way
         for rid in kids[1:]:
             assert [type(a) for a in match(rid, now)] == [sl.Defer]
@@ -603,7 +595,7 @@ def test_a_sibling_of_a_load_that_never_ended_registers_a_newer_attempt() -> Non
     assert s.state("0_p") is sl.State.RELEASING
     s.handle(sl.SendingDone("0_p", 0.2))
     assert any(isinstance(a, sl.Claim) for a in s.handle(sl.Matched("1_p", 0.3, 40, leg, None, None, False, 40)))
-    regs = [a.req for a in s.handle(sl.Allocated("1_p", 0.3, 40, (4, 5, 6), 40, leg)) if isinstance(a, sl.Register)]
+    regs = [a for a in s.handle(sl.Allocated("1_p", 0.3, 40, (4, 5, 6), 40, leg)) if isinstance(a, sl.Register)]
     assert [(r.req_id, r.attempt) for r in regs] == [("1_p", 1)]
 
 

@@ -12,6 +12,7 @@ from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
 from kvpush.engine_plugin.config import PluginConfig  # noqa: E402
+from kvpush.engine_plugin.metadata import Send  # noqa: E402
 from kvpush.engine_plugin.scheduler.half import KVPushScheduler  # noqa: E402
 from kvpush.engine_plugin.scheduler.lifecycle import State  # noqa: E402
 
@@ -72,8 +73,8 @@ def test_a_serial_prefill_leg_answers_a_decode_leg_the_decode_engine_claims(tmp_
     s.get_num_new_matched_tokens(r, 0)
     hold, answer = s.request_finished(finished(r), [3, 4, 5, 6])
     assert hold is True and answer is not None
-    (send,) = s._meta.sends
-    assert send.transfer_id == answer["transfer_id"] and send.block_ids == [3, 4, 5, 6]
+    (send,) = s._meta.events
+    assert isinstance(send, Send) and send.transfer_id == answer["transfer_id"] and send.block_ids == (3, 4, 5, 6)
     assert answer["do_remote_prefill"] is True and answer["do_remote_decode"] is False
     leg = decode_leg(answer)  # what the decode engine makes of it, forwarded verbatim
     assert leg is not None and leg.prefill_endpoints == ("tcp://10.1.0.7:17500", "tcp://10.1.0.7:17501")
@@ -93,7 +94,7 @@ def test_a_serial_leg_without_a_daemon_card_does_not_hold_its_blocks(tmp_path, c
             r = req(f"p{i}", SERIAL_P)
             s.get_num_new_matched_tokens(r, 0)
             assert s.request_finished(finished(r), [1, 2]) == (False, None)
-    assert not s._meta.sends and not s.lifecycle.live_count() and not s.has_pending_push_work()
+    assert not s._meta.events and not s.lifecycle.live_count() and not s.has_pending_push_work()
     assert len([m for m in caplog.messages if "no daemon card" in m]) == 1  # said once per card
 
 
@@ -127,4 +128,35 @@ def test_a_router_leg_answers_too_and_still_pushes_without_a_card(tmp_path):
     s = serial_sched(tmp_path, cards=False)
     r = req("p1", {"do_remote_decode": True, "transfer_id": "t-router"})
     assert s.request_finished(finished(r), [1, 2]) == (True, None)  # the decode leg is on its way
-    assert s._meta.sends[0].transfer_id == "t-router"
+    assert [(type(e), e.transfer_id) for e in s._meta.events] == [(Send, "t-router")]
+
+
+# ---- one shape per hop: the scheduler half's decision is the worker lifecycle's own event ----
+
+
+def test_a_registration_crosses_to_the_worker_as_its_lifecycle_s_event_and_to_the_wire_once():
+    """What the scheduler half decides is the worker lifecycle's Register itself (no request
+    shape copied field by field into it); it crosses to a worker process as it is (vLLM may
+    pickle the metadata), and the worker lifecycle builds the daemon's message from it."""
+    import pickle
+    from types import SimpleNamespace
+
+    from kvpush import proto
+    from kvpush.engine_plugin.worker import lifecycle as wl
+
+    s = KVPushScheduler(PluginConfig(daemon="ipc:///x"), block_size=16)
+    params = {"do_remote_prefill": True, "transfer_id": "t1", "prefill_endpoints": ["tcp://h:1"],
+              "prefill_tp_size": 1, "kvpush_secret": "s1"}
+    r = req("a", params, n=40)
+    assert s.get_num_new_matched_tokens(r, 0) == (40, True)
+    s.update_state_after_alloc(r, SimpleNamespace(get_block_ids=lambda: [[5, 6, 7]]), 40)
+    meta = s.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=0))  # type: ignore[arg-type]
+    assert meta and meta.idle and [type(e) for e in meta.events] == [wl.Register]
+    back = pickle.loads(pickle.dumps(meta))
+    assert back.events == meta.events and type(back.events[0]) is wl.Register
+    ev = back.events[0]
+    ev.now = 2.0  # the worker half stamps its own facts (now, down) and applies the event as it is
+    w = wl.WorkerLifecycle(timeout_ms=1000, lease_ms=500)
+    pubs = [a.msg for a in w.handle(ev) if isinstance(a, wl.Publish)]
+    assert pubs == [proto.Register("t1", 0, (5, 6, 7), 40, ("tcp://h:1",), 1, 1000, 0, "s1")]
+    assert w.state(("recv", "t1", 0)) is wl.State.LOADING

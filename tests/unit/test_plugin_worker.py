@@ -20,7 +20,7 @@ pytest.importorskip("vllm")
 
 from kvpush import proto  # noqa: E402
 from kvpush.engine_plugin.config import PluginConfig  # noqa: E402
-from kvpush.engine_plugin.metadata import AbortReq, KVPushMetadata, RegisterReq, SendReq  # noqa: E402
+from kvpush.engine_plugin.metadata import AbortLoad, KVPushMetadata, Register, Send, SendAbort  # noqa: E402
 from kvpush.engine_plugin.worker.half import KVPushWorker  # noqa: E402
 from kvpush.engine_plugin.worker.lifecycle import State  # noqa: E402
 from kvpush_dev.engine_peer import FakeDaemon  # noqa: E402
@@ -88,18 +88,18 @@ def prefill_dones(d: FakeDaemon) -> list[proto.PrefillDone]:
 @pytest.mark.parametrize("order", ["daemon_first", "confirm_first"])
 def test_early_prefill_done_is_freed_only_after_vllm_finished_it(stack, order) -> None:
     w, daemon = stack
-    step(w, KVPushMetadata(sends=[SendReq("r1", "t1", [4, 5], 200, early=True)]))
+    step(w, KVPushMetadata(events=[Send("t1", "r1", (4, 5), 200, early=True)]))
     settle(w, daemon, lambda d: len(prefill_dones(d)) == 1)
     assert prefill_dones(daemon)[0] == proto.PrefillDone("t1", (4, 5), 200, w.cfg.lease_ms)
     if order == "daemon_first":
         daemon.send(proto.Sent("t1", 0))
         fs, _ = settle(w, daemon, lambda d: not sending(w))  # the Sent was handled ...
         assert fs == set()  # ... but vLLM has not finished the request: not free yet
-        step(w, KVPushMetadata(sends=[SendReq("r1", "t1", [4, 5], 200)]), forward=False)
+        step(w, KVPushMetadata(events=[Send("t1", "r1", (4, 5), 200)]), forward=False)
         fs, _ = w.collect()
         assert fs == {"r1"}
     else:
-        step(w, KVPushMetadata(sends=[SendReq("r1", "t1", [4, 5], 200)]), forward=False)
+        step(w, KVPushMetadata(events=[Send("t1", "r1", (4, 5), 200)]), forward=False)
         assert w.collect()[0] == set()
         daemon.send(proto.Sent("t1", 0))
         fs, _ = settle(w, daemon, lambda d: not sending(w))
@@ -109,9 +109,9 @@ def test_early_prefill_done_is_freed_only_after_vllm_finished_it(stack, order) -
 
 def test_early_prefill_done_of_an_aborted_request_is_withdrawn(stack) -> None:
     w, daemon = stack
-    step(w, KVPushMetadata(sends=[SendReq("r2", "t2", [1], 10, early=True)]))
+    step(w, KVPushMetadata(events=[Send("t2", "r2", (1,), 10, early=True)]))
     settle(w, daemon, lambda d: len(prefill_dones(d)) == 1)
-    step(w, KVPushMetadata(send_aborts=[AbortReq("r2", "t2", 0)]), forward=False)
+    step(w, KVPushMetadata(events=[SendAbort("t2", "r2")]), forward=False)
     fs, _ = settle(w, daemon, lambda d: any(isinstance(m, proto.Abort) for m in d.got))
     assert fs == set()  # the daemon may still be reading the blocks
     daemon.send(proto.SendFailed("t2", 0, "aborted"))
@@ -122,7 +122,7 @@ def test_early_prefill_done_of_an_aborted_request_is_withdrawn(stack) -> None:
 def test_early_send_waits_for_the_forward(stack) -> None:
     """Nothing goes out at bind time: the forward computing the KV has not run yet."""
     w, daemon = stack
-    step(w, KVPushMetadata(sends=[SendReq("r3", "t3", [2], 10, early=True)]), forward=False)
+    step(w, KVPushMetadata(events=[Send("t3", "r3", (2,), 10, early=True)]), forward=False)
     time.sleep(0.05)
     daemon.serve()
     assert prefill_dones(daemon) == []
@@ -139,7 +139,7 @@ def test_idle_wait_only_while_a_transfer_is_pending(stack) -> None:
     t0 = time.monotonic()
     w.collect()  # nothing pending: no wait
     assert time.monotonic() - t0 < 0.5
-    step(w, KVPushMetadata(sends=[SendReq("r4", "t4", [3], 10)], idle=True), forward=False)
+    step(w, KVPushMetadata(events=[Send("t4", "r4", (3,), 10)], idle=True), forward=False)
     settle(w, daemon, lambda d: len(prefill_dones(d)) == 1)
     t0 = time.monotonic()
     w.collect()  # a held prefill block on a TP=1 engine: no wait (TTFT)
@@ -153,7 +153,7 @@ def test_idle_wait_only_while_a_transfer_is_pending(stack) -> None:
     fs, _ = settle(w, daemon, lambda d: not sending(w, "t4"))
     assert "r4" in fs and time.monotonic() - t0 < 0.9  # the answer ends the wait at once
     w.tp_size = 1
-    step(w, KVPushMetadata(registers=[RegisterReq("r5", "t5", 0, [7], 10, 0, ["tcp://p:1"], 1)], idle=True),
+    step(w, KVPushMetadata(events=[Register("t5", 0, "r5", (7,), 10, 0, ("tcp://p:1",), 1)], idle=True),
          forward=False)
     settle(w, daemon, lambda d: any(isinstance(m, proto.Register) for m in d.got))
     t0 = time.monotonic()
@@ -191,7 +191,7 @@ def test_worker_counts_reach_vllm_stats_aggregated_over_ranks_and_steps(stack) -
     delta = StatsDelta()
     delta.take(w.stats_totals())  # what happened while connecting: not this test's
     assert delta.take(w.stats_totals()) is None  # nothing new: no stats object at all
-    step(w, KVPushMetadata(sends=[SendReq("r1", "t1", [4, 5], 200)]), forward=False)
+    step(w, KVPushMetadata(events=[Send("t1", "r1", (4, 5), 200)]), forward=False)
     settle(w, daemon, lambda d: len(prefill_dones(d)) == 1)
     daemon.send(proto.Sent("t1", 0))
     settle(w, daemon, lambda d: not sending(w))
@@ -269,8 +269,8 @@ def test_a_persistent_load_failure_is_logged_once_and_counted(stack, caplog) -> 
     w, daemon = stack
     with caplog.at_level(logging.WARNING, logger="kvpush.engine_plugin.worker.half"):
         for i in range(3):
-            step(w, KVPushMetadata(registers=[RegisterReq(f"r{i}", f"t{i}", 0, [1 + i], 16, 0,
-                                                          ["tcp://10.9.9.9:1"], 1)]), forward=False)
+            step(w, KVPushMetadata(events=[Register(f"t{i}", 0, f"r{i}", (1 + i,), 16, 0, ("tcp://10.9.9.9:1",),
+                                                    1)]), forward=False)
             settle(w, daemon, lambda d, i=i: any(isinstance(m, proto.Register) and m.transfer_id == f"t{i}"
                                                  for m in d.got))
             daemon.send(proto.ReceiveFailed(f"t{i}", 0, "prefill daemon tcp://10.9.9.9:1 unreachable"))
@@ -336,15 +336,15 @@ def test_a_restarted_daemon_fails_the_loads_and_frees_the_blocks_it_held(stack) 
     buf = torch.zeros(2 * 4 * 16 * 128, dtype=torch.bfloat16)
     w.register_kv_caches({f"model.layers.{i}.self_attn.attn": buf[i * buf.numel() // 2:(i + 1) * buf.numel() // 2]
                           .view(4, 1, 16, 128) for i in range(2)})
-    settle(w, daemon, lambda d: w._daemon_id == "d1")
-    step(w, KVPushMetadata(registers=[RegisterReq("r1", "t1", 0, [1, 2], 32, 0, ["tcp://p:1"], 1),
-                                      RegisterReq("r2", "t2", 0, [3], 16, 0, ["tcp://p:1"], 1)],
-                           sends=[SendReq("r3", "t3", [0], 16)]), forward=False)
-    step(w, KVPushMetadata(aborts=[AbortReq("r2", "t2", 0)]), forward=False)
+    settle(w, daemon, lambda d: w.client.holder == "d1")
+    step(w, KVPushMetadata(events=[Register("t1", 0, "r1", (1, 2), 32, 0, ("tcp://p:1",), 1),
+                                   Register("t2", 0, "r2", (3,), 16, 0, ("tcp://p:1",), 1),
+                                   Send("t3", "r3", (0,), 16)]), forward=False)
+    step(w, KVPushMetadata(events=[AbortLoad("t2", 0, "r2")]), forward=False)
     settle(w, daemon, lambda d: any(isinstance(m, proto.Abort) for m in d.got))
     assert loading(w, "t1") and sending(w, "t3") and w.lifecycle.live_count() == 3
     daemon.send(proto.AttachAck("agent-d2", "d2"))  # the daemon restarted
-    fs, fr = settle(w, daemon, lambda d: w._daemon_id == "d2")
+    fs, fr = settle(w, daemon, lambda d: w.client.holder == "d2")
     assert fr == {"r1"} and fs == {"r2", "r3"}
     assert w.take_load_errors() == {1, 2}
     assert w.lifecycle.live_count() == 0

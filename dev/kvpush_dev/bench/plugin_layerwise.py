@@ -52,7 +52,7 @@ class Rig:
         self.names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
         self.w.register_kv_caches({n: buf[i * per:(i + 1) * per].view(8, 1, 16, 128) for i, n in enumerate(self.names)})
         end = time.monotonic() + 10
-        while self.w._daemon_id is None:
+        while self.w.client.holder is None:
             self.w.collect()
             self.daemon.serve()
             if time.monotonic() > end:

@@ -242,7 +242,7 @@ def test_trace_shows_every_hop_of_a_request_in_order(pd: PDStack) -> None:
     deadline = time.monotonic() + 10
     while True:  # the engines report their stamps once the request is past its transfer
         out = subprocess.run([sys.executable, "-m", "kvpush.daemon.ops.ctl", "--runtime-dir", str(pd.rt), "--json",
-                              "trace", tid, "--router", pd.router_url], capture_output=True, text=True, timeout=30)
+                              "trace", tid, "--router", pd.admin_url], capture_output=True, text=True, timeout=30)
         data = json.loads(out.stdout)
         timeline = next(d["data"]["timeline"] for d in data["daemons"] if d["data"] and "timeline" in d["data"])
         hops = {r["hop"]: r["t_ms"] for r in timeline}
@@ -261,7 +261,7 @@ def test_trace_shows_every_hop_of_a_request_in_order(pd: PDStack) -> None:
     for a, b in causal:
         assert hops[a] <= hops[b], (a, hops[a], b, hops[b])
     human = subprocess.run([sys.executable, "-m", "kvpush.daemon.ops.ctl", "--runtime-dir", str(pd.rt),
-                            "trace", tid, "--router", pd.router_url], capture_output=True, text=True, timeout=30)
+                            "trace", tid, "--router", pd.admin_url], capture_output=True, text=True, timeout=30)
     assert human.returncode == 0 and "router.decode_first_byte" in human.stdout and "DELTA(ms)" in human.stdout
     missing = subprocess.run([sys.executable, "-m", "kvpush.daemon.ops.ctl", "--runtime-dir", str(pd.rt),
                               "trace", "kvp-no-such-transfer"], capture_output=True, text=True, timeout=30)

@@ -16,8 +16,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvpush import proto
+from kvpush.common.machine import Single
 from kvpush.daemon.core import peers as pr
-from kvpush.daemon.core.peers import LINK_TABLE, LinkAction, PeerLinkState, Producer, link_step
+from kvpush.daemon.core.peers import LINK_TABLE, LinkAction, PeerLinkState, Producer
 from kvpush.daemon.handshake import make_hello
 from kvpush_dev.inmemory import Fabric, MemNode, Net
 from kvpush_dev.kvref import make, reference_copy
@@ -290,8 +291,10 @@ def test_bad_inputs_are_refused_with_a_reason_and_nothing_is_written(lab):
 def test_link_walk_flushes_only_into_ready_and_fails_at_once_only_when_recovering(events):
     state: PeerLinkState | None = None
     hello = False  # a Hello reply was accepted since the link was (re)created
+    link = Producer("e", since=0.0, state=None)  # the record the decode side drives
     for ev_type in events:
-        new, actions = link_step(state, ev_type())
+        actions = Single(LINK_TABLE, None, link).handle(ev_type())
+        new = link.state
         if state is None and new is not None:
             assert actions[0] is LinkAction.DIAL
             hello = False
@@ -324,20 +327,14 @@ def test_link_clock_events(dt, timeout, idle):
     assert p.due(dt, timeout, idle) == pr.PingDue()
 
 
-def test_every_link_row_is_taken_or_documented_unreachable(lab, monkeypatch):
+def test_every_link_row_is_taken_or_documented_unreachable(lab):
     """The decode side's shell over the in-memory net, through every reachable transition:
     each row is taken by a real frame or clock event, and no row documented unreachable is."""
     taken: set[tuple] = set()
-    step = pr.link_step
-
-    def recording(state, event):
-        taken.add((state, type(event)))
-        return step(state, event)
-
-    monkeypatch.setattr(pr, "link_step", recording)
     net, fab = lab
     p, d = pair(net, fab, peer_timeout_s=2.0)
     dec = d.decode
+    dec.on_link_row = lambda r: taken.add((r.state, r.event))
 
     def link():
         return dec.producers.get(p.endpoint)

@@ -728,7 +728,8 @@ def test_a_group_write_keeps_the_consumer_polling_only_while_it_is_in_flight(lab
     net.run()
     (g, _), cap_posted, (g2, _), cap_done = seen
     assert g == g2 > 0 and cap_posted == tight and cap_done == idle, seen
-    assert t in d.decode.hinted  # announced: it may have landed (fencing keeps counting it)
+    # announced: it may have landed (fencing keeps counting it)
+    assert d.decode.counter.registration(t).announced_until > time.monotonic()
     seen.clear()
     prefill_done(p, t, blocks, n)
     net.run()
@@ -762,3 +763,43 @@ def test_heartbeats_advise_the_shortest_prompt_worth_streaming_to_any_peer(lab):
     assert advice() == 20
     peer.rate = pr.LinkRate(1e6 * per_token, 1)
     assert advice() == 20_000
+
+
+def test_the_decode_shell_does_not_ask_its_counter_back(lab, monkeypatch):
+    """Register to Received, and to ReceiveFailed: the counter's actions carry what the shell
+    needs (whom to cancel, which producer a notification names, the history's numbers), and
+    the hints for its poll are the counter's own, so the shell asks it nothing back."""
+    import sys
+
+    net, fab = lab
+    p, d = pair(net, fab)
+    asked: list[str] = []
+    cc = d.decode.counter
+    def spying(name: str):
+        real = getattr(cc, name)
+
+        def spy(*a, **k):
+            if sys._getframe(1).f_globals.get("__name__") == "kvpush.daemon.decode_side":
+                asked.append(name)
+            return real(*a, **k)
+
+        return spy
+
+    for name in ("live", "registration", "producer_index", "rank_index", "current"):
+        monkeypatch.setattr(cc, name, spying(name))
+    t = tid()
+    register(d, t, [1, 2], 20, [p])
+    net.run()
+    prefill_done(p, t, [3, 4], 20)
+    net.run()
+    d.decode.poll_cap(time.monotonic())
+    t2 = tid()
+    register(d, t2, [5, 6], 20, [p])
+    net.run()
+    fab.fail_writes = True
+    prefill_done(p, t2, [7, 8], 20)
+    net.run()
+    assert kinds(d) == ["Received", "ReceiveFailed"]
+    assert [h["result"] for h in d.ctx.history.items][-2:] == ["ok", "failed"]
+    assert d.ctx.history.items[-1]["producers"] == 1 and d.ctx.history.items[-1]["latency_ms"] is not None
+    assert asked == []

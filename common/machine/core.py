@@ -376,7 +376,10 @@ class Core(ABC, Generic[K, R]):
             self._charges[key] = new
 
     def _expire(self, out: list[Any]) -> None:
-        """Dispatch a deadline event to every record due at ``now``."""
+        """Dispatch a deadline event to every record due at ``now`` (most events find none:
+        the heap's top says so without a call)."""
+        if self._deadlines.earliest > self._now:
+            return
         for key in self._deadlines.pop_due(self._now):
             self._dispatch(key, _Deadline(self._now), out)
 

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from kvpush.common.machine import core
 from kvpush.common.machine.core import Row, Table, row
+from kvpush.common.machine.deadlines import Deadlines
 from kvpush.daemon.core import counter as cm
 from kvpush.daemon.core import rendezvous as rz
 from kvpush.daemon.core.causes import Cause
@@ -70,6 +71,31 @@ def test_rows_print_as_transitions() -> None:
     text = rz.TABLE.describe()
     assert "WAIT_REGISTER --Registered[completes_set]--> WRITING: open_attempt, add_reg, start_reg" in text
     assert "WAITING --_Deadline[graceless]--> FAILED: fail_timeout" in cm.TABLE.describe()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.one_of(st.none(), st.integers(0, 50)), st.integers(0, 50)),
+                max_size=80))
+def test_deadlines_pop_what_is_due_and_earliest_is_a_lower_bound(ops: list) -> None:
+    """The deadline store against a dict: ``pop_due`` yields exactly the keys due, earliest
+    first, and ``earliest`` never passes a live deadline (Core skips expiry on it)."""
+    d: Deadlines[int] = Deadlines()
+    model: dict[int, int] = {}
+    for key, due, now in ops:
+        d.set(key, due)
+        if due is None:
+            model.pop(key, None)
+        else:
+            model[key] = due
+        assert d.earliest <= min(model.values(), default=float("inf"))
+        if now % 3 == 0:
+            got = list(d.pop_due(now))
+            want = sorted((k for k, t in model.items() if t <= now), key=lambda k: model[k])
+            assert sorted(got) == sorted(want) and [model[k] for k in got] == sorted(model[k] for k in got)
+            for k in got:
+                del model[k]
+            assert d.earliest <= min(model.values(), default=float("inf"))
+            assert all(d.get(k) == t for k, t in model.items())
 
 
 def test_states_are_str_enums_with_the_old_values() -> None:

@@ -139,9 +139,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-first", action="store_true", help="the prefill engine's PrefillDone comes first")
     ap.add_argument("--follow-returns", action="store_true",
                     help="control coming back to a caller's file counts as a visit too")
+    ap.add_argument("--skip", action="append", default=[], metavar="PREFIX",
+                    help="leave modules under PREFIX out (e.g. kvpush.common.machine: the table machinery "
+                         "a reader does not step into)")
     ap.add_argument("--show", action="store_true", help="print the stays in order")
     args = ap.parse_args(argv)
-    calls = trace(args.prefill_first, args.follow_returns)
+    calls = [m for m in trace(args.prefill_first, args.follow_returns)
+             if not any(m == p or m.startswith(p + ".") for p in args.skip)]
     path = stays(calls)
     seen: set[str] = set()
     if args.show:

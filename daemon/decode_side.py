@@ -4,17 +4,21 @@ Hops (2), (6) and (7) of a request (the sequence in docs/design.md): the engine'
 becomes one PeerRegister per prefill rank that holds some of our heads; each of those
 producers' NIXL notifications is counted by the completion counter
 (:mod:`kvpush.daemon.core.counter`), which alone decides Received / ReceiveFailed / Released.
-The counter owns everything about a registration (attempt, producers, deadline); this module
-owns the producer links (:mod:`kvpush.daemon.core.peers`) and the polling hints.
+The counter owns everything about a registration (attempt, producers, deadline, what its
+producers announced, hence how tightly to poll NIXL) and its actions carry what this shell
+needs to carry them out; this module owns the producer links (:mod:`kvpush.daemon.core.peers`)
+and the I/O.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kvpush import proto
+from kvpush.common.machine import HALT, Row, Single, drive
 from kvpush.daemon.context import DaemonContext
 from kvpush.daemon.core import counter as ctr
 from kvpush.daemon.core import peers as pr
@@ -36,8 +40,6 @@ def _reason(text: str) -> str:
 RECV_POLL_MAX_S = 0.0001  # poll cap while a producer said Writing and its notification is missing
 RECV_FALLBACK_S = 0.01  # poll cap while receiving otherwise (no WRITE announced yet)
 CANCEL_GRACE_MAX_S = 3.0  # after a registration's deadline, how long its producers may take to confirm a cancel
-HINT_WINDOW_S = 0.02  # how long a completed WRITE keeps the tight poll if its notification never shows
-MAX_GROUP_HINTS = 64  # group WRITEs tracked in flight per transfer (producers keep a few each)
 
 
 class DecodeSide:
@@ -46,15 +48,10 @@ class DecodeSide:
         self.cfg = ctx.cfg
         # A timed-out registration's producers get a short grace to confirm a cancel: a live one
         # answers in a round trip, and only then is a Fail safe (see kvpush.daemon.core.counter).
-        self.counter = ctr.CompletionCounter(cancel_grace_s=min(CANCEL_GRACE_MAX_S, self.cfg.peer_timeout_s))
+        self.counter = ctr.CompletionCounter(cancel_grace_s=min(CANCEL_GRACE_MAX_S, self.cfg.peer_timeout_s),
+                                             write_timeout_s=self.cfg.write_timeout_s)
         self.producers: dict[str, Producer] = {}  # endpoint -> prefill daemon
-        # transfer -> a WRITE its producer announced may still land until (monotonic)
-        self.hinted: dict[str, float] = {}
-        # transfer -> poll tightly until: its final WRITE (the notification's) is on its way
-        self.polling: dict[str, float] = {}
-        # transfer -> its group WRITEs posted and not done, (producer rank, group): poll tightly
-        # while one is in flight, not between them (the next layers are still being computed)
-        self.groups_in_flight: dict[str, set[tuple[int, int]]] = {}
+        self.on_link_row: Callable[[Row], None] | None = None  # every producer link row taken (tests)
         self.rotate_due = ""  # why our NIXL agent must be replaced (a revoked node held its metadata)
         self.rotations = 0  # NIXL agents replaced so far (each name is new)
         self._agent_base = ctx.agent_name
@@ -118,9 +115,10 @@ class DecodeSide:
 
     # ------------------------------------------------------------------ producer links
 
-    def forward(self, endpoint: str, msg: proto.PeerRegister) -> None:
+    def forward(self, endpoint: str, msg: proto.PeerRegister) -> list[Any]:
         """A registration for a prefill daemon: the link's table says send, queue (first
-        contact, dialling it), or fail now (it is down or re-handshaking)."""
+        contact, dialling it), or fail now (it is down or re-handshaking). Returns what the
+        counter must hear (a registration that was not forwarded)."""
         peer = self.producers.get(endpoint)
         now = time.monotonic()
         if peer is not None:
@@ -129,9 +127,9 @@ class DecodeSide:
             over = self._fanout_refusal()
             if over:  # registrations name endpoints; how many we dial is ours to bound
                 self.ctx.bad("register", over)
-                self._fail_one(endpoint, msg, f"cannot connect to {endpoint}: {over}")
-                return
-        self._link(peer, endpoint, pr.Forward(), "", msg)
+                return self._fail_one(endpoint, msg, f"cannot connect to {endpoint}: {over}")
+            peer = Producer(endpoint, since=now, last_seen=now, wanted=now, state=None)  # its table dials it
+        return self._link(peer, pr.Forward(), "", msg)
 
     def _fanout_refusal(self) -> str:
         """Why one more prefill daemon may not be dialled now, or "": the endpoints come from
@@ -158,22 +156,22 @@ class DecodeSide:
             # daemon never initiates a transfer. Its agent name only attributes notifications.
             why = compat_error(self.ctx, msg) or ("" if msg.agent_name else "empty NIXL agent name")
             if why:
-                self._link(peer, endpoint, pr.Refused(), f"prefill daemon {endpoint}: {why}")
+                self.apply(*self._link(peer, pr.Refused(), f"prefill daemon {endpoint}: {why}"))
                 return
             peer.agent_name, peer.layout, peer.rank, peer.tp_size = msg.agent_name, msg.layout, msg.rank, msg.tp_size
             peer.engine_id = msg.engine_id
             log.info("prefill peer %s (%s rank %d) handshaken", endpoint, msg.engine_id, msg.rank)
-            self._link(peer, endpoint, pr.HelloOk(), "")
+            self.apply(*self._link(peer, pr.HelloOk(), ""))
         elif isinstance(msg, proto.Error):
             if msg.code == "handshake" and peer.state is not PeerLinkState.HANDSHAKING:
                 # It restarted, or evicted us while we were frozen: it knows nothing of what we
                 # registered. Fail those now and re-handshake at once (recovering: a late
                 # answer to our previous connection's backlog).
-                self._link(peer, endpoint, pr.HandshakeLost(),
-                           f"prefill daemon {endpoint} lost our handshake (restarted, or evicted us): "
-                           f"{msg.message}")
+                self.apply(*self._link(peer, pr.HandshakeLost(),
+                                       f"prefill daemon {endpoint} lost our handshake (restarted, or evicted us): "
+                                       f"{msg.message}"))
             elif peer.state is not PeerLinkState.READY:
-                self._link(peer, endpoint, pr.Refused(), f"prefill daemon {endpoint} refused: {msg.message}")
+                self.apply(*self._link(peer, pr.Refused(), f"prefill daemon {endpoint} refused: {msg.message}"))
             else:
                 log.warning("prefill daemon %s: %s: %s", endpoint, msg.code, msg.message)
         elif isinstance(msg, proto.Writing):
@@ -184,43 +182,39 @@ class DecodeSide:
         elif isinstance(msg, proto.CancelConfirmed):
             self._producer_result(msg.transfer_id, msg.attempt, endpoint, "", now, failed=False)
 
-    def _link(self, peer: Producer | None, endpoint: str, event: Any, why: str, msg: Any = None) -> None:
-        """Move a producer link through its table and carry out the row's actions, in order."""
-        old = None if peer is None else peer.state
-        new, actions = pr.link_step(old, event)
-        if peer is not None and new is not None:
-            peer.state = new
-        for act in actions:
+    def _link(self, peer: Producer, event: Any, why: str, msg: Any = None) -> list[Any]:
+        """Move a producer link through its table and carry out the row's actions, in order
+        (a new link is a record in state None until its first row dials it). Returns what
+        the counter must hear: the registrations this failed, to be applied by the caller."""
+        endpoint, old = peer.endpoint, peer.state
+        told: list[Any] = []
+
+        def carry_out(act: LinkAction) -> Any:
             if act is LinkAction.DIAL:
-                peer, error = self._dial(endpoint)
-                if peer is None:
-                    self._fail_one(endpoint, msg, f"cannot connect to {endpoint}: {error}")
-                    return
+                if not self._open(peer):
+                    told.extend(self._fail_one(endpoint, msg, f"cannot connect to {endpoint}: {peer.error}"))
+                    return HALT
+                self.producers[endpoint] = peer
             elif act is LinkAction.QUEUE:
-                assert peer is not None
                 peer.queued.append(msg)
             elif act is LinkAction.SEND:
                 self.ctx.wire.to_producer(endpoint, msg)
             elif act is LinkAction.FAIL_NOW:
-                assert peer is not None
-                self._fail_one(endpoint, msg, f"prefill daemon {endpoint} is re-handshaking after it was lost "
-                                              f"({peer.error or 'silent'}); not registered there")
+                told.extend(self._fail_one(endpoint, msg, f"prefill daemon {endpoint} is re-handshaking after it "
+                                                          f"was lost ({peer.error or 'silent'}); not registered there"))
             elif act is LinkAction.FLUSH:
-                assert peer is not None
                 queued, peer.queued = peer.queued, []
                 for m in queued:
                     self.ctx.wire.to_producer(endpoint, m)
             elif act is LinkAction.PING:
-                assert peer is not None
                 peer.last_ping = time.monotonic()
                 self.ctx.wire.to_producer(endpoint, proto.Heartbeat(int(peer.last_ping * 1000)))
             elif act is LinkAction.FAIL_WAITING:
-                assert peer is not None
                 peer.error = _reason(why)
                 log.warning("%s", why)
                 queued, peer.queued = peer.queued, []
-                for m in queued:  # never forwarded: nothing of them can land
-                    self._fail_one(endpoint, m, why)
+                for m in queued:  # never forwarded: nothing of them can land (told first: a repeat is ignored)
+                    told.extend(self._fail_one(endpoint, m, why))
                 # A link gone silent (or that lost our handshake) while its connection stayed
                 # open (frozen, or a partition): a WRITE it posted may arrive later. Silent (or
                 # revoked: no longer trusted), any registration it held may be written; after
@@ -230,30 +224,23 @@ class DecodeSide:
                 # had a registration forwarded.
                 open_ = not self.ctx.wire.connection_closed(endpoint, peer.last_seen)
                 if isinstance(event, pr.Silent | pr.Revoked) and old is PeerLinkState.READY:
-                    self._fail_waiting(endpoint, why, may_land=open_)
+                    told.extend(self._fail_waiting(endpoint, why, may_land=open_))
                 else:
-                    self._fail_waiting(endpoint, why, only_hinted=True,
-                                       may_land=open_ and isinstance(event, pr.HandshakeLost | pr.Rotated))
+                    told.extend(self._fail_waiting(endpoint, why, announced_only=True,
+                                                   may_land=open_ and isinstance(event, pr.HandshakeLost | pr.Rotated)))
             elif act is LinkAction.REDIAL:
-                assert peer is not None
                 self.ctx.wire.close_producer(endpoint)
                 if not self._open(peer):
                     self._forget(peer)
-                    return
+                    return HALT
             elif act is LinkAction.CLOSE:
-                assert peer is not None
                 self._forget(peer)
             elif act is LinkAction.ROTATE:
                 self.rotate_due = why
+            return None
 
-    def _dial(self, endpoint: str) -> tuple[Producer | None, str]:
-        """A new link to ``endpoint``, or None and why it cannot be dialled."""
-        now = time.monotonic()
-        peer = Producer(endpoint, since=now, last_seen=now, wanted=now)
-        if not self._open(peer):
-            return None, peer.error
-        self.producers[endpoint] = peer
-        return peer, ""
+        drive(Single(pr.LINK_TABLE, None, peer, self.on_link_row), event, carry_out)
+        return told
 
     def _open(self, peer: Producer) -> bool:
         """Open a connection to the producer and send our Hello; False if it cannot be dialled."""
@@ -268,14 +255,13 @@ class DecodeSide:
         self.ctx.wire.to_producer(peer.endpoint, make_hello(self.ctx, reply=False))
         return True
 
-    def _fail_one(self, endpoint: str, msg: Any, why: str) -> None:
-        """Fail one registration that was never forwarded (nothing of it can land)."""
+    def _fail_one(self, endpoint: str, msg: Any, why: str) -> list[Any]:
+        """What fails one registration that was never forwarded (nothing of it can land): its
+        producer at ``endpoint`` (the counter knows which of them that is)."""
         if not isinstance(msg, proto.PeerRegister):
-            return
-        idx = self.counter.producer_index(msg.transfer_id, endpoint, msg.attempt)
-        if idx is not None:
-            self.apply(ctr.ProducerFailed(msg.transfer_id, msg.attempt, idx, _reason(why), time.monotonic(),
-                                          ctr.Cause.PEER_LOST))
+            return []
+        return [ctr.ProducerFailed(msg.transfer_id, msg.attempt, endpoint, _reason(why), time.monotonic(),
+                                   ctr.Cause.PEER_LOST)]
 
     def _forget(self, peer: Producer) -> None:
         if self.producers.get(peer.endpoint) is peer:
@@ -288,7 +274,7 @@ class DecodeSide:
         held our NIXL metadata (our Hello went out when we dialled): the link table says ROTATE,
         and one rotation replaces our agent for all of them."""
         for p in [p for p in self.producers.values() if p.node and p.node not in allowed]:
-            self._link(p, p.endpoint, pr.Revoked(), f"prefill node {p.node!r} was removed from the allowlist")
+            self.apply(*self._link(p, pr.Revoked(), f"prefill node {p.node!r} was removed from the allowlist"))
         if self.rotate_due:
             self.rotate(self.rotate_due)
 
@@ -308,8 +294,8 @@ class DecodeSide:
         self.ctx.agent_name = name
         links = list(self.producers.values())
         for p in links:
-            self._link(p, p.endpoint, pr.Rotated(), f"prefill daemon {p.endpoint}: our NIXL agent was "
-                                                    f"replaced ({why}); re-handshaking with the new one")
+            self.apply(*self._link(p, pr.Rotated(), f"prefill daemon {p.endpoint}: our NIXL agent was "
+                                                    f"replaced ({why}); re-handshaking with the new one"))
         took = time.monotonic() - t0
         self.rotations += 1
         self.ctx.metrics.failure("nixl_rotation")
@@ -323,138 +309,120 @@ class DecodeSide:
         for p in list(self.producers.values()):
             self._forget(p)
 
-    def _fail_waiting(self, endpoint: str, why: str, *, may_land: bool = False, only_hinted: bool = False) -> None:
-        """Fail every registration waiting on ``endpoint``; ``may_land`` marks a WRITE of it as
-        possibly still on its way (with ``only_hinted``: only one the producer announced)."""
+    def _fail_waiting(self, endpoint: str, why: str, *, may_land: bool = False,
+                      announced_only: bool = False) -> list[Any]:
+        """What fails every registration waiting on ``endpoint``; ``may_land`` marks a WRITE of
+        it as possibly still on its way (with ``announced_only``: only one its producers
+        announced, which the counter knows). A queued one failed just before (never forwarded:
+        nothing of it can land) is resolved by then, and the counter ignores the repeat."""
         now = time.monotonic()
-        for tid, attempt, idx in self.counter.waiting_on(endpoint):
-            land = may_land and (not only_hinted or tid in self.hinted)
-            self.apply(ctr.ProducerFailed(tid, attempt, idx, why, now, ctr.Cause.PEER_LOST, land))
+        return [ctr.ProducerFailed(tid, attempt, idx, why, now, ctr.Cause.PEER_LOST, may_land, announced_only)
+                for tid, attempt, idx in self.counter.waiting_on(endpoint)]
 
     def _producer_result(self, tid: str, attempt: int, endpoint: str, reason: str, now: float, *,
                          failed: bool, may_land: bool = False) -> None:
-        idx = self.counter.producer_index(tid, endpoint, attempt)
-        if idx is None:
-            return  # answers for superseded attempts resolve through the same endpoints
+        """A producer's answer, for the attempt's producer at ``endpoint`` (answers for
+        superseded attempts resolve through the same endpoints; unknown ones change nothing)."""
         if failed:
-            self.apply(ctr.ProducerFailed(tid, attempt, idx, reason, now, may_land=may_land))
+            self.apply(ctr.ProducerFailed(tid, attempt, endpoint, reason, now, may_land=may_land))
         else:
-            self.apply(ctr.ProducerCancelled(tid, attempt, idx, now))
+            self.apply(ctr.ProducerCancelled(tid, attempt, endpoint, now))
 
     # ------------------------------------------------------------------ notifications
 
     def _on_writing(self, msg: proto.Writing, now: float) -> None:
-        """A producer posted (done=False) or completed (done=True) a WRITE to us: poll NIXL
-        tightly until its notification shows, or take it now. A group WRITE (``group``) has no
-        notification: the tight poll lasts while it is in flight, not until the seal."""
-        tid = msg.transfer_id
-        if not self.counter.live(tid):
-            return
-        if msg.done and not msg.group:
-            self.take_notifications(now)
-        if not self.counter.live(tid):
-            return
-        window = HINT_WINDOW_S if msg.done else self.cfg.write_timeout_s
-        if not (msg.group and msg.done):  # a done group keeps its posted hint's window
-            self.hinted[tid] = max(self.hinted.get(tid, 0.0), now + window)
-        if not msg.group:  # the final WRITE: in flight, or its notification trails
-            self.polling[tid] = max(self.polling.get(tid, 0.0), now + window)
-            return
-        groups = self.groups_in_flight.setdefault(tid, set())
-        if msg.done:
-            groups.discard((msg.producer_rank, msg.group))
-            if not groups:
-                del self.groups_in_flight[tid]
-        elif len(groups) < MAX_GROUP_HINTS:
-            groups.add((msg.producer_rank, msg.group))
-        else:  # more than any producer keeps in flight: poll as for a final WRITE instead
-            self.polling[tid] = max(self.polling.get(tid, 0.0), now + window)
+        """A producer posted (done=False) or completed (done=True) a WRITE to us: the counter
+        keeps what that means for polling NIXL (and has a completed final WRITE's notification
+        looked for at once: PollNow)."""
+        self.apply(ctr.Announced(msg.transfer_id, msg.attempt, msg.producer_rank, msg.group, msg.done, now))
 
     def take_notifications(self, now: float) -> bool:
         """Count every notification NIXL holds (drives its progress); True if there was one."""
-        got = False
-        for agent, payload in self.ctx.transport.notifications():
-            got = True
-            self.on_notification(agent, payload, now)
-        return got
+        taken = self.ctx.transport.notifications()
+        self.apply(*self._noticed(taken, now))
+        return bool(taken)
 
-    def on_notification(self, agent: str, payload: bytes, now: float) -> None:
-        n = Notification.decode(payload)
-        if n is None:
-            self.ctx.bad("notification", f"malformed notification from {agent}")
-            return
-        reg = self.counter.registration(n.transfer_id) if self.counter.live(n.transfer_id) else None
-        if reg is None or reg.attempt != n.attempt or n.producer_rank not in reg.ranks:
-            return  # stale attempt or unknown transfer: ignored by design
-        idx = reg.ranks.index(n.producer_rank)
-        prod = self.producers.get(reg.endpoints[idx])
-        if prod is None or prod.agent_name != agent:
-            self.ctx.bad("notification", f"notification for {n.transfer_id} from unexpected agent {agent}")
-            return
-        self.ctx.metrics.notification()
-        self.ctx.trace.stamp(n.transfer_id, "d.daemon.notif_seen")
-        self.apply(ctr.Notified(n.transfer_id, n.attempt, idx, now))
+    def _noticed(self, taken: list[tuple[str, bytes]], now: float) -> list[ctr.Noticed]:
+        """The counter's events for notifications NIXL delivered, each with the endpoints of the
+        links whose producer's agent sent it (a malformed one is reported)."""
+        out = []
+        for agent, payload in taken:
+            n = Notification.decode(payload)
+            if n is None:
+                self.ctx.bad("notification", f"malformed notification from {agent}")
+                continue
+            senders = frozenset(ep for ep, p in self.producers.items() if p.agent_name == agent)
+            out.append(ctr.Noticed(n.transfer_id, n.attempt, n.producer_rank, agent, senders, now))
+        return out
 
     def poll_cap(self, now: float) -> float:
         """How long the loop may sleep between NIXL polls while registrations are live."""
-        for hints in (self.hinted, self.polling):
-            for tid in [t for t, until in hints.items() if now > until or not self.counter.live(t)]:
-                del hints[tid]
-        for tid in [t for t in self.groups_in_flight if not self.counter.live(t)]:
-            del self.groups_in_flight[tid]
         if not self.receiving:
             return self.cfg.poll_max_s
-        tight = self.polling or self.groups_in_flight
-        return min(self.cfg.poll_max_s, RECV_POLL_MAX_S if tight else RECV_FALLBACK_S)
+        return min(self.cfg.poll_max_s, RECV_POLL_MAX_S if self.counter.tight(now) else RECV_FALLBACK_S)
 
     # ------------------------------------------------------------------ the core's actions
 
-    def apply(self, event: Any) -> None:
-        for act in self.counter.handle(event):
-            tid = act.transfer_id
-            if isinstance(act, ctr.Fail | ctr.Release) and act.unsafe:
-                # Blocks a WRITE may still land in must not go back to the engine while our
-                # NIXL agent can receive: fence (the engine then sees its daemon gone).
-                self.ctx.fence(f"transfer {tid} attempt {act.attempt}: "
-                               f"{getattr(act, 'reason', 'aborted')}; a producer's WRITE may still arrive")
-                return
-            if isinstance(act, ctr.Accepted):
-                self.ctx.trace.stamp(tid, "d.daemon.register_forwarded")
-                for ep, fwd in zip(act.endpoints, act.forwards, strict=True):
-                    self.forward(ep, fwd)
-            elif isinstance(act, ctr.Complete):
-                self.ctx.metrics.transfer_finished("decode", "ok")
-                self.ctx.trace.stamp(tid, "d.daemon.received_sent")
-                self.ctx.to_engine(proto.Received(tid, act.attempt))
-                self._history(tid, act.attempt, "ok", "")
-            elif isinstance(act, ctr.Fail):
-                self.ctx.metrics.transfer_finished("decode", "failed")
-                if act.cause is ctr.Cause.TIMEOUT:
-                    self.ctx.metrics.timeout("deadline")
-                self.ctx.trace.stamp(tid, "d.daemon.receive_failed")
-                reason = _reason(act.reason)
-                self.ctx.to_engine(proto.ReceiveFailed(tid, act.attempt, reason))
-                self._history(tid, act.attempt, "failed", reason)
-            elif isinstance(act, ctr.Refuse):
-                self.ctx.bad("register", act.reason)
-                self.ctx.to_engine(proto.ReceiveFailed(tid, act.attempt, _reason(act.reason)))
-            elif isinstance(act, ctr.Release):
-                self.ctx.to_engine(proto.Released(tid, act.attempt))
-            elif isinstance(act, ctr.SendCancel):
-                reg = self.counter.registration(tid)
-                if reg is not None and reg.attempt == act.attempt:
-                    for ep in reg.endpoints:
-                        peer = self.producers.get(ep)
-                        if peer is not None and peer.state is PeerLinkState.READY:
-                            self.ctx.wire.to_producer(ep, proto.Cancel(tid, act.attempt, _reason(act.reason)))
+    def apply(self, *events: Any) -> None:
+        """Feed the counter each event in turn and carry out its actions, in order; what
+        carrying one out tells it (a registration that could not be forwarded) is applied
+        after the batch (:func:`kvpush.common.machine.drive`)."""
+        for event in events:
+            drive(self.counter, event, self._carry_out)
 
-    def _history(self, tid: str, attempt: int, result: str, error: str) -> None:
-        reg = self.counter.registration(tid)
+    def _carry_out(self, act: Any) -> Any:
+        tid = act.transfer_id
+        if isinstance(act, ctr.Fail | ctr.Release) and act.unsafe:
+            # Blocks a WRITE may still land in must not go back to the engine while our
+            # NIXL agent can receive: fence (the engine then sees its daemon gone), and
+            # carry out nothing more.
+            self.ctx.fence(f"transfer {tid} attempt {act.attempt}: "
+                           f"{getattr(act, 'reason', 'aborted')}; a producer's WRITE may still arrive")
+            return HALT
+        if isinstance(act, ctr.Accepted):
+            self.ctx.trace.stamp(tid, "d.daemon.register_forwarded")
+            told: list[Any] = []
+            for ep, fwd in zip(act.endpoints, act.forwards, strict=True):
+                told.extend(self.forward(ep, fwd))
+            return told
+        if isinstance(act, ctr.Arrived):
+            self.ctx.metrics.notification()
+            self.ctx.trace.stamp(tid, "d.daemon.notif_seen")
+        elif isinstance(act, ctr.Stranger):
+            self.ctx.bad("notification", f"notification for {tid} from unexpected agent {act.agent}")
+        elif isinstance(act, ctr.PollNow):
+            return self._noticed(self.ctx.transport.notifications(), act.now)
+        if isinstance(act, ctr.Complete):
+            self.ctx.metrics.transfer_finished("decode", "ok")
+            self.ctx.trace.stamp(tid, "d.daemon.received_sent")
+            self.ctx.to_engine(proto.Received(tid, act.attempt))
+            self._history(act, "ok", "")
+        elif isinstance(act, ctr.Fail):
+            self.ctx.metrics.transfer_finished("decode", "failed")
+            if act.cause is ctr.Cause.TIMEOUT:
+                self.ctx.metrics.timeout("deadline")
+            self.ctx.trace.stamp(tid, "d.daemon.receive_failed")
+            reason = _reason(act.reason)
+            self.ctx.to_engine(proto.ReceiveFailed(tid, act.attempt, reason))
+            self._history(act, "failed", reason)
+        elif isinstance(act, ctr.Refuse):
+            self.ctx.bad("register", act.reason)
+            self.ctx.to_engine(proto.ReceiveFailed(tid, act.attempt, _reason(act.reason)))
+        elif isinstance(act, ctr.Release):
+            self.ctx.to_engine(proto.Released(tid, act.attempt))
+        elif isinstance(act, ctr.SendCancel):
+            for ep in act.endpoints:
+                peer = self.producers.get(ep)
+                if peer is not None and peer.state is PeerLinkState.READY:
+                    self.ctx.wire.to_producer(ep, proto.Cancel(tid, act.attempt, _reason(act.reason)))
+        return None
+
+    def _history(self, act: ctr.Complete | ctr.Fail, result: str, error: str) -> None:
         now = time.monotonic()
         self.ctx.history.add({
-            "transfer_id": tid, "attempt": attempt, "side": "decode", "result": result, "error": error,
-            "latency_ms": round((now - reg.since) * 1e3, 3) if reg else None, "at": now,
-            "producers": len(reg.endpoints) if reg else None,
+            "transfer_id": act.transfer_id, "attempt": act.attempt, "side": "decode", "result": result,
+            "error": error, "latency_ms": round((now - act.since) * 1e3, 3) if act.since is not None else None,
+            "at": now, "producers": act.producers,
         })
 
     # ------------------------------------------------------------------ time, ops, shutdown
@@ -474,13 +442,13 @@ class DecodeSide:
             event = p.due(now, timeout, max(self.cfg.register_timeout_s, 4 * timeout))
             if isinstance(event, pr.HandshakeTimeout):
                 self.ctx.metrics.timeout("peer")
-                self._link(p, p.endpoint, event, f"prefill daemon {p.endpoint} did not answer the handshake in "
-                                                 f"{timeout:.1f}s")
+                self.apply(*self._link(p, event, f"prefill daemon {p.endpoint} did not answer the handshake in "
+                                                 f"{timeout:.1f}s"))
             elif isinstance(event, pr.Silent):
                 self.ctx.metrics.timeout("peer")
-                self._link(p, p.endpoint, event, f"prefill daemon {p.endpoint} silent for {timeout:.1f}s")
+                self.apply(*self._link(p, event, f"prefill daemon {p.endpoint} silent for {timeout:.1f}s"))
             elif event is not None:
-                self._link(p, p.endpoint, event, "")
+                self.apply(*self._link(p, event, ""))
         for s, n in self.counter.counts().items():
             if s not in ctr.TOMBSTONES:  # finished transfers are not pending
                 self.ctx.metrics.set_pending("decode", s, n)

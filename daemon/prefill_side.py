@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from kvpush import proto
+from kvpush.common.machine import drive
 from kvpush.daemon.context import DaemonContext
 from kvpush.daemon.core import quotas
 from kvpush.daemon.core import rendezvous as rv
@@ -437,7 +438,9 @@ class PrefillSide:
 
     # ------------------------------------------------------------------ WRITEs
 
-    def start_write(self, a: rv.StartWrite, now: float) -> None:
+    def start_write(self, a: rv.StartWrite, now: float) -> list[Any]:
+        """Post the final WRITE (with its notification); what the rendezvous must hear when it
+        could not be posted (its follow-up event)."""
         me = self.ctx.attached
         peer = self.consumer(a.peer)
         err = ""
@@ -499,41 +502,37 @@ class PrefillSide:
                     a.transfer_id, a.attempt, a.dest_rank, a.peer, h, nbytes, ndesc, now, peer.prepped is not None,
                     streamed=len(a.written) if peer.prepped is not None else 0)
                 self.ctx.metrics.set_in_flight(len(self.in_flight))
-                return
-        self.apply(rv.WriteFailed(a.transfer_id, a.attempt, a.dest_rank, err, now))
+                return []
+        return [rv.WriteFailed(a.transfer_id, a.attempt, a.dest_rank, err, now)]
 
-    def start_group_write(self, a: rv.StartGroupWrite, now: float) -> None:
+    def start_group_write(self, a: rv.StartGroupWrite, now: float) -> list[Any]:
         """Post one layer group's WRITE (no notification) from the prepared lists: the entries
         of each part's layers, over its blocks. A consumer without prepared lists (different
         block sizes) gets nothing now: the seal's final WRITE covers everything for it (it
-        ignores ``written`` there), so the group is answered done at once."""
+        ignores ``written`` there), so the group is answered done at once. Returns what the
+        rendezvous must hear now (its follow-up events)."""
         me = self.ctx.attached
         peer = self.consumer(a.peer)
         if me is None or peer is None:
-            self.apply(rv.WriteFailed(a.transfer_id, a.attempt, a.dest_rank,
-                                      "no engine attached" if me is None else "decode peer is gone", now,
-                                      group=a.group))
-            return
+            return [rv.WriteFailed(a.transfer_id, a.attempt, a.dest_rank,
+                                   "no engine attached" if me is None else "decode peer is gone", now,
+                                   group=a.group)]
         if peer.prepped is None:
-            self.apply(rv.WriteDone(a.transfer_id, a.attempt, a.dest_rank, now, group=a.group))
-            return
+            return [rv.WriteDone(a.transfer_id, a.attempt, a.dest_rank, now, group=a.group)]
         pattern, local_h, remote_h = peer.prepped
         try:
             li, ri, nbytes = pattern.group_indices(
                 ((p.layer_lo, p.layer_hi, p.first_block, p.src_block_ids) for p in a.parts),
                 a.dst_first_token // me.layout.block_size, a.dst_block_ids)
             if not li.shape[0]:  # nothing of it is the destination's (a prefix hit there)
-                self.apply(rv.WriteDone(a.transfer_id, a.attempt, a.dest_rank, now, group=a.group))
-                return
+                return [rv.WriteDone(a.transfer_id, a.attempt, a.dest_rank, now, group=a.group)]
             h = self.ctx.transport.write_prepped(peer.agent_name, local_h, li, remote_h, ri, b"", nbytes=nbytes)
         except PlanError as exc:
             self.ctx.metrics.failure("plan")
-            self.apply(rv.WriteFailed(a.transfer_id, a.attempt, a.dest_rank, f"plan: {exc}", now, group=a.group))
-            return
+            return [rv.WriteFailed(a.transfer_id, a.attempt, a.dest_rank, f"plan: {exc}", now, group=a.group)]
         except Exception as exc:
             self.ctx.metrics.failure("nixl")
-            self.apply(rv.WriteFailed(a.transfer_id, a.attempt, a.dest_rank, f"NIXL: {exc}", now, group=a.group))
-            return
+            return [rv.WriteFailed(a.transfer_id, a.attempt, a.dest_rank, f"NIXL: {exc}", now, group=a.group)]
         self.ctx.trace.stamp_first(a.transfer_id, "p.daemon.group_posted")
         # The consumer polls tightly while a WRITE to it is in flight (over TCP it lands only
         # as the receiver progresses): until this group's done hint, or its write timeout.
@@ -541,6 +540,7 @@ class PrefillSide:
         self.in_flight[id(h)] = InFlight(a.transfer_id, a.attempt, a.dest_rank, a.peer, h, nbytes,
                                          int(li.shape[0]), now, True, a.group)
         self.ctx.metrics.set_in_flight(len(self.in_flight))
+        return []
 
     def poll_cap(self) -> float:
         """How long the loop may sleep between NIXL polls (our WRITEs in flight poll tightly)."""
@@ -636,38 +636,39 @@ class PrefillSide:
     # ------------------------------------------------------------------ the core's actions
 
     def apply(self, event: Any) -> None:
-        """Feed the rendezvous one event and carry out its actions (which may feed it more)."""
-        pending = [event]
-        while pending:
-            ev = pending.pop(0)
-            for act in self.rdv.handle(ev):
-                if isinstance(act, rv.StartWrite):
-                    self.start_write(act, time.monotonic())
-                elif isinstance(act, rv.StartGroupWrite):
-                    self.start_group_write(act, time.monotonic())
-                elif isinstance(act, rv.ReleaseBlocks):
-                    # The prefill engine keys its held blocks by transfer ID alone.
-                    msg: Any = (proto.Sent(act.transfer_id, 0) if act.ok
-                                else proto.SendFailed(act.transfer_id, 0, _reason(act.reason)))
-                    self.ctx.metrics.transfer_finished("prefill", "ok" if act.ok else "failed")
-                    if act.cause in (rv.Cause.LEASE_EXPIRED, rv.Cause.UNCLAIMED):
-                        self._lease_ended(act)
-                    # Stamped before it leaves: the timeline stays causal across processes.
-                    self.ctx.trace.stamp(act.transfer_id, "p.daemon.sent" if act.ok else "p.daemon.send_failed")
-                    self.ctx.to_engine(msg)
-                elif isinstance(act, rv.NotifyFailure):
-                    if act.cause in (rv.Cause.QUOTA, rv.Cause.UNBOUND):  # an insider's doing, or a bug
-                        self.ctx.bad("register", act.reason)
-                    peer = self.consumer(act.peer)
-                    if peer is not None:
-                        self.ctx.wire.to_consumer(peer.routing_id, proto.WriteFailedNotice(
-                            act.transfer_id, act.attempt, self.ctx.rank, _reason(act.reason),
-                            may_land=act.cause is rv.Cause.WRITE_TIMEOUT))
-                elif isinstance(act, rv.ConfirmCancel):
-                    peer = self.consumer(act.peer)
-                    if peer is not None:
-                        self.ctx.wire.to_consumer(peer.routing_id, proto.CancelConfirmed(
-                            act.transfer_id, act.attempt, self.ctx.rank))
+        """Feed the rendezvous one event and carry out its actions, in order; a WRITE that
+        could not be posted is told to it after the batch (:func:`kvpush.common.machine.drive`)."""
+        drive(self.rdv, event, self._carry_out)
+
+    def _carry_out(self, act: Any) -> list[Any] | None:
+        if isinstance(act, rv.StartWrite):
+            return self.start_write(act, time.monotonic())
+        if isinstance(act, rv.StartGroupWrite):
+            return self.start_group_write(act, time.monotonic())
+        if isinstance(act, rv.ReleaseBlocks):
+            # The prefill engine keys its held blocks by transfer ID alone.
+            msg: Any = (proto.Sent(act.transfer_id, 0) if act.ok
+                        else proto.SendFailed(act.transfer_id, 0, _reason(act.reason)))
+            self.ctx.metrics.transfer_finished("prefill", "ok" if act.ok else "failed")
+            if act.cause in (rv.Cause.LEASE_EXPIRED, rv.Cause.UNCLAIMED):
+                self._lease_ended(act)
+            # Stamped before it leaves: the timeline stays causal across processes.
+            self.ctx.trace.stamp(act.transfer_id, "p.daemon.sent" if act.ok else "p.daemon.send_failed")
+            self.ctx.to_engine(msg)
+        elif isinstance(act, rv.NotifyFailure):
+            if act.cause in (rv.Cause.QUOTA, rv.Cause.UNBOUND):  # an insider's doing, or a bug
+                self.ctx.bad("register", act.reason)
+            peer = self.consumer(act.peer)
+            if peer is not None:
+                self.ctx.wire.to_consumer(peer.routing_id, proto.WriteFailedNotice(
+                    act.transfer_id, act.attempt, self.ctx.rank, _reason(act.reason),
+                    may_land=act.cause is rv.Cause.WRITE_TIMEOUT))
+        elif isinstance(act, rv.ConfirmCancel):
+            peer = self.consumer(act.peer)
+            if peer is not None:
+                self.ctx.wire.to_consumer(peer.routing_id, proto.CancelConfirmed(
+                    act.transfer_id, act.attempt, self.ctx.rank))
+        return None
 
     def _lease_ended(self, act: rv.ReleaseBlocks) -> None:
         """Blocks held for the whole lease: count them, and say so once per cause (a router or

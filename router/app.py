@@ -247,7 +247,7 @@ class Router(Upstreams):
                 whole: list[bytes] | None = None if streamed else []
                 if not streamed:
                     splice = None
-                announce = splice is not None and splice.state == "waiting"
+                announce = splice is not None and splice.state is first_token.State.WAITING
                 async for chunk in decode_chunks(upstream, prefill, announce=announce):
                     if decode_first and chunk is not PREFILL_ANSWERED:
                         self.trace.stamp(transfer_id, "router.decode_first_byte")
@@ -255,7 +255,7 @@ class Router(Upstreams):
                     if splice is not None:
                         out = (splice.prefill(_json(prefill.result())) if chunk is PREFILL_ANSWERED
                                else splice.decode(chunk))
-                        if splice.state == "mismatch":
+                        if splice.state is first_token.State.MISMATCH:
                             break
                     else:
                         out = [chunk]
@@ -271,7 +271,8 @@ class Router(Upstreams):
                     self.metrics.first_tokens.labels("prefill" if splice is not None and splice.early
                                                      else "decode").inc()
                 if splice is not None:
-                    if splice.state in ("mismatch", "splicing"):  # the decode leg left the text sent
+                    # the decode leg left the text sent
+                    if splice.state in (first_token.State.MISMATCH, first_token.State.SPLICING):
                         upstream.close()
                         self.metrics.first_token_mismatches.inc()
                         await prefill

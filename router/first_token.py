@@ -22,11 +22,17 @@ the router for both legs, so both draw the same first token.
 
 from __future__ import annotations
 
+import enum
 import json
 import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
-__all__ = ["PATHS", "Splice", "eligible", "event_data", "leg_bodies"]
+from kvpush.common.machine import Row, Single, Table, drive, row
+
+__all__ = ["PATHS", "TABLE", "Splice", "State", "eligible", "event_data", "leg_bodies"]
 
 PATHS = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat?
 # Request keys whose every value keeps the first token a plain sample both engines agree on.
@@ -97,117 +103,308 @@ class Events:
         return rest
 
 
+class State(enum.StrEnum):
+    """Where one request's splice is (the values are what it was called before it was a table)."""
+
+    WAITING = "waiting"  # nothing sent yet
+    SPLICING = "splicing"  # the prefill leg's text is out; decode events are checked against it
+    PASSING = "passing"  # everything from here on goes through untouched
+    MISMATCH = "mismatch"  # stop forwarding the decode leg: ``Splice.recovery`` says how to go on
+
+
+# ------------------------------------------------------------------ events
+
+
+@dataclass(frozen=True, eq=False)
+class Answered:
+    """The prefill leg answered (its JSON, or None where it is not JSON)."""
+
+    answer: Any
+    chat: bool
+
+    @cached_property
+    def first(self) -> tuple[str, list[int], list[int]]:
+        """Its text, its token IDs and the prompt's ("" when it is not plain text)."""
+        return _first(self.answer, self.chat)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A piece of the decode leg's body, as it arrived (any split)."""
+
+    raw: bytes
+
+
+class Kind(enum.Enum):
+    """What one whole decode event is, for the splice."""
+
+    END = "end"  # [DONE]
+    GARBLED = "garbled"  # not JSON
+    FOREIGN = "foreign"  # an engine's error, or not a completion chunk: the client sees it as it is
+    USAGE = "usage"  # no choices (the usage chunk)
+    ODD = "odd"  # a choice that is not plain text (reasoning, tool calls, not an object)
+    TEXT = "text"
+
+
+@dataclass(frozen=True, eq=False)
+class Whole:
+    """One whole event of the decode leg (framed out of its pieces while splicing)."""
+
+    ev: bytes
+    chat: bool
+
+    @cached_property
+    def view(self) -> tuple[Kind, str, bool, Any, Any]:
+        """(kind, its text, whether it finishes, the event's object, its first choice)."""
+        data = event_data(self.ev)
+        if data == b"[DONE]":
+            return Kind.END, "", False, None, None
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            return Kind.GARBLED, "", False, None, None
+        if not isinstance(obj, dict) or "error" in obj or not isinstance(obj.get("choices"), list):
+            return Kind.FOREIGN, "", False, obj, None
+        if not obj["choices"]:
+            return Kind.USAGE, "", False, obj, None
+        choice = obj["choices"][0]
+        if not isinstance(choice, dict):
+            return Kind.ODD, "", False, obj, choice
+        if self.chat:
+            delta = choice.get("delta") or {}
+            if any(v is not None for k, v in delta.items() if k not in ("role", "content")):
+                return Kind.ODD, "", False, obj, choice
+            s = delta.get("content") or ""
+        else:
+            s = choice.get("text") or ""
+        return Kind.TEXT, s, choice.get("finish_reason") is not None, obj, choice
+
+
+@dataclass(frozen=True)
+class Tail:
+    """The end of one piece: what is left of it is a partial event."""
+
+
+EVENTS = (Answered, Piece, Whole, Tail)
+
+# ----------------------------------------------------------------- actions
+
+
+@dataclass(frozen=True)
+class Send:
+    """Bytes for the client, now."""
+
+    data: bytes
+
+
+@dataclass(frozen=True)
+class Framed:
+    """A piece held these whole events (each is checked in turn: ``Whole``, then ``Tail``)."""
+
+    events: tuple[bytes, ...]
+
+
+# ----------------------------------------------------------------- guards
+
+
+def not_plain(sp: Splice, _: Any, ev: Answered) -> bool:
+    text, ids, _prompt = ev.first
+    return not ids or text.endswith(REPLACEMENT)  # not a text the stream would show: left to it
+
+
+def pending(sp: Splice, _: Any, ev: Any) -> bool:
+    return bool(sp._events.pending)
+
+
+def _kind(kind: Kind) -> Any:
+    def guard(sp: Splice, _: Any, ev: Whole) -> bool:
+        return ev.view[0] is kind
+
+    guard.__name__ = kind.value
+    return guard
+
+
+ended, garbled, foreign, usage, odd = map(_kind, (Kind.END, Kind.GARBLED, Kind.FOREIGN, Kind.USAGE, Kind.ODD))
+
+
+def _shown(sp: Splice, ev: Whole) -> bool:
+    """Its text is (the start of) what is still expected."""
+    return ev.view[0] is Kind.TEXT and sp.expect.startswith(ev.view[1])
+
+
+def finishes_short(sp: Splice, _: Any, ev: Whole) -> bool:
+    """It finishes the stream before the text sent early was shown."""
+    return _shown(sp, ev) and ev.view[2] and len(ev.view[1]) < len(sp.expect)
+
+
+def finishes(sp: Splice, _: Any, ev: Whole) -> bool:
+    return _shown(sp, ev) and ev.view[2]
+
+
+def shows_the_rest(sp: Splice, _: Any, ev: Whole) -> bool:
+    return _shown(sp, ev) and len(ev.view[1]) == len(sp.expect)
+
+
+def shows_part(sp: Splice, _: Any, ev: Whole) -> bool:
+    return _shown(sp, ev)
+
+
+def goes_beyond(sp: Splice, _: Any, ev: Whole) -> bool:
+    """Its text is what was expected and more (the more is new to the client)."""
+    return ev.view[0] is Kind.TEXT and ev.view[1].startswith(sp.expect)
+
+
+# ------------------------------------------------------------------ steps
+
+
+def send_early(sp: Splice, _: Any, ev: Answered, out: list[Any]) -> None:
+    """The prefill leg's token goes out as the stream's first chunk(s)."""
+    text, ids, prompt_ids = ev.first
+    if not text:
+        # The token ends inside a character: the engine's own stream sends an empty chunk for
+        # it, and so does the router, early. No text went out, so a recovery does not continue
+        # after it by ID (the character's remaining bytes would decode alone): it recomputes it.
+        ids = []
+    answer = ev.answer
+    sp.sent = sp.expect = text
+    sp.token_ids, sp.prompt_ids = ids, prompt_ids
+    sp.head = {"id": answer.get("id"), "created": answer.get("created"), "model": answer.get("model")}
+    sp.usage = answer["usage"] if isinstance(answer.get("usage"), dict) else {}
+    sp.early = True
+    if not sp.chat:
+        out.append(Send(_event({**sp.head, "object": "text_completion", "choices": [
+            {"index": 0, "text": text, "logprobs": None, "finish_reason": None, "stop_reason": None}]})))
+        return
+    chunk = {**sp.head, "object": "chat.completion.chunk"}
+    out.append(Send(_event({**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                  "logprobs": None, "finish_reason": None}]})))
+    out.append(Send(_event({**chunk, "choices": [{"index": 0, "delta": {"content": text},
+                                                  "logprobs": None, "finish_reason": None}]})))
+
+
+def send_piece(sp: Splice, _: Any, ev: Piece, out: list[Any]) -> None:
+    out.append(Send(ev.raw))
+
+
+def send_held_and_piece(sp: Splice, _: Any, ev: Piece, out: list[Any]) -> None:
+    out.append(Send(sp._events.take() + ev.raw))
+
+
+def frame(sp: Splice, _: Any, ev: Piece, out: list[Any]) -> None:
+    out.append(Framed(tuple(sp._events.feed(ev.raw))))
+
+
+def send_event(sp: Splice, _: Any, ev: Whole, out: list[Any]) -> None:
+    out.append(Send(ev.ev))
+
+
+def send_held(sp: Splice, _: Any, ev: Tail, out: list[Any]) -> None:
+    out.append(Send(sp._events.take()))
+
+
+def consume_finish(sp: Splice, _: Any, ev: Whole, out: list[Any]) -> None:
+    """The stream finishes exactly after the text sent: its last event, without that text."""
+    sp.expect = ""
+    out.append(Send(sp._with_text(ev.view[3], ev.view[4], "")))
+
+
+def consume_shown(sp: Splice, _: Any, ev: Whole, out: list[Any]) -> None:
+    """The event shows (part of) the text sent early: the client has it already."""
+    sp.expect = sp.expect[len(ev.view[1]):]
+
+
+def send_beyond(sp: Splice, _: Any, ev: Whole, out: list[Any]) -> None:
+    """What the event shows past the text sent early."""
+    rest, sp.expect = ev.view[1][len(sp.expect):], ""
+    out.append(Send(sp._with_text(ev.view[3], ev.view[4], rest)))
+
+
+# ------------------------------------------------------------------ the table
+
+W, SP, PA, MM = State.WAITING, State.SPLICING, State.PASSING, State.MISMATCH
+_PIECES_ONLY_WHILE_SPLICING = "Whole and Tail follow a piece framed while splicing, never before a piece"
+_NOTHING_HELD_WHILE_PASSING = "a piece that leaves the splice passing sends what it held (Tail)"
+_CHECKED = "the decode leg's events are checked against the text sent early, one by one"
+
+TABLE = Table(State, EVENTS, [
+    # The prefill leg's answer: the first token goes out early, unless the decode leg spoke first.
+    row(W, Answered, not_plain, PA),
+    row(W, Answered, None, SP, send_early),
+    *[row(s, Answered, None, s) for s in (SP, PA, MM)],  # too late, or answered again: nothing
+    # A piece of the decode leg's body.
+    row(W, Piece, None, PA, send_piece),  # the decode leg spoke first: it streams as without the feature
+    row(PA, Piece, pending, PA, send_held_and_piece, unreachable=_NOTHING_HELD_WHILE_PASSING),
+    row(PA, Piece, None, PA, send_piece),
+    row(SP, Piece, None, SP, frame),
+    row(MM, Piece, None, MM),  # nothing more from the decode leg
+    # One whole decode event while splicing (_CHECKED), then what it leaves.
+    row(SP, Whole, ended, MM),  # the decode stream ended short of the text already sent
+    row(SP, Whole, garbled, MM),
+    row(SP, Whole, foreign, PA, send_event),  # an engine's error event: the client sees it as it is
+    row(SP, Whole, usage, SP, send_event),
+    row(SP, Whole, odd, MM),  # reasoning or tool calls: not the plain text sent
+    row(SP, Whole, finishes_short, MM),
+    row(SP, Whole, finishes, PA, consume_finish),
+    row(SP, Whole, shows_the_rest, PA, consume_shown),
+    row(SP, Whole, shows_part, SP, consume_shown),
+    row(SP, Whole, goes_beyond, PA, send_beyond),
+    row(SP, Whole, None, MM),  # another text than the one sent: never the decode leg's own token
+    row(PA, Whole, None, PA, send_event),  # checked up to here: the rest goes through untouched
+    row(MM, Whole, None, MM),
+    row(W, Whole, None, W, unreachable=_PIECES_ONLY_WHILE_SPLICING),
+    row(PA, Tail, pending, PA, send_held),
+    row(PA, Tail, None, PA),
+    row(SP, Tail, None, SP),  # a partial event waits for the next piece
+    row(MM, Tail, None, MM),
+    row(W, Tail, None, W, unreachable=_PIECES_ONLY_WHILE_SPLICING),
+], keyed=False)  # fmt: skip
+"""Every transition of a splice (the table is the spec; tests/unit/test_router_first_token.py)."""
+del W, SP, PA, MM
+
+
 class Splice:
     """One streamed request's splice: ``prefill(answer)`` when the prefill leg answers,
     ``decode(raw)`` for each piece of the decode leg's body; both return the bytes to send the
-    client now. States: waiting (nothing sent yet), splicing (the prefill text is out, decode
-    events are checked against it), passing (everything after it goes through untouched),
-    mismatch (stop forwarding the decode leg: ``recovery`` says how to go on)."""
+    client now. Its :class:`State` moves only by :data:`TABLE` (driven by
+    :func:`kvpush.common.machine.drive`: a piece framed while splicing is checked event by
+    event, each in the state the one before it left)."""
 
     def __init__(self, chat: bool) -> None:
         self.chat = chat
-        self.state = "waiting"
+        self.state = State.WAITING
         self.expect = ""  # the prefill text the decode stream has not yet shown
         self.sent = ""  # the prefill leg's text, sent early
-        self.early = False  # the prefill leg's chunk went out (its text may be "": see prefill)
+        self.early = False  # the prefill leg's chunk went out (its text may be "": see send_early)
         self.token_ids: list[int] = []
         self.prompt_ids: list[int] = []
         self.head: dict[str, Any] = {}  # id, created, model of the stream
         self.usage: dict[str, Any] = {}  # the prefill leg's (prompt tokens, one completion token)
         self._events = Events()
+        self._machine = Single(TABLE, self, self)
+        #: Called with every row taken (tests count them).
+        self.on_row: Callable[[Row], None] | None = None
 
-    # ---------------------------------------------------------------- prefill leg
     def prefill(self, answer: Any) -> list[bytes]:
-        if self.state != "waiting":
-            return []
-        text, ids, prompt_ids = _first(answer, self.chat)
-        if not ids or text.endswith(REPLACEMENT):  # not a text the stream would show: left to it
-            self.state = "passing"
-            return []
-        if not text:
-            # The token ends inside a character: the engine's own stream sends an empty chunk for
-            # it, and so does the router, early. No text went out, so a recovery does not continue
-            # after it by ID (the character's remaining bytes would decode alone): it recomputes it.
-            ids = []
-        self.sent = self.expect = text
-        self.token_ids, self.prompt_ids = ids, prompt_ids
-        self.head = {"id": answer.get("id"), "created": answer.get("created"), "model": answer.get("model")}
-        self.usage = answer["usage"] if isinstance(answer.get("usage"), dict) else {}
-        self.state, self.early = "splicing", True
-        if not self.chat:
-            return [_event({**self.head, "object": "text_completion", "choices": [
-                {"index": 0, "text": text, "logprobs": None, "finish_reason": None, "stop_reason": None}]})]
-        chunk = {**self.head, "object": "chat.completion.chunk"}
-        return [_event({**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                              "logprobs": None, "finish_reason": None}]}),
-                _event({**chunk, "choices": [{"index": 0, "delta": {"content": text},
-                                              "logprobs": None, "finish_reason": None}]})]
+        return self._take(Answered(answer, self.chat))
 
-    # ---------------------------------------------------------------- decode leg
     def decode(self, raw: bytes) -> list[bytes]:
-        if self.state == "mismatch":
-            return []
-        if self.state == "waiting":
-            self.state = "passing"  # the decode leg spoke first: it streams as without the feature
-        if self.state == "passing" and not self._events.pending:
-            return [raw]
+        return self._take(Piece(raw))
+
+    def _take(self, ev: Any) -> list[bytes]:
         out: list[bytes] = []
-        for ev in self._events.feed(raw):
-            if self.state == "splicing":
-                out.extend(self._event(ev))
-            elif self.state == "passing":
-                out.append(ev)  # checked up to here: the rest goes through untouched
-            else:
-                return out  # mismatch: nothing more from the decode leg
-        if self.state == "passing" and self._events.pending:
-            out.append(self._events.take())
+
+        def carry_out(act: Any) -> Any:
+            if isinstance(act, Send):
+                out.append(act.data)
+                return None
+            return [*(Whole(e, self.chat) for e in act.events), Tail()]  # Framed
+
+        self._machine.on_row = self.on_row
+        drive(self._machine, ev, carry_out)
         return out
 
-    def _event(self, ev: bytes) -> list[bytes]:
-        data = event_data(ev)
-        if data == b"[DONE]":
-            self.state = "mismatch"  # the decode stream ended short of the text already sent
-            return []
-        try:
-            obj = json.loads(data)
-        except ValueError:
-            self.state = "mismatch"
-            return []
-        if not isinstance(obj, dict) or "error" in obj or not isinstance(obj.get("choices"), list):
-            self.state = "passing"  # an engine's error event: the client sees it as it is
-            return [ev]
-        if not obj["choices"]:
-            return [ev]  # usage
-        choice = obj["choices"][0]
-        if not isinstance(choice, dict):
-            self.state = "mismatch"
-            return []
-        if self.chat:
-            delta = choice.get("delta") or {}
-            if any(v is not None for k, v in delta.items() if k not in ("role", "content")):
-                self.state = "mismatch"  # reasoning or tool calls: not the plain text sent
-                return []
-            s = delta.get("content") or ""
-        else:
-            s = choice.get("text") or ""
-        if self.expect.startswith(s):
-            self.expect = self.expect[len(s):]
-            if choice.get("finish_reason") is not None:
-                if self.expect:
-                    self.state = "mismatch"
-                    return []
-                self.state = "passing"
-                return [self._with_text(obj, choice, "")]
-            if not self.expect:
-                self.state = "passing"
-            return []
-        if s.startswith(self.expect):
-            rest, self.expect, self.state = s[len(self.expect):], "", "passing"
-            return [self._with_text(obj, choice, rest)]
-        self.state = "mismatch"
-        return []
-
     def _with_text(self, obj: dict[str, Any], choice: dict[str, Any], text: str) -> bytes:
+        """A decode event as the client sees it: its first choice's text replaced by ``text``."""
         if self.chat:
             delta = dict(choice.get("delta") or {})
             delta.pop("role", None)

@@ -125,8 +125,10 @@ class Table:
         raise AssertionError("unreachable: the last row is unguarded")  # pragma: no cover
 
     def take(self, owner: Any, rec: Any, ev: Any, out: list[Any]) -> Row:
-        """Drive a machine that always exists (``keyed=False``): pick the row for
-        (``rec.state``, event), run its steps with (owner, rec, ev, out), enter its state."""
+        """Drive one record its caller keeps (see :class:`Single`): pick the row for
+        (``rec.state``, event), run its steps with (owner, rec, ev, out), enter its state.
+        In a keyed table a record in state None is a new one, and a row to None tells the
+        caller to forget it (its actions say so)."""
         r = self.pick(owner, rec, ev)
         for step in r.steps:
             step(owner, rec, ev, out)
@@ -136,6 +138,27 @@ class Table:
     def describe(self) -> str:
         """The table as text, one row a line (for docs and assertion messages)."""
         return "\n".join(map(str, self.rows))
+
+
+class Single:
+    """One record driven by a table, as a machine (``handle``: an event in, actions out), for
+    :func:`kvpush.common.machine.drive`. What a keyed :class:`Core` is for the records it keeps,
+    this is for a record its shell keeps: a machine that always exists (``keyed=False``: a
+    link, a child process), or one record of a keyed table whose shell holds the collection
+    (state None until its first row). ``owner`` is what guards and steps get as the core."""
+
+    __slots__ = ("table", "owner", "rec", "on_row")
+
+    def __init__(self, table: Table, owner: Any, rec: Any,
+                 on_row: Callable[[Row], None] | None = None) -> None:
+        self.table, self.owner, self.rec, self.on_row = table, owner, rec, on_row
+
+    def handle(self, ev: Any) -> list[Any]:
+        out: list[Any] = []
+        r = self.table.take(self.owner, self.rec, ev, out)
+        if self.on_row is not None:
+            self.on_row(r)
+        return out
 
 
 # ----------------------------------------------------------------------- the records
@@ -353,7 +376,10 @@ class Core(ABC, Generic[K, R]):
             self._charges[key] = new
 
     def _expire(self, out: list[Any]) -> None:
-        """Dispatch a deadline event to every record due at ``now``."""
+        """Dispatch a deadline event to every record due at ``now`` (most events find none:
+        the heap's top says so without a call)."""
+        if self._deadlines.earliest > self._now:
+            return
         for key in self._deadlines.pop_due(self._now):
             self._dispatch(key, _Deadline(self._now), out)
 

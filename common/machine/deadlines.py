@@ -4,7 +4,8 @@ The deadline store of :class:`kvpush.common.machine.core.Core`, which both pure 
 (rendezvous, completion counter) build on. A heap with lazy
 invalidation: rescheduling a key pushes a new entry and leaves the old one to be
 skipped when it surfaces; the heap is rebuilt when stale entries outnumber live
-ones, so memory stays O(keys). No clock: callers pass ``now``.
+ones, so memory stays O(keys). No clock: callers pass ``now``. ``earliest`` (the heap's top,
+a lower bound of every live deadline) lets a caller see that nothing is due without a call.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ class Deadlines(Generic[K]):
         self._live: dict[K, tuple[float, int]] = {}  # key -> (due, generation)
         self._heap: list[tuple[float, int, K]] = []
         self._seq = 0
+        #: No key is due before this (the heap's top; a superseded entry only makes it early).
+        self.earliest = float("inf")
 
     def get(self, key: K) -> float | None:
         entry = self._live.get(key)
@@ -36,6 +39,7 @@ class Deadlines(Generic[K]):
             self._seq += 1
             self._live[key] = (due, self._seq)
             heapq.heappush(self._heap, (due, self._seq, key))
+            self.earliest = self._heap[0][0]
         self._compact()
 
     def pop_due(self, now: float) -> Iterator[K]:
@@ -46,6 +50,7 @@ class Deadlines(Generic[K]):
         """
         while self._heap and self._heap[0][0] <= now:
             _, gen, key = heapq.heappop(self._heap)
+            self.earliest = self._heap[0][0] if self._heap else float("inf")
             entry = self._live.get(key)
             if entry is None or entry[1] != gen:
                 continue
@@ -58,3 +63,4 @@ class Deadlines(Generic[K]):
         if len(self._heap) > 2 * len(self._live) + 64:
             self._heap = [(d, g, k) for k, (d, g) in self._live.items()]
             heapq.heapify(self._heap)
+            self.earliest = self._heap[0][0] if self._heap else float("inf")

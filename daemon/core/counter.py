@@ -19,10 +19,17 @@ timed out; NIXL cannot recall a posted WRITE, and UCX delivers it after a partit
 heals) — the Fail or Release is marked ``unsafe``: the daemon must not hand those blocks
 back while its NIXL agent can still receive; it fences instead (kvpush.daemon.decode_side).
 
-The counter owns the registration: which producers (index ``i``: endpoint, TP rank and
-an opaque per-producer payload the caller forwards on ``Accepted``), since when, until
-when. The daemon loop asks it (``registration``, ``producer_index``, ``waiting_on``,
-``live``) instead of keeping a record of its own.
+The counter owns every fact of a registration: which producers (index ``i``: endpoint,
+TP rank and an opaque per-producer payload the caller forwards on ``Accepted``), since
+when, until when, and what its producers announced (``Announced``: how tightly to poll NIXL
+for it, whether a WRITE of it may still land). Its actions carry what the shell needs to
+carry them out (``SendCancel`` the producers to tell, ``Complete``/``Fail`` the
+registration's age and size), and a producer's answer may name it by endpoint: the shell
+keeps no record of its own and does not ask back. A NIXL notification (``Noticed``) names its
+producer by TP rank and comes with the endpoints of the producers whose NIXL agent sent it
+(agents are the shell's knowledge): it counts only for the transfer's newest live attempt
+and only from that producer's agent (``Arrived``), anything else is ignored or reported
+(``Stranger``).
 
 Events are facts in the past tense (``Registered``, ``Notified``, ``ProducerCancelled``,
 ``Aborted`` ...), never a wire message's name: the shell (:mod:`kvpush.daemon.decode_side`)
@@ -44,10 +51,14 @@ from kvpush.common.machine.core import Core, Record, Table, _Deadline, row
 from kvpush.daemon.core.causes import Cause
 
 __all__ = [
-    "Aborted", "Accepted", "Action", "ProducerCancelled", "Cause", "Complete", "CompletionCounter",
-    "Event", "Registered", "Fail", "Notified", "PendingInfo", "ProducerFailed", "Refuse",
-    "Registration", "Release", "SendCancel", "State", "TABLE", "TOMBSTONES", "Tick",
+    "Aborted", "Accepted", "Action", "Announced", "Arrived", "ProducerCancelled", "Cause", "Complete",
+    "CompletionCounter", "Event", "Registered", "Fail", "Noticed", "Notified", "PendingInfo", "PollNow",
+    "ProducerFailed", "Refuse", "Registration", "Release", "SendCancel", "State", "Stranger", "TABLE",
+    "TOMBSTONES", "Tick",
 ]
+
+HINT_S = 0.02  # how long a completed WRITE keeps the tight poll if its notification never shows
+MAX_GROUP_HINTS = 64  # group WRITEs tracked in flight per attempt (producers keep a few each)
 
 # --------------------------------------------------------------------------- events
 
@@ -85,11 +96,13 @@ class ProducerFailed:
 
     transfer_id: str
     attempt: int
-    producer: int
+    producer: int | str  # its index, or its daemon's endpoint (what the shell knows of a frame)
     reason: str
     now: float
     cause: Cause = Cause.PRODUCER_FAILED  # e.g. PEER_LOST when its daemon died
     may_land: bool = False  # a WRITE of it may still arrive (silent link, its WRITE timed out)
+    # with may_land: only if a WRITE of this attempt was announced and may still land (Announced)
+    announced_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -98,7 +111,7 @@ class ProducerCancelled:
 
     transfer_id: str
     attempt: int
-    producer: int
+    producer: int | str  # its index, or its daemon's endpoint
     now: float
 
 
@@ -113,13 +126,43 @@ class Aborted:
 
 
 @dataclass(frozen=True)
+class Announced:
+    """A producer said it posted (``done`` False) or completed (``done`` True) a WRITE of this
+    attempt (``proto.Writing``): a wake-up, not a proof. It decides how tightly the daemon
+    polls NIXL for the attempt (``tight``) and whether a WRITE of it may still land; a final
+    WRITE that completed is looked for at once (``PollNow``)."""
+
+    transfer_id: str
+    attempt: int
+    producer_rank: int
+    group: int  # 0: the final WRITE (with the notification); n: that producer's group WRITE n
+    done: bool
+    now: float
+
+
+@dataclass(frozen=True)
+class Noticed:
+    """NIXL delivered a notification naming this attempt and producer rank, sent by NIXL agent
+    ``agent``; ``senders``: the endpoints of the producers whose agent that is (the shell's
+    links). It counts as that producer's Notified only for the newest live attempt, and only
+    if the producer's endpoint is among ``senders``."""
+
+    transfer_id: str
+    attempt: int
+    producer_rank: int
+    agent: str
+    senders: frozenset[str]
+    now: float
+
+
+@dataclass(frozen=True)
 class Tick:
     """Time passed: expire what is due."""
 
     now: float
 
 
-Event = Registered | Notified | ProducerFailed | ProducerCancelled | Aborted | Tick
+Event = Registered | Notified | ProducerFailed | ProducerCancelled | Aborted | Announced | Noticed | Tick
 
 # -------------------------------------------------------------------------- actions
 
@@ -140,6 +183,9 @@ class Complete:
 
     transfer_id: str
     attempt: int
+    # the registration, for the history (not part of the decision)
+    since: float | None = field(default=None, compare=False, repr=False)
+    producers: int | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -151,6 +197,9 @@ class Fail:
     reason: str
     cause: Cause = Cause.INVALID
     unsafe: bool = False  # a producer's WRITE may still land: fence, do not hand the blocks back
+    # the registration (None: none was taken), for the history
+    since: float | None = field(default=None, compare=False, repr=False)
+    producers: int | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -175,16 +224,47 @@ class Release:
 
 @dataclass(frozen=True)
 class SendCancel:
-    """Tell every producer of this attempt to cancel (their answers come back as
-    ProducerCancelled)."""
+    """Tell the producers at ``endpoints`` to cancel this attempt (their answers come back as
+    ProducerCancelled). None for an attempt a newer one superseded: its producers hear the
+    newer registration instead, which ends this attempt there."""
 
     transfer_id: str
     attempt: int
     reason: str
     cause: Cause = Cause.ABORTED
+    endpoints: tuple[str, ...] = field(default=(), compare=False, repr=False)
 
 
-Action = Accepted | Complete | Fail | Refuse | Release | SendCancel
+@dataclass(frozen=True)
+class PollNow:
+    """Take NIXL's notifications now: a final WRITE of this attempt completed (its
+    notification follows it closely)."""
+
+    transfer_id: str
+    attempt: int
+    now: float
+
+
+@dataclass(frozen=True)
+class Arrived:
+    """A notification of this attempt came from its producer's agent (counted, or a repeat):
+    what the daemon's metrics and the transfer's timeline see."""
+
+    transfer_id: str
+    attempt: int
+
+
+@dataclass(frozen=True)
+class Stranger:
+    """A notification for this attempt came from NIXL agent ``agent``, not its producer's:
+    reported, never counted."""
+
+    transfer_id: str
+    attempt: int
+    agent: str
+
+
+Action = Accepted | Complete | Fail | Refuse | Release | SendCancel | PollNow | Arrived | Stranger
 
 # --------------------------------------------------------------------------- states
 
@@ -235,6 +315,7 @@ class Registration:
     since: float
     deadline: float
     notified: int
+    announced_until: float  # a WRITE a producer announced may still land until (-inf: none)
 
 
 @dataclass(eq=False)
@@ -252,6 +333,10 @@ class _Attempt(Record):
     cause: Cause = Cause.PRODUCER_FAILED
     may_land: bool = False  # a producer given up on may still write (ProducerFailed.may_land)
     superseded: bool = False  # a newer attempt was accepted: this one is not the newest
+    # What its producers announced (Announced): wake-ups for the poll, never proofs.
+    announced_until: float = float("-inf")  # a WRITE announced may still land until
+    poll_until: float = float("-inf")  # poll tightly until: its final WRITE is on its way
+    groups: set[tuple[int, int]] = field(default_factory=set)  # (producer rank, group) WRITEs in flight
 
     def unsafe(self) -> bool:
         """May a WRITE still land in these blocks? (unresolved producers, or one given up on)"""
@@ -282,9 +367,14 @@ class CompletionCounter(Core[_Key, _Attempt]):
     """
 
     def __init__(self, *, tombstone_s: float = 60.0, max_attempts: int | None = None,
-                 cancel_grace_s: float = 0.0) -> None:
+                 cancel_grace_s: float = 0.0, write_timeout_s: float = 5.0, hint_s: float = HINT_S,
+                 max_group_hints: int = MAX_GROUP_HINTS) -> None:
         super().__init__(TABLE, TOMBSTONES, DEADLINES, tombstone_s=tombstone_s, max_live=max_attempts)
         self.cancel_grace_s = cancel_grace_s  # after the hard deadline, for cancels to be answered
+        self.write_timeout_s = write_timeout_s  # a posted WRITE may land until then (the producers' bound)
+        self.hint_s = hint_s
+        self.max_group_hints = max_group_hints
+        self._tight: dict[_Key, None] = {}  # records that asked for a tight poll (some may no longer)
 
     # ------------------------------------------------------------------ public API
 
@@ -323,6 +413,7 @@ class CompletionCounter(Core[_Key, _Attempt]):
             since=rec.created,
             deadline=rec.deadline,
             notified=len(rec.notified),
+            announced_until=rec.announced_until,
         )
 
     def producer_index(self, transfer_id: str, endpoint: str, attempt: int | None = None) -> int | None:
@@ -338,6 +429,18 @@ class CompletionCounter(Core[_Key, _Attempt]):
         if rec is None or rank not in rec.ranks:
             return None
         return rec.ranks.index(rank)
+
+    def tight(self, now: float) -> bool:
+        """Must NIXL be polled tightly now: a live attempt's final WRITE was announced and its
+        notification may still come (within the announcement's window), or a group WRITE of
+        one is in flight (between group WRITEs the next layers are still being computed).
+        Forgets, on the way, the records that no longer ask."""
+        for key in list(self._tight):
+            rec = self._recs.get(key)
+            if rec is not None and rec.state not in TOMBSTONES and (rec.groups or now <= rec.poll_until):
+                return True
+            del self._tight[key]
+        return False
 
     def waiting_on(self, endpoint: str) -> list[tuple[str, int, int]]:
         """(transfer, attempt, producer index) of every live attempt, current or older,
@@ -389,6 +492,9 @@ class CompletionCounter(Core[_Key, _Attempt]):
         self._index_add(key, rec, _by_transfer(ev.transfer_id))
         return rec
 
+    def _forgotten(self, key: _Key, rec: _Attempt) -> None:
+        self._tight.pop(key, None)
+
     def _info(self, rec: _Attempt, now: float) -> PendingInfo:
         return PendingInfo(
             transfer_id=rec.transfer_id,
@@ -436,10 +542,20 @@ def stale_here(cc: CompletionCounter, rec: _Attempt, ev: Registered) -> bool:
     return rec.superseded
 
 
-def unresolvable(cc: CompletionCounter, rec: _Attempt, ev: Any) -> bool:
-    """An out-of-range producer, or one whose final word was already counted."""
+def _producer(rec: _Attempt, ev: Any) -> int | None:
+    """The index of the producer an event names (by index, endpoint or TP rank); None: not one of them."""
+    if isinstance(ev, Noticed):
+        return rec.ranks.index(ev.producer_rank) if ev.producer_rank in rec.ranks else None
     p = ev.producer
-    return not 0 <= p < rec.producers or p in rec.resolved
+    if isinstance(p, str):
+        return rec.endpoints.index(p) if p in rec.endpoints else None
+    return p if 0 <= p < rec.producers else None
+
+
+def unresolvable(cc: CompletionCounter, rec: _Attempt, ev: Any) -> bool:
+    """An out-of-range or unknown producer, or one whose final word was already counted."""
+    p = _producer(rec, ev)
+    return p is None or p in rec.resolved
 
 
 def completes(cc: CompletionCounter, rec: _Attempt, ev: Notified) -> bool:
@@ -452,8 +568,25 @@ def last_unresolved(cc: CompletionCounter, rec: _Attempt, ev: Any) -> bool:
     return len(rec.resolved) + 1 == rec.producers
 
 
+def not_counted_here(cc: CompletionCounter, rec: _Attempt, ev: Noticed) -> bool:
+    """A notification for an attempt that is not the transfer's newest, or from a producer
+    rank this attempt has none of: ignored by design (stale, or not ours)."""
+    return rec.superseded or ev.producer_rank not in rec.ranks
+
+
+def stranger(cc: CompletionCounter, rec: _Attempt, ev: Noticed) -> bool:
+    """Not sent by the agent of the producer it names."""
+    i = rec.ranks.index(ev.producer_rank)
+    return not rec.endpoints or rec.endpoints[i] not in ev.senders
+
+
 # ============================================================================= steps
 # (core, record, event, out): change the record's facts, append actions. No states.
+
+
+def _since(rec: _Attempt) -> dict[str, Any]:
+    """What an outcome carries of its registration (for the shell's history)."""
+    return {"since": rec.created, "producers": len(rec.endpoints)}
 
 
 def fail_invalid(cc: CompletionCounter, rec: None, ev: Registered, out: list) -> None:
@@ -492,13 +625,15 @@ def accept(cc: CompletionCounter, rec: _Attempt, ev: Registered, out: list) -> N
 
 def resolve(cc: CompletionCounter, rec: _Attempt, ev: Any, out: list) -> None:
     """Count one producer's final word (the row's guard ruled out repeats)."""
-    p = ev.producer
+    p = _producer(rec, ev)
+    assert p is not None  # the row's guard
     rec.resolved.add(p)
-    if isinstance(ev, Notified):
+    if isinstance(ev, Notified | Noticed):
         rec.notified.add(p)
-    elif isinstance(ev, ProducerFailed) and ev.may_land:
+    elif isinstance(ev, ProducerFailed) and ev.may_land and (not ev.announced_only
+                                                             or ev.now <= rec.announced_until):
         rec.may_land = True
-    if not isinstance(ev, Notified) and not rec.reason:
+    if not isinstance(ev, Notified | Noticed) and not rec.reason:
         why = ev.reason if isinstance(ev, ProducerFailed) else "cancelled"
         rec.reason = f"producer {p}: {why}"
         rec.cause = ev.cause if isinstance(ev, ProducerFailed) else Cause.CANCELLED
@@ -507,7 +642,8 @@ def resolve(cc: CompletionCounter, rec: _Attempt, ev: Any, out: list) -> None:
 def _cancel_rest(rec: _Attempt, reason: str, cause: Cause, out: list) -> None:
     """Stop producers that may still write (they may otherwise write late)."""
     if len(rec.resolved) < rec.producers:
-        out.append(SendCancel(rec.transfer_id, rec.attempt, reason, cause))
+        out.append(SendCancel(rec.transfer_id, rec.attempt, reason, cause,
+                              () if rec.superseded else rec.endpoints))
 
 
 def cancel_failed(cc: CompletionCounter, rec: _Attempt, ev: Any, out: list) -> None:
@@ -523,11 +659,11 @@ def cancel_superseded(cc: CompletionCounter, rec: _Attempt, ev: Registered, out:
 
 
 def complete(cc: CompletionCounter, rec: _Attempt, ev: Any, out: list) -> None:
-    out.append(Complete(rec.transfer_id, rec.attempt))
+    out.append(Complete(rec.transfer_id, rec.attempt, **_since(rec)))
 
 
 def fail(cc: CompletionCounter, rec: _Attempt, ev: Any, out: list) -> None:
-    out.append(Fail(rec.transfer_id, rec.attempt, rec.reason, rec.cause, rec.unsafe()))
+    out.append(Fail(rec.transfer_id, rec.attempt, rec.reason, rec.cause, rec.unsafe(), **_since(rec)))
 
 
 def time_out(cc: CompletionCounter, rec: _Attempt, ev: _Deadline, out: list) -> None:
@@ -544,7 +680,7 @@ def time_out(cc: CompletionCounter, rec: _Attempt, ev: _Deadline, out: list) -> 
 def fail_timeout(cc: CompletionCounter, rec: _Attempt, ev: _Deadline, out: list) -> None:
     missing = rec.producers - len(rec.notified)
     why = f"timed out waiting for {missing} of {rec.producers} producers"
-    out.append(Fail(rec.transfer_id, rec.attempt, why, Cause.TIMEOUT, rec.unsafe()))
+    out.append(Fail(rec.transfer_id, rec.attempt, why, Cause.TIMEOUT, rec.unsafe(), **_since(rec)))
     _cancel_rest(rec, why, Cause.TIMEOUT, out)
 
 
@@ -566,6 +702,35 @@ def release_unknown(cc: CompletionCounter, rec: None, ev: Aborted, out: list) ->
     out.append(Release(ev.transfer_id, ev.attempt))
 
 
+def note_write(cc: CompletionCounter, rec: _Attempt, ev: Announced, out: list) -> None:
+    """What a producer's announcement means for the poll: a posted WRITE may land until the
+    write timeout, a completed one's notification trails it by ``hint_s``. The final WRITE
+    keeps the poll tight until then, and once done is looked for at once; a group WRITE keeps
+    it tight only while in flight (up to ``max_group_hints``: past that, as a final WRITE)."""
+    until = ev.now + (cc.hint_s if ev.done else cc.write_timeout_s)
+    if not (ev.group and ev.done):  # a done group keeps its posted hint's window
+        rec.announced_until = max(rec.announced_until, until)
+    if not ev.group:
+        rec.poll_until = max(rec.poll_until, until)
+        if ev.done:
+            out.append(PollNow(rec.transfer_id, rec.attempt, ev.now))
+    elif ev.done:
+        rec.groups.discard((ev.producer_rank, ev.group))
+    elif len(rec.groups) < cc.max_group_hints:
+        rec.groups.add((ev.producer_rank, ev.group))
+    else:
+        rec.poll_until = max(rec.poll_until, until)
+    cc._tight[(rec.transfer_id, rec.attempt)] = None
+
+
+def arrived(cc: CompletionCounter, rec: _Attempt, ev: Noticed, out: list) -> None:
+    out.append(Arrived(rec.transfer_id, rec.attempt))
+
+
+def report_stranger(cc: CompletionCounter, rec: _Attempt, ev: Noticed, out: list) -> None:
+    out.append(Stranger(rec.transfer_id, rec.attempt, ev.agent))
+
+
 # ========================================================================= the table
 
 _WT, _FG, _AB, _SU = State.WAITING, State.FAILING, State.ABORTING, State.SUPERSEDED
@@ -574,7 +739,7 @@ _GONE = (ProducerFailed, ProducerCancelled)  # a producer that will not write
 _RESULTS = (Notified, *_GONE)
 _CURRENT_ONLY = "only the newest attempt is superseded, and a SUPERSEDED one is not the newest"
 
-TABLE = Table(State, (Registered, *_RESULTS, Aborted, _Deadline), [
+TABLE = Table(State, (Registered, *_RESULTS, Aborted, _Deadline, Announced, Noticed), [
     # --- no record --------------------------------------------------------------------
     row(None, Registered, invalid, None, fail_invalid),
     row(None, Registered, late, None, fail_late),
@@ -641,5 +806,26 @@ TABLE = Table(State, (Registered, *_RESULTS, Aborted, _Deadline), [
     row(_FD, Aborted, None, _RL, release_settled),  # its Fail was safe, or the daemon fenced
     row(_RL, Aborted, None, _RL),
     *[row(s, _Deadline, None, None) for s in (_CO, _FD, _RL)],  # tombstone time is over
+
+    # --- a producer announced a WRITE: facts for the poll while the attempt is live ---------
+    row(None, Announced, None, None),  # unknown, or long settled
+    *[row(s, Announced, None, s, note_write) for s in (_WT, _FG, _AB, _SU)],
+    *[row(s, Announced, None, s) for s in (_CO, _FD, _RL)],
+
+    # --- a NIXL notification: Notified, for the newest live attempt, from its producer's agent
+    row(None, Noticed, None, None),  # stale or unknown: ignored by design
+    *[r for s in (_WT, _FG, _AB) for r in (
+        row(s, Noticed, not_counted_here, s),
+        row(s, Noticed, stranger, s, report_stranger),
+        row(s, Noticed, unresolvable, s, arrived),  # a repeat
+    )],
+    row(_WT, Noticed, completes, _CO, arrived, resolve, complete),
+    row(_WT, Noticed, None, _WT, arrived, resolve),
+    row(_FG, Noticed, last_unresolved, _FD, arrived, resolve, fail),
+    row(_FG, Noticed, None, _FG, arrived, resolve),
+    row(_AB, Noticed, last_unresolved, _RL, arrived, resolve, release),
+    row(_AB, Noticed, None, _AB, arrived, resolve),
+    row(_SU, Noticed, None, _SU),  # not the newest attempt
+    *[row(s, Noticed, None, s) for s in (_CO, _FD, _RL)],  # its outcome was told
 ])  # fmt: skip
 del _WT, _FG, _AB, _SU, _CO, _FD, _RL

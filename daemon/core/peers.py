@@ -20,7 +20,11 @@ Hello reply comes back the link is READY and registrations flow again.
 The producer link is sans-IO like the cores: one :class:`kvpush.common.machine.Table` of plain data
 maps (state, event) to (new state, actions), total (every pair has a row; rows the shell can
 never feed say why); :meth:`Producer.due` turns the clock into events. The decode side
-translates frames and the clock into events and carries the actions out; it decides nothing.
+translates frames and the clock into events and drives each link's record with the table
+(``machine.drive`` over ``machine.Single(LINK_TABLE, None, producer)``, as every machine of
+kvpush is driven); it carries the actions out and decides nothing. The records are the
+shell's, not a keyed core's: a link's facts are its connection's (the frames queued behind
+its handshake, when it was last heard), and its clock events come from :meth:`Producer.due`.
 """
 
 from __future__ import annotations
@@ -177,22 +181,13 @@ LINK_TABLE = Table(PeerLinkState, EVENTS, [
 """Every transition of a producer link; ``None`` is "no record" (a new link, a forgotten one)."""
 
 
-def link_step(state: PeerLinkState | None, event: Any) -> tuple[PeerLinkState | None, tuple[LinkAction, ...]]:
-    """The row of (state, event): the new state and the actions, in order."""
-    out: list[Any] = []
-    r = LINK_TABLE.rows_for(state, type(event))[-1]  # no guards: one row per pair
-    for step in r.steps:
-        step(None, None, event, out)
-    return r.to, tuple(out)
-
-
 @dataclass
 class Producer:
     """Decode side: one prefill daemon's link, keyed by its peer endpoint."""
 
     endpoint: str
     since: float  # when our current Hello went out
-    state: PeerLinkState = PeerLinkState.HANDSHAKING
+    state: PeerLinkState | None = PeerLinkState.HANDSHAKING  # None: a new link, before its first row
     agent_name: str = ""
     layout: KVLayout | None = None
     rank: int = 0

@@ -2,7 +2,8 @@
 
 The supervisor (:mod:`kvpush.daemon.node.supervisor`) is the shell: it starts and reaps
 processes, turns what it sees (a start, a ready event, an exit code, a poll) into the events
-below, feeds them to :func:`handle` and carries out the actions it gets back, in order. Every
+below, drives the child's facts with :data:`TABLE` (``machine.drive`` over
+``machine.Single(TABLE, policy, child)``) and carries out the actions it gets back, in order. Every
 state a child can be in, and every change of it, is one row of :data:`TABLE` (a
 :class:`kvpush.common.machine.Table`, the one machine idiom of kvpush); the restart policy
 (backoff, the crash-loop window, the ready timeout) is decided by guard rows here, never by
@@ -250,7 +251,8 @@ TABLE: Final = Table(ChildState, EVENTS, _rows(), keyed=False)
 
 
 def handle(policy: Policy, child: ChildFacts, ev: Any) -> tuple[list[Act], Row]:
-    """Apply one event to one child: the actions to carry out, in order, and the row taken."""
+    """Apply one event to one child: the actions to carry out, in order, and the row taken
+    (what the supervisor's ``drive(Single(TABLE, policy, child), ...)`` does, for tests)."""
     out: list[Act] = []
     taken = TABLE.take(policy, child, ev, out)
     return out, taken

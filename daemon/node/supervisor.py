@@ -50,6 +50,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpush.common import logfmt
+from kvpush.common.machine import Single, drive
 from kvpush.daemon.config import DeviceConfig, NodeConfig
 from kvpush.daemon.context import FENCE_EXIT_CODE
 from kvpush.daemon.node import children as cm
@@ -234,30 +235,31 @@ class Supervisor:
 
     def _feed(self, c: Child, ev: object) -> None:
         """One event into the child's table; carry out its actions, in order."""
-        acts, _ = cm.handle(self._policy, c, ev)
-        for a in acts:
-            if a is cm.Act.SPAWN:
-                self._spawn(c)
-            elif a is cm.Act.KILL:
-                c.process.kill()
-            elif a is cm.Act.TERMINATE:
-                if c.process.is_alive():
-                    c.process.terminate()
-            elif a is cm.Act.LOG_UP:
-                log.info("%s is up (pid %d, %.2fs)", c.cfg.name, c.pid, c.up_since - c.started_at)
-            elif a is cm.Act.LOG_NOT_READY:
-                log.error("%s not ready after %.1fs, killing it", c.cfg.name,
-                          self.node.ready_timeout_s)
-            elif a is cm.Act.LOG_FAILED:
-                log.error("%s exited (%s); restarts are disabled", c.cfg.name, c.last_exit)
-            elif a is cm.Act.LOG_CRASH_LOOP:
-                log.error("%s exited (%s) after %d restarts in %.0fs; holding it down for %.1fs",
-                          c.cfg.name, c.last_exit, len(c.restart_times), cm.WINDOW_S,
-                          c.next_start - c.started_at - c.ran_s)
-            elif a is cm.Act.LOG_BACKOFF:
-                why = " (it fenced: a WRITE could still arrive)" if c.last_exit == FENCE_EXIT_CODE else ""
-                log.warning("%s exited (%s)%s after %.1fs; restarting in %.2fs", c.cfg.name,
-                            c.last_exit, why, c.ran_s, c.delay_s)
+        drive(Single(cm.TABLE, self._policy, c), ev, lambda a: self._carry_out(c, a))
+
+    def _carry_out(self, c: Child, a: cm.Act) -> None:
+        if a is cm.Act.SPAWN:
+            self._spawn(c)
+        elif a is cm.Act.KILL:
+            c.process.kill()
+        elif a is cm.Act.TERMINATE:
+            if c.process.is_alive():
+                c.process.terminate()
+        elif a is cm.Act.LOG_UP:
+            log.info("%s is up (pid %d, %.2fs)", c.cfg.name, c.pid, c.up_since - c.started_at)
+        elif a is cm.Act.LOG_NOT_READY:
+            log.error("%s not ready after %.1fs, killing it", c.cfg.name,
+                      self.node.ready_timeout_s)
+        elif a is cm.Act.LOG_FAILED:
+            log.error("%s exited (%s); restarts are disabled", c.cfg.name, c.last_exit)
+        elif a is cm.Act.LOG_CRASH_LOOP:
+            log.error("%s exited (%s) after %d restarts in %.0fs; holding it down for %.1fs",
+                      c.cfg.name, c.last_exit, len(c.restart_times), cm.WINDOW_S,
+                      c.next_start - c.started_at - c.ran_s)
+        elif a is cm.Act.LOG_BACKOFF:
+            why = " (it fenced: a WRITE could still arrive)" if c.last_exit == FENCE_EXIT_CODE else ""
+            log.warning("%s exited (%s)%s after %.1fs; restarting in %.2fs", c.cfg.name,
+                        c.last_exit, why, c.ran_s, c.delay_s)
 
     def _spawn(self, c: Child) -> None:
         c.ready = self._ctx.Event()

@@ -27,7 +27,9 @@ import socket
 import struct
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
+from kvpush.common.machine import drive
 from kvpush.engine_plugin.link.local_trust import path_refusal, peer_refusal, trusted_uids
 from kvpush.engine_plugin.link.state import (
     Act,
@@ -38,12 +40,14 @@ from kvpush.engine_plugin.link.state import (
     Connected,
     DaemonLink,
     Disconnected,
+    Drained,
     Heard,
     HeartbeatAcked,
     HeartbeatSent,
     LinkCounters,
     Route,
     State,
+    Tick,
 )
 from kvpush.engine_plugin.logonce import OncePer
 from kvpush.engine_plugin.logs import plugin_logger
@@ -269,7 +273,7 @@ class DaemonClient:
             return
         if self._sock is None:
             self._dial()  # now, not at the next poll: the engine's first step may be far off
-        self._run(self._link.handle(AttachRequested()))
+        self._feed(AttachRequested())
         if self._unannounced:
             self._announce()  # the Attach is the new link's first frame, out now
 
@@ -301,27 +305,31 @@ class DaemonClient:
             q.popleft()
             link.counters.sent += 1
 
-    def _run(self, acts: tuple[Act, ...]) -> None:
-        """Carry out the link machine's actions, in order, reporting send outcomes back."""
+    def _feed(self, ev: Any) -> None:
+        """One event into the link machine; carry out its actions, in order (a send's outcome
+        is told to it after the batch: :func:`kvpush.common.machine.drive`)."""
+        drive(self._link, ev, self._carry_out)
+
+    def _carry_out(self, a: Act) -> list[Any] | None:
         link = self._link
-        for a in acts:
-            if a is Act.FLUSH:
-                if link.queue:
-                    self._flush()
-            elif a is Act.SEND_ATTACH:
-                if self._raw_send(self._attach_frame):
-                    for data in self._attach_then:  # right behind it; lost only with the link
-                        self._raw_send(data)
-                    self._run(link.handle(AttachSent()))
-            elif a is Act.SEND_HEARTBEAT:
-                if self._raw_send(encode(Heartbeat(link.hb_seq))):
-                    self._run(link.handle(HeartbeatSent(self._clock())))
-            elif a is Act.RECHECK_LINK:
-                self._retry_at = 0.0  # no link yet: dial at the next poll
-            elif a is Act.DROP_QUEUE:
-                link.queue.clear()
-            else:
-                self._log(a)
+        if a is Act.FLUSH:
+            if link.queue:
+                self._flush()
+        elif a is Act.SEND_ATTACH:
+            if self._raw_send(self._attach_frame):
+                for data in self._attach_then:  # right behind it; lost only with the link
+                    self._raw_send(data)
+                return [AttachSent()]
+        elif a is Act.SEND_HEARTBEAT:
+            if self._raw_send(encode(Heartbeat(link.hb_seq))):
+                return [HeartbeatSent(self._clock())]
+        elif a is Act.RECHECK_LINK:
+            self._retry_at = 0.0  # no link yet: dial at the next poll
+        elif a is Act.DROP_QUEUE:
+            link.queue.clear()
+        else:
+            self._log(a)
+        return None
 
     def _log(self, a: Act) -> None:
         link = self._link
@@ -370,15 +378,11 @@ class DaemonClient:
         self._connect()
         if self._out:
             self._push_out()
-        acts = link.tick(now)  # handle(Tick(now)), the hot path without the event object
-        if acts:
-            self._run(acts)
+        self._feed(Tick(now))
         out: list[Message] = []
         if self._sock is not None and self._fds.poll(0):
             self._drain(now, out)
-        acts = link.drained(now)  # handle(Drained(now))
-        if acts:
-            self._run(acts)
+        self._feed(Drained(now))
         return out
 
     def _drain(self, now: float, out: list[Message]) -> None:
@@ -413,12 +417,12 @@ class DaemonClient:
             t = type(msg)
             if t is HeartbeatAck:
                 self.stream_min_tokens = msg.stream_min_tokens
-                self._run(link.handle(HeartbeatAcked(msg.seq, msg.daemon_id, now)))
+                self._feed(HeartbeatAcked(msg.seq, msg.daemon_id, now))
                 continue
             if t is AttachAck:
-                self._run(link.handle(AttachAcked(msg.daemon_id, msg.agent_name, now)))
+                self._feed(AttachAcked(msg.daemon_id, msg.agent_name, now))
             else:
-                link.handle(Heard(now))  # no state changes with it: never an action
+                self._feed(Heard(now))  # no state changes with it: never an action
             out.append(msg)
         if self._broken:  # after what arrived before the end of the stream
             self._lost()
@@ -470,7 +474,7 @@ class DaemonClient:
     def _announce(self) -> None:
         self._unannounced = False
         if self._sock is not None and self._link.state is not State.CLOSED:
-            self._run(self._link.handle(Connected(self._clock())))
+            self._feed(Connected(self._clock()))
 
     def _lost(self) -> None:
         """End of stream or a socket error: drop the connection (frames in it are lost, as
@@ -486,7 +490,7 @@ class DaemonClient:
         self._out.clear()
         self._reader = Deframer(MAX_FRAME)
         self._retry_at = time.monotonic() + RECONNECT_S
-        self._run(self._link.handle(Disconnected(self._clock())))
+        self._feed(Disconnected(self._clock()))
 
     # ---- teardown ------------------------------------------------------------------------
 
@@ -494,7 +498,7 @@ class DaemonClient:
         """Close the connection; later sends are refused, polls return []."""
         if self._link.state is State.CLOSED:
             return
-        self._run(self._link.handle(Close()))
+        self._feed(Close())
         if self._sock is not None:
             self._fds.unregister(self._sock)
             self._sock.close()

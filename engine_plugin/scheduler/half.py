@@ -23,6 +23,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
+from kvpush.common.machine import drive
 from kvpush.engine_plugin.compat import finished_normally
 from kvpush.engine_plugin.config import PluginConfig
 from kvpush.engine_plugin.logonce import OncePer
@@ -59,22 +60,25 @@ class KVPushScheduler:
                                                stream_auto=cfg.layerwise == "auto", share_prefix=prefix_caching)
         self._meta = KVPushMetadata()  # this step's, handed to the worker by build_connector_meta
         self._warned = OncePer(WARN_KEY_SETS)  # key sets of unusable decode legs already logged
+        self._answer: Any = None  # the hook's return value among the actions being carried out
 
     def _apply(self, ev: sl.Event) -> Any:
         """Feed one event; put its actions in this step's metadata; return Claim/Hold if any."""
-        answer = None
+        self._answer = None
+        drive(self.lifecycle, ev, self._carry_out)
+        return self._answer
+
+    def _carry_out(self, a: Any) -> None:
         meta = self._meta
-        for a in self.lifecycle.handle(ev):
-            t = type(a)
-            if t in _FOR_WORKER:  # the worker lifecycle's own event: handed over as it is
-                meta.events.append(a)
-            elif t is sl.Stamp:
-                meta.stamps.append((a.transfer_id, a.hop, now_ns()))
-            elif t is sl.StreamChunk:
-                meta.streams.append(a)
-            else:  # Claim, Defer, Hold: the hook's return value
-                answer = a
-        return answer
+        t = type(a)
+        if t in _FOR_WORKER:  # the worker lifecycle's own event: handed over as it is
+            meta.events.append(a)
+        elif t is sl.Stamp:
+            meta.stamps.append((a.transfer_id, a.hop, now_ns()))
+        elif t is sl.StreamChunk:
+            meta.streams.append(a)
+        else:  # Claim, Defer, Hold: the hook's return value
+            self._answer = a
 
     # ------------------------------------------------------------------ hooks
 

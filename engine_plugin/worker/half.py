@@ -18,13 +18,13 @@ import atexit
 import re
 import time
 from collections import deque
-from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from kvpush import proto
+from kvpush.common.machine import drive
 from kvpush.engine_plugin.compat import check_kv_allocation, target_layers
 from kvpush.engine_plugin.config import PluginConfig
 from kvpush.engine_plugin.link.client import DaemonClient
@@ -295,43 +295,40 @@ class KVPushWorker:
         self._apply(wl.Forward(time.monotonic(), self._daemon_down()))
 
     def _apply(self, ev: Any) -> None:
-        """Feed one event to the lifecycle and carry out its actions (a refused publish is
-        fed back as Unsent, whose actions are carried out in turn)."""
-        todo = self.lifecycle.handle(ev)
-        while todo:
-            a = todo.pop(0)
-            if isinstance(a, wl.Publish):
-                tid = a.msg.transfer_id
-                if a.stamp is not None:
-                    self.trace.stamp(tid, a.stamp)  # before it can arrive
-                if self.client.send(a.msg):
-                    if a.counter is not None:
-                        setattr(self.counters, a.counter, getattr(self.counters, a.counter) + 1)
-                else:
-                    todo.extend(self._unsent(a.key))
-            elif isinstance(a, wl.Free):
-                self._finished_sending.add(a.req_id)
-            elif isinstance(a, wl.LoadEnded):
-                self._finished_recving.add(a.req_id)
-                if a.ok:
-                    self.counters.received += 1
-                    self.samples.record("load", a.seconds, len(a.block_ids) * self._block_bytes)
-                    self.trace.stamp(a.transfer_id, "d.plugin.received_seen")
-                    self._reported.append(a.transfer_id)
-                else:
-                    if a.say:
-                        self._say_once("not received", a.transfer_id, a.reason, "recomputing")
-                    self.counters.load_failed += 1
-                    self._load_errors.update(a.block_ids)
-                    self.trace.stamp(a.transfer_id, "d.plugin.load_failed")
-                    log.debug("kvpush: load of %s failed: %s", a.transfer_id, a.reason)
-            elif isinstance(a, wl.SendSample):
-                self.samples.record("send", a.seconds, a.blocks * self._block_bytes)
-            elif isinstance(a, wl.ReportTrace):
-                self._report_trace(a.transfer_id)
+        """Feed one event to the lifecycle and carry out its actions, in order (a refused
+        publish is told to it as Unsent after the batch: :func:`kvpush.common.machine.drive`)."""
+        drive(self.lifecycle, ev, self._carry_out)
 
-    def _unsent(self, key: Hashable) -> list[Any]:
-        return self.lifecycle.handle(wl.Unsent(key, time.monotonic()))
+    def _carry_out(self, a: Any) -> list[Any] | None:
+        if isinstance(a, wl.Publish):
+            tid = a.msg.transfer_id
+            if a.stamp is not None:
+                self.trace.stamp(tid, a.stamp)  # before it can arrive
+            if not self.client.send(a.msg):
+                return [wl.Unsent(a.key, time.monotonic())]
+            if a.counter is not None:
+                setattr(self.counters, a.counter, getattr(self.counters, a.counter) + 1)
+        elif isinstance(a, wl.Free):
+            self._finished_sending.add(a.req_id)
+        elif isinstance(a, wl.LoadEnded):
+            self._finished_recving.add(a.req_id)
+            if a.ok:
+                self.counters.received += 1
+                self.samples.record("load", a.seconds, len(a.block_ids) * self._block_bytes)
+                self.trace.stamp(a.transfer_id, "d.plugin.received_seen")
+                self._reported.append(a.transfer_id)
+            else:
+                if a.say:
+                    self._say_once("not received", a.transfer_id, a.reason, "recomputing")
+                self.counters.load_failed += 1
+                self._load_errors.update(a.block_ids)
+                self.trace.stamp(a.transfer_id, "d.plugin.load_failed")
+                log.debug("kvpush: load of %s failed: %s", a.transfer_id, a.reason)
+        elif isinstance(a, wl.SendSample):
+            self.samples.record("send", a.seconds, a.blocks * self._block_bytes)
+        elif isinstance(a, wl.ReportTrace):
+            self._report_trace(a.transfer_id)
+        return None
 
     def _daemon_down(self) -> bool:
         """Fail publishes at once? Only where the daemon is known unreachable (the link's

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from kvpush.common.machine import core
 from kvpush.common.machine.core import Row, Table, row
+from kvpush.common.machine.deadlines import Deadlines
 from kvpush.daemon.core import counter as cm
 from kvpush.daemon.core import rendezvous as rz
 from kvpush.daemon.core.causes import Cause
@@ -70,6 +71,31 @@ def test_rows_print_as_transitions() -> None:
     text = rz.TABLE.describe()
     assert "WAIT_REGISTER --Registered[completes_set]--> WRITING: open_attempt, add_reg, start_reg" in text
     assert "WAITING --_Deadline[graceless]--> FAILED: fail_timeout" in cm.TABLE.describe()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.one_of(st.none(), st.integers(0, 50)), st.integers(0, 50)),
+                max_size=80))
+def test_deadlines_pop_what_is_due_and_earliest_is_a_lower_bound(ops: list) -> None:
+    """The deadline store against a dict: ``pop_due`` yields exactly the keys due, earliest
+    first, and ``earliest`` never passes a live deadline (Core skips expiry on it)."""
+    d: Deadlines[int] = Deadlines()
+    model: dict[int, int] = {}
+    for key, due, now in ops:
+        d.set(key, due)
+        if due is None:
+            model.pop(key, None)
+        else:
+            model[key] = due
+        assert d.earliest <= min(model.values(), default=float("inf"))
+        if now % 3 == 0:
+            got = list(d.pop_due(now))
+            want = sorted((k for k, t in model.items() if t <= now), key=lambda k: model[k])
+            assert sorted(got) == sorted(want) and [model[k] for k in got] == sorted(model[k] for k in got)
+            for k in got:
+                del model[k]
+            assert d.earliest <= min(model.values(), default=float("inf"))
+            assert all(d.get(k) == t for k, t in model.items())
 
 
 def test_states_are_str_enums_with_the_old_values() -> None:
@@ -182,15 +208,21 @@ def cm_events(rng: random.Random, n: int) -> Iterator[Any]:
             continue
         tid, att, p = rng.choice(known) if rng.random() < 0.85 else (rng.choice("ab"), rng.randrange(3), 2)
         r = rng.randrange(p + 1)
-        if k < 0.6:
+        named: int | str = r if rng.random() < 0.8 else rng.choice(["e0", "e1", "e2", "e3"])  # or by endpoint
+        if k < 0.5:
             yield cm.Notified(tid, att, r, now)
-        elif k < 0.68:
+        elif k < 0.58:
             cause = rng.choice([Cause.PRODUCER_FAILED, Cause.PEER_LOST])
-            yield cm.ProducerFailed(tid, att, r, "boom", now, cause)
-        elif k < 0.76:
-            yield cm.ProducerCancelled(tid, att, r, now)
-        elif k < 0.84:
+            yield cm.ProducerFailed(tid, att, named, "boom", now, cause, rng.random() < 0.2, rng.random() < 0.5)
+        elif k < 0.66:
+            yield cm.ProducerCancelled(tid, att, named, now)
+        elif k < 0.72:
             yield cm.Aborted(tid, att, "stop", now)
+        elif k < 0.78:
+            yield cm.Announced(tid, att, rng.randrange(8), rng.choice([0, 0, 1, 2]), rng.random() < 0.5, now)
+        elif k < 0.84:
+            senders = frozenset(rng.sample(["e0", "e1", "e2", "e3"], rng.choice([0, 1, 1, 4])))
+            yield cm.Noticed(tid, att, rng.randrange(8), "agent", senders, now)
         else:
             now += rng.uniform(0, 6)
             yield cm.Tick(now)
@@ -363,7 +395,17 @@ def test_counter_states_follow_the_table_and_the_queries_agree(seed: int, tomb: 
     gone: dict[tuple[str, int], set[int]] = {}  # producers whose final word was sent
     for ev in cm_events(rng, 120):
         if isinstance(ev, (cm.Notified, cm.ProducerFailed, cm.ProducerCancelled)):
-            gone.setdefault((ev.transfer_id, ev.attempt), set()).add(ev.producer)
+            p, rec = ev.producer, cc._recs.get((ev.transfer_id, ev.attempt))
+            if isinstance(p, str):  # named by its endpoint: the first producer there
+                p = rec.endpoints.index(p) if rec is not None and p in rec.endpoints else None
+            if p is not None:
+                gone.setdefault((ev.transfer_id, ev.attempt), set()).add(p)
+        elif isinstance(ev, cm.Noticed):  # a final word only for the newest live attempt, from its producer
+            rec = cc._recs.get((ev.transfer_id, ev.attempt))
+            if (rec is not None and rec.state not in cm.TOMBSTONES and not rec.superseded
+                    and ev.producer_rank in rec.ranks
+                    and rec.endpoints[rec.ranks.index(ev.producer_rank)] in ev.senders):
+                gone.setdefault((ev.transfer_id, ev.attempt), set()).add(rec.ranks.index(ev.producer_rank))
         for a in cc.handle(ev):
             key = (a.transfer_id, a.attempt)
             if isinstance(a, cm.Accepted):  # answers the Expect just handled

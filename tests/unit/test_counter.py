@@ -42,7 +42,8 @@ def run(cc: CompletionCounter, *events: object) -> list:
 
 
 def test_table_covers_every_state_and_event() -> None:
-    for ev in (Registered, Notified, ProducerFailed, ProducerCancelled, Aborted, cm._Deadline):
+    for ev in (Registered, Notified, ProducerFailed, ProducerCancelled, Aborted, cm._Deadline, cm.Announced,
+               cm.Noticed):
         for state in (None, *State):
             assert cm.TABLE.rows_for(state, ev), (state, ev)
 
@@ -531,3 +532,97 @@ def test_registered_again_the_counter_refuses_what_the_shell_used_to() -> None:
         SendCancel("t", 1, "superseded by attempt 2", Cause.SUPERSEDED), Accepted("t", 2)]
     assert cc.handle(Registered("t", 1, 2, 3.0, 12.0))[0].cause is Cause.SUPERSEDED  # superseded, live
     assert cc.current("t") == 2 and cc.live("t")
+
+
+# ----------------------------------------- every fact of a registration is the counter's
+
+
+def _reg(tid: str = "t", attempt: int = 0, now: float = 0.0) -> Registered:
+    return Registered(tid, attempt, 2, now, now + 30.0, ("e0", "e1"), (4, 5), ("f0", "f1"))
+
+
+def test_announced_writes_decide_how_tightly_to_poll() -> None:
+    """A posted final WRITE keeps the poll tight for the write timeout, a completed one for
+    hint_s and has the notifications looked for at once; a group WRITE only while in flight
+    (up to max_group_hints, then as a final WRITE); an ended attempt asks for nothing."""
+    cc = CompletionCounter(write_timeout_s=5.0, hint_s=0.02, max_group_hints=2)
+    run(cc, _reg())
+    assert not cc.tight(0.0)
+    assert cc.handle(cm.Announced("t", 0, 4, 0, False, 1.0)) == []
+    assert cc.tight(6.0) and not cc.tight(6.01)
+    assert cc.handle(cm.Announced("t", 0, 4, 0, True, 7.0)) == [cm.PollNow("t", 0, 7.0)]
+    assert cc.tight(7.02) and not cc.tight(7.03)
+    run(cc, cm.Announced("t", 0, 5, 1, False, 8.0), cm.Announced("t", 0, 5, 2, False, 8.0))
+    assert cc.tight(100.0)  # in flight: however long the layers take
+    run(cc, cm.Announced("t", 0, 5, 1, True, 8.1))
+    assert cc.tight(100.0)
+    run(cc, cm.Announced("t", 0, 5, 2, True, 8.2))
+    assert not cc.tight(8.3)  # between groups: the next layers are being computed
+    run(cc, *(cm.Announced("t", 0, 5, g, False, 9.0) for g in (3, 4, 5)))  # one more than tracked
+    assert cc.tight(13.9)
+    run(cc, *(cm.Announced("t", 0, 5, g, True, 9.0) for g in (3, 4)))
+    assert cc.tight(13.9) and not cc.tight(14.1)
+    run(cc, cm.Announced("t", 0, 5, 6, False, 20.0), Notified("t", 0, 0, 20.0), Notified("t", 0, 1, 20.0))
+    assert not cc.tight(20.0)  # completed: nothing more to poll for
+    assert cc.handle(cm.Announced("t", 0, 4, 0, True, 21.0)) == [] and not cc.tight(21.0)
+    assert cc.handle(cm.Announced("x", 0, 4, 0, True, 21.0)) == []  # unknown
+
+
+def test_a_lost_link_may_land_only_what_was_announced_within_its_window() -> None:
+    for announced_at, unsafe in ((None, False), (9.0, True), (0.0, False)):  # write timeout 5 s
+        cc = CompletionCounter(write_timeout_s=5.0)
+        run(cc, _reg())
+        if announced_at is not None:
+            run(cc, cm.Announced("t", 0, 4, 0, False, announced_at))
+        out = run(cc, ProducerFailed("t", 0, "e0", "lost", 10.0, Cause.PEER_LOST, True, announced_only=True),
+                  ProducerCancelled("t", 0, "e1", 10.1))
+        assert [type(a) for a in out] == [SendCancel, Fail] and out[-1].unsafe is unsafe, announced_at
+
+
+def test_a_notification_counts_for_the_newest_attempt_from_its_producers_agent_only() -> None:
+    """Noticed names a producer by TP rank and comes with the endpoints whose producer's agent
+    sent it: it counts (Arrived, then what Notified does) for the newest live attempt from that
+    producer's agent; another agent is a Stranger, never counted; an unknown rank, a superseded
+    or ended attempt, an unknown transfer are ignored by design."""
+    def noticed(attempt: int, rank: int, *senders: str, tid: str = "t") -> cm.Noticed:
+        return cm.Noticed(tid, attempt, rank, "agent", frozenset(senders), 1.0)
+
+    cc = CompletionCounter()
+    run(cc, _reg())
+    assert cc.handle(noticed(0, 5, "e0")) == [cm.Stranger("t", 0, "agent")]  # e1's rank, e0's agent
+    assert cc.handle(noticed(0, 5)) == [cm.Stranger("t", 0, "agent")]  # no link has that agent
+    assert cc.info("t", 0).notified == 0
+    assert cc.handle(noticed(0, 5, "e1", "e9")) == [cm.Arrived("t", 0)]
+    assert cc.handle(noticed(0, 5, "e1")) == [cm.Arrived("t", 0)] and cc.info("t", 0).notified == 1  # a repeat
+    assert cc.handle(noticed(0, 7, "e1")) == []  # no producer of that rank
+    assert cc.handle(noticed(0, 5, "e1", tid="x")) == []
+    run(cc, Aborted("t", 0, "stop", 1.5), _reg(attempt=1, now=2.0))  # attempt 0 aborting, superseded
+    assert cc.handle(noticed(0, 4, "e0")) == []
+    assert cc.handle(noticed(1, 4, "e0")) == [cm.Arrived("t", 1)]
+    assert cc.handle(noticed(1, 5, "e1")) == [cm.Arrived("t", 1), Complete("t", 1)]
+    assert cc.handle(noticed(1, 5, "e1")) == []  # told already
+
+
+def test_a_producer_named_by_endpoint_is_the_one_at_that_endpoint() -> None:
+    by_index, by_endpoint = CompletionCounter(), CompletionCounter()
+    run(by_index, _reg())
+    run(by_endpoint, _reg())
+    for a, b in ((ProducerFailed("t", 0, 1, "boom", 1.0), ProducerFailed("t", 0, "e1", "boom", 1.0)),
+                 (ProducerCancelled("t", 0, 0, 1.1), ProducerCancelled("t", 0, "e0", 1.1))):
+        assert by_index.handle(a) == by_endpoint.handle(b)
+    assert by_endpoint.handle(ProducerFailed("t", 0, "nowhere", "boom", 1.2)) == []
+
+
+def test_actions_carry_what_the_shell_needs_to_carry_them_out() -> None:
+    cc = CompletionCounter()
+    (acc,) = cc.handle(_reg(now=1.0))
+    assert acc.endpoints == ("e0", "e1") and acc.forwards == ("f0", "f1")
+    (cancel,) = cc.handle(ProducerFailed("t", 0, 0, "boom", 2.0))
+    assert cancel.endpoints == ("e0", "e1")  # whom to tell
+    (fail,) = cc.handle(ProducerCancelled("t", 0, 1, 3.0))
+    assert (fail.since, fail.producers) == (1.0, 2)  # the history's
+    run(cc, _reg("u", now=4.0))
+    cancel, accepted = cc.handle(_reg("u", attempt=1, now=5.0))
+    assert cancel.endpoints == () and isinstance(accepted, Accepted)  # superseded: the newer registration ends it
+    (complete,) = run(cc, Notified("u", 1, 0, 6.0), Notified("u", 1, 1, 6.0))
+    assert (complete.since, complete.producers) == (5.0, 2)

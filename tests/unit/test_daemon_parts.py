@@ -16,8 +16,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvpush import proto
+from kvpush.common.machine import Single
 from kvpush.daemon.core import peers as pr
-from kvpush.daemon.core.peers import LINK_TABLE, LinkAction, PeerLinkState, Producer, link_step
+from kvpush.daemon.core.peers import LINK_TABLE, LinkAction, PeerLinkState, Producer
 from kvpush.daemon.handshake import make_hello
 from kvpush_dev.inmemory import Fabric, MemNode, Net
 from kvpush_dev.kvref import make, reference_copy
@@ -290,8 +291,10 @@ def test_bad_inputs_are_refused_with_a_reason_and_nothing_is_written(lab):
 def test_link_walk_flushes_only_into_ready_and_fails_at_once_only_when_recovering(events):
     state: PeerLinkState | None = None
     hello = False  # a Hello reply was accepted since the link was (re)created
+    link = Producer("e", since=0.0, state=None)  # the record the decode side drives
     for ev_type in events:
-        new, actions = link_step(state, ev_type())
+        actions = Single(LINK_TABLE, None, link).handle(ev_type())
+        new = link.state
         if state is None and new is not None:
             assert actions[0] is LinkAction.DIAL
             hello = False
@@ -324,20 +327,14 @@ def test_link_clock_events(dt, timeout, idle):
     assert p.due(dt, timeout, idle) == pr.PingDue()
 
 
-def test_every_link_row_is_taken_or_documented_unreachable(lab, monkeypatch):
+def test_every_link_row_is_taken_or_documented_unreachable(lab):
     """The decode side's shell over the in-memory net, through every reachable transition:
     each row is taken by a real frame or clock event, and no row documented unreachable is."""
     taken: set[tuple] = set()
-    step = pr.link_step
-
-    def recording(state, event):
-        taken.add((state, type(event)))
-        return step(state, event)
-
-    monkeypatch.setattr(pr, "link_step", recording)
     net, fab = lab
     p, d = pair(net, fab, peer_timeout_s=2.0)
     dec = d.decode
+    dec.on_link_row = lambda r: taken.add((r.state, r.event))
 
     def link():
         return dec.producers.get(p.endpoint)
@@ -731,7 +728,8 @@ def test_a_group_write_keeps_the_consumer_polling_only_while_it_is_in_flight(lab
     net.run()
     (g, _), cap_posted, (g2, _), cap_done = seen
     assert g == g2 > 0 and cap_posted == tight and cap_done == idle, seen
-    assert t in d.decode.hinted  # announced: it may have landed (fencing keeps counting it)
+    # announced: it may have landed (fencing keeps counting it)
+    assert d.decode.counter.registration(t).announced_until > time.monotonic()
     seen.clear()
     prefill_done(p, t, blocks, n)
     net.run()
@@ -765,3 +763,43 @@ def test_heartbeats_advise_the_shortest_prompt_worth_streaming_to_any_peer(lab):
     assert advice() == 20
     peer.rate = pr.LinkRate(1e6 * per_token, 1)
     assert advice() == 20_000
+
+
+def test_the_decode_shell_does_not_ask_its_counter_back(lab, monkeypatch):
+    """Register to Received, and to ReceiveFailed: the counter's actions carry what the shell
+    needs (whom to cancel, which producer a notification names, the history's numbers), and
+    the hints for its poll are the counter's own, so the shell asks it nothing back."""
+    import sys
+
+    net, fab = lab
+    p, d = pair(net, fab)
+    asked: list[str] = []
+    cc = d.decode.counter
+    def spying(name: str):
+        real = getattr(cc, name)
+
+        def spy(*a, **k):
+            if sys._getframe(1).f_globals.get("__name__") == "kvpush.daemon.decode_side":
+                asked.append(name)
+            return real(*a, **k)
+
+        return spy
+
+    for name in ("live", "registration", "producer_index", "rank_index", "current"):
+        monkeypatch.setattr(cc, name, spying(name))
+    t = tid()
+    register(d, t, [1, 2], 20, [p])
+    net.run()
+    prefill_done(p, t, [3, 4], 20)
+    net.run()
+    d.decode.poll_cap(time.monotonic())
+    t2 = tid()
+    register(d, t2, [5, 6], 20, [p])
+    net.run()
+    fab.fail_writes = True
+    prefill_done(p, t2, [7, 8], 20)
+    net.run()
+    assert kinds(d) == ["Received", "ReceiveFailed"]
+    assert [h["result"] for h in d.ctx.history.items][-2:] == ["ok", "failed"]
+    assert d.ctx.history.items[-1]["producers"] == 1 and d.ctx.history.items[-1]["latency_ms"] is not None
+    assert asked == []

@@ -5,12 +5,15 @@ token sent early is a mismatch, and nothing of it reaches the client."""
 from __future__ import annotations
 
 import json
+import random
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpush.router.first_token import Events, Splice, eligible, leg_bodies
+from kvpush.common.machine import Row
+from kvpush.router.first_token import EVENTS, TABLE, Events, Splice, State, eligible, leg_bodies
 
 HEAD = {"id": "cmpl-x", "created": 1, "model": "tiny"}
 WORDS = st.lists(st.sampled_from([" a", " bb", "c", " 4817", "é", " x y", ""]), min_size=1, max_size=8)
@@ -203,3 +206,72 @@ def test_a_first_token_after_bytes_the_prompt_left_open_goes_out_with_its_replac
     sp.prefill(answer(text, False))
     assert sp.decode(d_events(["106", " 7"], False)) == [] and sp.state == "mismatch"
     assert sp.recovery({"prompt": "p", "max_tokens": 5})["prompt"] == [1, 2, 3, 7]
+
+
+# ---------------------------------------------------------------- the splice's table
+
+
+def test_the_splice_table_is_total_and_closed_over_its_states() -> None:
+    for s in State:
+        for e in EVENTS:
+            assert TABLE.rows_for(s, e)
+    assert all(r.to is not None for r in TABLE.rows)
+
+
+_ODD = {  # decode events the splice must not take for the text it sent (or must pass as they are)
+    "done": b"data: [DONE]\n\n",
+    "garbled": b"data: {not json\n\n",
+    "error": b'data: {"error": {"message": "boom"}}\n\n',
+    "usage": b'data: {"id": "cmpl-x", "choices": [], "usage": {"prompt_tokens": 5}}\n\n',
+    "not_an_object": b'data: {"id": "cmpl-x", "choices": [7]}\n\n',
+    "tool_call": b'data: {"id": "cmpl-x", "choices": [{"index": 0, "delta": {"tool_calls": [{}]}}]}\n\n',
+}
+
+
+def _splice_run(rng: random.Random, taken: set[Row]) -> None:
+    """One request: a prefill answer (its text the decode leg's first token, more or less of
+    it, another, none, or one the stream would not show), a decode body (now and then an odd
+    event first) cut at random, fed in random order; the state after every call is the row's."""
+    tokens = [rng.choice([" a", " bb", "c", " 4817", "é", ""]) for _ in range(rng.randint(1, 5))]
+    chat = rng.random() < 0.5
+    first = tokens[0]
+    text = rng.choice([first, first, first + (tokens[1] if len(tokens) > 1 else ""), first[:1], " zz", "",
+                       "a\ufffd"])
+    body = d_events(tokens, chat, usage=rng.random() < 0.3)
+    if rng.random() < 0.3:
+        body = rng.choice(list(_ODD.values())) + body
+    pieces = cuts(body, [rng.randrange(len(body) + 1) for _ in range(rng.randint(0, 6))])
+    sp = Splice(chat)
+    was = [sp.state]
+
+    def saw(r: Row) -> None:
+        assert not r.unreachable, f"{r} taken"
+        assert r.state is was[0] and r.to is sp.state, r  # the row of the state it was in, and its state
+        was[0] = sp.state
+        taken.add(r)
+
+    sp.on_row = saw
+    at = rng.randint(0, len(pieces))  # the prefill leg answers before piece ``at``
+    for i, piece in enumerate([*pieces, None]):
+        if i == at or (rng.random() < 0.1 and i > at):  # now and then a second answer
+            sp.prefill(answer(text, chat))
+        if piece is not None:
+            sp.decode(piece)
+        assert isinstance(sp.state, State)
+    if sp.state is State.PASSING:
+        assert sp._events.pending == b""  # nothing held back once passing
+
+
+def test_every_splice_row_is_taken_or_documented_unreachable_and_never_taken() -> None:
+    taken: set[Row] = set()
+    rng = random.Random(5)
+    for _ in range(3000):
+        _splice_run(rng, taken)
+    missing = [str(r) for r in TABLE.rows if r not in taken and not r.unreachable]
+    assert not missing, "\n".join(missing)
+
+
+@pytest.mark.parametrize("r", [r for r in TABLE.rows if r.unreachable], ids=str)
+def test_unreachable_splice_rows_keep_the_state(r: Row) -> None:
+    """Were one ever taken, the splice stays where it was (and sends nothing it was not sent)."""
+    assert r.to is r.state

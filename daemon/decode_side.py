@@ -285,7 +285,9 @@ class DecodeSide:
         close what a revoked node can reach must not go on serving."""
         self.rotate_due = ""
         t0 = time.monotonic()
-        name = f"{self._agent_base}-r{self.rotations + 1}"
+        # Unguessable: a node that could name our next agent could load an agent of that name
+        # at our producers first (NIXL refuses a second agent of a loaded name) and lock us out.
+        name = f"{self._agent_base}-r{secrets.token_hex(8)}"
         try:
             self.ctx.transport.rotate(name)
         except Exception as exc:

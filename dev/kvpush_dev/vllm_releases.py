@@ -12,8 +12,8 @@ folder ``vllm-<version>/`` that appears whole (unpacked beside it, then renamed)
 so a second call, or a run killed halfway, never sees half a tree. The wheel itself (~336 MB)
 is removed once unpacked unless ``KVPUSH_VLLM_KEEP_WHEELS=1``.
 
-    python tests/compat/vllm_releases.py 0.33.0 0.34.0     # prints each tree's path
-    python tests/compat/vllm_releases.py                   # every tested release not installed
+    python -m kvpush_dev.vllm_releases 0.33.0 0.34.0     # prints each tree's path
+    python -m kvpush_dev.vllm_releases                   # every tested release not installed
 """
 
 from __future__ import annotations

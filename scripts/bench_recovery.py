@@ -9,7 +9,11 @@ colocated engine's, and each daemon's ``kvpush_failures_total`` by cause (deltas
 freeze). Targets (issues 25, 43): no request finishes later than 2 s after the peer is back
 unless it finished within 2 s of being sent; tokens equal colocated; zero ``unauthenticated``.
 The summary prints, per frozen side, the worst finish after resume of the requests in flight
-at the freeze (sent just before SIGSTOP) and of those sent during it.
+at the freeze (sent just before SIGSTOP) and of those sent during it, beside the same-run
+baseline: the requests sent right after SIGCONT, which meet no outage but share the engines
+(with long prompts and answers, the decode engine's own compute after the resume: its
+recompute of what the freeze cost and every answer's tokens). ``--before FILE``: a run of
+another tree (e.g. main) written by this script with ``--out``; its summary is appended.
 
 Run it under the engine lock: ``flock /tmp/kvpush-engines.lock timeout 900 \\
 .venv/bin/python scripts/bench_recovery.py --out docs/results/recovery.md``.
@@ -114,6 +118,30 @@ async def freeze(stack: PDStack, idx: int, ps: list[str], stop_s: float, max_tok
     return rows, back
 
 
+SUMMARY_HEAD = "| frozen daemon | requests | worst finish after it was back (s) |"
+
+
+def summary(worst_by: dict[tuple[str, str], float]) -> list[str]:
+    """Per frozen side and phase, the worst finish after resume, and its ratio to the same
+    side's requests sent after SIGCONT (no outage, same engines, same load)."""
+    out = [SUMMARY_HEAD + " ratio to the after-resume requests' |", "|---|---|---|---|"]
+    for (v, ph), w in sorted(worst_by.items()):
+        base = worst_by.get((v, "after"), 0.0)
+        ratio = f"{w / base:.2f}x" if base > 0 else "-"
+        out.append(f"| {v} | {ph} | {w:.2f} | {ratio} |")
+    return out
+
+
+def before_section(path: Path) -> list[str]:
+    """The summary table and verdict of an earlier run of this script (another tree's)."""
+    text = path.read_text().splitlines()
+    title = text[0].removeprefix("# ") if text else str(path)
+    start = next((i for i, line in enumerate(text) if line.startswith(SUMMARY_HEAD[:-1])), None)
+    if start is None:
+        raise SystemExit(f"{path}: no summary table (was it written by this script's --out?)")
+    return ["", f"## Before: {title}", "", *text[start:]]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="bench_recovery.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -129,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--freeze", choices=("prefill", "decode", "both"), default="both")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--out", default=None, help="write the tables (markdown) here")
+    ap.add_argument("--before", default=None, metavar="FILE",
+                    help="this script's --out of another tree (e.g. main): its summary is appended")
     args = ap.parse_args(argv)
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="kvpush-recovery-"))
@@ -195,9 +225,10 @@ def main(argv: list[str] | None = None) -> int:
                       + ", ".join(f"{k} {v:g}" for k, v in sorted(srcs.items())), ""]
     finally:
         stack.stop()
-    lines += ["| frozen daemon | requests | worst finish after it was back (s) |", "|---|---|---|"]
-    lines += [f"| {v} | {ph} | {w:.2f} |" for (v, ph), w in sorted(worst_by.items())]
+    lines += summary(worst_by)
     lines += ["", f"Worst finish after the daemon was back: {worst:.2f} s; target misses: {bad}."]
+    if args.before:
+        lines += before_section(Path(args.before))
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

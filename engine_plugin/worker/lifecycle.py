@@ -20,6 +20,15 @@ reported free only when both hold. A record leaves as soon as vLLM has heard its
 nothing is kept after (a late reply finds no record and is ignored), so there are no
 tombstones. While the daemon is known down, every publish fails at once (``down``).
 
+What the engine gives up without the daemon's word is still told to it (a "gave up" Abort,
+keyed ``("gave_up", transfer)``, no record): a Send or an early send's forward while the daemon
+is down (no PrefillDone went out), a send or load the daemon was lost while holding, an abort
+made while it was down. The link queues it while the daemon is silent or away and hands it
+over once the daemon acknowledges the engine again, so the prefill daemon refuses the decode
+side's registration at once (its tombstone) instead of both sides waiting out their
+deadlines for a PrefillDone that will never come (issue 43); a restarted daemon that never
+held it answers Released, which finds no record.
+
 Pure: no I/O, no clock (events carry ``now``). See :mod:`kvpush.common.machine.core`.
 """
 
@@ -344,25 +353,30 @@ def down_confirmed(wl: WorkerLifecycle, rec: Transfer, ev: Any) -> bool:
     return bool(ev.down) and rec.confirmed
 
 
-def a_stream_abort(wl: WorkerLifecycle, rec: None, ev: Unsent) -> bool:
-    return ev.key[0] == "stream"  # type: ignore[index]
+def no_record_key(wl: WorkerLifecycle, rec: None, ev: Unsent) -> bool:
+    """A refused publish no record asked for: a stream abort or a gave-up Abort."""
+    return ev.key[0] in ("stream", "gave_up")  # type: ignore[index]
 
 
 # ============================================================================= steps
 
 
-def wire(wl: WorkerLifecycle, order: Register | Send | StreamAbort, *, abort: bool = False) -> Any:
+GAVE_UP = "given up: the daemon was unavailable to the engine"
+
+
+def wire(wl: WorkerLifecycle, order: Register | Send | StreamAbort, *, abort: bool = False, why: str = "") -> Any:
     """The one place a message to the daemon is built: from the scheduler half's event
-    itself (a record's ``order``), nothing copied in between."""
+    itself (a record's ``order``), nothing copied in between. ``why``: an abort's reason
+    where it is not the request's own end."""
     if isinstance(order, Register):
         if abort:
-            return proto.Abort(order.transfer_id, order.attempt, "request aborted")
+            return proto.Abort(order.transfer_id, order.attempt, why or "request aborted")
         return proto.Register(order.transfer_id, order.attempt, order.block_ids, order.num_tokens,
                               order.prefill_endpoints, order.prefill_tp_size, wl.timeout_ms, order.first_token,
                               order.secret)
     if isinstance(order, Send):
         if abort:
-            return proto.Abort(order.transfer_id, 0, "prefill request aborted")
+            return proto.Abort(order.transfer_id, 0, why or "prefill request aborted")
         return proto.PrefillDone(order.transfer_id, order.block_ids, order.num_tokens, wl.lease_ms, order.bind_node,
                                  order.bind_secret, order.streamed, order.epoch)
     return proto.Abort(order.transfer_id, 0, "request ended before its prefill was sent")
@@ -408,6 +422,14 @@ def publish_stream_abort(wl: WorkerLifecycle, rec: None, ev: StreamAbort, out: l
     out.append(Publish(("stream", ev.transfer_id), wire(wl, ev)))
 
 
+def tell_gave_up(wl: WorkerLifecycle, rec: Transfer | None, ev: Any, out: list) -> None:
+    """The engine gave this transfer up without the daemon's word (it was down, or lost what it
+    held): say so anyway. The link queues the Abort until the daemon is back; nothing waits on
+    its answer (a refused one is dropped: the daemon's own deadline then ends the transfer)."""
+    order = rec.order if rec is not None else ev
+    out.append(Publish(("gave_up", order.transfer_id), wire(wl, order, abort=True, why=GAVE_UP)))
+
+
 def free_req(wl: WorkerLifecycle, rec: Transfer | None, ev: Any, out: list) -> None:
     """Nothing of it can land or be read any more: vLLM may reuse the blocks."""
     out.append(Free(rec.req_id if rec is not None else ev.req_id))
@@ -451,29 +473,30 @@ _NO_STREAM_RECORD = "no record is keyed by a stream abort"
 
 TABLE = Table(State, (*_RECV_EVENTS, *_SEND_EVENTS, StreamAbort, Forward, Released, Unsent, Lost, _Deadline), [
     # --- no record ----------------------------------------------------------------------------
-    row(None, Register, down, None, unavailable),
+    row(None, Register, down, None, unavailable),  # never published: the daemon holds nothing
     row(None, Register, None, _LG, load_facts, publish_register),
     row(None, AbortLoad, None, None, free_req),  # its load ended here (its deadline): nothing can land
     row(None, Send, early, _QU, send_facts),
-    row(None, Send, down, None, free_req),
+    row(None, Send, down, None, free_req, tell_gave_up),  # no PrefillDone: its registration is refused
     row(None, Send, None, _SE, send_facts, publish_prefill_done),
     row(None, SendAbort, None, None, free_req,
         unreachable="an early send keeps its record until vLLM's confirmation (this or its Send)"),
     row(None, SendDone, None, None, report),  # the timeline of a send already reported free
     *[row(None, e, None, None) for e in (Received, ReceiveFailed, Released)],  # late, or not ours
     row(None, StreamAbort, None, None, publish_stream_abort),  # nothing to free: a refused one costs its lease
-    row(None, Unsent, a_stream_abort, None),
+    row(None, Unsent, no_record_key, None),
     row(None, Unsent, None, None, unreachable="fed right after the publish its record asked for"),
     *[row(None, e, None, None, unreachable=_ROUTED) for e in (Forward, Lost, _Deadline)],
 
     # --- decode: LOADING ------------------------------------------------------------------------
     row(_LG, Received, None, None, received),
     row(_LG, ReceiveFailed, None, None, receive_failed),
-    row(_LG, AbortLoad, down, None, free_req),
+    row(_LG, AbortLoad, down, None, free_req, tell_gave_up),
     row(_LG, AbortLoad, None, _RL, publish_abort),
     row(_LG, Register, None, _LG, unreachable=_ONCE),
     row(_LG, Released, None, _LG),  # not aborted: a confused daemon; its answer or deadline ends it
-    *[row(_LG, e, None, None, load_lost) for e in (Unsent, Lost, _Deadline)],
+    row(_LG, Unsent, None, None, load_lost),
+    *[row(_LG, e, None, None, load_lost, tell_gave_up) for e in (Lost, _Deadline)],  # a silent daemon may hold it
 
     # --- decode: RELEASING ----------------------------------------------------------------------
     *[row(_RL, e, None, None, free_req) for e in (Released, Unsent, Lost)],
@@ -482,8 +505,8 @@ TABLE = Table(State, (*_RECV_EVENTS, *_SEND_EVENTS, StreamAbort, Forward, Releas
     row(_RL, _Deadline, None, _RL, unreachable=_NO_DEADLINE),
 
     # --- prefill: QUEUED ------------------------------------------------------------------------
-    row(_QU, Forward, down_confirmed, None, free_req, unreachable=_NEXT_STEP),
-    row(_QU, Forward, down, _SX),
+    row(_QU, Forward, down_confirmed, None, free_req, tell_gave_up, unreachable=_NEXT_STEP),
+    row(_QU, Forward, down, _SX, tell_gave_up),  # no PrefillDone: its registration is refused
     row(_QU, Forward, None, _SE, publish_prefill_done),
     row(_QU, Send, None, _QU, confirm, unreachable=_NEXT_STEP),
     row(_QU, SendAbort, None, None, free_req, unreachable=_NEXT_STEP),
@@ -494,12 +517,16 @@ TABLE = Table(State, (*_RECV_EVENTS, *_SEND_EVENTS, StreamAbort, Forward, Releas
     # --- prefill: SENDING -----------------------------------------------------------------------
     row(_SE, SendDone, confirmed, None, sample, free_req, report),
     row(_SE, SendDone, None, _SX, sample),
-    *[r for e in (Released, Unsent, Lost) for r in (
+    *[r for e in (Released, Unsent) for r in (
         row(_SE, e, confirmed, None, free_req),
         row(_SE, e, None, _SX))],
+    # The daemon that held the PrefillDone is gone, or silent: whichever answers next hears the
+    # prefill was given up (a restarted one refuses its registration at once).
+    row(_SE, Lost, confirmed, None, free_req, tell_gave_up),
+    row(_SE, Lost, None, _SX, tell_gave_up),
     row(_SE, Send, early, _SE, unreachable="one early send per request"),
     row(_SE, Send, None, _SE, confirm),
-    row(_SE, SendAbort, down, None, free_req, report),
+    row(_SE, SendAbort, down, None, free_req, report, tell_gave_up),
     row(_SE, SendAbort, None, _SE, publish_abort),
     row(_SE, Forward, None, _SE, unreachable=_ROUTED),
     row(_SE, _Deadline, None, _SE, unreachable=_NO_DEADLINE),

@@ -90,6 +90,12 @@ class Sim:
     free: list[int] = field(default_factory=lambda: list(range(40)))  # vLLM's block pool (LIFO: reused soon)
     chunks: int = 0  # Stream actions checked
     stream_aborts: int = 0
+    # What the daemon was last told of each prefill transfer, as the link took it: "pd" (a
+    # PrefillDone, unanswered), "answered" (its Sent, SendFailed or Released came), "abort",
+    # "refused" (the link refused it: nothing can be said). Checked when vLLM frees the blocks.
+    told: dict[str, str] = field(default_factory=dict)
+    send_tid: dict[str, str] = field(default_factory=dict)  # request -> its send's transfer
+    gave_up: int = 0  # gave-up Aborts published
 
     def __post_init__(self) -> None:
         self.s = sl.SchedulerLifecycle(BLOCK, name_transfer=lambda: next(self.names), tombstone_s=self.tombstone_s,
@@ -140,20 +146,41 @@ class Sim:
         self.chunks += 1
 
     def work(self, ev: Any) -> None:
+        if isinstance(ev, wl.Send):
+            self.send_tid[ev.req_id] = ev.transfer_id
+        elif isinstance(ev, (wl.SendDone, wl.Released)) and self.told.get(ev.transfer_id) == "pd":
+            self.told[ev.transfer_id] = "answered"
         todo = self.w.handle(ev)
+        freed: list[str] = []
         while todo:
             a = todo.pop(0)
             if isinstance(a, wl.Publish):
-                if self.rng.random() < 0.04:  # the link's queue is full
+                said = {proto.PrefillDone: "pd", proto.Abort: "abort"}.get(type(a.msg))
+                if a.key[0] == "gave_up":  # no rng drawn: the other rows' coverage stays as it was
+                    assert isinstance(a.msg, proto.Abort)
+                    self.gave_up += 1
+                    self.told[a.msg.transfer_id] = "abort"
+                elif self.rng.random() < 0.04:  # the link's queue is full
+                    if a.key[0] == "send":
+                        self.told[a.msg.transfer_id] = "refused"
                     todo += self.w.handle(wl.Unsent(a.key, self.now))
                 elif a.key[0] != "stream":  # stream aborts: unanswered here (the model's IDs span roles)
                     self.daemon.append(a.msg)
+                    if a.key[0] == "send" and said is not None:
+                        self.told[a.msg.transfer_id] = said
             elif isinstance(a, wl.Free):
                 assert a.req_id not in self.fs, f"{a.req_id} freed twice in one step"
                 self.fs.add(a.req_id)
+                freed.append(a.req_id)
             elif isinstance(a, wl.LoadEnded):
                 assert a.req_id not in self.fr
                 self.fr.add(a.req_id)
+        for rid in freed:  # the daemon is never left holding a prefill the engine gave up
+            r = self.reqs.get(rid)
+            if r is not None and r.kind in ("prefill", "serial") and rid in self.send_tid:
+                tid = self.send_tid[rid]
+                assert self.told.get(tid) in ("answered", "abort", "refused"), (
+                    f"{rid}'s blocks freed with the daemon told {self.told.get(tid)!r} of {tid}")
 
     # -------------------------------------------------------------------- vLLM
 
@@ -607,3 +634,43 @@ def test_without_prefix_caching_a_sibling_computes_at_once_instead_of_waiting() 
     s.handle(sl.Matched("0_p", 0.0, 40, leg, None, None, False, 40))
     s.handle(sl.Allocated("0_p", 0.0, 40, (1, 2, 3), 40, leg))
     assert s.handle(sl.Matched("1_p", 0.0, 40, leg, None, None, False, 40)) == []
+
+
+def _published(out: list[Any]) -> list[tuple[Any, Any]]:
+    return [(a.key, a.msg) for a in out if isinstance(a, wl.Publish)]
+
+
+def test_what_the_worker_gives_up_without_the_daemon_s_word_is_told_to_it() -> None:
+    """Issue 43: a send while the daemon is down (no PrefillDone), an early send whose forward
+    ran while it was down, a send and a load the daemon was lost while holding, and a load
+    aborted while it was down: each is one gave-up Abort (no record waits on its answer, a
+    refused one is dropped), and the blocks are handed back to vLLM as before."""
+    w = wl.WorkerLifecycle(timeout_ms=1000, lease_ms=1000)
+    reg = wl.Register("d1", 2, "rd1", (1, 2), 32, 0, EPS, 1, now=0.0)
+    assert [type(a) for a in w.handle(reg)] == [wl.Publish]
+    assert [type(a) for a in w.handle(wl.Register("d2", 0, "rd2", (3,), 16, 0, EPS, 1, now=0.0))] == [wl.Publish]
+    assert [type(a) for a in w.handle(wl.Send("p1", "rp1", (4,), 16, now=0.0))] == [wl.Publish]
+    out = w.handle(wl.Send("p2", "rp2", (5,), 16, now=1.0, down=True))
+    assert _published(out) == [(("gave_up", "p2"), proto.Abort("p2", 0, wl.GAVE_UP))]
+    assert [a for a in out if isinstance(a, wl.Free)] == [wl.Free("rp2")]
+    assert w.handle(wl.Send("p3", "rp3", (6,), 16, early=True, now=1.0)) == []
+    out = w.handle(wl.Forward(1.0, True))
+    assert _published(out) == [(("gave_up", "p3"), proto.Abort("p3", 0, wl.GAVE_UP))]
+    assert [type(a) for a in w.handle(wl.Send("p3", "rp3", (6,), 16, now=1.1))] == [wl.Free, wl.ReportTrace]
+    out = w.handle(wl.AbortLoad("d2", 0, "rd2", now=1.2, down=True))
+    assert _published(out) == [(("gave_up", "d2"), proto.Abort("d2", 0, wl.GAVE_UP))]
+    out = w.handle(wl.Lost("daemon unavailable", 2.0))
+    assert sorted(_published(out)) == [(("gave_up", "d1"), proto.Abort("d1", 2, wl.GAVE_UP)),
+                                       (("gave_up", "p1"), proto.Abort("p1", 0, wl.GAVE_UP))]
+    assert {type(a) for a in out} == {wl.Publish, wl.LoadEnded, wl.Free}
+    assert w.live_count() == 0
+    assert w.handle(wl.Unsent(("gave_up", "p1"), 2.1)) == []  # refused: nothing waits on it
+    assert w.handle(wl.Released("p1", 0, 2.2)) == []  # a restarted daemon's answer finds no record
+
+
+def test_a_register_while_the_daemon_is_down_is_not_told() -> None:
+    """Never published: the daemon holds nothing of it, and a decode daemon has no tombstone
+    for an unknown registration (the load fails here at once, vLLM recomputes)."""
+    w = wl.WorkerLifecycle(timeout_ms=1000, lease_ms=1000)
+    out = w.handle(wl.Register("d1", 0, "rd1", (1,), 16, 0, EPS, 1, now=0.0, down=True))
+    assert _published(out) == [] and [type(a) for a in out] == [wl.LoadEnded]

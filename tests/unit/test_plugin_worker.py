@@ -22,7 +22,7 @@ from kvpush import proto  # noqa: E402
 from kvpush.engine_plugin.config import PluginConfig  # noqa: E402
 from kvpush.engine_plugin.metadata import AbortLoad, KVPushMetadata, Register, Send, SendAbort  # noqa: E402
 from kvpush.engine_plugin.worker.half import KVPushWorker  # noqa: E402
-from kvpush.engine_plugin.worker.lifecycle import State  # noqa: E402
+from kvpush.engine_plugin.worker.lifecycle import GAVE_UP, State  # noqa: E402
 from kvpush_dev.engine_peer import FakeDaemon  # noqa: E402
 
 
@@ -348,6 +348,46 @@ def test_a_restarted_daemon_fails_the_loads_and_frees_the_blocks_it_held(stack) 
     assert fr == {"r1"} and fs == {"r2", "r3"}
     assert w.take_load_errors() == {1, 2}
     assert w.lifecycle.live_count() == 0
+
+
+def _attach(w: KVPushWorker, daemon: FakeDaemon) -> None:
+    import torch
+
+    buf = torch.zeros(2 * 4 * 16 * 128, dtype=torch.bfloat16)
+    w.register_kv_caches({f"model.layers.{i}.self_attn.attn": buf[i * buf.numel() // 2:(i + 1) * buf.numel() // 2]
+                          .view(4, 1, 16, 128) for i in range(2)})
+    settle(w, daemon, lambda d: w.client.holder == daemon.daemon_id)
+
+
+def gave_up(d: FakeDaemon, tid: str) -> list[proto.Abort]:
+    return [m for m in d.got if isinstance(m, proto.Abort) and m.transfer_id == tid]
+
+
+def test_what_the_engine_gave_up_while_its_daemon_was_silent_is_told_when_it_answers_again(stack) -> None:
+    """Issue 43: the daemon stops answering (frozen) until the link judges it down. A prefill
+    sent meanwhile is freed at once without a PrefillDone, and a pending send and load are
+    given up; each is told to the daemon (an Abort) as soon as it acknowledges the engine
+    again, so its registration is refused at once instead of waiting out its deadline."""
+    w, daemon = stack
+    _attach(w, daemon)
+    step(w, KVPushMetadata(events=[Register("t1", 0, "r1", (1, 2), 32, 0, ("tcp://p:1",), 1),
+                                   Send("t2", "r2", (0,), 16)]), forward=False)
+    settle(w, daemon, lambda d: len(prefill_dones(d)) == 1)
+    daemon.answer_heartbeats = False  # silent from now on
+    fs, fr = settle(w, daemon, lambda d: w._daemon_down(), timeout=w.cfg.dead_after_ms / 1000 + 5)
+    step(w, KVPushMetadata(events=[Send("t3", "r3", (3,), 16)]), forward=False)  # while it is down
+    more = w.collect()
+    fs, fr = fs | more[0], fr | more[1]
+    assert fs == {"r2", "r3"} and fr == {"r1"} and w.lifecycle.live_count() == 0
+    daemon.serve()
+    assert [m.transfer_id for m in prefill_dones(daemon)] == ["t2"]  # none for t3: its blocks are free
+    assert not any(gave_up(daemon, t) for t in ("t1", "t2", "t3")), "nothing flows while it is silent"
+    daemon.answer_heartbeats = True  # back: re-attached, then what was given up is told
+    settle(w, daemon, lambda d: all(gave_up(d, t) for t in ("t1", "t2", "t3")))
+    assert {(m.transfer_id, m.attempt) for m in daemon.got if isinstance(m, proto.Abort)} == {
+        ("t1", 0), ("t2", 0), ("t3", 0)}
+    assert all(m.reason == GAVE_UP for t in ("t1", "t2", "t3") for m in gave_up(daemon, t))
+    assert [m.transfer_id for m in prefill_dones(daemon)] == ["t2"]
 
 
 def test_draft_model_layers_are_not_attached(stack) -> None:

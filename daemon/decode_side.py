@@ -27,7 +27,7 @@ from kvpush.daemon.core.checks import bounded_s, check_blocks
 from kvpush.daemon.core.peers import LinkAction, PeerLinkState, Producer
 from kvpush.daemon.core.planner import PlanError, producer_fanout
 from kvpush.daemon.handshake import compat_error, make_hello
-from kvpush.proto.notif import Notification
+from kvpush.proto.notif import KEY_BYTES, Notification
 from kvpush.proto.params import MAX_SECRET
 
 log = logging.getLogger(__name__)
@@ -95,16 +95,19 @@ class DecodeSide:
             return refuse(str(exc))
         # Older, repeated and already-ended attempts are the counter's rows to decide.
         timeout_ms = int(bounded_s(msg.timeout_ms, self.cfg.register_timeout_s) * 1000)
+        # One fresh key per producer and attempt, told only to that producer (over CURVE): the
+        # counter counts only a notification tagged with it (kvpush.proto.notif).
+        keys = tuple(secrets.token_bytes(KEY_BYTES) for _ in fanout)
         forwards = tuple(
             proto.PeerRegister(tid, msg.attempt, msg.block_ids, msg.num_tokens, a.rank, a.tp_size, dests,
-                               timeout_ms, msg.first_token, msg.secret)
-            for _, dests in fanout
+                               timeout_ms, msg.first_token, msg.secret, key)
+            for (_, dests), key in zip(fanout, keys, strict=True)
         )
         endpoints = tuple(msg.prefill_endpoints[r] for r, _ in fanout)
         # The counter answers Accepted, which forwards the registrations, or Refuse (apply).
         self.apply(ctr.Registered(
             tid, msg.attempt, len(fanout), now, now + timeout_ms / 1000.0,
-            endpoints=endpoints, ranks=tuple(r for r, _ in fanout), forwards=forwards,
+            endpoints=endpoints, ranks=tuple(r for r, _ in fanout), forwards=forwards, keys=keys,
         ))
 
     def abort(self, tid: str, attempt: int, reason: str, now: float) -> bool:
@@ -355,7 +358,7 @@ class DecodeSide:
                 self.ctx.bad("notification", f"malformed notification from {agent}")
                 continue
             senders = frozenset(ep for ep, p in self.producers.items() if p.agent_name == agent)
-            out.append(ctr.Noticed(n.transfer_id, n.attempt, n.producer_rank, agent, senders, now))
+            out.append(ctr.Noticed(n.transfer_id, n.attempt, n.producer_rank, agent, senders, now, n.tag))
         return out
 
     def poll_cap(self, now: float) -> float:
@@ -393,6 +396,9 @@ class DecodeSide:
             self.ctx.trace.stamp(tid, "d.daemon.notif_seen")
         elif isinstance(act, ctr.Stranger):
             self.ctx.bad("notification", f"notification for {tid} from unexpected agent {act.agent}")
+        elif isinstance(act, ctr.Tampered):
+            self.ctx.bad(f"notification_{act.why}", f"{act.why} notification for {tid} attempt {act.attempt} "
+                                                    f"(NIXL agent {act.agent!r}): not counted")
         elif isinstance(act, ctr.PollNow):
             return self._noticed(self.ctx.transport.notifications(), act.now)
         if isinstance(act, ctr.Complete):

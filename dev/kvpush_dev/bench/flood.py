@@ -155,7 +155,7 @@ def flood_quota(p: Daemon, lay: KVLayout, n: int = 5000) -> Result:
         assert hello and isinstance(hello[0], proto.Hello), hello
         for i in range(n):
             s.send(proto.encode(proto.PeerRegister(f"flood-{i}", 0, (i % lay.num_blocks,), 16, 0, 1, 1,
-                                                   60_000)))
+                                                   60_000, key=bytes(32))))
         replies = _recv_all(s, 30, n - p.cfg.max_transfers_per_peer)
         quota = sum(isinstance(m, proto.WriteFailedNotice) and m.reason.startswith("quota: ") for m in replies)
         time.sleep(0.5)

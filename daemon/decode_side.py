@@ -24,7 +24,7 @@ from kvpush.daemon.context import DaemonContext
 from kvpush.daemon.core import counter as ctr
 from kvpush.daemon.core import peers as pr
 from kvpush.daemon.core.checks import bounded_s, check_blocks
-from kvpush.daemon.core.peers import LinkAction, PeerLinkState, Producer
+from kvpush.daemon.core.peers import Exposure, LinkAction, PeerLinkState, Producer
 from kvpush.daemon.core.planner import PlanError, producer_fanout
 from kvpush.daemon.handshake import compat_error, make_hello
 from kvpush.proto.notif import KEY_BYTES, Notification
@@ -55,6 +55,7 @@ class DecodeSide:
         self.on_link_row: Callable[[Row], None] | None = None  # every producer link row taken (tests)
         self.rotate_due = ""  # why our NIXL agent must be replaced (a revoked node held its metadata)
         self.rotations = 0  # NIXL agents replaced so far (each name is new)
+        self.exposure = Exposure()  # who holds our current agent's metadata (links dropped or not)
         self._agent_base = ctx.agent_name
 
     @property
@@ -257,6 +258,7 @@ class DecodeSide:
             return False
         peer.since = peer.last_seen = now
         self.ctx.wire.to_producer(peer.endpoint, make_hello(self.ctx, reply=False))
+        self.exposure.sent(peer.node)
         return True
 
     def _fail_one(self, endpoint: str, msg: Any, why: str) -> list[Any]:
@@ -276,9 +278,14 @@ class DecodeSide:
     def revoke(self, allowed: set[str]) -> None:
         """The allowlist changed: drop links to nodes no longer in it (their waiters fail). Each
         held our NIXL metadata (our Hello went out when we dialled): the link table says ROTATE,
-        and one rotation replaces our agent for all of them."""
+        and one rotation replaces our agent for all of them. So does a revoked node we have no
+        link to any more (it refused our Hello, or we dropped it) that got our current agent's
+        metadata (``exposure``)."""
         for p in [p for p in self.producers.values() if p.node and p.node not in allowed]:
             self.apply(*self._link(p, pr.Revoked(), f"prefill node {p.node!r} was removed from the allowlist"))
+        gone = self.exposure.revoked(allowed)
+        if gone and not self.rotate_due:
+            self.rotate_due = f"prefill node(s) {', '.join(map(repr, gone))} that got our metadata were revoked"
         if self.rotate_due:
             self.rotate(self.rotate_due)
 
@@ -298,6 +305,7 @@ class DecodeSide:
             self.ctx.fence(f"NIXL agent rotation after a revocation failed: {exc}")
             return
         self.ctx.agent_name = name
+        self.exposure.replaced()  # the links below re-dial with the new metadata (sent again)
         links = list(self.producers.values())
         for p in links:
             self.apply(*self._link(p, pr.Rotated(), f"prefill daemon {p.endpoint}: our NIXL agent was "

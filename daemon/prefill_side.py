@@ -430,6 +430,14 @@ class PrefillSide:
                 log.warning("release of a prepared local list: %s", exc)
         self._local_prep.clear()
 
+    def forget_preps(self) -> None:
+        """Our NIXL agent was replaced (a rotation; host memory is mapped at a new address too):
+        the prepared lists died with the old agent and name old addresses. Dropped, not released
+        (the new agent never knew them); WRITEs build new ones."""
+        for c in self.consumers.values():
+            c.prepped = None
+        self._local_prep.clear()
+
     def _unprep(self, peer: Consumer) -> None:
         if peer.prepped is not None:
             try:

@@ -24,10 +24,10 @@ from kvpush.daemon.context import DaemonContext
 from kvpush.daemon.core import counter as ctr
 from kvpush.daemon.core import peers as pr
 from kvpush.daemon.core.checks import bounded_s, check_blocks
-from kvpush.daemon.core.peers import LinkAction, PeerLinkState, Producer
+from kvpush.daemon.core.peers import Exposure, LinkAction, PeerLinkState, Producer
 from kvpush.daemon.core.planner import PlanError, producer_fanout
 from kvpush.daemon.handshake import compat_error, make_hello
-from kvpush.proto.notif import Notification
+from kvpush.proto.notif import KEY_BYTES, Notification
 from kvpush.proto.params import MAX_SECRET
 
 log = logging.getLogger(__name__)
@@ -55,6 +55,7 @@ class DecodeSide:
         self.on_link_row: Callable[[Row], None] | None = None  # every producer link row taken (tests)
         self.rotate_due = ""  # why our NIXL agent must be replaced (a revoked node held its metadata)
         self.rotations = 0  # NIXL agents replaced so far (each name is new)
+        self.exposure = Exposure()  # who holds our current agent's metadata (links dropped or not)
         self._agent_base = ctx.agent_name
 
     @property
@@ -95,16 +96,19 @@ class DecodeSide:
             return refuse(str(exc))
         # Older, repeated and already-ended attempts are the counter's rows to decide.
         timeout_ms = int(bounded_s(msg.timeout_ms, self.cfg.register_timeout_s) * 1000)
+        # One fresh key per producer and attempt, told only to that producer (over CURVE): the
+        # counter counts only a notification tagged with it (kvpush.proto.notif).
+        keys = tuple(secrets.token_bytes(KEY_BYTES) for _ in fanout)
         forwards = tuple(
             proto.PeerRegister(tid, msg.attempt, msg.block_ids, msg.num_tokens, a.rank, a.tp_size, dests,
-                               timeout_ms, msg.first_token, msg.secret)
-            for _, dests in fanout
+                               timeout_ms, msg.first_token, msg.secret, key)
+            for (_, dests), key in zip(fanout, keys, strict=True)
         )
         endpoints = tuple(msg.prefill_endpoints[r] for r, _ in fanout)
         # The counter answers Accepted, which forwards the registrations, or Refuse (apply).
         self.apply(ctr.Registered(
             tid, msg.attempt, len(fanout), now, now + timeout_ms / 1000.0,
-            endpoints=endpoints, ranks=tuple(r for r, _ in fanout), forwards=forwards,
+            endpoints=endpoints, ranks=tuple(r for r, _ in fanout), forwards=forwards, keys=keys,
         ))
 
     def abort(self, tid: str, attempt: int, reason: str, now: float) -> bool:
@@ -254,6 +258,7 @@ class DecodeSide:
             return False
         peer.since = peer.last_seen = now
         self.ctx.wire.to_producer(peer.endpoint, make_hello(self.ctx, reply=False))
+        self.exposure.sent(peer.node)
         return True
 
     def _fail_one(self, endpoint: str, msg: Any, why: str) -> list[Any]:
@@ -273,9 +278,14 @@ class DecodeSide:
     def revoke(self, allowed: set[str]) -> None:
         """The allowlist changed: drop links to nodes no longer in it (their waiters fail). Each
         held our NIXL metadata (our Hello went out when we dialled): the link table says ROTATE,
-        and one rotation replaces our agent for all of them."""
+        and one rotation replaces our agent for all of them. So does a revoked node we have no
+        link to any more (it refused our Hello, or we dropped it) that got our current agent's
+        metadata (``exposure``)."""
         for p in [p for p in self.producers.values() if p.node and p.node not in allowed]:
             self.apply(*self._link(p, pr.Revoked(), f"prefill node {p.node!r} was removed from the allowlist"))
+        gone = self.exposure.revoked(allowed)
+        if gone and not self.rotate_due:
+            self.rotate_due = f"prefill node(s) {', '.join(map(repr, gone))} that got our metadata were revoked"
         if self.rotate_due:
             self.rotate(self.rotate_due)
 
@@ -295,6 +305,7 @@ class DecodeSide:
             self.ctx.fence(f"NIXL agent rotation after a revocation failed: {exc}")
             return
         self.ctx.agent_name = name
+        self.exposure.replaced()  # the links below re-dial with the new metadata (sent again)
         links = list(self.producers.values())
         for p in links:
             self.apply(*self._link(p, pr.Rotated(), f"prefill daemon {p.endpoint}: our NIXL agent was "
@@ -355,7 +366,7 @@ class DecodeSide:
                 self.ctx.bad("notification", f"malformed notification from {agent}")
                 continue
             senders = frozenset(ep for ep, p in self.producers.items() if p.agent_name == agent)
-            out.append(ctr.Noticed(n.transfer_id, n.attempt, n.producer_rank, agent, senders, now))
+            out.append(ctr.Noticed(n.transfer_id, n.attempt, n.producer_rank, agent, senders, now, n.tag))
         return out
 
     def poll_cap(self, now: float) -> float:
@@ -393,6 +404,9 @@ class DecodeSide:
             self.ctx.trace.stamp(tid, "d.daemon.notif_seen")
         elif isinstance(act, ctr.Stranger):
             self.ctx.bad("notification", f"notification for {tid} from unexpected agent {act.agent}")
+        elif isinstance(act, ctr.Tampered):
+            self.ctx.bad(f"notification_{act.why}", f"{act.why} notification for {tid} attempt {act.attempt} "
+                                                    f"(NIXL agent {act.agent!r}): not counted")
         elif isinstance(act, ctr.PollNow):
             return self._noticed(self.ctx.transport.notifications(), act.now)
         if isinstance(act, ctr.Complete):

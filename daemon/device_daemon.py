@@ -348,7 +348,10 @@ class DeviceDaemon:
             if auth.allow.refresh():  # a node added, rotated or revoked
                 names = auth.allow.names()
                 self.prefill.revoke(names, now)
+                rotations = self.decode.rotations
                 self.decode.revoke(names)
+                if self.decode.rotations != rotations:  # role both: our agent and mapping were replaced
+                    self.prefill.forget_preps()
         m = self.ctx.metrics
         m.set_peers("ready", sum(p.state is PeerLinkState.READY for p in self.decode.producers.values())
                     + len(self.prefill.consumers))

@@ -37,7 +37,7 @@ from kvpush.daemon.core.planner import PlanError, addresses, block_pattern, plan
 from kvpush.daemon.handshake import compat_error, make_hello, refusal
 from kvpush.daemon.io.layer_gate import EventError, LayerGate
 from kvpush.daemon.trust.peerauth import endpoint_host
-from kvpush.proto.notif import Notification
+from kvpush.proto.notif import KEY_BYTES, Notification
 from kvpush.proto.params import MAX_SECRET
 
 log = logging.getLogger(__name__)
@@ -328,6 +328,8 @@ class PrefillSide:
             why = "expected_dests must be positive"
         elif len(msg.secret) > MAX_SECRET:
             why = f"secret of {len(msg.secret)} chars exceeds {MAX_SECRET}"
+        elif len(msg.key) != KEY_BYTES:  # the decode side counts only a notification tagged with it
+            why = f"notification key of {len(msg.key)} bytes, not {KEY_BYTES}"
         else:
             why = check_blocks(peer.layout, msg.block_ids, msg.num_tokens, "peer register", msg.first_token)
         # The decode side gives up at its deadline even with a WRITE in flight, so the last
@@ -347,7 +349,7 @@ class PrefillSide:
         self.apply(rv.Registered(
             msg.transfer_id, msg.attempt, peer.key, msg.dest_rank, msg.expected_dests, msg.block_ids,
             msg.num_tokens, now, now + max(0.0, deadline - margin), msg.first_token, peer.node, msg.secret,
-            self.worth_streaming(peer, msg.num_tokens - msg.first_token),
+            self.worth_streaming(peer, msg.num_tokens - msg.first_token), msg.key,
         ))
 
     def stream_min_tokens(self) -> int:
@@ -428,6 +430,14 @@ class PrefillSide:
                 log.warning("release of a prepared local list: %s", exc)
         self._local_prep.clear()
 
+    def forget_preps(self) -> None:
+        """Our NIXL agent was replaced (a rotation; host memory is mapped at a new address too):
+        the prepared lists died with the old agent and name old addresses. Dropped, not released
+        (the new agent never knew them); WRITEs build new ones."""
+        for c in self.consumers.values():
+            c.prepped = None
+        self._local_prep.clear()
+
     def _unprep(self, peer: Consumer) -> None:
         if peer.prepped is not None:
             try:
@@ -450,7 +460,7 @@ class PrefillSide:
             err = "decode peer is gone"
         if not err:
             assert me is not None and peer is not None
-            notif = Notification(a.transfer_id, a.attempt, me.rank).encode()
+            notif = Notification.signed(a.key, a.transfer_id, a.attempt, me.rank).encode()
             tr = self.ctx.transport
             try:
                 if peer.prepped is not None:

@@ -18,11 +18,12 @@ from kvpush.proto.layout import KVLayout
 # 2: Attach carries one MemoryHandle per region, Hello one base per region.
 # 3: PeerRegister.timeout_ms (was deadline_ms: it always was a duration, not a deadline).
 # 4: layer-wise streaming (LayerProgress, LayerEvents), least-reach handshakes and bound transfers.
-PROTOCOL_VERSION = 4
+# 5: PeerRegister.key; the NIXL notification carries an HMAC under it (kvpush.proto.notif, "kvp2").
+PROTOCOL_VERSION = 5
 #: Older versions whose ``Error`` message is this version's, field for field: a sender on one
 #: of them is refused with an Error in its own envelope (it can read why), and its refusals
 #: of us are read too. Every other message of another version is refused as a whole.
-ERROR_COMPATIBLE_VERSIONS = frozenset({2, 3})
+ERROR_COMPATIBLE_VERSIONS = frozenset({2, 3, 4})
 
 MEMORY_KINDS = frozenset({"cpu_shm", "cuda_ipc"})
 MEM_TYPES = frozenset({"DRAM", "VRAM"})  # NIXL memory types of registered regions
@@ -331,6 +332,11 @@ class PeerRegister:
     timeout_ms: int  # how long from now the decode side waits for the WRITE (capped by config)
     first_token: int = 0  # as in Register: destination blocks start at this token
     secret: str = ""  # the transfer's secret (as in Register), for a transfer bound to one
+    # This registration's notification key (proto.notif.KEY_BYTES random bytes, new per
+    # registration and producer): the producer tags its NIXL notification with it, and the
+    # decode side counts only a notification whose tag verifies. It travels only here, over
+    # the CURVE-encrypted link to the producer the registration names.
+    key: bytes = b""
 
 
 @message

@@ -26,3 +26,4 @@ class Cause(enum.StrEnum):
     OVERLOADED = "overloaded"  # the core holds max_live records
     QUOTA = "quota"  # prefill side: the registering peer would go over its share
     UNBOUND = "unbound"  # prefill side: the transfer is bound to another party (identity or secret)
+    FORGED = "forged"  # decode side: a notification not from the chosen producer (bad tag, or a replay)

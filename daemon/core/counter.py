@@ -27,9 +27,14 @@ carry them out (``SendCancel`` the producers to tell, ``Complete``/``Fail`` the
 registration's age and size), and a producer's answer may name it by endpoint: the shell
 keeps no record of its own and does not ask back. A NIXL notification (``Noticed``) names its
 producer by TP rank and comes with the endpoints of the producers whose NIXL agent sent it
-(agents are the shell's knowledge): it counts only for the transfer's newest live attempt
-and only from that producer's agent (``Arrived``), anything else is ignored or reported
-(``Stranger``).
+(agents are the shell's knowledge) and the tag it carries: it counts only for the transfer's
+newest live attempt, only if its tag verifies under the key this registration gave that
+producer (``Registered.keys``, :func:`kvpush.proto.notif.authentic`) and only from that
+producer's agent (``Arrived``). NIXL lets any agent that holds our metadata take any name
+and write into our blocks, so a tag that does not verify, or a second notification of a
+producer already counted (a replay), is ``Tampered``: never counted, and the attempt fails
+(its producers are cancelled first, as for a producer failure): blocks an impostor may have
+written are recomputed, never decoded from. Anything else is ignored or reported (``Stranger``).
 
 Events are facts in the past tense (``Registered``, ``Notified``, ``ProducerCancelled``,
 ``Aborted`` ...), never a wire message's name: the shell (:mod:`kvpush.daemon.decode_side`)
@@ -49,12 +54,13 @@ from typing import Any
 
 from kvpush.common.machine.core import Core, Record, Table, _Deadline, row
 from kvpush.daemon.core.causes import Cause
+from kvpush.proto.notif import Notification, authentic
 
 __all__ = [
     "Aborted", "Accepted", "Action", "Announced", "Arrived", "ProducerCancelled", "Cause", "Complete",
     "CompletionCounter", "Event", "Registered", "Fail", "Noticed", "Notified", "PendingInfo", "PollNow",
     "ProducerFailed", "Refuse", "Registration", "Release", "SendCancel", "State", "Stranger", "TABLE",
-    "TOMBSTONES", "Tick",
+    "TOMBSTONES", "Tampered", "Tick",
 ]
 
 HINT_S = 0.02  # how long a completed WRITE keeps the tight poll if its notification never shows
@@ -67,8 +73,9 @@ MAX_GROUP_HINTS = 64  # group WRITEs tracked in flight per attempt (producers ke
 class Registered:
     """The engine registered blocks; ``producers`` producers will each notify exactly once.
 
-    ``endpoints[i]``, ``ranks[i]`` and ``forwards[i]`` describe producer ``i`` (its daemon's
-    endpoint, its TP rank, what to send it); empty, or one entry per producer."""
+    ``endpoints[i]``, ``ranks[i]``, ``forwards[i]`` and ``keys[i]`` describe producer ``i``
+    (its daemon's endpoint, its TP rank, what to send it, the key its notification is tagged
+    with); empty, or one entry per producer. Without keys no notification counts."""
 
     transfer_id: str
     attempt: int
@@ -78,6 +85,7 @@ class Registered:
     endpoints: tuple[str, ...] = ()
     ranks: tuple[int, ...] = ()
     forwards: tuple[Any, ...] = ()
+    keys: tuple[bytes, ...] = field(default=(), repr=False)
 
 
 @dataclass(frozen=True)
@@ -144,8 +152,10 @@ class Announced:
 class Noticed:
     """NIXL delivered a notification naming this attempt and producer rank, sent by NIXL agent
     ``agent``; ``senders``: the endpoints of the producers whose agent that is (the shell's
-    links). It counts as that producer's Notified only for the newest live attempt, and only
-    if the producer's endpoint is among ``senders``."""
+    links); ``tag``: what it carries (:class:`kvpush.proto.notif.Notification`). It counts as
+    that producer's Notified only for the newest live attempt, only if its tag verifies under
+    that producer's key and it is the first one that does, and only if the producer's endpoint
+    is among ``senders``."""
 
     transfer_id: str
     attempt: int
@@ -153,6 +163,7 @@ class Noticed:
     agent: str
     senders: frozenset[str]
     now: float
+    tag: str = ""
 
 
 @dataclass(frozen=True)
@@ -264,7 +275,19 @@ class Stranger:
     agent: str
 
 
-Action = Accepted | Complete | Fail | Refuse | Release | SendCancel | PollNow | Arrived | Stranger
+@dataclass(frozen=True)
+class Tampered:
+    """A notification for this attempt that its producer did not send: its tag does not verify
+    (``why`` "forged": another agent, another attempt's or transfer's tag, or none), or it
+    repeats one already counted (``why`` "replayed"). Never counted; a live attempt fails."""
+
+    transfer_id: str
+    attempt: int
+    agent: str
+    why: str
+
+
+Action = Accepted | Complete | Fail | Refuse | Release | SendCancel | PollNow | Arrived | Stranger | Tampered
 
 # --------------------------------------------------------------------------- states
 
@@ -327,12 +350,14 @@ class _Attempt(Record):
     endpoints: tuple[str, ...] = ()
     ranks: tuple[int, ...] = ()
     forwards: tuple[Any, ...] = ()
+    keys: tuple[bytes, ...] = ()
     notified: set[int] = field(default_factory=set)
     resolved: set[int] = field(default_factory=set)
     reason: str = ""  # the first producer failure
     cause: Cause = Cause.PRODUCER_FAILED
     may_land: bool = False  # a producer given up on may still write (ProducerFailed.may_land)
     superseded: bool = False  # a newer attempt was accepted: this one is not the newest
+    tainted: bool = False  # a notification its producers did not send came (Tampered): it fails
     # What its producers announced (Announced): wake-ups for the poll, never proofs.
     announced_until: float = float("-inf")  # a WRITE announced may still land until
     poll_until: float = float("-inf")  # poll tightly until: its final WRITE is on its way
@@ -486,6 +511,7 @@ class CompletionCounter(Core[_Key, _Attempt]):
             endpoints=tuple(ev.endpoints),
             ranks=tuple(ev.ranks),
             forwards=tuple(ev.forwards),
+            keys=tuple(ev.keys),
         )
         for ep in set(rec.endpoints):
             self._index_add(key, rec, ep)
@@ -513,7 +539,7 @@ class CompletionCounter(Core[_Key, _Attempt]):
 
 
 def invalid(cc: CompletionCounter, rec: None, ev: Registered) -> bool:
-    sized = (ev.endpoints, ev.ranks, ev.forwards)
+    sized = (ev.endpoints, ev.ranks, ev.forwards, ev.keys)
     return ev.attempt < 0 or ev.producers < 1 or any(t and len(t) != ev.producers for t in sized)
 
 
@@ -572,6 +598,21 @@ def not_counted_here(cc: CompletionCounter, rec: _Attempt, ev: Noticed) -> bool:
     """A notification for an attempt that is not the transfer's newest, or from a producer
     rank this attempt has none of: ignored by design (stale, or not ours)."""
     return rec.superseded or ev.producer_rank not in rec.ranks
+
+
+def _tamper(rec: _Attempt, ev: Noticed) -> str:
+    """Why the producer this notification names did not send it ("forged": its tag does not
+    verify under that producer's key; "replayed": that producer's was counted already), or ""."""
+    p = rec.ranks.index(ev.producer_rank)
+    key = rec.keys[p] if rec.keys else b""
+    if not authentic(key, Notification(ev.transfer_id, ev.attempt, ev.producer_rank, ev.tag)):
+        return "forged"
+    return "replayed" if p in rec.notified else ""
+
+
+def tampered(cc: CompletionCounter, rec: _Attempt, ev: Noticed) -> bool:
+    """For one of this attempt's producer ranks, and not sent by that producer (see ``_tamper``)."""
+    return ev.producer_rank in rec.ranks and bool(_tamper(rec, ev))
 
 
 def stranger(cc: CompletionCounter, rec: _Attempt, ev: Noticed) -> bool:
@@ -731,6 +772,20 @@ def report_stranger(cc: CompletionCounter, rec: _Attempt, ev: Noticed, out: list
     out.append(Stranger(rec.transfer_id, rec.attempt, ev.agent))
 
 
+def report_tampered(cc: CompletionCounter, rec: _Attempt, ev: Noticed, out: list) -> None:
+    out.append(Tampered(rec.transfer_id, rec.attempt, ev.agent, _tamper(rec, ev)))
+
+
+def taint(cc: CompletionCounter, rec: _Attempt, ev: Noticed, out: list) -> None:
+    """Someone else may have written into these blocks: the attempt fails (the engine
+    recomputes), once its producers answered the cancel (``cancel_failed``) as for a failure."""
+    rec.tainted = True
+    if not rec.reason:
+        rec.reason = (f"{_tamper(rec, ev)} notification for producer rank {ev.producer_rank} from NIXL agent "
+                      f"{ev.agent!r} refused: the blocks are not trusted")
+        rec.cause = Cause.FORGED
+
+
 # ========================================================================= the table
 
 _WT, _FG, _AB, _SU = State.WAITING, State.FAILING, State.ABORTING, State.SUPERSEDED
@@ -812,20 +867,30 @@ TABLE = Table(State, (Registered, *_RESULTS, Aborted, _Deadline, Announced, Noti
     *[row(s, Announced, None, s, note_write) for s in (_WT, _FG, _AB, _SU)],
     *[row(s, Announced, None, s) for s in (_CO, _FD, _RL)],
 
-    # --- a NIXL notification: Notified, for the newest live attempt, from its producer's agent
+    # --- a NIXL notification: Notified, for the newest live attempt, from its producer (its
+    # tag), its producer's agent; one its producer did not send fails a live attempt.
     row(None, Noticed, None, None),  # stale or unknown: ignored by design
-    *[r for s in (_WT, _FG, _AB) for r in (
+    row(_WT, Noticed, not_counted_here, _WT),
+    row(_WT, Noticed, tampered, _FG, report_tampered, taint, cancel_failed),
+    *[r for s in (_FG, _AB) for r in (
         row(s, Noticed, not_counted_here, s),
-        row(s, Noticed, stranger, s, report_stranger),
-        row(s, Noticed, unresolvable, s, arrived),  # a repeat
+        row(s, Noticed, tampered, s, report_tampered, taint),  # failing or released already
     )],
+    *[row(s, Noticed, stranger, s, report_stranger) for s in (_WT, _FG, _AB)],
+    row(_WT, Noticed, unresolvable, _WT, unreachable="in WAITING each resolved producer notified: a repeat "
+                                                     "is Tampered (replayed)"),
+    *[row(s, Noticed, unresolvable, s, arrived) for s in (_FG, _AB)],  # it failed (may_land) or cancelled: late
     row(_WT, Noticed, completes, _CO, arrived, resolve, complete),
     row(_WT, Noticed, None, _WT, arrived, resolve),
     row(_FG, Noticed, last_unresolved, _FD, arrived, resolve, fail),
     row(_FG, Noticed, None, _FG, arrived, resolve),
     row(_AB, Noticed, last_unresolved, _RL, arrived, resolve, release),
     row(_AB, Noticed, None, _AB, arrived, resolve),
+    row(_SU, Noticed, tampered, _SU, report_tampered),  # reported, not counted anyway
     row(_SU, Noticed, None, _SU),  # not the newest attempt
-    *[row(s, Noticed, None, s) for s in (_CO, _FD, _RL)],  # its outcome was told
+    *[r for s in (_CO, _FD, _RL) for r in (
+        row(s, Noticed, tampered, s, report_tampered),
+        row(s, Noticed, None, s),  # its outcome was told
+    )],
 ])  # fmt: skip
 del _WT, _FG, _AB, _SU, _CO, _FD, _RL

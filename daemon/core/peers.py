@@ -30,6 +30,7 @@ its handshake, when it was last heard), and its clock events come from :meth:`Pr
 from __future__ import annotations
 
 import enum
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -286,6 +287,30 @@ class Consumer:
         prepped = self.prepped[0].entries * self.prepped[0].dst_blocks if self.prepped else 0
         return {**_describe(self, "consumer", now, 0, prepped),
                 "write_mb_s": round(self.rate.bps / 1e6, 1) if self.rate.samples else None}
+
+
+@dataclass
+class Exposure:
+    """Decode side: the nodes our current NIXL agent's metadata went to (every Hello we dialled
+    with), for as long as that agent lives, whatever became of their links. A node that refused
+    our Hello, or whose link we dropped, still holds what it loaded, so its revocation must
+    replace the agent too (issue 44, item 2). Bounded by the allowlist: a node is a certificate
+    name (the ``insecure_peers`` "" is not kept: nothing is revoked there)."""
+
+    nodes: set[str] = field(default_factory=set)
+
+    def sent(self, node: str) -> None:
+        """Our Hello (our metadata) went to ``node``."""
+        if node:
+            self.nodes.add(node)
+
+    def revoked(self, allowed: Collection[str]) -> list[str]:
+        """The nodes that hold our agent's metadata and are no longer allowed: non-empty, rotate."""
+        return sorted(self.nodes.difference(allowed))
+
+    def replaced(self) -> None:
+        """Our agent was replaced: nobody holds the new one's metadata until we send it."""
+        self.nodes.clear()
 
 
 def _describe(p: Producer | Consumer, role: str, now: float, queued: int, prepped: int) -> dict[str, Any]:

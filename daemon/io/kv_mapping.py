@@ -26,6 +26,8 @@ re-attaches with the same file. ``reap_orphaned`` is the one-handle form of the 
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
 import logging
 import mmap
@@ -117,6 +119,15 @@ def _check_file(path: str, st: os.stat_result, owner: ShmOwner) -> None:
 # ---- daemon side --------------------------------------------------------------------------
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mremap.restype = ctypes.c_void_p
+    libc.mremap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
+    libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return libc
+
+
 class MappedRegion(ABC):
     """Engine memory mapped into this process: ``[base, base + size)`` starts at the
     exported tensor's first byte. Register it with NIXL only after mapping (addresses are
@@ -135,6 +146,11 @@ class MappedRegion(ABC):
     @abstractmethod
     def close(self) -> None:
         """Unmap (after the transport deregistered the region)."""
+
+    def relocate(self) -> None:  # noqa: B027 (nothing to do for memory cma cannot reach)
+        """Move this process's mapping of the region to a new address (``base`` changes) and
+        make the old one unreachable (deregister it from NIXL first). Only host memory needs
+        it: see :meth:`ShmRegion.relocate`."""
 
     def __enter__(self) -> MappedRegion:
         return self
@@ -174,6 +190,8 @@ class ShmRegion(MappedRegion):
             self._mm: mmap.mmap | None = mmap.mmap(fd, file_size, flags=mmap.MAP_SHARED)
         finally:
             os.close(fd)
+        self._file_size = file_size
+        self._retired: list[mmap.mmap] = []  # old mappings, PROT_NONE, kept reserved (relocate)
         self.kind = "cpu_shm"
         self.mem_type = "DRAM"
         self.device = 0
@@ -196,8 +214,40 @@ class ShmRegion(MappedRegion):
             raise RegionError("region is closed")
         return np.frombuffer(self._mm, dtype=np.uint8, count=self.size, offset=self._start)
 
+    def relocate(self) -> None:
+        """After a NIXL agent rotation: a same-host process that held the old agent's metadata
+        can still reach the old address with cross-memory attach (UCX ``cma``:
+        process_vm_writev / readv, which need no NIXL connection), so the region is mapped again
+        at a new address (a second mapping of the same pages, made from the first with
+        ``mremap(old, 0, ...)``: no file needed) and the old range is made PROT_NONE and kept
+        reserved (never unmapped while the region lives, so nothing else is ever mapped
+        there): a cma READ or WRITE at an old address fails (EFAULT) and no byte lands."""
+        if self._mm is None:
+            raise RegionError("region is closed")
+        old = self._mm
+        addr = np.frombuffer(old, dtype=np.uint8, count=1).ctypes.data
+        new = mmap.mmap(-1, self._file_size, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
+        new_addr = np.frombuffer(new, dtype=np.uint8, count=1).ctypes.data
+        # the same pages at new_addr (MREMAP_MAYMOVE | MREMAP_FIXED, old_size 0: a new mapping
+        # of a shared mapping's pages, the old one left in place)
+        got = _libc().mremap(ctypes.c_void_p(addr), ctypes.c_size_t(0), ctypes.c_size_t(self._file_size),
+                             ctypes.c_int(1 | 2), ctypes.c_void_p(new_addr))
+        if got in (None, ctypes.c_void_p(-1).value) or got != new_addr:
+            raise RegionError(f"mremap of the region failed: {os.strerror(ctypes.get_errno())}")
+        if _libc().mprotect(ctypes.c_void_p(addr), ctypes.c_size_t(self._file_size), ctypes.c_int(0)) != 0:
+            raise RegionError(f"mprotect of the old mapping failed: {os.strerror(ctypes.get_errno())}")
+        self._retired.append(old)
+        self._mm = new
+        self.base = new_addr + self._start
+
     def close(self) -> None:
         """Unmap (idempotent). Deregister from NIXL first."""
+        for old in self._retired:
+            try:
+                old.close()
+            except BufferError:
+                pass  # a view of it lives on: the range stays reserved (PROT_NONE)
+        self._retired.clear()
         if self._mm is None:
             return
         try:

@@ -152,6 +152,8 @@ class NixlTransport:
         self._check_open()
         regions = [r for r, _ in self._regs]
         self.close()
+        for r in regions:  # the old addresses reach nothing, cma included (ShmRegion.relocate)
+            r.relocate()
         self._agent = self._new_agent(name)
         self._closed = False
         self.name = name

@@ -59,7 +59,7 @@ class FakeProducer:
     daemon's Hello (keeping its NIXL metadata and region base) and refuses its registrations."""
 
     def __init__(self, keys: Any, host: str, layout: KVLayout, *, refuse: bool = True,
-                 agent_name: str = "xagent") -> None:
+                 agent_name: str = "xagent", refuse_hello: bool = False) -> None:
         me = PeerAuth.load(keys.secret_file, keys.authorized_dir)
         self.s = zmq.Context.instance().socket(zmq.ROUTER)
         self.s.setsockopt(zmq.LINGER, 0)
@@ -72,6 +72,7 @@ class FakeProducer:
         self.layout = layout
         self.refuse = refuse  # answer each registration WriteFailedNotice (else: keep it, write nothing)
         self.agent_name = agent_name  # what its Hello reply says its NIXL agent is
+        self.refuse_hello = refuse_hello  # keep the Hello's metadata, answer it with a refusal
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -82,7 +83,10 @@ class FakeProducer:
                 continue
             ident, frame = self.s.recv_multipart()
             msg = proto.decode(frame)
-            if isinstance(msg, proto.Hello) and not msg.reply:
+            if isinstance(msg, proto.Hello) and not msg.reply and self.refuse_hello:
+                self.hellos.append(msg)
+                self.s.send_multipart([ident, proto.encode(proto.Error("handshake", "refused"))])
+            elif isinstance(msg, proto.Hello) and not msg.reply:
                 self.hellos.append(msg)
                 lay_ = self.layout
                 self.s.send_multipart([ident, proto.encode(proto.Hello(

@@ -184,7 +184,7 @@ def test_bad_input_on_every_endpoint_writes_nothing(pd):
         old = bad.replace(b"\xa1v\x09", b"\xa1v\x02")
         reply = raw_request(p.cfg.engine_socket, old)
         assert msgpack.unpackb(reply)["v"] == 2
-        assert proto.decode(reply) == proto.Error("protocol", "unsupported protocol version 2 (this side speaks 4)")
+        assert proto.decode(reply) == proto.Error("protocol", "unsupported protocol version 2 (this side speaks 5)")
         assert msgpack.unpackb(raw_request(p.cfg.engine_socket, bad))["v"] == proto.PROTOCOL_VERSION
         # A frame announced over max_message_bytes: the connection is closed, nothing buffered.
         with pytest.raises(EOFError):

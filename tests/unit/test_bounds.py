@@ -188,7 +188,7 @@ def test_a_repeat_of_a_held_registration_is_never_refused_by_the_quota():
     t = tid()
     _register(d, p, t, [1, 2])
     net.run()
-    d.wire.to_producer(p.endpoint, proto.PeerRegister(t, 0, (1, 2), 20, 0, 1, 1, 20_000))  # the same again
+    d.wire.to_producer(p.endpoint, proto.PeerRegister(t, 0, (1, 2), 20, 0, 1, 1, 20_000, key=bytes(32)))  # the same again
     net.run()
     assert t not in _failures(d) and p.prefill.rdv.live(t)
 

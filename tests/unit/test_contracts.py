@@ -4,13 +4,25 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvpush.proto import naming, params
-from kvpush.proto.notif import Notification
+from kvpush.proto.notif import Notification, authentic
 
 
-@given(st.text(min_size=1, max_size=40), st.integers(0, 2**31), st.integers(0, 1024))
-def test_notification_round_trips_any_transfer_id(tid, attempt, rank):
-    n = Notification(tid, attempt, rank)
-    assert Notification.decode(n.encode()) == n
+@given(st.text(min_size=1, max_size=40), st.integers(0, 2**31), st.integers(0, 1024), st.binary(min_size=1))
+def test_notification_round_trips_any_transfer_id(tid, attempt, rank, key):
+    n = Notification.signed(key, tid, attempt, rank)
+    assert Notification.decode(n.encode()) == n and authentic(key, n)
+
+
+def test_a_notification_verifies_only_under_its_key_for_what_it_says():
+    """The tag binds the key (the registration's producer), the transfer, the attempt and the
+    producer rank: change any of them and it no longer verifies; no key verifies nothing."""
+    k = b"k" * 32
+    n = Notification.signed(k, "t|1", 2, 3)
+    assert authentic(k, n)
+    assert not authentic(b"j" * 32, n) and not authentic(b"", Notification.signed(b"", "t|1", 2, 3))
+    for other in (Notification("t|2", 2, 3, n.tag), Notification("t|1", 1, 3, n.tag),
+                  Notification("t|1", 2, 0, n.tag), Notification("t|1", 2, 3, "")):
+        assert not authentic(k, other), other
 
 
 @given(st.binary(max_size=64))
@@ -20,9 +32,14 @@ def test_notification_decode_is_total(data):
 
 
 def test_notification_rejects_other_prefixes_and_negatives():
-    assert Notification.decode(b"kvp0|t|1|0") is None
-    assert Notification.decode(b"kvp1|t|-1|0") is None
-    assert Notification.decode(b"kvp1|t|1") is None
+    tag = b"0" * 64
+    assert Notification.decode(b"kvp2|t|1|0|" + tag) == Notification("t", 1, 0, tag.decode())
+    assert Notification.decode(b"kvp1|t|1|0") is None  # version 4's untagged notification
+    assert Notification.decode(b"kvp1|t|1|0|" + tag) is None
+    assert Notification.decode(b"kvp2|t|-1|0|" + tag) is None
+    assert Notification.decode(b"kvp2|t|1|" + tag) is None
+    assert Notification.decode(b"kvp2|t|1|0|" + tag[:-1]) is None
+    assert Notification.decode(b"kvp2|t|1|0|" + b"G" * 64) is None
 
 
 def test_legs_round_trip_and_reject_malformed():

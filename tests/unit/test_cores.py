@@ -27,6 +27,7 @@ from kvpush.daemon.core import counter as cm
 from kvpush.daemon.core import rendezvous as rz
 from kvpush.daemon.core.causes import Cause
 from kvpush.daemon.core.quotas import Quota
+from kvpush.proto.notif import Notification, authentic
 
 # ------------------------------------------------------------------ the Table itself
 
@@ -191,6 +192,11 @@ def rz_events(rng: random.Random, n: int, bind: bool = False) -> Iterator[Any]:
     yield rz.Tick(now + 1e4)
 
 
+def _key(tid: str, attempt: int, rank: int) -> bytes:
+    """The key cm_events' registrations give producer ``rank`` of (tid, attempt)."""
+    return f"{tid}/{attempt}/{rank}".encode()
+
+
 def cm_events(rng: random.Random, n: int) -> Iterator[Any]:
     """Registrations (with endpoints, ranks, forwards) and producer results aimed mostly
     at them, with stale, duplicate, out-of-range and unknown ones mixed in."""
@@ -204,7 +210,8 @@ def cm_events(rng: random.Random, n: int) -> Iterator[Any]:
             ranks = tuple(rng.sample(range(8), p))
             known.append((tid, att, p))
             fwds = tuple(f"fwd{r}" for r in ranks)
-            yield cm.Registered(tid, att, p, now, now + rng.uniform(-1, 30), eps, ranks, fwds)
+            keys = tuple(_key(tid, att, r) for r in ranks)
+            yield cm.Registered(tid, att, p, now, now + rng.uniform(-1, 30), eps, ranks, fwds, keys)
             continue
         tid, att, p = rng.choice(known) if rng.random() < 0.85 else (rng.choice("ab"), rng.randrange(3), 2)
         r = rng.randrange(p + 1)
@@ -222,7 +229,10 @@ def cm_events(rng: random.Random, n: int) -> Iterator[Any]:
             yield cm.Announced(tid, att, rng.randrange(8), rng.choice([0, 0, 1, 2]), rng.random() < 0.5, now)
         elif k < 0.84:
             senders = frozenset(rng.sample(["e0", "e1", "e2", "e3"], rng.choice([0, 1, 1, 4])))
-            yield cm.Noticed(tid, att, rng.randrange(8), "agent", senders, now)
+            rank = rng.randrange(8)
+            signer = (tid, att) if rng.random() < 0.6 else (rng.choice("ab"), rng.randrange(3))  # or a forgery
+            tag = Notification.signed(_key(*signer, rank), tid, att, rank).tag
+            yield cm.Noticed(tid, att, rank, "agent", senders, now, tag)
         else:
             now += rng.uniform(0, 6)
             yield cm.Tick(now)
@@ -378,7 +388,7 @@ def _cm_facts(c: cm.CompletionCounter, key: tuple, rec: Any, r: Row) -> None:
     if s is cm.State.WAITING:
         assert rec.resolved == rec.notified and c.current(rec.transfer_id) == rec.attempt
     elif s is cm.State.FAILING:
-        assert rec.reason and rec.resolved != rec.notified
+        assert rec.reason and (rec.resolved != rec.notified or rec.tainted)
     elif s is cm.State.SUPERSEDED:  # the newest may be purged before this one settles
         assert c.current(rec.transfer_id) != rec.attempt
     elif s is cm.State.COMPLETED:
@@ -404,6 +414,8 @@ def test_counter_states_follow_the_table_and_the_queries_agree(seed: int, tomb: 
             rec = cc._recs.get((ev.transfer_id, ev.attempt))
             if (rec is not None and rec.state not in cm.TOMBSTONES and not rec.superseded
                     and ev.producer_rank in rec.ranks
+                    and authentic(_key(ev.transfer_id, ev.attempt, ev.producer_rank),
+                                  Notification(ev.transfer_id, ev.attempt, ev.producer_rank, ev.tag))
                     and rec.endpoints[rec.ranks.index(ev.producer_rank)] in ev.senders):
                 gone.setdefault((ev.transfer_id, ev.attempt), set()).add(rec.ranks.index(ev.producer_rank))
         for a in cc.handle(ev):

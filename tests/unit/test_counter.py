@@ -32,6 +32,7 @@ from kvpush.daemon.core.counter import (
     State,
     Tick,
 )
+from kvpush.proto.notif import Notification
 
 
 def run(cc: CompletionCounter, *events: object) -> list:
@@ -537,8 +538,19 @@ def test_registered_again_the_counter_refuses_what_the_shell_used_to() -> None:
 # ----------------------------------------- every fact of a registration is the counter's
 
 
+KEYS = {4: b"k4" * 16, 5: b"k5" * 16}  # producer rank -> its key, in every attempt of _reg
+
+
 def _reg(tid: str = "t", attempt: int = 0, now: float = 0.0) -> Registered:
-    return Registered(tid, attempt, 2, now, now + 30.0, ("e0", "e1"), (4, 5), ("f0", "f1"))
+    return Registered(tid, attempt, 2, now, now + 30.0, ("e0", "e1"), (4, 5), ("f0", "f1"),
+                      (KEYS[4] + bytes([attempt]), KEYS[5] + bytes([attempt])))
+
+
+def _tag(attempt: int, rank: int, tid: str = "t", key_attempt: int | None = None) -> str:
+    """The tag producer ``rank`` of _reg's attempt ``key_attempt`` (default: ``attempt``) puts on
+    a notification saying (tid, attempt, rank)."""
+    ka = attempt if key_attempt is None else key_attempt
+    return Notification.signed(KEYS.get(rank, b"x") + bytes([ka]), tid, attempt, rank).tag
 
 
 def test_announced_writes_decide_how_tightly_to_poll() -> None:
@@ -585,7 +597,7 @@ def test_a_notification_counts_for_the_newest_attempt_from_its_producers_agent_o
     producer's agent; another agent is a Stranger, never counted; an unknown rank, a superseded
     or ended attempt, an unknown transfer are ignored by design."""
     def noticed(attempt: int, rank: int, *senders: str, tid: str = "t") -> cm.Noticed:
-        return cm.Noticed(tid, attempt, rank, "agent", frozenset(senders), 1.0)
+        return cm.Noticed(tid, attempt, rank, "agent", frozenset(senders), 1.0, _tag(attempt, rank, tid))
 
     cc = CompletionCounter()
     run(cc, _reg())
@@ -593,14 +605,50 @@ def test_a_notification_counts_for_the_newest_attempt_from_its_producers_agent_o
     assert cc.handle(noticed(0, 5)) == [cm.Stranger("t", 0, "agent")]  # no link has that agent
     assert cc.info("t", 0).notified == 0
     assert cc.handle(noticed(0, 5, "e1", "e9")) == [cm.Arrived("t", 0)]
-    assert cc.handle(noticed(0, 5, "e1")) == [cm.Arrived("t", 0)] and cc.info("t", 0).notified == 1  # a repeat
+    assert cc.info("t", 0).notified == 1
     assert cc.handle(noticed(0, 7, "e1")) == []  # no producer of that rank
     assert cc.handle(noticed(0, 5, "e1", tid="x")) == []
     run(cc, Aborted("t", 0, "stop", 1.5), _reg(attempt=1, now=2.0))  # attempt 0 aborting, superseded
     assert cc.handle(noticed(0, 4, "e0")) == []
     assert cc.handle(noticed(1, 4, "e0")) == [cm.Arrived("t", 1)]
     assert cc.handle(noticed(1, 5, "e1")) == [cm.Arrived("t", 1), Complete("t", 1)]
-    assert cc.handle(noticed(1, 5, "e1")) == []  # told already
+    assert cc.handle(noticed(1, 5, "e1")) == [cm.Tampered("t", 1, "agent", "replayed")]  # told already
+
+
+def test_a_notification_its_producer_did_not_send_is_never_counted_and_fails_the_attempt() -> None:
+    """Issue 44, item 1: the agent name is the sender's choice, the tag is not. A tag that does
+    not verify under the producer's key of this attempt (none, a guess, another attempt's or
+    transfer's), or a second notification of a producer already counted, is Tampered: not
+    counted, and the attempt fails once its producers answered the cancel (never Complete:
+    blocks an impostor may have written are recomputed). Ended or superseded: reported only."""
+    def noticed(tag: str, attempt: int = 0, rank: int = 4) -> cm.Noticed:
+        return cm.Noticed("t", attempt, rank, "pagent", frozenset({"e0", "e1"}), 1.0, tag)
+
+    for tag, why in (("", "forged"), ("0" * 64, "forged"), (_tag(0, 4, key_attempt=1), "forged"),
+                     (_tag(0, 4, tid="u"), "forged"), (_tag(0, 5), "forged")):
+        cc = CompletionCounter()
+        run(cc, _reg())
+        out = cc.handle(noticed(tag))
+        assert out[0] == cm.Tampered("t", 0, "pagent", why) and isinstance(out[1], SendCancel), tag
+        assert out[1].cause is Cause.FORGED and cc.info("t", 0).notified == 0
+        # the producers answer (the genuine notifications even): the attempt fails all the same
+        out = run(cc, cm.Noticed("t", 0, 4, "pagent", frozenset({"e0"}), 1.1, _tag(0, 4)),
+                  ProducerCancelled("t", 0, "e1", 1.2))
+        assert [type(a) for a in out] == [cm.Arrived, Fail] and out[-1].cause is Cause.FORGED, out
+        assert not out[-1].unsafe and "forged notification for producer rank 4" in out[-1].reason
+
+    cc = CompletionCounter()  # a replay while the other producer is still out
+    run(cc, _reg())
+    assert cc.handle(noticed(_tag(0, 4))) == [cm.Arrived("t", 0)]
+    out = cc.handle(noticed(_tag(0, 4)))
+    assert out == [cm.Tampered("t", 0, "pagent", "replayed"), SendCancel("t", 0, out[1].reason, Cause.FORGED)]
+    assert [type(a) for a in run(cc, ProducerCancelled("t", 0, "e1", 1.2))] == [Fail]
+
+    cc = CompletionCounter()  # another attempt's tag, claiming the newest attempt
+    run(cc, _reg(), _reg(attempt=1, now=0.5))
+    assert cc.handle(noticed(_tag(1, 4, key_attempt=0), attempt=1))[0] == cm.Tampered("t", 1, "pagent", "forged")
+    assert cc.handle(noticed("0" * 64, attempt=0)) == [cm.Tampered("t", 0, "pagent", "forged")]  # superseded
+    assert cc.handle(noticed(_tag(0, 4), attempt=0)) == []  # the old attempt's own: ignored as before
 
 
 def test_a_producer_named_by_endpoint_is_the_one_at_that_endpoint() -> None:

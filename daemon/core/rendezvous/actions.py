@@ -3,7 +3,7 @@ engine's blocks, tell a decode peer), in the order the core returns them."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvpush.daemon.core.causes import Cause
 
@@ -21,6 +21,7 @@ class StartWrite:
     num_tokens: int
     dst_first_token: int = 0
     written: tuple[Part, ...] = ()  # already in the peer's blocks (group WRITEs): may be skipped
+    key: bytes = field(default=b"", repr=False)  # the registration's notification key (Registered.key)
 
 
 @dataclass(frozen=True)

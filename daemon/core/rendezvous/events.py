@@ -29,6 +29,7 @@ class Registered:
     # Is streaming to it worth it (the shell's estimate of this registration's whole WRITE over
     # its link)? Consulted only for a stream in "auto" (LayersReady.auto): "on" streams anyway.
     stream: bool = True
+    key: bytes = b""  # what the final WRITE's notification is tagged with (PeerRegister.key)
 
 
 @dataclass(frozen=True)

@@ -163,6 +163,7 @@ def _post_final(rec: _Transfer, dest: int, out: list) -> None:
             rec.prefill.num_tokens,
             reg.first_token,
             _written(rec, dest),
+            reg.key,
         )
     )
 

@@ -16,6 +16,11 @@ daemon with ``insecure_peers = true`` (the worst case: with CURVE a stranger can
 the handshake at all, and HANDSHAKE_IVL closes it).
 
     python scripts/bench_flood.py [--floods quota,partial,half_open,junk_hello] [--conns 16]
+        [--out docs/results/peer-flood-rss.md]
+
+It prints each flood's RSS before and after, and the whole run's (the daemon's RSS at start
+and after the last flood: what a peer-port fuzz run leaves behind, issue 44 item 5), and
+writes them to ``--out`` ("" writes nothing).
 """
 
 from __future__ import annotations
@@ -155,7 +160,7 @@ def flood_quota(p: Daemon, lay: KVLayout, n: int = 5000) -> Result:
         assert hello and isinstance(hello[0], proto.Hello), hello
         for i in range(n):
             s.send(proto.encode(proto.PeerRegister(f"flood-{i}", 0, (i % lay.num_blocks,), 16, 0, 1, 1,
-                                                   60_000)))
+                                                   60_000, key=bytes(32))))
         replies = _recv_all(s, 30, n - p.cfg.max_transfers_per_peer)
         quota = sum(isinstance(m, proto.WriteFailedNotice) and m.reason.startswith("quota: ") for m in replies)
         time.sleep(0.5)
@@ -253,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--conns", type=int, default=16)
     ap.add_argument("--registers", type=int, default=5000)
     ap.add_argument("--hellos", type=int, default=2000)
+    ap.add_argument("--out", default="docs/results/peer-flood-rss.md")
     ap.add_argument("--max-message", type=int, default=0,
                     help="the daemon's max_message_bytes (default: its default; 67108864 = before)")
     a = ap.parse_args(argv)
@@ -263,10 +269,25 @@ def main(argv: list[str] | None = None) -> int:
                                  register_timeout_s=60.0, **extra))
         eng = Engine(p, lay, "prefill")
         try:
-            print(f"max_message_bytes={p.cfg.max_message_bytes} peer_handshake_s={p.cfg.peer_handshake_s} "
-                  f"max_transfers_per_peer={p.cfg.max_transfers_per_peer}")
+            head = (f"max_message_bytes={p.cfg.max_message_bytes} peer_handshake_s={p.cfg.peer_handshake_s} "
+                    f"max_transfers_per_peer={p.cfg.max_transfers_per_peer}")
+            print(head)
+            start, lines = rss(p), []
             for name in a.floods.split(","):
-                print(FLOODS[name](p, lay, a).line(), flush=True)
+                lines.append(FLOODS[name](p, lay, a).line())
+                print(lines[-1], flush=True)
+            end = rss(p)
+            total = f"whole run  rss {start / MiB:8.1f} -> {end / MiB:8.1f} MiB ({(end - start) / MiB:+.1f})"
+            print(total, flush=True)
+            if a.out:
+                Path(a.out).write_text(
+                    "# Peer-port floods: the prefill daemon's RSS before and after\n\n"
+                    "Written by `scripts/bench_flood.py` (`kvpush_dev.bench.flood`): one daemon "
+                    "(`insecure_peers`, the worst case), each flood in turn, RSS from `psutil`. "
+                    "What grows is bounded by configuration: partial frames by sessions x "
+                    "`max_message_bytes` (ZeroMQ's buffers, kept by the allocator after the "
+                    "connections close), registrations by `max_transfers_per_peer`.\n\n"
+                    f"```\n{head}\n" + "\n".join(lines) + f"\n{total}\n```\n")
         finally:
             eng.close()
             p.stop()

@@ -82,7 +82,7 @@ class DecodeSide:
 
         if self.ctx.draining:
             return refuse("daemon is draining")
-        why = check_blocks(a.layout, msg.block_ids, msg.num_tokens, "register", msg.first_token)
+        why = check_blocks(a.layout, msg.block_ids, msg.num_tokens, "register", msg.first_token, msg.kv_groups)
         if why:
             return refuse(why)
         if len(msg.secret) > MAX_SECRET:
@@ -97,7 +97,7 @@ class DecodeSide:
         timeout_ms = int(bounded_s(msg.timeout_ms, self.cfg.register_timeout_s) * 1000)
         forwards = tuple(
             proto.PeerRegister(tid, msg.attempt, msg.block_ids, msg.num_tokens, a.rank, a.tp_size, dests,
-                               timeout_ms, msg.first_token, msg.secret)
+                               timeout_ms, msg.first_token, msg.secret, msg.kv_groups)
             for _, dests in fanout
         )
         endpoints = tuple(msg.prefill_endpoints[r] for r, _ in fanout)

@@ -18,11 +18,12 @@ from kvpush.proto.layout import KVLayout
 # 2: Attach carries one MemoryHandle per region, Hello one base per region.
 # 3: PeerRegister.timeout_ms (was deadline_ms: it always was a duration, not a deadline).
 # 4: layer-wise streaming (LayerProgress, LayerEvents), least-reach handshakes and bound transfers.
-PROTOCOL_VERSION = 4
+# 5: hybrid KV cache groups: Register / PeerRegister / PrefillDone.kv_groups, KVLayout.kv_groups.
+PROTOCOL_VERSION = 5
 #: Older versions whose ``Error`` message is this version's, field for field: a sender on one
 #: of them is refused with an Error in its own envelope (it can read why), and its refusals
 #: of us are read too. Every other message of another version is refused as a whole.
-ERROR_COMPATIBLE_VERSIONS = frozenset({2, 3})
+ERROR_COMPATIBLE_VERSIONS = frozenset({2, 3, 4})
 
 MEMORY_KINDS = frozenset({"cpu_shm", "cuda_ipc"})
 MEM_TYPES = frozenset({"DRAM", "VRAM"})  # NIXL memory types of registered regions
@@ -95,6 +96,7 @@ class Register:
     timeout_ms: int
     first_token: int = 0  # block_ids cover tokens [first_token, num_tokens): a local prefix hit
     secret: str = ""  # the transfer's secret from the decode leg's params, for the PeerRegisters
+    kv_groups: tuple[int, ...] = ()  # hybrid: each KV cache group's list length in block_ids (proto.groups)
 
 
 @message
@@ -113,6 +115,7 @@ class PrefillDone:
     # last chunk was computed: the final WRITE skips only what groups of this epoch wrote.
     streamed: bool = False
     epoch: int = 0
+    kv_groups: tuple[int, ...] = ()  # hybrid: each KV cache group's list length in block_ids (proto.groups)
 
 
 @dataclass(frozen=True, slots=True)
@@ -331,6 +334,7 @@ class PeerRegister:
     timeout_ms: int  # how long from now the decode side waits for the WRITE (capped by config)
     first_token: int = 0  # as in Register: destination blocks start at this token
     secret: str = ""  # the transfer's secret (as in Register), for a transfer bound to one
+    kv_groups: tuple[int, ...] = ()  # as in Register: each KV cache group's list length in block_ids
 
 
 @message

@@ -296,7 +296,7 @@ def test_hand_encoded_dicts_decode() -> None:
             "timeout_ms": 500,
             "t": "Register",
             "block_ids": [1, 2, 3],
-            "v": 4,
+            "v": 5,
             "transfer_id": "abc",
             "attempt": 0,
             "num_tokens": 33,
@@ -305,12 +305,12 @@ def test_hand_encoded_dicts_decode() -> None:
         }
     )
     assert decode(reg) == Register("abc", 0, (1, 2, 3), 33, ("tcp://p:1", "tcp://p:2"), 2, 500)
-    assert decode(pack({"v": 4, "t": "OpsRequest", "cmd": "status"})) == OpsRequest("status")
-    assert decode(pack({"v": 4, "t": "Error", "code": "E", "message": "m"})) == Error("E", "m")
+    assert decode(pack({"v": 5, "t": "OpsRequest", "cmd": "status"})) == OpsRequest("status")
+    assert decode(pack({"v": 5, "t": "Error", "code": "E", "message": "m"})) == Error("E", "m")
     lay = small_layout()
     lay_map = dataclasses.asdict(lay)  # nested Packing maps, tuples as arrays
     att = {
-        "v": 4,
+        "v": 5,
         "t": "Attach",
         "engine_id": "e",
         "rank": 0,
@@ -349,9 +349,9 @@ def test_block_ids_must_be_ints() -> None:
 
 def test_versions() -> None:
     good = wire(Heartbeat(1))
-    assert good["v"] == PROTOCOL_VERSION == 4
+    assert good["v"] == PROTOCOL_VERSION == 5
     text = rejects(pack({**good, "v": 7}))
-    assert text == "unsupported protocol version 7 (this side speaks 4)"
+    assert text == "unsupported protocol version 7 (this side speaks 5)"
     rejects(pack({**good, "v": 0}), "unsupported protocol version 0")
     rejects(pack({**good, "v": 1}), "unsupported protocol version 1")  # one region per Attach
     rejects(pack({**good, "v": True}), "'v'", "bool")  # True == 1, but is not the version
@@ -680,11 +680,11 @@ def test_version_2_peers_are_refused_in_words_they_can_read() -> None:
 
     old = {"v": 2, "t": "PeerRegister", "transfer_id": "t", "attempt": 0, "block_ids": [1],
            "num_tokens": 16, "dest_rank": 0, "dest_tp_size": 1, "expected_dests": 1, "deadline_ms": 500}
-    with pytest.raises(VersionMismatch, match="unsupported protocol version 2 .this side speaks 4.") as e:
+    with pytest.raises(VersionMismatch, match="unsupported protocol version 2 .this side speaks 5.") as e:
         decode(pack(old))
     assert e.value.version == 2 and 2 in ERROR_COMPATIBLE_VERSIONS
     with pytest.raises(ProtocolError, match="unexpected field.*deadline_ms"):
-        decode(pack({**old, "v": 4}))  # the old field name under the new version: missing field
+        decode(pack({**old, "v": 5}))  # the old field name under the new version: missing field
     refusal = Error("protocol", str(e.value))
     raw = encode(refusal, version=2)
     assert msgpack.unpackb(raw)["v"] == 2 and decode(raw) == refusal
@@ -692,3 +692,21 @@ def test_version_2_peers_are_refused_in_words_they_can_read() -> None:
         encode(PeerRegister("t", 0, (1,), 16, 0, 1, 1, 500), version=2)
     with pytest.raises(VersionMismatch):
         decode(pack({"v": 1, "t": "Error", "code": "E", "message": "m"}))  # not compatible
+
+
+def test_version_4_peers_are_refused_naming_both_versions() -> None:
+    """Version 5 added KV cache groups (Register / PeerRegister / PrefillDone.kv_groups): a
+    version-4 peer's Register is refused as a whole, naming its version and ours, never read
+    as one group; its Error is still read, and ours reaches it in its own envelope."""
+    from kvpush.proto import VersionMismatch
+    from kvpush.proto.messages import ERROR_COMPATIBLE_VERSIONS
+
+    old = {"v": 4, "t": "Register", "transfer_id": "t", "attempt": 0, "block_ids": [1, 2], "num_tokens": 16,
+           "prefill_endpoints": ["tcp://p:1"], "prefill_tp_size": 1, "timeout_ms": 500}
+    with pytest.raises(VersionMismatch, match="unsupported protocol version 4 .this side speaks 5.") as e:
+        decode(pack(old))
+    assert e.value.version == 4 and 4 in ERROR_COMPATIBLE_VERSIONS
+    raw = encode(Error("protocol", str(e.value)), version=4)
+    assert msgpack.unpackb(raw)["v"] == 4
+    grouped = Register("t", 0, (5, 6, 0, 7), 16, ("tcp://p:1",), 1, 500, kv_groups=(2, 2))
+    assert decode(encode(grouped)) == grouped

@@ -21,6 +21,8 @@ class StartWrite:
     num_tokens: int
     dst_first_token: int = 0
     written: tuple[Part, ...] = ()  # already in the peer's blocks (group WRITEs): may be skipped
+    src_kv_groups: tuple[int, ...] = ()  # hybrid: each KV cache group's list length (proto.groups)
+    dst_kv_groups: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,7 @@ class _Reg:
     identity: str = ""  # the registering node ("" unauthenticated)
     secret: str = ""  # what it presented
     stream: bool = True  # Registered.stream
+    kv_groups: tuple[int, ...] = ()  # Registered.kv_groups
 
 
 @dataclass

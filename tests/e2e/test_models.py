@@ -181,7 +181,8 @@ def test_swa_decode_loads_every_prompt_token_and_only_the_window_moves(swa) -> N
     assert external(swa.d_url) - before == len(prompt)
     page = 128 * 2 * 64 * 4  # block_size x (K, V) x head_size x fp32, one KV head
     moved = max(_write_bytes(swa))  # the module's longest prompts are 1000 tokens
-    assert moved % page == 0 and 8 * page < moved <= (8 + 3 * 2) * page, moved
+    print(f"swa 1000-token prompt: {moved} bytes moved ({moved // page} blocks of {page})")
+    assert moved == (8 + 3 * 2) * page, moved  # 8 full blocks; 2 per window group (window 128 at token 1000)
 
 
 @pytest.mark.parametrize("preset", ["linear", "mamba"])

@@ -83,7 +83,7 @@ class DecodeSide:
 
         if self.ctx.draining:
             return refuse("daemon is draining")
-        why = check_blocks(a.layout, msg.block_ids, msg.num_tokens, "register", msg.first_token)
+        why = check_blocks(a.layout, msg.block_ids, msg.num_tokens, "register", msg.first_token, msg.kv_groups)
         if why:
             return refuse(why)
         if len(msg.secret) > MAX_SECRET:
@@ -101,7 +101,7 @@ class DecodeSide:
         keys = tuple(secrets.token_bytes(KEY_BYTES) for _ in fanout)
         forwards = tuple(
             proto.PeerRegister(tid, msg.attempt, msg.block_ids, msg.num_tokens, a.rank, a.tp_size, dests,
-                               timeout_ms, msg.first_token, msg.secret, key)
+                               timeout_ms, msg.first_token, msg.secret, key, msg.kv_groups)
             for (_, dests), key in zip(fanout, keys, strict=True)
         )
         endpoints = tuple(msg.prefill_endpoints[r] for r, _ in fanout)

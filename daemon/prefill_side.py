@@ -15,7 +15,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -32,6 +32,7 @@ from kvpush.daemon.core.checks import (
     check_progress,
     progress_events,
 )
+from kvpush.daemon.core.group_pairs import pair_groups
 from kvpush.daemon.core.peers import Consumer
 from kvpush.daemon.core.planner import PlanError, addresses, block_pattern, plan, unwritten
 from kvpush.daemon.handshake import compat_error, make_hello, refusal
@@ -119,7 +120,7 @@ class PrefillSide:
         a = self.ctx.attached
         assert a is not None
         why = "daemon is draining" if self.ctx.draining else check_blocks(
-            a.layout, msg.block_ids, msg.num_tokens, "prefill") or check_binding(msg.bind_node, msg.bind_secret, "prefill")
+            a.layout, msg.block_ids, msg.num_tokens, "prefill", 0, msg.kv_groups) or check_binding(msg.bind_node, msg.bind_secret, "prefill")
         if why:
             self.ctx.bad("prefill", why)
             self.ctx.to_engine(proto.SendFailed(msg.transfer_id, 0, why))
@@ -131,10 +132,11 @@ class PrefillSide:
             # blocks. Remembered as failed (its registration is refused at once), never written.
             self.backlog_failed += 1
             self.apply(rv.Aborted(msg.transfer_id, None, BACKLOG_REASON, "local", now))
-            self.apply(rv.Prefilled(msg.transfer_id, msg.block_ids, msg.num_tokens, now, now + lease))
+            self.apply(rv.Prefilled(msg.transfer_id, msg.block_ids, msg.num_tokens, now, now + lease,
+                                    kv_groups=msg.kv_groups))
             return
         self.apply(rv.Prefilled(msg.transfer_id, msg.block_ids, msg.num_tokens, now, now + lease,
-                                msg.bind_node, msg.bind_secret, msg.epoch if msg.streamed else -1))
+                                msg.bind_node, msg.bind_secret, msg.epoch if msg.streamed else -1, msg.kv_groups))
 
     def on_layer_progress(self, msg: proto.LayerProgress, now: float) -> None:
         """Check a LayerProgress against the attached layout and the configured bounds (a bad
@@ -331,7 +333,8 @@ class PrefillSide:
         elif len(msg.key) != KEY_BYTES:  # the decode side counts only a notification tagged with it
             why = f"notification key of {len(msg.key)} bytes, not {KEY_BYTES}"
         else:
-            why = check_blocks(peer.layout, msg.block_ids, msg.num_tokens, "peer register", msg.first_token)
+            why = check_blocks(peer.layout, msg.block_ids, msg.num_tokens, "peer register", msg.first_token,
+                               msg.kv_groups)
         # The decode side gives up at its deadline even with a WRITE in flight, so the last
         # WRITE must start early enough to finish (or time out) before then.
         margin = self.cfg.write_timeout_s + 1.0
@@ -349,7 +352,7 @@ class PrefillSide:
         self.apply(rv.Registered(
             msg.transfer_id, msg.attempt, peer.key, msg.dest_rank, msg.expected_dests, msg.block_ids,
             msg.num_tokens, now, now + max(0.0, deadline - margin), msg.first_token, peer.node, msg.secret,
-            self.worth_streaming(peer, msg.num_tokens - msg.first_token), msg.key,
+            self.worth_streaming(peer, msg.num_tokens - msg.first_token), msg.key, msg.kv_groups,
         ))
 
     def stream_min_tokens(self) -> int:
@@ -458,6 +461,18 @@ class PrefillSide:
             err = "no engine attached"
         elif peer is None:
             err = "decode peer is gone"
+        if not err and a.src_kv_groups:  # hybrid: each group's blocks the decode side needs, as whole blocks
+            assert me is not None
+            try:
+                pairs = pair_groups(a.src_block_ids, a.src_kv_groups, a.dst_block_ids, a.dst_kv_groups,
+                                    num_tokens=a.num_tokens, dst_first_token=a.dst_first_token,
+                                    block_size=me.layout.block_size)
+            except PlanError as exc:
+                err = f"plan: {exc}"
+                self.ctx.metrics.failure("plan")
+            else:
+                a = replace(a, src_block_ids=pairs.src, dst_block_ids=pairs.dst,
+                            num_tokens=len(pairs.src) * me.layout.block_size, dst_first_token=0, written=())
         if not err:
             assert me is not None and peer is not None
             notif = Notification.signed(a.key, a.transfer_id, a.attempt, me.rank).encode()

@@ -30,6 +30,24 @@ from kvpush.engine_plugin.scheduler.half import KVPushScheduler
 from kvpush.engine_plugin.stats import KVPushPromMetrics, KVPushStats, StatsDelta
 from kvpush.engine_plugin.worker.half import KVPushWorker
 
+try:  # vLLM's hybrid allocator contract (0.32+): one block list per KV cache group
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorTransferResults as _TransferResults,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+except ImportError:  # pragma: no cover - an older vLLM: no hybrid groups reach a connector
+    from dataclasses import dataclass as _dataclass
+    from dataclasses import field as _field
+
+    class SupportsHMA:  # type: ignore[no-redef]
+        pass
+
+    @_dataclass
+    class _TransferResults:  # type: ignore[no-redef]
+        finished_sending: set[str] = _field(default_factory=set)
+        finished_recving: set[str] = _field(default_factory=set)
+        failed_recving: set[str] = _field(default_factory=set)
+
 try:  # vLLM's token-source tiers (0.32+): kvpush's tokens come from a peer engine
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -62,7 +80,13 @@ def _refuse_hybrid(vllm_config: Any) -> None:
         check_model(hf, os.path.basename(str(mc.model).rstrip("/")))
 
 
-class KVPushConnector(KVConnectorBase_V1):
+def _transferable_groups(kv_cache_config: Any) -> int:
+    """How many KV cache groups the engine's requests have (1: dense or MLA)."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    return max(1, len(groups))
+
+
+class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
     if _P2P is not None:
         # get_external_cache_hit_sources (vLLM's base answers with this): every token kvpush
         # loads was pushed by a peer engine's daemon, as NIXL's and Mooncake's are.
@@ -85,7 +109,8 @@ class KVPushConnector(KVConnectorBase_V1):
                                              vllm_config.parallel_config.tensor_parallel_size,
                                              vllm_config.model_config.get_num_layers(vllm_config.parallel_config),
                                              gpu=str(vllm_config.device_config.device_type) != "cpu",
-                                             prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching))
+                                             prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching),
+                                             kv_groups=_transferable_groups(kv_cache_config))
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -134,6 +159,12 @@ class KVPushConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
         return self.scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """SupportsHMA: vLLM's hybrid allocator is on; one block list per KV cache group."""
+        assert self.scheduler is not None
+        return self.scheduler.request_finished_groups(request, block_ids)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self.scheduler is not None
@@ -209,6 +240,14 @@ class KVPushConnector(KVConnectorBase_V1):
         assert self.worker is not None
         sending, recving = self.worker.collect()
         return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """As get_finished, with the failed loads of a hybrid engine by request (vLLM refuses
+        block-level load errors there: block IDs are per KV cache group)."""
+        sending, recving = self.get_finished(finished_req_ids)
+        failed = self.worker.take_failed_recving() if self.worker is not None else set()
+        return _TransferResults(finished_sending=set(sending or ()), finished_recving=set(recving or ()) | failed,
+                                failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors() if self.worker is not None else set()

@@ -1,11 +1,10 @@
 """Which kinds of layers a model has, and the start-up refusal of those kvpush cannot move yet.
 
-Why: kvpush does not implement vLLM's ``SupportsHMA``, so vLLM turns its hybrid KV cache
-allocator off for it. A sliding-window model (Gemma 3, gpt-oss) then starts with every layer
-keeping the whole prompt and the decode engine died on its first request; Mamba and
-linear-attention hybrids (Nemotron-H, Qwen3-Next) fail inside vLLM with messages that do not
-say why. Until hybrid groups move (docs/design.md, "Hybrid KV cache groups"), such a model is
-refused before the engine serves anything, with its layer kinds and what to do instead.
+kvpush implements vLLM's ``SupportsHMA`` and moves sliding-window groups beside full
+attention (Gemma 3, gpt-oss: docs/models.md). Mamba and linear-attention state groups
+(Nemotron-H, Qwen3-Next) do not move yet, and a model whose every layer is sliding-window has
+no full-attention group to anchor it: such a model is refused before the engine serves
+anything, with its layer kinds and what to do instead.
 
 Pure: reads a Hugging Face text config by attribute (the engine passes vLLM's
 ``model_config.hf_text_config``; tests pass transformers' own config classes).
@@ -18,8 +17,10 @@ from typing import Any
 
 __all__ = ["MOVABLE", "HybridRefused", "check_model", "layer_kinds", "refusal"]
 
-# Layer kinds whose KV kvpush moves today: one full-attention (or MLA) group.
-MOVABLE = frozenset({"full_attention", "attention", "mla", "mlp", "moe"})
+# Layer kinds whose KV kvpush moves today: full attention, MLA, and sliding window beside them.
+MOVABLE = frozenset({"full_attention", "attention", "mla", "mlp", "moe", "sliding_attention"})
+# Layer kinds that hold a prompt's whole KV: a model needs at least one of them.
+_FULL = frozenset({"full_attention", "attention", "mla"})
 
 # Nemotron-H style ``hybrid_override_pattern`` characters.
 _PATTERN = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
@@ -50,16 +51,19 @@ def layer_kinds(hf_config: Any) -> tuple[str, ...]:
 def refusal(kinds: tuple[str, ...], model: str = "") -> str | None:
     """The start-up refusal for these layer kinds, or None when kvpush moves their KV."""
     other = [k for k in kinds if k not in MOVABLE]
+    name = f"model {model!r}" if model else "this model"
+    if not other and kinds and not _FULL.intersection(kinds) and "sliding_attention" in kinds:
+        return (f"kvpush: {name} has only sliding-window layers ({len(kinds)}); kvpush moves sliding-window "
+                "KV cache groups beside a full-attention group only (docs/models.md). Serve this model "
+                "colocated, or disaggregated with vLLM's NixlConnector.")
     if not other:
         return None
     count = Counter(kinds)
     listed = ", ".join(f"{c} x {k}" for k, c in count.items())
-    name = f"model {model!r}" if model else "this model"
     return (f"kvpush: {name} has {listed} layers; {', '.join(sorted(set(other)))} layers need vLLM's hybrid KV "
-            "cache allocator (one KV cache group per layer kind), whose groups kvpush does not transfer yet "
-            "(docs/models.md). Without it vLLM would run the model with every layer keeping the whole prompt "
-            "(sliding window) or not at all (Mamba, linear attention). Serve this model colocated, or "
-            "disaggregated with vLLM's NixlConnector; kvpush moves full-attention and MLA models.")
+            "cache allocator with state groups (Mamba, linear attention), which kvpush does not transfer yet "
+            "(docs/models.md). Serve this model colocated, or disaggregated with vLLM's NixlConnector; "
+            "kvpush moves full-attention, MLA and sliding-window + full-attention models.")
 
 
 def check_model(hf_config: Any, model: str = "") -> None:

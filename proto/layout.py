@@ -103,6 +103,10 @@ class KVLayout:
     region_sizes: tuple[int, ...] = ()  # bytes of each region (empty: one, region_size)
     num_kv: int = 2  # 2: K and V; 1: MLA's single latent per token (no V)
     replicated: bool = False  # every TP rank holds the same heads (MLA): one producer per destination
+    # Hybrid models: each KV cache group as proto.groups.describe names it, in vLLM's group
+    # order (empty: one group). The layers are the distinct layer tensors, which every group
+    # overlays; a block ID belongs to one group at a time.
+    kv_groups: tuple[str, ...] = ()
 
     @property
     def elem_size(self) -> int:
@@ -215,6 +219,7 @@ class KVLayout:
         text = (
             f"{self.model}|{self.dtype}|{self.head_size}|{self.num_layers}|{self.model_heads}|"
             f"{self.k_packing.format_key()}|{self.v_packing.format_key()}|{self.num_kv}|{self.replicated}"
+            + (f"|{';'.join(self.kv_groups)}" if self.kv_groups else "")
         )
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 

@@ -18,7 +18,8 @@ from kvpush.proto.layout import KVLayout
 # 2: Attach carries one MemoryHandle per region, Hello one base per region.
 # 3: PeerRegister.timeout_ms (was deadline_ms: it always was a duration, not a deadline).
 # 4: layer-wise streaming (LayerProgress, LayerEvents), least-reach handshakes and bound transfers.
-# 5: PeerRegister.key; the NIXL notification carries an HMAC under it (kvpush.proto.notif, "kvp2").
+# 5: PeerRegister.key; the NIXL notification carries an HMAC under it (kvpush.proto.notif, "kvp2");
+#    hybrid KV cache groups: Register / PeerRegister / PrefillDone.kv_groups, KVLayout.kv_groups.
 PROTOCOL_VERSION = 5
 #: Older versions whose ``Error`` message is this version's, field for field: a sender on one
 #: of them is refused with an Error in its own envelope (it can read why), and its refusals
@@ -96,6 +97,7 @@ class Register:
     timeout_ms: int
     first_token: int = 0  # block_ids cover tokens [first_token, num_tokens): a local prefix hit
     secret: str = ""  # the transfer's secret from the decode leg's params, for the PeerRegisters
+    kv_groups: tuple[int, ...] = ()  # hybrid: each KV cache group's list length in block_ids (proto.groups)
 
 
 @message
@@ -114,6 +116,7 @@ class PrefillDone:
     # last chunk was computed: the final WRITE skips only what groups of this epoch wrote.
     streamed: bool = False
     epoch: int = 0
+    kv_groups: tuple[int, ...] = ()  # hybrid: each KV cache group's list length in block_ids (proto.groups)
 
 
 @dataclass(frozen=True, slots=True)
@@ -337,6 +340,7 @@ class PeerRegister:
     # decode side counts only a notification whose tag verifies. It travels only here, over
     # the CURVE-encrypted link to the producer the registration names.
     key: bytes = b""
+    kv_groups: tuple[int, ...] = ()  # as in Register: each KV cache group's list length in block_ids
 
 
 @message

@@ -14,14 +14,23 @@ from kvpush.proto.params import MAX_NODE, MAX_SECRET
 
 
 def check_blocks(
-    layout: KVLayout, block_ids: tuple[int, ...], num_tokens: int, what: str, first_token: int = 0
+    layout: KVLayout, block_ids: tuple[int, ...], num_tokens: int, what: str, first_token: int = 0,
+    kv_groups: tuple[int, ...] = (),
 ) -> str:
-    """Empty string if the block list can hold tokens [first_token, num_tokens), else why not."""
+    """Empty string if the block list (each KV cache group's, ``kv_groups``: proto.groups)
+    can hold tokens [first_token, num_tokens), else why not."""
     if num_tokens <= 0:
         return f"{what}: num_tokens must be positive"
     if first_token % layout.block_size or first_token >= num_tokens:
         return f"{what}: first_token {first_token} must be a block boundary below num_tokens {num_tokens}"
     need = -(-(num_tokens - first_token) // layout.block_size)
+    if len(kv_groups) != len(layout.kv_groups):
+        return (f"{what}: {len(kv_groups) or 1} block list(s) for an engine of {len(layout.kv_groups) or 1} "
+                "KV cache group(s)")
+    if kv_groups and sum(kv_groups) != len(block_ids):
+        return f"{what}: {len(block_ids)} block IDs for KV cache groups of {sum(kv_groups)}"
+    if kv_groups and min(kv_groups) < need:
+        return f"{what}: a KV cache group of {min(kv_groups)} blocks cannot hold {num_tokens} tokens"
     if len(block_ids) < need:
         return f"{what}: {len(block_ids)} blocks cannot hold {num_tokens} tokens at block size {layout.block_size}"
     if block_ids and max(block_ids) >= layout.num_blocks:
@@ -47,6 +56,8 @@ def check_progress(layout: KVLayout, msg: LayerProgress, max_chunks: int, events
         return f"progress: {len(msg.chunks)} chunks (1 to {max_chunks} per frame)"
     if msg.event > events:
         return f"progress: event {msg.event} beyond the {events} LayerEvents sent"
+    if layout.kv_groups:  # a layer frame names no KV cache group: hybrid engines push whole requests
+        return f"progress: the engine has {len(layout.kv_groups)} KV cache groups; layer-wise frames are refused"
     for c in msg.chunks:
         if not c.transfer_id:
             return "progress: empty transfer_id"

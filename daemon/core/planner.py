@@ -75,6 +75,13 @@ def check_compatible(
         a, b = getattr(src, name), getattr(dst, name)
         if a != b:
             raise PlanError(f"incompatible layouts: {name} is {a!r} {sides[0]}, {b!r} {sides[1]}")
+    if len(src.kv_groups) != len(dst.kv_groups):
+        raise PlanError(f"incompatible layouts: {len(src.kv_groups) or 1} KV cache group(s) {sides[0]}, "
+                        f"{len(dst.kv_groups) or 1} {sides[1]}")
+    for i, (a, b) in enumerate(zip(src.kv_groups, dst.kv_groups, strict=True)):
+        if a != b:
+            raise PlanError(f"incompatible layouts: KV cache group {i} is {a!r} {sides[0]}, {b!r} {sides[1]} "
+                            "(a group's block size, window or page differs between the engines)")
     for kv, half in ((0, "K"), (1, "V")):
         a, b = src.packing(kv).format_key(), dst.packing(kv).format_key()
         if a != b:

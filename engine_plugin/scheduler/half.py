@@ -31,6 +31,7 @@ from kvpush.engine_plugin.logs import plugin_logger
 from kvpush.engine_plugin.metadata import KVPushMetadata
 from kvpush.engine_plugin.scheduler import lifecycle as sl
 from kvpush.engine_plugin.scheduler.cards import DaemonCards
+from kvpush.proto.groups import pack
 from kvpush.proto.params import DO_REMOTE_PREFILL, decode_leg, prefill_leg
 from kvpush.proto.trace import now_ns
 
@@ -51,12 +52,19 @@ def _fresh_transfer_id() -> str:
 
 class KVPushScheduler:
     def __init__(self, cfg: PluginConfig, block_size: int, tp_size: int = 1, num_layers: int | None = None,
-                 gpu: bool = False, prefix_caching: bool = True) -> None:
+                 gpu: bool = False, prefix_caching: bool = True, kv_groups: int = 1) -> None:
         self.cfg = cfg
         self.block_size = block_size
         self.cards = DaemonCards(cfg, tp_size)
+        self.kv_groups = kv_groups  # KV cache groups (vLLM's hybrid allocator): > 1 never streams
+        least = cfg.stream_min_tokens(num_layers, gpu)
+        if kv_groups > 1 and least is not None:
+            # A layer frame names no KV cache group: hybrid models push whole requests.
+            log.info("kvpush: %d KV cache groups (a hybrid model): layer-wise streaming is off (layerwise=%s); "
+                     "each request is pushed whole", kv_groups, cfg.layerwise)
+            least = None
         self.lifecycle = sl.SchedulerLifecycle(block_size, name_transfer=_fresh_transfer_id,
-                                               stream_min_tokens=cfg.stream_min_tokens(num_layers, gpu),
+                                               stream_min_tokens=least,
                                                stream_auto=cfg.layerwise == "auto", share_prefix=prefix_caching)
         self._meta = KVPushMetadata()  # this step's, handed to the worker by build_connector_meta
         self._warned = OncePer(WARN_KEY_SETS)  # key sets of unusable decode legs already logged
@@ -114,19 +122,25 @@ class KVPushScheduler:
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
             return  # the table's Allocated rows without tokens to load change nothing (a unit test checks)
-        block_ids = tuple(blocks.get_block_ids()[0])
+        block_ids, kv_groups = pack(blocks.get_block_ids())
         self._apply(sl.Allocated(request.request_id, time.monotonic(), num_external_tokens, block_ids,
-                                 request.num_prompt_tokens, decode_leg(request.kv_transfer_params)))
+                                 request.num_prompt_tokens, decode_leg(request.kv_transfer_params), kv_groups))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_groups(request, (block_ids,))
+
+    def request_finished_groups(self, request: Request,
+                                lists: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """request_finished with one block list per KV cache group (vLLM's hybrid allocator)."""
         rid = request.request_id
         pleg = prefill_leg(request.kv_transfer_params)
         if pleg is None and self.lifecycle.state(rid) is None:
             return False, None  # not ours: no event at all
         eps = self.cards.endpoints() if pleg is not None else None
         ok = finished_normally(request.status)  # stop, length, repetition (engine_plugin.compat)
-        hold = self._apply(sl.Finished(rid, time.monotonic(), ok, pleg, tuple(block_ids),
-                                       request.num_prompt_tokens, None if eps is None else tuple(eps)))
+        block_ids, kv_groups = pack(lists)
+        hold = self._apply(sl.Finished(rid, time.monotonic(), ok, pleg, block_ids,
+                                       request.num_prompt_tokens, None if eps is None else tuple(eps), kv_groups))
         return (True, hold.answer) if hold is not None else (False, None)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVPushMetadata:
@@ -138,7 +152,7 @@ class KVPushScheduler:
             scheduled = scheduler_output.num_scheduled_tokens
             new = {} if not (streams or lc.count(sl.State.CANDIDATE)) else {
                 nr.req_id: sl.NewReq(len(nr.prompt_token_ids or ()), nr.num_computed_tokens,
-                                     scheduled.get(nr.req_id, 0), tuple(nr.block_ids[0]))
+                                     scheduled.get(nr.req_id, 0), *pack(nr.block_ids))
                 for nr in scheduler_output.scheduled_new_reqs}
             self._apply(sl.Step(time.monotonic(), scheduled, new, self._cached(scheduler_output) if streams else {}))
         meta, self._meta = self._meta, KVPushMetadata()

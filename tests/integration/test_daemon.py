@@ -184,7 +184,8 @@ def test_bad_input_on_every_endpoint_writes_nothing(pd):
         old = bad.replace(b"\xa1v\x09", b"\xa1v\x02")
         reply = raw_request(p.cfg.engine_socket, old)
         assert msgpack.unpackb(reply)["v"] == 2
-        assert proto.decode(reply) == proto.Error("protocol", "unsupported protocol version 2 (this side speaks 5)")
+        assert proto.decode(reply) == proto.Error(
+            "protocol", f"unsupported protocol version 2 (this side speaks {proto.PROTOCOL_VERSION})")
         assert msgpack.unpackb(raw_request(p.cfg.engine_socket, bad))["v"] == proto.PROTOCOL_VERSION
         # A frame announced over max_message_bytes: the connection is closed, nothing buffered.
         with pytest.raises(EOFError):
@@ -357,3 +358,30 @@ def test_a_decode_daemon_answers_no_hello(tmp_path):
         de2.close()
         d1.stop()
         d2.stop()
+
+
+def test_hybrid_groups_move_only_the_blocks_decode_holds(pd):
+    """Two KV cache groups (a sliding window and full attention) overlaid on one layer tensor:
+    the WRITE moves each group's blocks where the decode lists are not the null block, in one
+    WRITE; block 0 (vLLM's null block) and every other decode byte stay as they were. A needed
+    block the prefill side no longer holds fails the whole transfer (the engine recomputes)."""
+    from dataclasses import replace
+
+    p, d = pd
+    lay, meta = cpu(num_layers=1)
+    lay = replace(lay, kv_groups=("SlidingWindow block_size=16 window=32", "FullAttention block_size=16"))
+    with engines(p, d, lay, seed=5) as (pe, de):
+        before = de.bytes.copy()
+        t, n = tid("hyb"), 4 * 16 - 3
+        eps = (p.peer_endpoint,)
+        de.send(proto.Register(t, 0, (0, 0, 20, 21, 22, 23, 24, 25), n, eps, 1, 10_000, kv_groups=(4, 4)))
+        pe.send(proto.PrefillDone(t, (3, 4, 5, 6, 7, 8, 9, 10), n, 10_000, kv_groups=(4, 4)))
+        assert isinstance(de.result(t), proto.Received)
+        assert isinstance(pe.result(t), proto.Sent)
+        check_transfer(pe, meta, [5, 6, 7, 8, 9, 10], de, meta, [20, 21, 22, 23, 24, 25], 6 * 16, before)
+
+        t2 = tid("hyb")
+        de.send(proto.Register(t2, 0, (0, 0, 30, 31, 32, 33, 34, 35), n, eps, 1, 10_000, kv_groups=(4, 4)))
+        pe.send(proto.PrefillDone(t2, (0, 0, 0, 6, 7, 8, 9, 10), n, 10_000, kv_groups=(4, 4)))
+        got = de.result(t2)
+        assert isinstance(got, proto.ReceiveFailed), got

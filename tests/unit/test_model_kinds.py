@@ -16,7 +16,13 @@ def _config(preset: str):
     return getattr(transformers, fam.config_class)(**fam.config)
 
 
-@pytest.mark.parametrize("preset", ["swa", "linear", "mamba"])
+def test_sliding_window_beside_full_attention_passes() -> None:
+    cfg = _config("swa")
+    assert layer_kinds(cfg) == FAMILIES["swa"].layer_kinds
+    check_model(cfg, "swa")  # moved as KV cache groups (SupportsHMA)
+
+
+@pytest.mark.parametrize("preset", ["linear", "mamba"])
 def test_hybrid_presets_are_refused_naming_their_layer_kinds(preset: str) -> None:
     cfg = _config(preset)
     assert layer_kinds(cfg) == FAMILIES[preset].layer_kinds

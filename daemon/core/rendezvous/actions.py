@@ -22,6 +22,8 @@ class StartWrite:
     dst_first_token: int = 0
     written: tuple[Part, ...] = ()  # already in the peer's blocks (group WRITEs): may be skipped
     key: bytes = field(default=b"", repr=False)  # the registration's notification key (Registered.key)
+    src_kv_groups: tuple[int, ...] = ()  # hybrid: each KV cache group's list length (proto.groups)
+    dst_kv_groups: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

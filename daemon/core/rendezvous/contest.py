@@ -157,7 +157,7 @@ def park(rv: Host, rec: _Transfer, ev: Registered, out: list) -> None:
         return
     rec.contest.parked[key] = _Parked(ev.attempt, ev.dest_rank, ev.expected_dests, _Reg(
         ev.peer, tuple(ev.block_ids), ev.num_tokens, ev.deadline, ev.first_token, quota_holder(ev),
-        ev.identity, ev.secret, ev.stream, ev.key))
+        ev.identity, ev.secret, ev.stream, ev.key, tuple(ev.kv_groups)))
 
 
 def reject_unbound(rv: Host, rec: _Transfer, ev: Registered, out: list) -> None:

@@ -30,6 +30,7 @@ class Registered:
     # its link)? Consulted only for a stream in "auto" (LayersReady.auto): "on" streams anyway.
     stream: bool = True
     key: bytes = b""  # what the final WRITE's notification is tagged with (PeerRegister.key)
+    kv_groups: tuple[int, ...] = ()  # hybrid: each KV cache group's list length in block_ids (proto.groups)
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class Prefilled:
     bind_identity: str = ""  # only this decode identity may register ("" unbound by identity)
     bind_secret: str = ""  # or only a registration presenting this secret ("" none)
     epoch: int = -1  # the request's epoch at the seal; -1: unknown (no streamed part is trusted)
+    kv_groups: tuple[int, ...] = ()  # hybrid: as Registered.kv_groups
 
     @property
     def bound(self) -> bool:

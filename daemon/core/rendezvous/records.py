@@ -75,6 +75,7 @@ class _Reg:
     secret: str = ""  # what it presented
     stream: bool = True  # Registered.stream
     key: bytes = b""  # Registered.key
+    kv_groups: tuple[int, ...] = ()  # Registered.kv_groups
 
 
 @dataclass

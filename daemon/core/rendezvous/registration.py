@@ -280,7 +280,8 @@ def open_attempt(rv: Host, rec: _Transfer, ev: Registered, out: list) -> None:
 def add_reg(rv: Host, rec: _Transfer, ev: Registered, out: list) -> None:
     rec.contest.owner = rec.contest.owner or ev.identity
     rec.regs[ev.dest_rank] = _Reg(ev.peer, tuple(ev.block_ids), ev.num_tokens, ev.deadline, ev.first_token,
-                                  quota_holder(ev), ev.identity, ev.secret, ev.stream, ev.key)
+                                  quota_holder(ev), ev.identity, ev.secret, ev.stream, ev.key,
+                                  tuple(ev.kv_groups))
     rv._index_add(rec.transfer_id, rec, ev.peer)
 
 

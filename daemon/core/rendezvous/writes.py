@@ -141,8 +141,8 @@ def _start(rec: _Transfer, dest: int, out: list) -> None:
 def _written(rec: _Transfer, dest: int) -> tuple[Part, ...]:
     """Parts of the seal's epoch already written to ``dest`` from the blocks the seal names."""
     assert rec.prefill is not None
-    if rec.prefill.epoch < 0 or rec.prefill.epoch != rec.stream.epoch:
-        return ()
+    if rec.prefill.epoch < 0 or rec.prefill.epoch != rec.stream.epoch or rec.prefill.kv_groups:
+        return ()  # (hybrid groups never stream: a layer frame names no group)
     src = rec.prefill.block_ids
     return tuple(p for p in rec.stream.groups[: rec.stream.posted.get(dest, 0)]
                  if src[p.first_block: p.first_block + len(p.src_block_ids)] == p.src_block_ids)
@@ -164,6 +164,8 @@ def _post_final(rec: _Transfer, dest: int, out: list) -> None:
             reg.first_token,
             _written(rec, dest),
             reg.key,
+            rec.prefill.kv_groups,
+            reg.kv_groups,
         )
     )
 

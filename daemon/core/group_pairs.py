@@ -1,0 +1,89 @@
+"""Which blocks of a hybrid model's KV cache groups a transfer moves: the pairs, per group.
+
+A hybrid request has one block list per KV cache group on each side (``proto.groups``). The
+decode engine's lists say what it needs: vLLM gives a sliding-window group's positions
+before the window the null block there, so those positions are not moved; a full-attention
+group needs every position from its first block to load. The prefill engine's list at the
+same position is the source. This is the rule vLLM's NixlConnector follows too (it reads only
+the window's blocks of a sliding-window group on the decode side).
+
+Anything that does not add up fails the whole transfer (the decode engine recomputes), never
+a part of it: a different number of groups, a decode list too short for the prompt, or a
+position the decode engine needs whose prefill block is gone (null: outside the window there,
+or freed). Every group moves in the one WRITE, with its one notification, so the decode engine
+never sees some groups written and others stale.
+
+The pairs come out as two flat lists of whole blocks in group order: the planner then copies
+each pair's whole block (all tokens; a partial last block's tail is never read before the
+decode engine writes it), as ``num_tokens = len(pairs) * block_size`` from token 0.
+
+Pure: block IDs in, block IDs out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvpush.daemon.core.planner import PlanError
+from kvpush.proto.groups import NULL_BLOCK, GroupsError, split
+
+__all__ = ["Pairs", "pair_groups"]
+
+
+class Pairs(tuple):
+    """``(src_block_ids, dst_block_ids, per_group)``: the flat pairs and each group's count."""
+
+    __slots__ = ()
+
+    @property
+    def src(self) -> tuple[int, ...]:
+        return self[0]
+
+    @property
+    def dst(self) -> tuple[int, ...]:
+        return self[1]
+
+    @property
+    def per_group(self) -> tuple[int, ...]:
+        return self[2]
+
+
+def pair_groups(src_ids: Sequence[int], src_groups: Sequence[int], dst_ids: Sequence[int],
+                dst_groups: Sequence[int], *, num_tokens: int, dst_first_token: int, block_size: int) -> Pairs:
+    """The block pairs of every group (see the module doc); raises PlanError naming the group."""
+    if block_size <= 0 or num_tokens <= 0:
+        raise PlanError(f"groups: block size {block_size} and num_tokens {num_tokens} must be positive")
+    if dst_first_token % block_size or not 0 <= dst_first_token < num_tokens:
+        raise PlanError(f"groups: first token {dst_first_token} is not a block boundary below {num_tokens}")
+    try:
+        src_lists, dst_lists = split(src_ids, src_groups), split(dst_ids, dst_groups)
+    except GroupsError as exc:
+        raise PlanError(f"groups: {exc}") from exc
+    if len(src_lists) != len(dst_lists):
+        raise PlanError(f"groups: the prefill side has {len(src_lists)} KV cache groups, the decode side "
+                        f"{len(dst_lists)}")
+    need = -(-num_tokens // block_size)
+    first = dst_first_token // block_size
+    src_out: list[int] = []
+    dst_out: list[int] = []
+    counts = []
+    for g, (s, d) in enumerate(zip(src_lists, dst_lists, strict=True)):
+        if len(d) < need - first:
+            raise PlanError(f"groups: the decode side's group {g} holds {len(d)} blocks from block {first}, "
+                            f"the prompt needs {need - first}")
+        n = 0
+        for j in range(first, need):
+            db = d[j - first]
+            if db == NULL_BLOCK:
+                continue  # not kept there (before a window): nothing to move
+            sb = s[j] if j < len(s) else NULL_BLOCK
+            if sb == NULL_BLOCK:
+                raise PlanError(f"groups: the decode side needs block {j} of group {g}, which the prefill "
+                                "side no longer holds")
+            src_out.append(int(sb))
+            dst_out.append(int(db))
+            n += 1
+        counts.append(n)
+    if not src_out:
+        raise PlanError("groups: no block to move")
+    return Pairs((tuple(src_out), tuple(dst_out), tuple(counts)))

@@ -123,10 +123,11 @@ def start(mode: str, model: Path, args: tuple[str, ...], work: Path) -> Stack:
 
 def first_error(work: Path) -> str:
     """The line a failed start left that says why (kvpush's refusal, vLLM's error)."""
-    for log in sorted(work.glob("*.log")):
-        for line in log.read_text(errors="replace").splitlines():
-            if "kvpush:" in line and ("refus" in line or "need" in line) or "Error" in line:
-                return line.strip()[-300:]
+    lines = [ln.strip() for log in sorted(work.glob("*.log")) for ln in log.read_text(errors="replace").splitlines()]
+    for want in (lambda ln: "kvpush:" in ln, lambda ln: "Error:" in ln and "WARNING" not in ln):
+        for line in lines:
+            if want(line):
+                return line[-300:]
     return "did not start"
 
 

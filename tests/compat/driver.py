@@ -298,9 +298,10 @@ _NEWER_HOOKS = {"supports_sleep_mode": (0, 33), "kv_cache_access": (0, 34), "has
 
 
 def hook_signatures(rel: Release) -> str:
-    """Every hook kvpush's connector overrides exists in this release's base class with the
-    same parameters (a renamed or reshaped hook would silently never be called)."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+    """Every hook kvpush's connector overrides exists in this release's base class (or its
+    ``SupportsHMA`` interface, for the hybrid allocator's hook) with the same parameters (a
+    renamed or reshaped hook would silently never be called)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, SupportsHMA
 
     from kvpush.engine_plugin.compat import release_tuple
     from kvpush.engine_plugin.connector import KVPushConnector
@@ -310,7 +311,7 @@ def hook_signatures(rel: Release) -> str:
     for name in list(vars(KVPushConnector)):
         if name.startswith("_") or not callable(getattr(KVPushConnector, name, None)):
             continue
-        base = getattr(KVConnectorBase_V1, name, None)
+        base = getattr(KVConnectorBase_V1, name, None) or getattr(SupportsHMA, name, None)
         if base is None:
             since = _NEWER_HOOKS.get(name)
             check(since is not None and have < since,
@@ -322,7 +323,9 @@ def hook_signatures(rel: Release) -> str:
         check(ours[:len(theirs)] == theirs or ours == theirs,
               f"{name}{tuple(ours)} does not match vLLM {rel.version}'s {name}{tuple(theirs)}")
         checked.append(name)
-    abstract = sorted(getattr(KVConnectorBase_V1, "__abstractmethods__", ()))
+    check(issubclass(KVPushConnector, SupportsHMA), "KVPushConnector is not SupportsHMA: vLLM turns its hybrid allocator off")
+    abstract = sorted({*getattr(KVConnectorBase_V1, "__abstractmethods__", ()),
+                       *getattr(SupportsHMA, "__abstractmethods__", ())})
     missing = [m for m in abstract if m not in vars(KVPushConnector)]
     check(not missing, f"abstract hooks not implemented: {missing}")
     return f"{len(checked)} hooks match" + (f"; not in this release: {', '.join(absent)}" if absent else "")

@@ -68,8 +68,11 @@ def _target(conn, tls: str, how: str) -> None:
     wait()
 
 
-def _attack_after_rotation(tls: str, how: str) -> tuple[str, int, str, int]:
-    """(READ status, bytes read equal to the target's, WRITE status, bytes changed there)."""
+@contextlib.contextmanager
+def _holder(tls: str, how: str):
+    """A target process (``_target``) and a holder agent that loaded its metadata while it was
+    allowed: yields (holder agent, the pipe to the target, target base address, holder peer,
+    a SIZE buffer and a 4 KiB one, both registered). The target is joined (or killed) after."""
     ctx = mp.get_context("spawn")
     mine, theirs = ctx.Pipe()
     t = ctx.Process(target=_target, args=(theirs, tls, how), daemon=True)
@@ -82,23 +85,39 @@ def _attack_after_rotation(tls: str, how: str) -> tuple[str, int, str, int]:
         junk = np.full(4096, 9, dtype=np.uint8)
         register(a, got)
         register(a, junk)
-        peer = a.add_remote_agent(md)  # loaded while it was allowed, and used:
-        assert xfer(a, "READ", got, base, peer) == "DONE" and (got == 5).all()
-        got[:] = 0
-        mine.send("rotate")
-        assert mine.poll(60) and mine.recv() == "rotated"
-        read = xfer(a, "READ", got, base, peer)
-        written = xfer(a, "WRITE", junk, base, peer)
-        time.sleep(0.3)
-        mine.send("sum")
-        assert mine.poll(10)
-        total = mine.recv()
-        mine.send("stop")
-        return read, int((got == 5).sum()) if read == "DONE" else 0, written, (total - 5 * SIZE) // 4
+        yield a, mine, base, a.add_remote_agent(md), got, junk
     finally:
         t.join(10)
         if t.is_alive():
             t.kill()
+
+
+def _rotate(mine) -> None:
+    mine.send("rotate")
+    assert mine.poll(60) and mine.recv() == "rotated"
+
+
+def _target_sum(mine) -> int:
+    """The sum of the target's bytes, after whatever was in flight had time to land."""
+    time.sleep(0.3)
+    mine.send("sum")
+    assert mine.poll(10)
+    total = mine.recv()
+    mine.send("stop")
+    return total
+
+
+def _attack_after_rotation(tls: str, how: str) -> tuple[str, int, str, int]:
+    """(READ status, bytes read equal to the target's, WRITE status, bytes changed there)."""
+    with _holder(tls, how) as (a, mine, base, peer, got, junk):
+        # loaded while it was allowed, and used:
+        assert xfer(a, "READ", got, base, peer) == "DONE" and (got == 5).all()
+        got[:] = 0
+        _rotate(mine)
+        read = xfer(a, "READ", got, base, peer)
+        written = xfer(a, "WRITE", junk, base, peer)  # +4 over each byte of the target's 5s
+        total = _target_sum(mine)
+        return read, int((got == 5).sum()) if read == "DONE" else 0, written, (total - 5 * SIZE) // 4
 
 
 @pytest.mark.parametrize("medium", MEDIA)
@@ -141,36 +160,15 @@ FIRST_WRITE_LANDS = {"shm,tcp": 4096, "posix,sysv,tcp": 0}
 def _first_write_after_rotation(tls: str) -> tuple[str, str, str, int]:
     """(READ after rotation, first WRITE, second WRITE, bytes the two WRITEs changed there), for a
     holder that used its connection (a WRITE) before the rotation."""
-    ctx = mp.get_context("spawn")
-    mine, theirs = ctx.Pipe()
-    t = ctx.Process(target=_target, args=(theirs, tls, "new agent"), daemon=True)
-    t.start()
-    try:
-        assert mine.poll(60)
-        md, base = mine.recv()
-        a = agent("holder")
-        got = np.zeros(SIZE, dtype=np.uint8)
-        junk = np.full(4096, 9, dtype=np.uint8)  # +4 over each byte of the target's 5s
-        register(a, got)
-        register(a, junk)
-        peer = a.add_remote_agent(md)
-        assert xfer(a, "WRITE", junk, base, peer) == "DONE"  # used while allowed
-        mine.send("rotate")
-        assert mine.poll(60) and mine.recv() == "rotated"
+    with _holder(tls, "new agent") as (a, mine, base, peer, got, junk):
+        assert xfer(a, "WRITE", junk, base, peer) == "DONE"  # used while allowed: +4 over each byte
+        _rotate(mine)
         junk[:] = 7  # +2 over each byte of the target's 5s
         first = xfer(a, "WRITE", junk, base + 8192, peer, wait_s=2.0)
         second = xfer(a, "WRITE", junk, base + 16384, peer, wait_s=2.0)
         read = xfer(a, "READ", got, base, peer, wait_s=2.0)
-        time.sleep(0.3)
-        mine.send("sum")
-        assert mine.poll(10)
-        total = mine.recv()
-        mine.send("stop")
+        total = _target_sum(mine)
         return read, first, second, (total - 5 * SIZE - 4 * 4096) // 2
-    finally:
-        t.join(10)
-        if t.is_alive():
-            t.kill()
 
 
 @pytest.mark.parametrize("tls", FIRST_WRITE_LANDS)

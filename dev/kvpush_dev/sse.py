@@ -25,7 +25,7 @@ async def sse_data(r: Any) -> AsyncIterator[dict[str, Any]]:
             yield data
 
 
-async def stream_one(session: Any, url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+async def stream_one(session: Any, url: str, prompt: str | list[int], max_tokens: int) -> dict[str, Any]:
     """One streaming completion: text, TTFT and TPOT as the client sees them."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
             "stream": True, "ignore_eos": True}
@@ -53,12 +53,12 @@ async def stream_one(session: Any, url: str, prompt: str, max_tokens: int) -> di
     }
 
 
-async def run_prompts(url: str, ps: list[str], max_tokens: int, concurrency: int) -> list[dict[str, Any]]:
+async def run_prompts(url: str, ps: list[str] | list[list[int]], max_tokens: int, concurrency: int) -> list[dict[str, Any]]:
     import aiohttp
 
     sem = asyncio.Semaphore(concurrency)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
-        async def one(p: str) -> dict[str, Any]:
+        async def one(p: str | list[int]) -> dict[str, Any]:
             async with sem:
                 return await stream_one(s, url, p, max_tokens)
 

@@ -23,16 +23,15 @@ start (kvpush refuses a family it does not move) is reported with its first erro
 from __future__ import annotations
 
 import argparse
-import json
+import asyncio
 import shutil
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvpush_dev import prom, tiny_model
+from kvpush_dev import prom, sse, tiny_model
 from kvpush_dev import vllm_env as ve
 from kvpush_dev.bench.ttft import pct
 from kvpush_dev.pd_stack import PDStack
@@ -55,29 +54,14 @@ class Run:
     error: str | None = None
 
 
-def stream(url: str, prompt: list[int], max_tokens: int) -> tuple[float, str]:
-    """Seconds to the first streamed text, and the whole text (greedy)."""
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True}
-    req = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    t0 = time.perf_counter()
-    first, parts = None, []
-    with urllib.request.urlopen(req, timeout=600) as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            data = json.loads(line[5:])
-            if "error" in data:
-                raise RuntimeError(f"stream error: {data['error']}")
-            text = "".join(c.get("text", "") for c in data.get("choices", []))
-            if text:
-                first = first or time.perf_counter() - t0
-                parts.append(text)
-    if first is None:
-        raise RuntimeError("no token streamed")
-    return first, "".join(parts)
+def measure(url: str, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+    """One at a time, greedy and streamed, measured as every benchmark measures (kvpush_dev.sse):
+    each result's ``ttft_ms`` and ``text``; a stream's error raises."""
+    out = asyncio.run(sse.run_prompts(f"{url}/v1/completions", prompts, max_tokens, concurrency=1))
+    for r in out:
+        if "error" in r or r["ttft_ms"] is None:
+            raise RuntimeError(r.get("error", "no token streamed"))
+    return out
 
 
 def _sum(url: str | None, name: str, **labels: str) -> float:
@@ -140,14 +124,12 @@ def run_mode(mode: str, model: Path, args: tuple[str, ...], prompts: list[list[i
         out.error = f"{type(exc).__name__}: {first_error(work) or exc}"
         return out
     try:
-        for p in warm:
-            stream(st.front, p, max_tokens)
+        measure(st.front, warm, max_tokens)
         b0 = _sum(st.bytes_metrics, st.bytes_name) if st.bytes_name else 0.0
         e0 = _sum(st.decode_metrics, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
-        for p in prompts:
-            t, text = stream(st.front, p, max_tokens)
-            out.ttft_s.append(t)
-            out.texts.append(text)
+        for r in measure(st.front, prompts, max_tokens):
+            out.ttft_s.append(r["ttft_ms"] / 1e3)
+            out.texts.append(r["text"])
         time.sleep(1.5)  # counters are scraped: let the last request's land
         if st.bytes_name:
             out.kv_bytes = (_sum(st.bytes_metrics, st.bytes_name) - b0) / len(prompts)

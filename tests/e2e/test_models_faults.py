@@ -213,6 +213,11 @@ def test_abort_after_register_leaves_nothing_held_and_the_next_request_equal(sta
     p_leg = ve.post_json(f"{stack.p_url}/v1/completions",
                          body(prompt, 1, kv_transfer_params={"do_remote_decode": True, "transfer_id": tid}), timeout=300)
     assert p_leg["choices"][0]["text"]
+    # D gave its blocks back when its client left: nothing may be written into them afterwards
+    # (a WRITE that completed would mean the abort never reached P's rendezvous)
+    for idx in (0, 1):
+        written = [r for r in ops(stack, idx, "transfers")["recent"] if r["transfer_id"] == tid and r["result"] == "ok"]
+        assert written == [], f"the aborted transfer was written after its decode leg left: {written}"
     ref = colocated(stack, [prompt])[0]
     c0 = sources(stack)
     assert same(stack, through_router(stack, [prompt])[0], ref)

@@ -246,14 +246,20 @@ def test_preemption_on_decode_answers_as_colocated(stack: PDStack) -> None:
     assert prefill_holds(stack) == []
 
 
+@pytest.mark.parametrize("side", ["prefill", "decode"])
 @pytest.mark.parametrize("stack", ["swa"], indirect=True)
-def test_requests_sent_while_the_decode_daemon_was_frozen_finish_soon_after_it_is_back(stack: PDStack) -> None:
-    """test_pd_recovery.py's drill with a hybrid model: freeze the decode daemon for twice the
-    peers' timeout (it is fenced and restarted by its supervisor, the engine re-attaches with
-    its 4 groups); requests in flight and sent meanwhile answer as colocated, soon after."""
-    prompts = [ids(200 + 20 * i, seed=4500 + i) for i in range(4)]
+def test_requests_sent_while_a_daemon_was_frozen_finish_soon_after_it_is_back(stack: PDStack, side: str) -> None:
+    """test_pd_recovery.py's drill with a hybrid model: freeze one daemon for twice the peers'
+    timeout (its peer gives it up; a decode daemon is fenced and restarted by its supervisor and
+    its engine re-attaches with its 4 groups; the prefill engine gives up what it could not hand
+    its daemon and says so when it is back); requests in flight and sent meanwhile answer as
+    colocated, soon after it is back."""
+    idx = 0 if side == "prefill" else 1
+    seed = 4500 if side == "prefill" else 4550
+    prompts = [ids(200 + 20 * i, seed=seed + i) for i in range(4)]
     want = [r["text"] for r in colocated(stack, prompts, 8)]
-    pid = daemon_pid(stack, 1)
+    wait_daemon(stack, idx, -1, 60)  # answering (a drill before may have had it restarted)
+    pid = daemon_pid(stack, idx)
 
     def resume() -> float:
         os.kill(pid, signal.SIGCONT)
@@ -272,6 +278,7 @@ def test_requests_sent_while_the_prefill_daemon_was_killed_finish_soon_after_and
     (the prefill engine re-attached its hybrid layout)."""
     prompts = [ids(210 + 20 * i, seed=4600 + i) for i in range(4)]
     want = [r["text"] for r in colocated(stack, prompts, 8)]
+    wait_daemon(stack, 0, -1, 60)
     pid = daemon_pid(stack, 0)
     flight, during, back = outage(stack, [body(p, 8) for p in prompts], stop=lambda: os.kill(pid, signal.SIGKILL),
                                   resume=lambda: wait_daemon(stack, 0, pid, 60), hold_s=1.0, during_before_resume=0.5)

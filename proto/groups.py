@@ -34,8 +34,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["NULL_BLOCK", "STATE_BACKOFF", "Group", "GroupsError", "clip_state", "describe", "need", "pack",
-           "parse", "slice_from", "split"]
+__all__ = ["NULL_BLOCK", "STATE_BACKOFF", "Group", "GroupsError", "clip_state", "compat", "describe", "need",
+           "pack", "parse", "slice_from", "split"]
 
 #: vLLM's null block (``BlockPool.null_block``, always block 0): a placeholder, never a request's KV.
 NULL_BLOCK = 0
@@ -132,6 +132,24 @@ def parse(desc: str) -> Group:
     if bs <= 0 or spec < 0:
         raise GroupsError(f"KV cache group {desc!r}: block size {bs}, speculative slots {spec}")
     return Group((words[0], bs, words[0] == STATE_KIND, spec))
+
+
+# Words of a state group's description that are each engine's own bookkeeping: how many
+# tokens a block stands for, whether it keeps prefix-cache checkpoints ('align' with prefix
+# caching on, 'none' without), its speculative scratch slots. The running state they hold is
+# the same bytes either way.
+_LOCAL = ("block_size=", "mode=", "spec_blocks=")
+
+
+def compat(desc: str) -> str:
+    """What two engines' descriptions of a group must agree on: all of it for an attention
+    group; a state group's kind, page and sub-tensors (not its block size, cache mode or
+    scratch slots: a prefill engine with prefix caching in 'align' mode may feed a decode
+    engine without it, in 'none' mode)."""
+    words = str(desc).split()
+    if not words or words[0] != STATE_KIND:
+        return str(desc)
+    return " ".join(w for w in words if not w.startswith(_LOCAL))
 
 
 def need(group: Group, num_tokens: int, first_token: int = 0) -> int:

@@ -242,12 +242,23 @@ def test_state_streamed_answer_starts_with_the_decode_engines_token(state) -> No
         _equal(preset, n, got["text"], _colocated(stack, prompt))
 
 
+# Per state preset: the attention block (tokens), the cache's element size, its state groups.
+# A page is one attention block's K and V (one KV head of 64); every group's page is that size.
+PAGES = {"mamba": (128, 4, 1), "linear": (1152, 2, 3)}
+
+
 def test_state_decode_loads_all_but_the_last_prompt_token(state) -> None:
     """D's external_kv_transfer grows by the N - 1 tokens it loaded (the last one it computes),
-    and again when asked again (mamba: no prefix caching; linear: under one 1152 block)."""
+    and again when asked again (mamba: no prefix caching; linear: under one 1152 block). The
+    WRITE is the attention blocks of N - 1 tokens and one page per state group, no more."""
     preset, stack = state
     prompt = ids(1000, seed=4343)
+    block, elem, states = PAGES[preset]
+    page = block * 2 * 64 * elem
     for _ in range(2):
         before = external(stack.d_url)
         _equal(preset, 1000, complete(stack.router_url, prompt), _colocated(stack, prompt))
         assert external(stack.d_url) - before == len(prompt) - 1
+        moved = _write_bytes(stack)[-1]
+        print(f"{preset} 1000-token prompt: {moved} bytes moved ({moved / page:.2f} pages of {page})")
+        assert moved == (-(-(len(prompt) - 1) // block) + states) * page, moved

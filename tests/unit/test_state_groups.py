@@ -249,3 +249,23 @@ def test_an_attention_block_split_into_kernel_blocks_is_read_as_one_page() -> No
     assert (whole.num_blocks, whole.block_size) == (36, 128)
     with pytest.raises(RuntimeError, match="36 kernel blocks for 5 KV cache blocks"):
         describe_cpu_kv({"a": attn}, model="linear", head_start=0, total_heads=1, kv_groups=groups, blocks=5)
+
+
+def test_engines_agree_on_a_state_groups_bytes_not_on_their_own_bookkeeping() -> None:
+    """A prefill engine with prefix caching (GDN in 'align' mode, block 1152) feeds a decode
+    engine without it ('none' mode, a block of max_model_len): the running state is the same
+    bytes. Different sub-tensors or pages are refused at the handshake, naming the group."""
+    from dataclasses import replace
+
+    from kvpush.daemon.core.planner import check_compatible
+
+    none = MambaSpec(block_size=4096, shapes=GDN.shapes, dtypes=GDN.dtypes, page_size_padded=294912)
+    p = _layout((describe(GDN), describe(ATTN_1152)))
+    d = replace(p, kv_groups=(describe(none), describe(ATTN_1152)))
+    check_compatible(p, d, ("there", "here"))
+    other = MambaSpec(block_size=1152, shapes=((3, 1024), (4, 64, 128)), dtypes=GDN.dtypes, page_size_padded=294912,
+                      mamba_cache_mode="align")
+    with pytest.raises(PlanError, match="KV cache group 0 is .*4x128x128.* there, .*4x64x128.* here"):
+        check_compatible(p, replace(p, kv_groups=(describe(other), describe(ATTN_1152))), ("there", "here"))
+    with pytest.raises(PlanError, match="KV cache group 1"):  # attention: its block size still counts
+        check_compatible(p, replace(p, kv_groups=(describe(GDN), describe(ATTN))), ("there", "here"))

@@ -157,7 +157,7 @@ def swa(tmp_path_factory: pytest.TempPathFactory, model_preset):
 
 
 def _write_bytes(stack: PDStack) -> list[int]:
-    """Bytes of the prefill daemon's recent final WRITEs, oldest first (its ops "transfers")."""
+    """Bytes of the prefill daemon's recent final WRITEs, newest first (its ops "transfers")."""
     from kvpush import proto
     from kvpush.daemon.ops.ctl import Target, ask
 
@@ -259,6 +259,6 @@ def test_state_decode_loads_all_but_the_last_prompt_token(state) -> None:
         before = external(stack.d_url)
         _equal(preset, 1000, complete(stack.router_url, prompt), _colocated(stack, prompt))
         assert external(stack.d_url) - before == len(prompt) - 1
-        moved = _write_bytes(stack)[-1]
+        moved = _write_bytes(stack)[0]  # this request's
         print(f"{preset} 1000-token prompt: {moved} bytes moved ({moved / page:.2f} pages of {page})")
         assert moved == (-(-(len(prompt) - 1) // block) + states) * page, moved

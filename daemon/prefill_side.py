@@ -38,6 +38,7 @@ from kvpush.daemon.core.planner import PlanError, addresses, block_pattern, plan
 from kvpush.daemon.handshake import compat_error, make_hello, refusal
 from kvpush.daemon.io.layer_gate import EventError, LayerGate
 from kvpush.daemon.trust.peerauth import endpoint_host
+from kvpush.proto.groups import GroupsError, parse
 from kvpush.proto.notif import KEY_BYTES, Notification
 from kvpush.proto.params import MAX_SECRET
 
@@ -470,8 +471,9 @@ class PrefillSide:
             try:
                 pairs = pair_groups(a.src_block_ids, a.src_kv_groups, a.dst_block_ids, a.dst_kv_groups,
                                     num_tokens=a.num_tokens, dst_first_token=a.dst_first_token,
-                                    block_size=me.layout.block_size)
-            except PlanError as exc:
+                                    block_size=me.layout.block_size,
+                                    kinds=tuple(parse(d) for d in me.layout.kv_groups))
+            except (PlanError, GroupsError) as exc:
                 err = f"plan: {exc}"
                 self.ctx.metrics.failure("plan")
             else:

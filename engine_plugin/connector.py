@@ -70,7 +70,7 @@ _ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
 
 
 def _refuse_hybrid(vllm_config: Any) -> None:
-    """Models with layers kvpush cannot move yet (sliding window, Mamba, linear attention) are
+    """Models with layers kvpush cannot move (all sliding window, Mamba1, unknown kinds) are
     refused at start-up, naming their layer kinds (engine_plugin.model_kinds)."""
     from kvpush.engine_plugin.model_kinds import check_model
 
@@ -84,6 +84,14 @@ def _transferable_groups(kv_cache_config: Any) -> int:
     """How many KV cache groups the engine's requests have (1: dense or MLA)."""
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
     return max(1, len(groups))
+
+
+def _group_kinds(kv_cache_config: Any) -> tuple[Any, ...]:
+    """A hybrid engine's groups as the daemons read them from its layout (proto.groups)."""
+    from kvpush.proto.groups import describe, parse
+
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    return tuple(parse(describe(g.kv_cache_spec)) for g in groups) if len(groups) > 1 else ()
 
 
 class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
@@ -110,7 +118,8 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
                                              vllm_config.model_config.get_num_layers(vllm_config.parallel_config),
                                              gpu=str(vllm_config.device_config.device_type) != "cpu",
                                              prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching),
-                                             kv_groups=_transferable_groups(kv_cache_config))
+                                             kv_groups=_transferable_groups(kv_cache_config),
+                                             group_kinds=_group_kinds(kv_cache_config))
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -147,6 +156,12 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.scheduler is not None
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def on_new_request(self, request: Request) -> None:
+        """A prefill leg of a model with state groups drops its prompt's last token (the decode
+        engine computes it from the state before it, as vLLM's NixlConnector has it)."""
+        if self.scheduler is not None:
+            self.scheduler.on_new_request(request)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self.scheduler is not None

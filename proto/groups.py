@@ -16,6 +16,17 @@ block to load (``first_token // block_size``), a prefill engine's at the prompt'
 :func:`describe` names a group for the handshake (``KVLayout.kv_groups``): both sides must
 agree on each group's kind, window and block size, or the handshake names the group and
 both values.
+
+**State groups** (Mamba2, gated delta net: vLLM's ``MambaSpec``) hold no per-token KV: a
+request's list holds its running-state slot (and, in ``mamba_cache_mode='align'``, null or
+checkpoint slots before it, speculative scratch slots after it). Only the running state moves
+(:func:`clip_state`, vLLM's NixlConnector's rule), so on the wire a state group's list is that
+one slot, never sliced by a prefix hit. The state is cumulative: the decode engine loads the
+state after the prompt's first ``N - 1`` tokens and computes the last one itself (the prefill
+engine drops the prompt's last token, :data:`STATE_BACKOFF`). A group's own block size
+(attention 128 beside a Mamba2 state block of 2048) decides how many of its blocks hold a
+prompt; vLLM gives every group the same page bytes, so block ``b`` is page ``b`` of every
+layer tensor, whichever group owns it.
 """
 
 from __future__ import annotations
@@ -23,10 +34,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["NULL_BLOCK", "GroupsError", "describe", "pack", "slice_from", "split"]
+__all__ = ["NULL_BLOCK", "STATE_BACKOFF", "Group", "GroupsError", "clip_state", "compat", "describe", "need",
+           "pack", "parse", "slice_from", "split"]
 
 #: vLLM's null block (``BlockPool.null_block``, always block 0): a placeholder, never a request's KV.
 NULL_BLOCK = 0
+#: Prompt tokens the prefill engine of a model with state groups does not compute (the decode
+#: engine derives the last state from the one before it, as vLLM's NixlConnector does).
+STATE_BACKOFF = 1
+#: The kind :func:`describe` gives a state group (vLLM's ``MambaSpec``).
+STATE_KIND = "Mamba"
 
 
 class GroupsError(ValueError):
@@ -54,14 +71,93 @@ def split(block_ids: Sequence[int], groups: Sequence[int]) -> list[tuple[int, ..
     return out
 
 
-def slice_from(block_ids: Sequence[int], groups: Sequence[int], first_block: int,
-               ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Each group's list from index ``first_block`` on, packed again (a decode engine's
-    local prefix hit: it loads only the blocks after it, in every group)."""
+def slice_from(block_ids: Sequence[int], groups: Sequence[int], first_token: int, block_size: int,
+               sizes: Sequence[int] = ()) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Each group's list from its block holding ``first_token`` on, packed again (a decode
+    engine's local prefix hit: it loads only the blocks after it, in every group).
+    ``sizes``: each group's own block size, 0 for a state group (its one slot is kept
+    whole); empty: every group's is ``block_size``."""
     lists = split(block_ids, groups)
     if not groups:
-        return lists[0][first_block:], ()
-    return pack([ids[first_block:] for ids in lists])
+        return lists[0][first_token // block_size:], ()
+    if sizes and len(sizes) != len(lists):
+        raise GroupsError(f"{len(lists)} block lists for {len(sizes)} KV cache groups")
+    sizes = tuple(sizes) or (block_size,) * len(lists)
+    return pack([ids if bs == 0 else ids[first_token // bs:] for ids, bs in zip(lists, sizes, strict=True)])
+
+
+def clip_state(ids: Sequence[int], spec_blocks: int) -> tuple[int, ...]:
+    """A state group's running-state slot: its list without the trailing ``spec_blocks``
+    speculative scratch slots, last entry (one entry is always kept; empty stays empty)."""
+    ids = tuple(int(b) for b in ids)
+    if not ids:
+        return ids
+    scratch = min(max(0, spec_blocks), len(ids) - 1)
+    return (ids[: len(ids) - scratch])[-1:]
+
+
+class Group(tuple):
+    """``(kind, block_size, state, spec_blocks)`` of one group, read back from its description."""
+
+    __slots__ = ()
+
+    @property
+    def kind(self) -> str:
+        return self[0]
+
+    @property
+    def block_size(self) -> int:
+        return self[1]
+
+    @property
+    def state(self) -> bool:
+        return self[2]
+
+    @property
+    def spec_blocks(self) -> int:
+        return self[3]
+
+
+def parse(desc: str) -> Group:
+    """What a group's :func:`describe` string says the planner needs; raises GroupsError."""
+    words = str(desc).split()
+    if not words:
+        raise GroupsError("an empty KV cache group description")
+    kv = dict(w.split("=", 1) for w in words[1:] if "=" in w)
+    try:
+        bs = int(kv.get("block_size", "0"))
+        spec = int(kv.get("spec_blocks", "0"))
+    except ValueError as exc:
+        raise GroupsError(f"KV cache group {desc!r}: {exc}") from exc
+    if bs <= 0 or spec < 0:
+        raise GroupsError(f"KV cache group {desc!r}: block size {bs}, speculative slots {spec}")
+    return Group((words[0], bs, words[0] == STATE_KIND, spec))
+
+
+# Words of a state group's description that are each engine's own bookkeeping: how many
+# tokens a block stands for, whether it keeps prefix-cache checkpoints ('align' with prefix
+# caching on, 'none' without), its speculative scratch slots. The running state they hold is
+# the same bytes either way.
+_LOCAL = ("block_size=", "mode=", "spec_blocks=")
+
+
+def compat(desc: str) -> str:
+    """What two engines' descriptions of a group must agree on: all of it for an attention
+    group; a state group's kind, page and sub-tensors (not its block size, cache mode or
+    scratch slots: a prefill engine with prefix caching in 'align' mode may feed a decode
+    engine without it, in 'none' mode)."""
+    words = str(desc).split()
+    if not words or words[0] != STATE_KIND:
+        return str(desc)
+    return " ".join(w for w in words if not w.startswith(_LOCAL))
+
+
+def need(group: Group, num_tokens: int, first_token: int = 0) -> int:
+    """Entries a group's list must have for tokens [first_token, num_tokens): a state group's
+    one slot, an attention group's blocks from the one holding ``first_token``."""
+    if group.state:
+        return 1
+    return -(-num_tokens // group.block_size) - first_token // group.block_size
 
 
 def describe(spec: Any) -> str:
@@ -75,4 +171,13 @@ def describe(spec: Any) -> str:
     page = getattr(spec, "page_size_bytes", None)
     if isinstance(page, int):
         parts.append(f"page_bytes={page}")
+    shapes = getattr(spec, "shapes", None)
+    if shapes is not None:  # a state group (MambaSpec): its sub-tensors, type and cache mode
+        dtypes = getattr(spec, "dtypes", ())
+        subs = ",".join(f"{'x'.join(map(str, s))}:{str(d).removeprefix('torch.')}"
+                        for s, d in zip(shapes, dtypes, strict=True))
+        mtype = getattr(spec, "mamba_type", "")
+        parts += [f"state={subs}", f"type={getattr(mtype, 'name', mtype)}",
+                  f"mode={getattr(spec, 'mamba_cache_mode', 'none')}",
+                  f"spec_blocks={int(getattr(spec, 'num_speculative_blocks', 0) or 0)}"]
     return " ".join(parts)

@@ -44,6 +44,17 @@ MAX_SECRET = 128  # chars: a bound on what a request (or a peer) may present
 MAX_NODE = 64  # chars of a node name (kvpushd keygen's own bound)
 MAX_TP = 1024  # a bound on what a request may claim, not a limit of any deployment
 MAX_TRANSFER_ID = 256  # the daemons' own bound on a transfer ID is configured; this one guards parsing
+# A prefill engine of a model with state groups (Mamba, linear attention) computed the prompt
+# without its last token (the decode engine computes it from the state before it): set on the
+# prefill leg's params (once, even after a preemption) and in its answer, where it tells the
+# router that the leg's one token is not the request's first token (router.first_token).
+PROMPT_TRUNCATED = "kvpush_prompt_truncated"
+
+
+def prompt_truncated(params: Any) -> bool:
+    """Whether these ``kv_transfer_params`` (a prefill leg's, or its answer) say the prompt was
+    computed without its last token."""
+    return isinstance(params, Mapping) and params.get(PROMPT_TRUNCATED) is True
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,11 @@ the prefill leg's text (a near-tie that the two engines' numerics broke differen
 that drew differently), the splice reports a mismatch and the router continues the client's
 stream from what it was sent (``Splice.recovery``), never from the decode leg's own token.
 
+A prefill leg of a model with state groups (Mamba, linear attention) computes all but the
+prompt's last token (the decode engine derives the last state itself), so its one token is a
+prediction one position early: its answer says so (``kv_transfer_params``,
+``proto.params.PROMPT_TRUNCATED``) and the client's first token is the decode engine's.
+
 Only plain text generation takes this path (``eligible``): one choice, no logprobs, no stop
 strings, no tools or structured output; a sampled request without a seed gets one seed drawn by
 the router for both legs, so both draw the same first token.
@@ -31,6 +36,7 @@ from functools import cached_property
 from typing import Any
 
 from kvpush.common.machine import Row, Single, Table, drive, row
+from kvpush.proto.params import prompt_truncated
 
 __all__ = ["PATHS", "TABLE", "Splice", "State", "eligible", "event_data", "leg_bodies"]
 
@@ -473,6 +479,8 @@ def _first(answer: Any, chat: bool) -> tuple[str, list[int], list[int]]:
     """The prefill leg's text, its token IDs and the prompt's ("" when it is not plain text)."""
     if not isinstance(answer, dict) or not isinstance(answer.get("choices"), list) or not answer["choices"]:
         return "", [], []
+    if prompt_truncated(answer.get("kv_transfer_params")):
+        return "", [], []  # the leg computed all but the prompt's last token (state groups): its token is not ours
     c = answer["choices"][0]
     if not isinstance(c, dict) or c.get("logprobs") is not None:
         return "", [], []

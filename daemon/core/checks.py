@@ -8,6 +8,8 @@ the sender is told. Bounds come from configuration, never from the wire.
 from __future__ import annotations
 
 from kvpush.daemon.core.rendezvous import LayersReady
+from kvpush.proto.groups import GroupsError, parse
+from kvpush.proto.groups import need as groups_need
 from kvpush.proto.layout import KVLayout
 from kvpush.proto.messages import LayerProgress
 from kvpush.proto.params import MAX_NODE, MAX_SECRET
@@ -29,9 +31,15 @@ def check_blocks(
                 "KV cache group(s)")
     if kv_groups and sum(kv_groups) != len(block_ids):
         return f"{what}: {len(block_ids)} block IDs for KV cache groups of {sum(kv_groups)}"
-    if kv_groups and min(kv_groups) < need:
-        return f"{what}: a KV cache group of {min(kv_groups)} blocks cannot hold {num_tokens} tokens"
-    if len(block_ids) < need:
+    if kv_groups:
+        try:
+            kinds = [parse(d) for d in layout.kv_groups]
+        except GroupsError as exc:
+            return f"{what}: {exc}"
+        for g, (n, kind) in enumerate(zip(kv_groups, kinds, strict=True)):
+            if n < groups_need(kind, num_tokens, first_token):
+                return f"{what}: KV cache group {g} ({kind.kind}) of {n} blocks cannot hold {num_tokens} tokens"
+    elif len(block_ids) < need:
         return f"{what}: {len(block_ids)} blocks cannot hold {num_tokens} tokens at block size {layout.block_size}"
     if block_ids and max(block_ids) >= layout.num_blocks:
         return f"{what}: block ID {max(block_ids)} out of range [0, {layout.num_blocks})"

@@ -13,6 +13,12 @@ position the decode engine needs whose prefill block is gone (null: outside the 
 or freed). Every group moves in the one WRITE, with its one notification, so the decode engine
 never sees some groups written and others stale.
 
+A state group (Mamba, linear attention: ``proto.groups``) moves its one running-state slot
+into the decode engine's: both lists are that slot (or clip to it); a null or missing slot on
+either side fails the whole transfer. Each attention group counts its blocks with its own
+block size (Mamba2 hybrids: attention 128 beside a state block of 2048); vLLM gives every
+group the same page bytes, so each pair is one page of every layer tensor.
+
 The pairs come out as two flat lists of whole blocks in group order: the planner then copies
 each pair's whole block (all tokens; a partial last block's tail is never read before the
 decode engine writes it), as ``num_tokens = len(pairs) * block_size`` from token 0.
@@ -25,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvpush.daemon.core.planner import PlanError
-from kvpush.proto.groups import NULL_BLOCK, GroupsError, split
+from kvpush.proto.groups import NULL_BLOCK, Group, GroupsError, clip_state, split
 
 __all__ = ["Pairs", "pair_groups"]
 
@@ -49,8 +55,11 @@ class Pairs(tuple):
 
 
 def pair_groups(src_ids: Sequence[int], src_groups: Sequence[int], dst_ids: Sequence[int],
-                dst_groups: Sequence[int], *, num_tokens: int, dst_first_token: int, block_size: int) -> Pairs:
-    """The block pairs of every group (see the module doc); raises PlanError naming the group."""
+                dst_groups: Sequence[int], *, num_tokens: int, dst_first_token: int, block_size: int,
+                kinds: Sequence[Group] = ()) -> Pairs:
+    """The block pairs of every group (see the module doc); raises PlanError naming the group.
+    ``kinds``: each group as ``proto.groups.parse`` reads the engine's layout (empty: every
+    group is attention of ``block_size``)."""
     if block_size <= 0 or num_tokens <= 0:
         raise PlanError(f"groups: block size {block_size} and num_tokens {num_tokens} must be positive")
     if dst_first_token % block_size or not 0 <= dst_first_token < num_tokens:
@@ -62,12 +71,27 @@ def pair_groups(src_ids: Sequence[int], src_groups: Sequence[int], dst_ids: Sequ
     if len(src_lists) != len(dst_lists):
         raise PlanError(f"groups: the prefill side has {len(src_lists)} KV cache groups, the decode side "
                         f"{len(dst_lists)}")
-    need = -(-num_tokens // block_size)
-    first = dst_first_token // block_size
+    if kinds and len(kinds) != len(dst_lists):
+        raise PlanError(f"groups: {len(dst_lists)} block lists for an engine of {len(kinds)} KV cache groups")
     src_out: list[int] = []
     dst_out: list[int] = []
     counts = []
     for g, (s, d) in enumerate(zip(src_lists, dst_lists, strict=True)):
+        kind = kinds[g] if kinds else None
+        if kind is not None and kind.state:
+            ss, ds = clip_state(s, kind.spec_blocks), clip_state(d, kind.spec_blocks)
+            if not ss or not ds or NULL_BLOCK in ss + ds:
+                raise PlanError(f"groups: state group {g} has no running-state slot on the "
+                                f"{'prefill' if not ss or NULL_BLOCK in ss else 'decode'} side")
+            src_out.append(ss[0])
+            dst_out.append(ds[0])
+            counts.append(1)
+            continue
+        bs = kind.block_size if kind is not None else block_size
+        if dst_first_token % bs:
+            raise PlanError(f"groups: first token {dst_first_token} is not a block boundary of group {g} "
+                            f"(block size {bs})")
+        need, first = -(-num_tokens // bs), dst_first_token // bs
         if len(d) < need - first:
             raise PlanError(f"groups: the decode side's group {g} holds {len(d)} blocks from block {first}, "
                             f"the prompt needs {need - first}")

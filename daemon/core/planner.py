@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvpush.proto import groups
 from kvpush.proto.layout import KVLayout, LayoutError, split_address
 
 
@@ -79,9 +80,9 @@ def check_compatible(
         raise PlanError(f"incompatible layouts: {len(src.kv_groups) or 1} KV cache group(s) {sides[0]}, "
                         f"{len(dst.kv_groups) or 1} {sides[1]}")
     for i, (a, b) in enumerate(zip(src.kv_groups, dst.kv_groups, strict=True)):
-        if a != b:
+        if groups.compat(a) != groups.compat(b):
             raise PlanError(f"incompatible layouts: KV cache group {i} is {a!r} {sides[0]}, {b!r} {sides[1]} "
-                            "(a group's block size, window or page differs between the engines)")
+                            "(a group's kind, block size, window, page or state differs between the engines)")
     for kv, half in ((0, "K"), (1, "V")):
         a, b = src.packing(kv).format_key(), dst.packing(kv).format_key()
         if a != b:

@@ -31,8 +31,14 @@ from kvpush.engine_plugin.logs import plugin_logger
 from kvpush.engine_plugin.metadata import KVPushMetadata
 from kvpush.engine_plugin.scheduler import lifecycle as sl
 from kvpush.engine_plugin.scheduler.cards import DaemonCards
-from kvpush.proto.groups import pack
-from kvpush.proto.params import DO_REMOTE_PREFILL, decode_leg, prefill_leg
+from kvpush.proto.groups import STATE_BACKOFF, Group, clip_state, pack
+from kvpush.proto.params import (
+    DO_REMOTE_PREFILL,
+    PROMPT_TRUNCATED,
+    decode_leg,
+    prefill_leg,
+    prompt_truncated,
+)
 from kvpush.proto.trace import now_ns
 
 if TYPE_CHECKING:
@@ -52,8 +58,14 @@ def _fresh_transfer_id() -> str:
 
 class KVPushScheduler:
     def __init__(self, cfg: PluginConfig, block_size: int, tp_size: int = 1, num_layers: int | None = None,
-                 gpu: bool = False, prefix_caching: bool = True, kv_groups: int = 1) -> None:
+                 gpu: bool = False, prefix_caching: bool = True, kv_groups: int = 1,
+                 group_kinds: tuple[Group, ...] = ()) -> None:
         self.cfg = cfg
+        # Hybrid: each group as proto.groups.parse reads it. A model with state groups (Mamba,
+        # linear attention) moves each one's running-state slot and the state after all but the
+        # prompt's last token: its prefill legs drop that token, its decode legs load one less.
+        self.group_kinds = group_kinds
+        self.backoff = STATE_BACKOFF if any(k.state for k in group_kinds) else 0
         self.block_size = block_size
         self.cards = DaemonCards(cfg, tp_size)
         self.kv_groups = kv_groups  # KV cache groups (vLLM's hybrid allocator): > 1 never streams
@@ -65,7 +77,9 @@ class KVPushScheduler:
             least = None
         self.lifecycle = sl.SchedulerLifecycle(block_size, name_transfer=_fresh_transfer_id,
                                                stream_min_tokens=least,
-                                               stream_auto=cfg.layerwise == "auto", share_prefix=prefix_caching)
+                                               stream_auto=cfg.layerwise == "auto", share_prefix=prefix_caching,
+                                               group_sizes=tuple(0 if k.state else k.block_size
+                                                                 for k in group_kinds))
         self._meta = KVPushMetadata()  # this step's, handed to the worker by build_connector_meta
         self._warned = OncePer(WARN_KEY_SETS)  # key sets of unusable decode legs already logged
         self._answer: Any = None  # the hook's return value among the actions being carried out
@@ -98,10 +112,13 @@ class KVPushScheduler:
             self._warn_unusable(params)
             return 0, False
         eps = self.cards.endpoints() if pleg is not None and pleg.serial else None
+        num_prompt = self._loaded(request) if dleg is not None else request.num_prompt_tokens
+        if dleg is not None and num_prompt <= num_computed_tokens:
+            return 0, False  # (state groups) a local hit up to the token this engine computes anyway
         claim = self._apply(sl.Matched(request.request_id, time.monotonic(),
-                                       request.num_prompt_tokens - num_computed_tokens, dleg, pleg,
+                                       num_prompt - num_computed_tokens, dleg, pleg,
                                        None if eps is None else tuple(eps), request.max_tokens == 1,
-                                       request.num_prompt_tokens))
+                                       num_prompt))
         if isinstance(claim, sl.Defer):
             return None, False  # vLLM skips the request this step and asks again
         return (claim.count, True) if claim is not None else (0, False)
@@ -119,12 +136,40 @@ class KVPushScheduler:
                     "remote_port and tp_size with pp_size 1): computing its prompt locally; further requests "
                     "with these keys are not logged", ", ".join(keys))
 
+    def _loaded(self, request: Request) -> int:
+        """The prompt tokens a decode leg loads: all but the ``backoff`` last (state groups)."""
+        n = request.num_prompt_tokens
+        return n - self.backoff if n > self.backoff else n
+
+    def _clip(self, lists: Any) -> Any:
+        """Each state group's list as its running-state slot (proto.groups.clip_state)."""
+        kinds = self.group_kinds
+        if not self.backoff or len(lists) != len(kinds):
+            return lists
+        return tuple(clip_state(ids, k.spec_blocks) if k.state else ids for ids, k in zip(lists, kinds, strict=True))
+
+    def on_new_request(self, request: Request) -> None:
+        """A prefill leg of a model with state groups computes its prompt without the last
+        ``backoff`` tokens, once (a preempted request comes back with its params marked):
+        the decode engine derives the last state from the one before it. A request that reads
+        no prefix cache (prompt logprobs) loads nothing on D and is left whole."""
+        params = request.kv_transfer_params
+        n = self.backoff
+        if (not n or prefill_leg(params) is None or prompt_truncated(params) or request.num_prompt_tokens <= n
+                or request.prompt_token_ids is None or request.get_skip_reading_prefix_cache()):
+            return
+        del request.prompt_token_ids[-n:]
+        del request._all_token_ids[-n:]
+        request.num_prompt_tokens -= n
+        request.max_tokens = 1
+        params[PROMPT_TRUNCATED] = True
+
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
             return  # the table's Allocated rows without tokens to load change nothing (a unit test checks)
-        block_ids, kv_groups = pack(blocks.get_block_ids())
+        block_ids, kv_groups = pack(self._clip(blocks.get_block_ids()))
         self._apply(sl.Allocated(request.request_id, time.monotonic(), num_external_tokens, block_ids,
-                                 request.num_prompt_tokens, decode_leg(request.kv_transfer_params), kv_groups))
+                                 self._loaded(request), decode_leg(request.kv_transfer_params), kv_groups))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished_groups(request, (block_ids,))
@@ -138,10 +183,13 @@ class KVPushScheduler:
             return False, None  # not ours: no event at all
         eps = self.cards.endpoints() if pleg is not None else None
         ok = finished_normally(request.status)  # stop, length, repetition (engine_plugin.compat)
-        block_ids, kv_groups = pack(lists)
+        block_ids, kv_groups = pack(self._clip(lists))
         hold = self._apply(sl.Finished(rid, time.monotonic(), ok, pleg, block_ids,
                                        request.num_prompt_tokens, None if eps is None else tuple(eps), kv_groups))
-        return (True, hold.answer) if hold is not None else (False, None)
+        answer = hold.answer if hold is not None else None
+        if prompt_truncated(request.kv_transfer_params):  # its token is not the request's first (router)
+            answer = {**(answer or {}), PROMPT_TRUNCATED: True}
+        return hold is not None, answer
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVPushMetadata:
         idle = scheduler_output.total_num_scheduled_tokens == 0
@@ -152,7 +200,7 @@ class KVPushScheduler:
             scheduled = scheduler_output.num_scheduled_tokens
             new = {} if not (streams or lc.count(sl.State.CANDIDATE)) else {
                 nr.req_id: sl.NewReq(len(nr.prompt_token_ids or ()), nr.num_computed_tokens,
-                                     scheduled.get(nr.req_id, 0), *pack(nr.block_ids))
+                                     scheduled.get(nr.req_id, 0), *pack(self._clip(nr.block_ids)))
                 for nr in scheduler_output.scheduled_new_reqs}
             self._apply(sl.Step(time.monotonic(), scheduled, new, self._cached(scheduler_output) if streams else {}))
         meta, self._meta = self._meta, KVPushMetadata()

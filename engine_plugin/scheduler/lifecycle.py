@@ -244,7 +244,8 @@ class SchedulerLifecycle(TrackedCore):
 
     def __init__(self, block_size: int, *, name_transfer: Callable[[], str],
                  make_secret: Callable[[], str] = new_secret, tombstone_s: float = TOMBSTONE_S,
-                 stream_min_tokens: int | None = None, stream_auto: bool = False, share_prefix: bool = True) -> None:
+                 stream_min_tokens: int | None = None, stream_auto: bool = False, share_prefix: bool = True,
+                 group_sizes: tuple[int, ...] = ()) -> None:
         super().__init__(TABLE, TOMBSTONES, DEADLINES, tracked=(State.LOADED, State.CANDIDATE),
                          tombstone_s=tombstone_s)
         self.block_size = block_size
@@ -253,6 +254,8 @@ class SchedulerLifecycle(TrackedCore):
         self.stream_min_tokens = stream_min_tokens  # None: layerwise off (PluginConfig)
         self.stream_auto = stream_auto  # layerwise "auto": the daemon weighs each stream against its link
         self.share_prefix = share_prefix  # vLLM's prefix caching is on: a sibling's loaded blocks are a hit
+        # Hybrid: each KV cache group's own block size, 0 for a state group (proto.groups.slice_from)
+        self.group_sizes = group_sizes
 
     def streaming(self, req_id: str) -> bool:
         """Is this a live prefill request whose KV streams (the shell's Step needs its chunk)?"""
@@ -486,7 +489,7 @@ def register(sl: SchedulerLifecycle, rec: Req, ev: Allocated, out: list) -> None
     rec.transfer_id = rec.registered = leg.transfer_id
     rec.loaded = False
     sl._index_add(rec.req_id, rec, leg.transfer_id)
-    block_ids, kv_groups = slice_from(ev.block_ids, ev.kv_groups, first_token // sl.block_size)
+    block_ids, kv_groups = slice_from(ev.block_ids, ev.kv_groups, first_token, sl.block_size, sl.group_sizes)
     out.append(Register(leg.transfer_id, rec.attempt, rec.req_id, block_ids, ev.num_prompt, first_token,
                         leg.prefill_endpoints, leg.prefill_tp_size, leg.secret, kv_groups=kv_groups))
 

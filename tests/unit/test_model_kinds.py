@@ -23,15 +23,22 @@ def test_sliding_window_beside_full_attention_passes() -> None:
 
 
 @pytest.mark.parametrize("preset", ["linear", "mamba"])
-def test_hybrid_presets_are_refused_naming_their_layer_kinds(preset: str) -> None:
+def test_state_hybrids_pass(preset: str) -> None:
+    """Mamba2 / gated-delta-net layers beside full attention move as state groups."""
     cfg = _config(preset)
     assert layer_kinds(cfg) == FAMILIES[preset].layer_kinds
-    with pytest.raises(HybridRefused) as err:
-        check_model(cfg, preset)
-    msg = str(err.value)
-    for kind in set(FAMILIES[preset].layer_kinds):
-        assert kind in msg
-    assert "NixlConnector" in msg and "colocated" in msg
+    check_model(cfg, preset)
+
+
+def test_mamba1_and_all_state_models_are_refused_naming_their_layer_kinds() -> None:
+    jamba = transformers.JambaConfig(num_hidden_layers=4, attn_layer_period=4, attn_layer_offset=2)
+    with pytest.raises(HybridRefused, match=r"\(jamba\).*Mamba1") as err:
+        check_model(jamba, "jamba")
+    assert "NixlConnector" in str(err.value) and "colocated" in str(err.value)
+    nemo = transformers.NemotronHConfig(num_hidden_layers=2, hybrid_override_pattern="M-")
+    msg = refusal(layer_kinds(nemo))
+    assert msg is not None and "no full-attention layer" in msg and "1 x mamba" in msg
+    assert "unknown(Q)" in (refusal(("attention", "unknown(Q)")) or "")
 
 
 def test_mla_and_llama_pass() -> None:

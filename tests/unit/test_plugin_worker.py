@@ -282,8 +282,9 @@ def test_a_persistent_load_failure_is_logged_once_and_counted(stack, caplog) -> 
 
 
 def test_hybrid_model_is_refused_before_anything_is_attached(stack) -> None:
-    """A hybrid KV cache config with a state group (full attention + Mamba, vLLM's own
-    classes) stops register_kv_caches at once: nothing exported, no Attach sent."""
+    """A hybrid KV cache config with a state group kvpush does not move (Mamba with a state
+    per block, cache mode 'all'; vLLM's own classes) stops register_kv_caches at once:
+    nothing exported, no Attach sent."""
     iface = pytest.importorskip("vllm.v1.kv_cache_interface")
     import torch
 
@@ -291,11 +292,12 @@ def test_hybrid_model_is_refused_before_anything_is_attached(stack) -> None:
 
     w, daemon = stack
     full = iface.FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.bfloat16)
-    mamba = iface.MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float32,))
+    mamba = iface.MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float32,), page_size_padded=512,
+                            mamba_cache_mode="all")
     w.kv_cache_config = iface.KVCacheConfig(num_blocks=4, kv_cache_tensors=[], kv_cache_groups=[
         iface.KVCacheGroupSpec(["a"], full), iface.KVCacheGroupSpec(["b"], mamba)])
     kv = torch.zeros(2, 4, 1, 16, 16, dtype=torch.bfloat16)
-    with pytest.raises(LayoutRefused, match="do not move yet"):
+    with pytest.raises(LayoutRefused, match="mamba_cache_mode 'all'"):
         w.register_kv_caches({"model.layers.0.self_attn.attn": kv[0], "model.layers.1.self_attn.attn": kv[1]})
     assert w.layout is None and getattr(w, "handle", None) is None
     time.sleep(0.05)

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpush.common.machine import Row
+from kvpush.proto.params import PROMPT_TRUNCATED
 from kvpush.router.first_token import EVENTS, TABLE, Events, Splice, State, eligible, leg_bodies
 
 HEAD = {"id": "cmpl-x", "created": 1, "model": "tiny"}
@@ -149,6 +150,23 @@ def test_prefill_text_that_is_not_plain_leaves_the_first_token_to_the_decode_leg
     a = answer("x", True)
     a["choices"][0]["message"]["tool_calls"] = [{"id": "t"}]
     assert sp.prefill(a) == [] and sp.state == "passing"
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_prefill_leg_that_dropped_the_prompts_last_token_leaves_the_first_token_to_the_decode_leg(
+        chat: bool) -> None:
+    """A model with state groups (Mamba, linear attention): the prefill leg computed all but the
+    prompt's last token, so its one token predicts the prompt's last token, not the answer's
+    first. Its answer says so; the client's stream is the decode leg's, from its first token."""
+    a = {**answer(" wrong", chat), "kv_transfer_params": {PROMPT_TRUNCATED: True, "transfer_id": "t"}}
+    sp = Splice(chat)
+    assert sp.prefill(a) == [] and sp.state == "passing" and not sp.early
+    out = b"".join(sp.decode(d_events([" right", " on"], chat)))
+    assert client_text(out, chat) == (" right on", True)
+    # the same answer without the mark: its token goes out early, as for any other model
+    sp = Splice(chat)
+    plain = {**answer(" right", chat), "kv_transfer_params": {"transfer_id": "t"}}
+    assert sp.prefill(plain) != [] and sp.early
 
 
 def test_recovery_continues_after_the_sent_token_and_counts_it_in_usage() -> None:

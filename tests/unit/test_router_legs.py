@@ -113,6 +113,7 @@ async def _stopped_prefill_engine(proc: subprocess.Popen, p_url: str) -> tuple[l
             async with s.post(f"{url}/v1/completions", json=req) as r:
                 statuses.append(r.status)
                 await r.read()
+            await asyncio.sleep(0.05)  # it is back in its loop's poll, waiting (well inside its keep-alive)
             os.kill(proc.pid, signal.SIGSTOP)
             try:
                 second = asyncio.create_task(s.post(f"{url}/v1/completions", json=req,

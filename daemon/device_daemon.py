@@ -40,6 +40,7 @@ from kvpush.daemon.core.session_gate import PendingCap
 from kvpush.daemon.decode_side import DecodeSide
 from kvpush.daemon.engine_session import EngineSession, LocalTrust, RegionOpener, map_engine_region
 from kvpush.daemon.io.endpoints import Endpoints
+from kvpush.daemon.io.heap import HeapTrimmer
 from kvpush.daemon.io.kv_mapping import ShmLedger
 from kvpush.daemon.io.transport import NixlTransport
 from kvpush.daemon.io.wire import DaemonWire, frame_node
@@ -182,6 +183,7 @@ class DeviceDaemon:
         self.poll_s = cfg.poll_min_s
         self.last_tick = 0.0
         self.last_auth = 0.0
+        self.heap = HeapTrimmer()  # gives a burst's freed buffers back (peer-port floods)
 
     def _ops_view(self) -> DaemonView:
         """What ops may see and do (ops_views never holds the worker)."""
@@ -340,6 +342,7 @@ class DeviceDaemon:
         self.prefill.tick(now)
         self.decode.tick(now)
         self.session.tick(now)
+        self.heap.tick(now)
         auth = self.ctx.auth
         if auth is not None and now - self.last_auth >= AUTH_REFRESH_S:
             self.last_auth = now

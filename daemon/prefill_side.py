@@ -124,6 +124,10 @@ class PrefillSide:
         if why:
             self.ctx.bad("prefill", why)
             self.ctx.to_engine(proto.SendFailed(msg.transfer_id, 0, why))
+            # The transfer can never be written now (e.g. a hybrid engine's lists without one
+            # KV cache group): a decode side registered for it is told at once, and a later
+            # registration is refused at once, instead of either waiting out its deadline.
+            self.apply(rv.Aborted(msg.transfer_id, None, why, "local", now))
             return
         self.ctx.trace.stamp(msg.transfer_id, "p.daemon.prefill_done_in")
         lease = bounded_s(msg.lease_ms, self.cfg.lease_s)

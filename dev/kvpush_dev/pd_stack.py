@@ -53,6 +53,7 @@ class PDStack:
     plugin_extra: dict[str, Any] = field(default_factory=dict)
     engine_env: dict[str, str] = field(default_factory=dict)  # extra env for both engines
     engine_args: list[str] = field(default_factory=list)  # extra flags for both engines (GPU: memory share)
+    d_engine_args: list[str] = field(default_factory=list)  # extra flags for the decode engine alone (last: they win)
     engine_python: str | None = None  # interpreter of the engines' venv (default: vllm_env's)
     by_name: frozenset[str] = frozenset()  # "prefill"/"decode": connector by name, no module path
     daemon_toml: str = ""  # extra kvpushd.toml lines (e.g. otlp_traces_endpoint)
@@ -134,6 +135,7 @@ class PDStack:
         d_args = [*self.engine_args, *(["--block-size", str(self.d_block_size)] if self.d_block_size else [])]
         if not self.d_prefix_caching:
             d_args.append("--no-enable-prefix-caching")
+        d_args += self.d_engine_args
         self.procs["prefill"] = ve.start_engine(
             self.p_model or self.model, self.p_port, self.work / "prefill.log", cpu_bind=self.p_cpus, extra_args=p_args,
             env_extra=self.engine_env, python=self.engine_python,

@@ -3,7 +3,8 @@
 llm-d's sidecar (its NIXL v2 connector path) is a serial proxy, not our router: it sends the
 prefill leg first, with NIXL-shaped null params, ``stream: false``, ``max_tokens: 1`` and an
 ``x-request-id``; then it sends the decode leg with the prefill response's
-``kv_transfer_params`` copied verbatim. No transfer ID or daemon endpoint is in the prefill
+``kv_transfer_params`` copied verbatim (``kvpush_dev.pd_faults.serial_front`` sends exactly
+that; every model family's suite goes through it too). No transfer ID or daemon endpoint is in the prefill
 leg, so the prefill engine's plugin names the transfer and answers with the decode leg's
 params (its daemons' endpoints). Greedy tokens must equal the colocated run, and the decode
 engine's own counter must show the prompt came through kvpush, not a local recompute.
@@ -18,41 +19,18 @@ from typing import Any
 import aiohttp
 import pytest
 
+from kvpush_dev.pd_faults import serial_front
 from kvpush_dev.pd_stack import PDStack, prompt_tokens_by_source
 from kvpush_dev.tiny_model import prompt_ids as ids
 
 pytestmark = pytest.mark.e2e
 
 
-# What llm-d's sidecar puts on the prefill leg (the shape vLLM's NixlConnector expects).
-LLMD_PREFILL_PARAMS = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
-
-
-async def post(s: aiohttp.ClientSession, url: str, body: dict[str, Any],
-               headers: dict[str, str] | None = None) -> dict[str, Any]:
-    async with s.post(url, json=body, headers=headers or {}, timeout=aiohttp.ClientTimeout(total=300)) as r:
+async def post(s: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> dict[str, Any]:
+    async with s.post(url, json=body, timeout=aiohttp.ClientTimeout(total=300)) as r:
         data = await r.json(content_type=None)
         assert r.status == 200, data
         return data
-
-
-async def sidecar(pd: PDStack, body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The serial proxy: prefill leg, then decode leg with the prefill's params verbatim."""
-    rid = f"llmd-{uuid.uuid4().hex}"
-    async with aiohttp.ClientSession() as s:
-        p = await post(s, f"{pd.p_url}/v1/completions",
-                       {**body, "stream": False, "max_tokens": 1, "kv_transfer_params": dict(LLMD_PREFILL_PARAMS)},
-                       headers={"x-request-id": rid})
-        d = await post(s, f"{pd.d_url}/v1/completions", {**body, "kv_transfer_params": p["kv_transfer_params"]},
-                       headers={"x-request-id": rid})
-    return p, d
 
 
 async def colocated(pd: PDStack, body: dict[str, Any]) -> dict[str, Any]:
@@ -66,7 +44,7 @@ def test_llmd_sidecar_request_shape_equals_colocated(pd: PDStack, n: int) -> Non
             "ignore_eos": True}
     want = asyncio.run(colocated(pd, body))["choices"][0]["text"]
     ext0 = prompt_tokens_by_source(pd.d_url).get("external_kv_transfer", 0.0)
-    p, d = asyncio.run(sidecar(pd, body))
+    p, d = asyncio.run(serial_front(pd, body, request_id=f"llmd-{uuid.uuid4().hex}"))
     ext1 = prompt_tokens_by_source(pd.d_url).get("external_kv_transfer", 0.0)
     # The prefill engine answered with a kvpush decode leg naming its daemon.
     params = p["kv_transfer_params"]

@@ -19,6 +19,13 @@ import aiohttp
 import pytest
 
 from kvpush_dev import prom
+from kvpush_dev.pd_faults import (
+    SERIAL_PREFILL_PARAMS,
+    daemon_pid,
+    prefill_holds,
+    running,
+    wait_daemon,
+)
 from kvpush_dev.pd_stack import PDStack, prompt_tokens_by_source
 from kvpush_dev.sse import sse_data
 from kvpush_dev.tiny_model import prompt_ids as ids
@@ -165,19 +172,6 @@ def test_a_client_speaking_vllms_push_proxy_protocol_gets_its_prompt_through_kvp
     assert prefill_holds(pd) == []
 
 
-def prefill_holds(pd: PDStack, wait_s: float = 5.0) -> list[Any]:
-    """The prefill daemon's pending rendezvous (with held blocks) once ``wait_s`` passed or none is left."""
-    from kvpush_dev.daemon_harness import ops_request
-
-    deadline = time.monotonic() + wait_s
-    while True:
-        rows = [r for r in ops_request(pd.ops_socket(0), "pending").data["pending"]
-                if r["side"] == "prefill" and r["state"] not in ("done", "failed", "expired")]
-        if not rows or time.monotonic() > deadline:
-            return rows
-        time.sleep(0.1)
-
-
 def test_a_client_speaking_the_serial_protocol_gets_its_prompts_through_kvpush(pd: PDStack) -> None:
     """vLLM's serial (toy) proxy: P first with do_remote_decode alone, then P's answered
     kv_transfer_params forwarded verbatim to D. P names the transfer and its daemon (from the
@@ -188,11 +182,9 @@ def test_a_client_speaking_the_serial_protocol_gets_its_prompts_through_kvpush(p
     assert card.peer_endpoint == pd.prefill_endpoint
     prompts = [ids(300 + 97 * i, seed=71 + i) for i in range(4)]
     want = run(reference(pd, prompts, 12))
-    serial_p = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-                "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
     async def one(s: aiohttp.ClientSession, prompt: list[int]) -> tuple[dict[str, Any], dict[str, Any]]:
-        p = await post(s, f"{pd.p_url}/v1/completions", body(prompt, 1, kv_transfer_params=serial_p))
+        p = await post(s, f"{pd.p_url}/v1/completions", body(prompt, 1, kv_transfer_params=dict(SERIAL_PREFILL_PARAMS)))
         kv = p.get("kv_transfer_params")
         assert isinstance(kv, dict) and kv.get("do_remote_prefill") is True, p
         return kv, await post(s, f"{pd.d_url}/v1/completions", body(prompt, 12, kv_transfer_params=kv))
@@ -405,12 +397,6 @@ def test_router_failed_prefill_leg_cancels_decode_leg(pd: PDStack, tmp_path) -> 
         ve.stop_group(router)
 
 
-def running(url: str) -> float:
-    """Requests the engine still runs or queues (its own /metrics)."""
-    snap = prom.parse(prom.fetch_text(f"{url}/metrics", timeout=10))
-    return sum(prom.total(snap, n) or 0.0 for n in ("vllm:num_requests_running", "vllm:num_requests_waiting"))
-
-
 async def via_router_url(url: str, prompts: list[list[int]], max_tokens: int) -> list[dict[str, Any]]:
     async with aiohttp.ClientSession() as s:
         return list(await asyncio.gather(*(post(s, f"{url}/v1/completions", body(p, max_tokens)) for p in prompts)))
@@ -488,23 +474,9 @@ def test_prefill_daemon_killed_mid_run(pd: PDStack) -> None:
     import os
     import signal
 
-    import zmq
-
-    from kvpush import proto
-
-    def daemon_pid(idx: int) -> int:
-        s = zmq.Context.instance().socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        s.connect(pd.ops_socket(idx))
-        s.send(proto.encode(proto.OpsRequest("status")))
-        assert s.poll(5000), "daemon did not answer"
-        reply = proto.decode(s.recv())
-        s.close(0)
-        return int(reply.data["pid"])
-
     prompts = [ids(400 + 10 * i, seed=5000 + i) for i in range(8)]
     want = run(reference(pd, prompts, 8))
-    old_pid = daemon_pid(0)
+    old_pid = daemon_pid(pd, 0)
 
     async def go() -> list[dict[str, Any]]:
         async with aiohttp.ClientSession() as s:
@@ -521,15 +493,7 @@ def test_prefill_daemon_killed_mid_run(pd: PDStack) -> None:
         if "error" not in g:
             assert text(g) == w  # recomputed or transferred: never different tokens
     # The supervisor restarted the daemon; the prefill engine re-attaches by itself.
-    deadline = time.monotonic() + 90
-    while True:
-        try:
-            if daemon_pid(0) != old_pid:
-                break
-        except (AssertionError, zmq.ZMQError):
-            pass
-        assert time.monotonic() < deadline, "daemon not restarted"
-        time.sleep(1)
+    wait_daemon(pd, 0, old_pid, 90)
     deadline = time.monotonic() + 90
     prompt = ids(256, seed=9999)
     want1 = run(reference(pd, [prompt], 8))[0]

@@ -23,8 +23,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from kvpush import proto
-from kvpush.daemon.ops import client as opsclient
+from kvpush_dev.pd_faults import check, daemon_pid, outage, timed_post, wait_daemon
 from kvpush_dev.pd_stack import PDStack
 from kvpush_dev.tiny_model import prompt_ids as ids
 
@@ -55,81 +54,15 @@ def body(prompt: list[int], **kw: Any) -> dict[str, Any]:
             **kw}
 
 
-async def post(s: aiohttp.ClientSession, url: str, prompt: list[int]) -> dict[str, Any]:
-    sent = time.monotonic()
-    async with s.post(url, json=body(prompt), timeout=aiohttp.ClientTimeout(total=300)) as r:
-        data = await r.json(content_type=None)
-    out = {"sent": sent, "done": time.monotonic(), "status": r.status}
-    if r.status == 200:
-        out["text"] = data["choices"][0]["text"]
-    else:
-        out["error"] = data
-    return out
-
-
 def reference(pd: PDStack, prompts: list[list[int]]) -> list[str]:
     async def go() -> list[dict[str, Any]]:
         async with aiohttp.ClientSession() as s:
-            return list(await asyncio.gather(*(post(s, f"{pd.p_url}/v1/completions", p) for p in prompts)))
+            return list(await asyncio.gather(*(timed_post(s, f"{pd.p_url}/v1/completions", body(p))
+                                               for p in prompts)))
 
     out = asyncio.run(go())
     assert all("text" in r for r in out), out
     return [r["text"] for r in out]
-
-
-def ops(pd: PDStack, idx: int, cmd: str) -> Any:
-    reply = opsclient.request(pd.ops_socket(idx), proto.OpsRequest(cmd, ""), 5.0)
-    assert reply.ok, reply.error
-    return reply.data
-
-
-def daemon_pid(pd: PDStack, idx: int) -> int:
-    return int(ops(pd, idx, "status")["pid"])
-
-
-def wait_daemon(pd: PDStack, idx: int, not_pid: int, limit_s: float) -> float:
-    """Until daemon ``idx`` answers with another pid than ``not_pid`` (its supervisor restarted
-    it); when it first did."""
-    end = time.monotonic() + limit_s
-    while True:
-        try:
-            if daemon_pid(pd, idx) != not_pid:
-                return time.monotonic()
-        except (AssertionError, OSError, TimeoutError, RuntimeError):
-            pass
-        assert time.monotonic() < end, f"daemon cpu{idx} not restarted within {limit_s:g} s"
-        time.sleep(0.1)
-
-
-def outage(pd: PDStack, prompts: list[list[int]], *, stop: Any, resume: Any, hold_s: float,
-           during_before_resume: float = 1.5) -> tuple[list[dict[str, Any]], list[dict[str, Any]], float]:
-    """One request in flight at ``stop()`` and the rest sent ``during_before_resume`` seconds
-    before ``resume()`` (``hold_s`` after the stop), which returns when the peer is back.
-    Returns (in flight, sent during, back)."""
-    url = f"{pd.router_url}/v1/completions"
-
-    async def go() -> tuple[list[dict[str, Any]], list[dict[str, Any]], float]:
-        async with aiohttp.ClientSession() as s:
-            first = asyncio.create_task(post(s, url, prompts[0]))
-            await asyncio.sleep(0.05)
-            stop()
-            try:
-                await asyncio.sleep(hold_s - during_before_resume)
-                during = [asyncio.create_task(post(s, url, p)) for p in prompts[1:]]
-                await asyncio.sleep(during_before_resume)
-            finally:
-                back = await asyncio.to_thread(resume)
-            return [await first], list(await asyncio.gather(*during)), back
-
-    return asyncio.run(go())
-
-
-def check(got: list[dict[str, Any]], want: list[str], back: float) -> None:
-    for g, w in zip(got, want, strict=True):
-        assert g.get("text") == w, g
-        late = g["done"] - max(g["sent"], back)
-        assert late < SOON_S, (f"finished {late:.1f} s after the peer was back: it waited for a deadline "
-                               f"({TIMEOUT_S:g} s) where the outcome was already known")
 
 
 def test_warm_up(pd: PDStack) -> None:
@@ -138,7 +71,7 @@ def test_warm_up(pd: PDStack) -> None:
 
     async def go() -> dict[str, Any]:
         async with aiohttp.ClientSession() as s:
-            return await post(s, f"{pd.router_url}/v1/completions", p)
+            return await timed_post(s, f"{pd.router_url}/v1/completions", body(p))
 
     assert asyncio.run(go()).get("text") == want[0]
 
@@ -161,9 +94,9 @@ def test_requests_sent_while_a_daemon_was_frozen_past_its_peers_timeout_finish_s
         os.kill(pid, signal.SIGCONT)
         return time.monotonic()
 
-    flight, during, back = outage(pd, prompts, stop=lambda: os.kill(pid, signal.SIGSTOP),
+    flight, during, back = outage(pd, [body(p) for p in prompts], stop=lambda: os.kill(pid, signal.SIGSTOP),
                                   resume=resume, hold_s=2 * PEER_TIMEOUT_S + 1)
-    check(flight + during, want, back)
+    check(flight + during, want, back, SOON_S)
 
 
 def test_requests_sent_while_the_prefill_daemon_was_restarted_by_its_supervisor_finish_soon_after(
@@ -174,9 +107,9 @@ def test_requests_sent_while_the_prefill_daemon_was_restarted_by_its_supervisor_
     prompts = [ids(420 + 20 * i, seed=4600 + i) for i in range(4)]
     want = reference(pd, prompts)
     pid = daemon_pid(pd, 0)
-    flight, during, back = outage(pd, prompts, stop=lambda: os.kill(pid, signal.SIGKILL),
+    flight, during, back = outage(pd, [body(p) for p in prompts], stop=lambda: os.kill(pid, signal.SIGKILL),
                                   resume=lambda: wait_daemon(pd, 0, pid, 60), hold_s=1.0, during_before_resume=0.5)
-    check(flight + during, want, back)
+    check(flight + during, want, back, SOON_S)
 
 
 def router_resent(pd: PDStack) -> float:
@@ -206,8 +139,8 @@ def test_a_briefly_unresponsive_prefill_engine_answers_as_colocated(pd: PDStack)
 
     async def warm() -> list[dict[str, Any]]:
         async with aiohttp.ClientSession() as s:
-            return list(await asyncio.gather(*(post(s, f"{pd.router_url}/v1/completions", ids(64, seed=4800 + i))
-                                               for i in range(len(prompts)))))
+            return list(await asyncio.gather(*(timed_post(s, f"{pd.router_url}/v1/completions",
+                                                          body(ids(64, seed=4800 + i))) for i in range(len(prompts)))))
 
     assert all(r["status"] == 200 for r in asyncio.run(warm()))
     resent = router_resent(pd)
@@ -216,7 +149,7 @@ def test_a_briefly_unresponsive_prefill_engine_answers_as_colocated(pd: PDStack)
         os.killpg(pgid, signal.SIGCONT)
         return time.monotonic()
 
-    flight, during, back = outage(pd, prompts, stop=lambda: os.killpg(pgid, signal.SIGSTOP), resume=resume,
-                                  hold_s=max(2 * DEAD_AFTER_MS / 1000, VLLM_KEEP_ALIVE_S) + 1)
-    check(flight + during, want, back)
+    flight, during, back = outage(pd, [body(p) for p in prompts], stop=lambda: os.killpg(pgid, signal.SIGSTOP),
+                                  resume=resume, hold_s=max(2 * DEAD_AFTER_MS / 1000, VLLM_KEEP_ALIVE_S) + 1)
+    check(flight + during, want, back, SOON_S)
     assert router_resent(pd) > resent, "no leg met a connection closed unread: the case this test is for"

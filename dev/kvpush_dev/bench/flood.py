@@ -39,6 +39,7 @@ import psutil
 import zmq
 
 from kvpush import proto
+from kvpush.daemon.io.heap import TrimPolicy
 from kvpush.proto.layout import KVLayout
 from kvpush_dev.daemon_harness import Daemon, Engine, device_config
 from kvpush_dev.kvref import make
@@ -279,14 +280,21 @@ def main(argv: list[str] | None = None) -> int:
             end = rss(p)
             total = f"whole run  rss {start / MiB:8.1f} -> {end / MiB:8.1f} MiB ({(end - start) / MiB:+.1f})"
             print(total, flush=True)
+            settle = TrimPolicy().every_s + 2  # the daemon's heap trim reads its memory this often
+            time.sleep(settle)
+            late = rss(p)
+            total += (f"\nsettled    rss {start / MiB:8.1f} -> {late / MiB:8.1f} MiB ({(late - start) / MiB:+.1f})"
+                      f"  {settle:.0f} s after the last flood (daemon/io/heap.py gives freed buffers back)")
+            print(total.splitlines()[-1], flush=True)
             if a.out:
                 Path(a.out).write_text(
                     "# Peer-port floods: the prefill daemon's RSS before and after\n\n"
                     "Written by `scripts/bench_flood.py` (`kvpush_dev.bench.flood`): one daemon "
                     "(`insecure_peers`, the worst case), each flood in turn, RSS from `psutil`. "
                     "What grows is bounded by configuration: partial frames by sessions x "
-                    "`max_message_bytes` (ZeroMQ's buffers, kept by the allocator after the "
-                    "connections close), registrations by `max_transfers_per_peer`.\n\n"
+                    "`max_message_bytes` (ZeroMQ's buffers), registrations by "
+                    "`max_transfers_per_peer`. The allocator keeps freed buffers until the daemon's "
+                    "heap trim gives them back (the `settled` line).\n\n"
                     f"```\n{head}\n" + "\n".join(lines) + f"\n{total}\n```\n")
         finally:
             eng.close()

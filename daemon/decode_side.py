@@ -27,6 +27,7 @@ from kvpush.daemon.core.checks import bounded_s, check_blocks
 from kvpush.daemon.core.peers import Exposure, LinkAction, PeerLinkState, Producer
 from kvpush.daemon.core.planner import PlanError, producer_fanout
 from kvpush.daemon.handshake import compat_error, make_hello
+from kvpush.daemon.io import peer_note
 from kvpush.proto.notif import KEY_BYTES, Notification
 from kvpush.proto.params import MAX_SECRET
 
@@ -57,6 +58,15 @@ class DecodeSide:
         self.rotations = 0  # NIXL agents replaced so far (each name is new)
         self.exposure = Exposure()  # who holds our current agent's metadata (links dropped or not)
         self._agent_base = ctx.agent_name
+        # Producers a predecessor that fenced knew lost (kvpush.daemon.io.peer_note): the first
+        # link to each starts recovering, for as long as the link table would keep a lost one.
+        self._note = peer_note.note_path(self.cfg.runtime_dir, self.cfg.name)
+        self._lost_keep_s = max(self.cfg.register_timeout_s, 4 * self.cfg.peer_timeout_s)
+        self.lost_before = peer_note.take(self._note, self._lost_keep_s, self.cfg.max_producers)
+        self._lost_until = time.monotonic() + self._lost_keep_s
+        if self.lost_before:
+            log.warning("the daemon before this one fenced with prefill daemon(s) %s lost: registrations for them "
+                        "fail at once until they answer our Hello", ", ".join(sorted(self.lost_before)))
 
     @property
     def handshaking(self) -> bool:
@@ -134,6 +144,11 @@ class DecodeSide:
                 self.ctx.bad("register", over)
                 return self._fail_one(endpoint, msg, f"cannot connect to {endpoint}: {over}")
             peer = Producer(endpoint, since=now, last_seen=now, wanted=now, state=None)  # its table dials it
+            if endpoint in self.lost_before:
+                self.lost_before.discard(endpoint)
+                if now < self._lost_until:
+                    peer.lost_before = True
+                    peer.error = "the daemon before this one fenced with it lost"
         return self._link(peer, pr.Forward(), "", msg)
 
     def _fanout_refusal(self) -> str:
@@ -389,7 +404,8 @@ class DecodeSide:
         if isinstance(act, ctr.Fail | ctr.Release) and act.unsafe:
             # Blocks a WRITE may still land in must not go back to the engine while our
             # NIXL agent can receive: fence (the engine then sees its daemon gone), and
-            # carry out nothing more.
+            # carry out nothing more. The producers we know lost are left to our successor.
+            self.leave_note()
             self.ctx.fence(f"transfer {tid} attempt {act.attempt}: "
                            f"{getattr(act, 'reason', 'aborted')}; a producer's WRITE may still arrive")
             return HALT
@@ -433,6 +449,11 @@ class DecodeSide:
                 if peer is not None and peer.state is PeerLinkState.READY:
                     self.ctx.wire.to_producer(ep, proto.Cancel(tid, act.attempt, _reason(act.reason)))
         return None
+
+    def leave_note(self) -> None:
+        """Before a fence: the producers we know lost, for the daemon started after us."""
+        peer_note.leave(self._note, [ep for ep, p in self.producers.items()
+                                     if p.state is PeerLinkState.RECOVERING])
 
     def _history(self, act: ctr.Complete | ctr.Fail, result: str, error: str) -> None:
         now = time.monotonic()

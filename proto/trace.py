@@ -61,6 +61,8 @@ HOPS: tuple[str, ...] = (
     "d.plugin.load_failed",
     "p.plugin.send_failed_seen",
     "router.first_token_recovery",
+    "router.prefill_resent",  # a leg its engine closed unread on a pooled connection, sent again
+    "router.decode_resent",
 )
 HOP_SET = frozenset(HOPS)
 # Where a daemon's part of a transfer ends: its timeline is complete (an export may read it).

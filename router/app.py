@@ -49,6 +49,7 @@ from kvpush.router.front import (
     refused_response,
     sse_error,
 )
+from kvpush.router.legs import Legs
 from kvpush.router.metrics import RouterMetrics
 from kvpush.router.router_config import Backend, RouterConfig
 
@@ -69,6 +70,28 @@ class Router(Upstreams):
         self.request_ids: dict[str, str] = {}
         # Optional OpenTelemetry export of each request's timeline (kvpush.common.otel).
         self.spans = otel.SpanSink("kvpush-router", cfg.otlp_traces_endpoint) if cfg.otlp_traces_endpoint else None
+        self.legs = Legs()  # a leg whose pooled connection was dead goes again on a fresh one
+
+    def trace_configs(self) -> list[aiohttp.TraceConfig]:
+        return [self.legs.trace_config]
+
+    async def start(self, app: web.Application) -> None:
+        await super().start(app)
+        self.legs.start(aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s))
+
+    async def stop(self, app: web.Application) -> None:
+        await self.legs.stop()
+        await super().stop(app)
+
+    def _post_leg(self, leg: str, url: str, transfer_id: str, **kw: Any) -> Any:
+        """One leg's POST (router.legs: sent again once where its pooled connection was dead)."""
+        assert self.session is not None
+
+        def resent(_exc: BaseException) -> None:
+            self.metrics.legs_resent.labels(leg).inc()
+            self.trace.stamp(transfer_id, f"router.{leg}_resent")
+
+        return self.legs.post(self.session, url, leg=leg, on_resend=resent, **kw)
 
     def pick(self, pool: list[Backend], key: str) -> Backend:
         if self.cfg.policy == "round-robin":
@@ -203,8 +226,8 @@ class Router(Upstreams):
         d.in_flight += 1
         ok = False
         prefill = asyncio.create_task(self._prefill(p, path, p_body, headers, transfer_id))
-        decode = asyncio.ensure_future(self.session.post(
-            f"{d.url}{path}", json=d_body, headers=headers,
+        decode = asyncio.ensure_future(self._post_leg(
+            "decode", f"{d.url}{path}", transfer_id, json=d_body, headers=headers,
             timeout=aiohttp.ClientTimeout(total=self.cfg.request_timeout_s),
         ))
         self.trace.stamp(transfer_id, "router.legs_sent")
@@ -393,8 +416,8 @@ class Router(Upstreams):
         assert self.session is not None
         t0 = time.monotonic()
         try:
-            async with self.session.post(
-                f"{p.url}{path}", json=body, headers=headers,
+            async with await self._post_leg(
+                "prefill", f"{p.url}{path}", transfer_id, json=body, headers=headers,
                 timeout=aiohttp.ClientTimeout(total=self.cfg.prefill_timeout_s),
             ) as r:
                 raw = await r.read()

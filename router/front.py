@@ -32,9 +32,14 @@ class Upstreams(ABC):
     def models_url(self) -> str:
         """The engine whose ``/v1/models`` this front serves."""
 
+    def trace_configs(self) -> list[aiohttp.TraceConfig]:
+        """What the pooled session reports its connections to (none here)."""
+        return []
+
     async def start(self, _app: web.Application) -> None:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s)
-        self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+        self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0),
+                                             trace_configs=self.trace_configs())
 
     async def stop(self, _app: web.Application) -> None:
         if self.session is not None:

@@ -46,6 +46,11 @@ class RouterMetrics:
         for leg in ("prefill", "decode"):
             for c in CAUSES:
                 self.legs_failed.labels(leg, c)
+        self.legs_resent = Counter("kvpush_router_legs_resent", "Legs sent again over a fresh connection: "
+                                   "the engine had closed their pooled one before reading them", ["leg"],
+                                   registry=r)
+        for leg in ("prefill", "decode"):
+            self.legs_resent.labels(leg)
         self.in_flight = Gauge("kvpush_router_in_flight", "Legs in progress per engine", ["pool", "url"],
                                registry=r)
         self.ttft = Histogram("kvpush_router_ttft_seconds", "Request in to first byte of the answer",

@@ -17,6 +17,14 @@ rather than queueing behind a handshake that the producer, when it answers, may 
 without the prefill it lost meanwhile (its engine gave up on a silent daemon). The moment the
 Hello reply comes back the link is READY and registrations flow again.
 
+That knowledge outlives a fence: a decode daemon that fences because a producer went silent
+leaves the producers it knew lost to the daemon its supervisor starts next
+(:mod:`kvpush.daemon.io.peer_note`), whose first link to one of them starts RECOVERING
+(``Producer.lost_before``) instead of HANDSHAKING: a registration made while that producer is
+still away fails at once, and the decode engine recomputes while it is away, instead of waiting
+behind a first handshake it cannot answer (issue 43). Nothing of such a registration was sent:
+nothing of it can be written.
+
 The producer link is sans-IO like the cores: one :class:`kvpush.common.machine.Table` of plain data
 maps (state, event) to (new state, actions), total (every pair has a row; rows the shell can
 never feed say why); :meth:`Producer.due` turns the clock into events. The decode side
@@ -116,6 +124,11 @@ class LinkAction(enum.Enum):
     ROTATE = "rotate"  # it held our NIXL metadata: replace our agent (every other link gets Rotated)
 
 
+def lost_before(_core: Any, rec: Producer, _ev: Any) -> bool:
+    """Our predecessor (a daemon that fenced) knew this producer lost (``Producer.lost_before``)."""
+    return rec.lost_before
+
+
 def _do(action: LinkAction) -> Any:
     def step(_core: Any, _rec: Any, _ev: Any, out: list[Any]) -> None:
         out.append(action)
@@ -137,6 +150,8 @@ _GIVE_UP = (FAIL_WAITING, CLOSE)
 _REVOKE = (*_GIVE_UP, ROTATE)
 
 LINK_TABLE = Table(PeerLinkState, EVENTS, [
+    # Known lost by the daemon before us: dialled, but nothing waits for its answer.
+    row(None, Forward, lost_before, RC, DIAL, FAIL_NOW),
     row(None, Forward, None, H, DIAL, QUEUE),
     *(row(None, e, None, None, unreachable=_NO_RECORD) for e in EVENTS if e is not Forward),
 
@@ -201,6 +216,7 @@ class Producer:
     error: str = ""
     queued: list[Any] = field(default_factory=list)  # messages waiting for the handshake
     node: str = ""  # the authenticated node its server key belongs to; "" with insecure_peers
+    lost_before: bool = False  # the daemon before us fenced knowing it lost: its first row recovers
 
     def due(self, now: float, timeout_s: float, idle_s: float) -> Any:
         """The clock's event for this link now, if any."""

@@ -259,7 +259,7 @@ class MemNode(DeviceDaemon):
         self.regions: dict[bytes, MemRegion] = {}
         self.transport = MemTransport(f"agent-{name}", fabric=fabric)
         super().__init__(
-            DeviceConfig(name=name, index=0, runtime_dir="/nonexistent", insecure_peers=True, **cfg),
+            DeviceConfig(name=name, index=0, **{"runtime_dir": "/nonexistent", **cfg}, insecure_peers=True),
             Ports(wire=MemWire(net, endpoint), transport=self.transport, peer_endpoint=endpoint,
                   daemon_id=f"id-{name}", agent_name=self.transport.name, open_region=self._open,
                   fence=self.fenced.append),

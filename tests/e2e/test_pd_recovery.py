@@ -34,6 +34,7 @@ TIMEOUT_S = 12.0  # the registrations' deadline (plugin timeout_ms, daemon regis
 DEAD_AFTER_MS = 1500  # the plugin's: the engine gives a silent daemon up after this
 SOON_S = TIMEOUT_S / 2  # "soon after it is back": well inside a deadline, which a waiter would reach
 MAX_TOKENS = 8
+VLLM_KEEP_ALIVE_S = 5.0  # vLLM's API server closes a connection idle this long (VLLM_HTTP_TIMEOUT_KEEP_ALIVE)
 
 
 @pytest.fixture(scope="module")
@@ -111,23 +112,44 @@ def test_requests_sent_while_the_prefill_daemon_was_restarted_by_its_supervisor_
     check(flight + during, want, back, SOON_S)
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "known, not fixed yet: a request the router sent while the prefill engine was stopped got 502 "
-    "'prefill engine ...: ClientOSError: [Errno 104] Connection reset by peer' (one run of this "
-    "test; likely uvicorn's overdue keep-alive timer closing a pooled connection whose request it "
-    "had not read yet); the router fails the leg instead of retrying it on a fresh connection"))
+def router_resent(pd: PDStack) -> float:
+    """The router's prefill legs sent again over a fresh connection (its /metrics)."""
+    async def go() -> str:
+        async with aiohttp.ClientSession() as s, s.get(f"{pd.router_url}/metrics") as r:
+            return await r.text()
+
+    for line in asyncio.run(go()).splitlines():
+        if line.startswith('kvpush_router_legs_resent_total{leg="prefill"}'):
+            return float(line.split()[-1])
+    raise AssertionError("kvpush_router_legs_resent_total missing from the router's /metrics")
+
+
 def test_a_briefly_unresponsive_prefill_engine_answers_as_colocated(pd: PDStack) -> None:
     """SIGSTOP the prefill engine (its API server and engine core) for longer than its link's
-    dead_after_ms: requests in flight and sent meanwhile finish with the colocated tokens, soon
-    after it runs again."""
+    dead_after_ms and its API server's keep-alive: requests in flight and sent meanwhile finish
+    with the colocated tokens, soon after it runs again. On resume the server closes, unread, the
+    kept-alive connections whose keep-alive ran out meanwhile, with the legs the router wrote
+    into them (its event loop runs its overdue timers before it reads): the router sends those
+    again over a fresh connection (kvpush.router.legs). Before that, concurrent requests leave
+    idle kept-alive connections to the prefill engine in the router's pool, so that the requests
+    sent during the stop go over them."""
     prompts = [ids(440 + 20 * i, seed=4700 + i) for i in range(4)]
     want = reference(pd, prompts)
     pgid = pd.procs["prefill"].pid  # its own process group
+
+    async def warm() -> list[dict[str, Any]]:
+        async with aiohttp.ClientSession() as s:
+            return list(await asyncio.gather(*(timed_post(s, f"{pd.router_url}/v1/completions",
+                                                          body(ids(64, seed=4800 + i))) for i in range(len(prompts)))))
+
+    assert all(r["status"] == 200 for r in asyncio.run(warm()))
+    resent = router_resent(pd)
 
     def resume() -> float:
         os.killpg(pgid, signal.SIGCONT)
         return time.monotonic()
 
     flight, during, back = outage(pd, [body(p) for p in prompts], stop=lambda: os.killpg(pgid, signal.SIGSTOP),
-                                  resume=resume, hold_s=2 * DEAD_AFTER_MS / 1000 + 1)
+                                  resume=resume, hold_s=max(2 * DEAD_AFTER_MS / 1000, VLLM_KEEP_ALIVE_S) + 1)
     check(flight + during, want, back, SOON_S)
+    assert router_resent(pd) > resent, "no leg met a connection closed unread: the case this test is for"

@@ -240,6 +240,65 @@ def test_unreachable_producer_fails_the_registration_at_the_handshake_timeout(la
     assert kinds(d)[-1] == "Received"
 
 
+@pytest.mark.parametrize("note", [True, False])
+def test_a_producer_a_fenced_daemon_knew_lost_fails_its_successors_registrations_at_once(lab, tmp_path, note):
+    """The decode daemon fences (a producer went silent with a registration forwarded): the
+    daemon its supervisor starts next fails a registration for that producer at once while it
+    is still away (the decode engine recomputes now, not after the producer's return), and
+    never forwards it: the producer, back, has nothing of it to write. Without the note it
+    left, the successor queues the registration behind a handshake the producer cannot answer."""
+    net, fab = lab
+    lay, _ = cpu()
+    p = MemNode(net, fab, "p", peer_timeout_s=2.0)
+    p.attach(lay, buf(lay, 1), role="prefill")
+    d = MemNode(net, fab, "d", peer_timeout_s=2.0, runtime_dir=str(tmp_path))
+    d.attach(lay, buf(lay, None), role="decode")
+    register(d, tid(), [1, 2], 20, [p])
+    net.run()  # ready, forwarded: a WRITE may come any time
+    net.cut.add(p.endpoint)  # the producer is frozen
+    d.tick(time.monotonic() + 3.0)
+    assert len(d.fenced) == 1
+    if not note:
+        (tmp_path / "lost-producers-d.json").unlink(missing_ok=True)
+    d2 = MemNode(net, fab, "d", peer_timeout_s=2.0, runtime_dir=str(tmp_path))  # its supervisor's next one
+    d2.attach(lay, buf(lay, None), role="decode")
+    t = tid()
+    got = register(d2, t, [3, 4], 20, [p])
+    if not note:
+        assert got is None and d2.decode.producers[p.endpoint].state is PeerLinkState.HANDSHAKING
+        return
+    assert isinstance(got, proto.ReceiveFailed) and "fenced with it lost" in got.reason, got
+    assert not (tmp_path / "lost-producers-d.json").exists()  # taken once
+    # Back: the registration failed early never reached it, so nothing of it is written.
+    net.cut.discard(p.endpoint)
+    d2.tick(time.monotonic() + 1.0)  # a recovering link's Hello goes again every quarter timeout
+    net.run()
+    assert d2.decode.producers[p.endpoint].state is PeerLinkState.READY
+    prefill_done(p, t, [5, 6], 20)
+    net.run()
+    assert p.transport.writes == 0 and kinds(d2) == ["ReceiveFailed"]
+    t2 = tid()  # and registrations flow again
+    register(d2, t2, [7, 8], 20, [p])
+    prefill_done(p, t2, [9, 10], 20)
+    net.run()
+    assert kinds(d2)[-1] == "Received"
+
+
+def test_a_lost_producers_note_is_bounded_and_a_stale_one_ignored(tmp_path):
+    from kvpush.daemon.io import peer_note
+
+    path = str(tmp_path / "note.json")
+    peer_note.leave(path, ["tcp://c:1", "tcp://a:1", "tcp://b:1"], now=100.0)
+    assert peer_note.take(path, 40.0, 2, now=120.0) == {"tcp://a:1", "tcp://b:1"}
+    assert peer_note.take(path, 40.0, 2, now=120.0) == set()  # taken once
+    peer_note.leave(path, ["tcp://a:1"], now=100.0)
+    assert peer_note.take(path, 40.0, 8, now=141.0) == set()  # older than its bound
+    (tmp_path / "note.json").write_text("{not json")
+    assert peer_note.take(path, 40.0, 8) == set()
+    peer_note.leave(path, [], now=100.0)
+    assert not (tmp_path / "note.json").exists()  # nothing lost: no note
+
+
 def test_restarted_producer_fails_what_waited_on_it_and_is_dialled_again(lab):
     net, fab = lab
     p, d = pair(net, fab)
@@ -287,11 +346,12 @@ def test_bad_inputs_are_refused_with_a_reason_and_nothing_is_written(lab):
 # ---------------------------------------------------------------------------- link table
 
 
-@given(st.lists(st.sampled_from(pr.EVENTS), max_size=30))
-def test_link_walk_flushes_only_into_ready_and_fails_at_once_only_when_recovering(events):
+@given(st.lists(st.sampled_from(pr.EVENTS), max_size=30), st.booleans())
+def test_link_walk_flushes_only_into_ready_and_fails_at_once_only_when_recovering(events, lost_before):
     state: PeerLinkState | None = None
     hello = False  # a Hello reply was accepted since the link was (re)created
-    link = Producer("e", since=0.0, state=None)  # the record the decode side drives
+    # the record the decode side drives (the first one, maybe known lost by a fenced predecessor)
+    link = Producer("e", since=0.0, state=None, lost_before=lost_before)
     for ev_type in events:
         actions = Single(LINK_TABLE, None, link).handle(ev_type())
         new = link.state
@@ -300,11 +360,17 @@ def test_link_walk_flushes_only_into_ready_and_fails_at_once_only_when_recoverin
             hello = False
         if LinkAction.FLUSH in actions:
             assert new is PeerLinkState.READY and ev_type is pr.HelloOk
-        assert (LinkAction.FAIL_NOW in actions) == (state is PeerLinkState.RECOVERING and ev_type is pr.Forward)
+        # A registration fails at once where the producer is known down: recovering, or a first
+        # link to one the daemon before us knew lost. Nothing of it was sent.
+        known_down = state is PeerLinkState.RECOVERING or (state is None and link.lost_before)
+        assert (LinkAction.FAIL_NOW in actions) == (known_down and ev_type is pr.Forward)
+        if LinkAction.FAIL_NOW in actions:
+            assert LinkAction.SEND not in actions and LinkAction.QUEUE not in actions
         assert (LinkAction.QUEUE in actions) == (new is PeerLinkState.HANDSHAKING and ev_type is pr.Forward)
         assert (LinkAction.SEND in actions) == (state is PeerLinkState.READY and ev_type is pr.Forward)
         if new is None and state is not None:
             assert LinkAction.CLOSE in actions, "a forgotten link is closed"
+            link = Producer("e", since=0.0, state=None)  # the shell's next record: the note was used
         if state is PeerLinkState.READY and new is not PeerLinkState.READY:
             assert LinkAction.FAIL_WAITING in actions, "what waited on a lost link fails"
         hello |= ev_type is pr.HelloOk and new is PeerLinkState.READY

@@ -32,7 +32,7 @@ from kvpush.daemon.core.checks import (
     check_progress,
     progress_events,
 )
-from kvpush.daemon.core.group_pairs import pair_groups
+from kvpush.daemon.core.group_pairs import pair_groups, plan_pairs
 from kvpush.daemon.core.peers import Consumer
 from kvpush.daemon.core.planner import PlanError, addresses, block_pattern, plan, unwritten
 from kvpush.daemon.handshake import compat_error, make_hello, refusal
@@ -466,13 +466,16 @@ class PrefillSide:
             err = "no engine attached"
         elif peer is None:
             err = "decode peer is gone"
-        if not err and a.src_kv_groups:  # hybrid: each group's blocks the decode side needs, as whole blocks
-            assert me is not None
+        planned = None  # a hybrid's plan with state pairs (part of a page each): fresh descriptors
+        if not err and a.src_kv_groups:  # hybrid: each group's blocks the decode side needs
+            assert me is not None and peer is not None
             try:
                 pairs = pair_groups(a.src_block_ids, a.src_kv_groups, a.dst_block_ids, a.dst_kv_groups,
                                     num_tokens=a.num_tokens, dst_first_token=a.dst_first_token,
                                     block_size=me.layout.block_size,
                                     kinds=tuple(parse(d) for d in me.layout.kv_groups))
+                if pairs.partial:
+                    planned = plan_pairs(me.layout, peer.layout, pairs)
             except (PlanError, GroupsError) as exc:
                 err = f"plan: {exc}"
                 self.ctx.metrics.failure("plan")
@@ -484,7 +487,9 @@ class PrefillSide:
             notif = Notification.signed(a.key, a.transfer_id, a.attempt, me.rank).encode()
             tr = self.ctx.transport
             try:
-                if peer.prepped is not None:
+                prepped = peer.prepped is not None and planned is None
+                if prepped:
+                    assert peer.prepped is not None
                     pattern, local_h, remote_h = peer.prepped
                     sb, db = pattern.block_pairs(me.layout, a.src_block_ids, a.dst_block_ids, a.num_tokens,
                                                  a.dst_first_token)
@@ -501,8 +506,9 @@ class PrefillSide:
                     def post() -> Any:
                         return tr.write_prepped(peer.agent_name, local_h, li, remote_h, ri, notif, nbytes=nbytes)
                 else:
-                    p = plan(me.layout, a.src_block_ids, peer.layout, a.dst_block_ids, a.num_tokens,
-                             dst_first_token=a.dst_first_token)
+                    p = planned if planned is not None else plan(
+                        me.layout, a.src_block_ids, peer.layout, a.dst_block_ids, a.num_tokens,
+                        dst_first_token=a.dst_first_token)
                     nbytes, ndesc = p.nbytes, len(p)
                     local = np.stack((addresses(p.src_off, me.bases), p.length), axis=1)
                     remote = np.stack((addresses(p.dst_off, peer.region_bases), p.length), axis=1)
@@ -530,8 +536,8 @@ class PrefillSide:
                 if not early:
                     self.ctx.wire.to_consumer(peer.routing_id, hint)
                 self.in_flight[id(h)] = InFlight(
-                    a.transfer_id, a.attempt, a.dest_rank, a.peer, h, nbytes, ndesc, now, peer.prepped is not None,
-                    streamed=len(a.written) if peer.prepped is not None else 0)
+                    a.transfer_id, a.attempt, a.dest_rank, a.peer, h, nbytes, ndesc, now, prepped,
+                    streamed=len(a.written) if prepped else 0)
                 self.ctx.metrics.set_in_flight(len(self.in_flight))
                 return []
         return [rv.WriteFailed(a.transfer_id, a.attempt, a.dest_rank, err, now)]

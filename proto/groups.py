@@ -21,7 +21,11 @@ both values.
 request's list holds its running-state slot (and, in ``mamba_cache_mode='align'``, null or
 checkpoint slots before it, speculative scratch slots after it). Only the running state moves
 (:func:`clip_state`, vLLM's NixlConnector's rule), so on the wire a state group's list is that
-one slot, never sliced by a prefix hit. The state is cumulative: the decode engine loads the
+one slot, never sliced by a prefix hit. Of that slot's page only the state itself moves
+(:attr:`Group.state_bytes`): vLLM 0.32 packs a state layer's sub-tensors (conv, then SSM)
+back to back from the page's first byte (``MambaBase.bind_kv_cache`` slices them from offset 0
+of each block's ``[B, 1, 1, state bytes]`` view) and pads the page to the attention page
+after them; the padding is never read. The state is cumulative: the decode engine loads the
 state after the prompt's first ``N - 1`` tokens and computes the last one itself (the prefill
 engine drops the prompt's last token, :data:`STATE_BACKOFF`). A group's own block size
 (attention 128 beside a Mamba2 state block of 2048) decides how many of its blocks hold a
@@ -32,7 +36,10 @@ layer tensor, whichever group owns it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from math import prod
 from typing import Any
+
+from kvpush.proto.layout import DTYPE_SIZES
 
 __all__ = ["NULL_BLOCK", "STATE_BACKOFF", "Group", "GroupsError", "clip_state", "compat", "describe", "need",
            "pack", "parse", "slice_from", "split"]
@@ -97,7 +104,8 @@ def clip_state(ids: Sequence[int], spec_blocks: int) -> tuple[int, ...]:
 
 
 class Group(tuple):
-    """``(kind, block_size, state, spec_blocks)`` of one group, read back from its description."""
+    """``(kind, block_size, state, spec_blocks, state_bytes)`` of one group, read back from its
+    description."""
 
     __slots__ = ()
 
@@ -117,6 +125,11 @@ class Group(tuple):
     def spec_blocks(self) -> int:
         return self[3]
 
+    @property
+    def state_bytes(self) -> int:
+        """A state group's sub-tensors' bytes, from its page's first byte (0: attention)."""
+        return self[4]
+
 
 def parse(desc: str) -> Group:
     """What a group's :func:`describe` string says the planner needs; raises GroupsError."""
@@ -131,7 +144,28 @@ def parse(desc: str) -> Group:
         raise GroupsError(f"KV cache group {desc!r}: {exc}") from exc
     if bs <= 0 or spec < 0:
         raise GroupsError(f"KV cache group {desc!r}: block size {bs}, speculative slots {spec}")
-    return Group((words[0], bs, words[0] == STATE_KIND, spec))
+    state = words[0] == STATE_KIND
+    return Group((words[0], bs, state, spec, _state_bytes(desc, kv) if state else 0))
+
+
+def _state_bytes(desc: str, kv: dict[str, str]) -> int:
+    """Bytes of a state group's sub-tensors (``state=3x160:bfloat16,...``: each shape's elements
+    x its dtype's size, as vLLM's ``MambaSpec.state_content_size_bytes``), at most its page."""
+    try:
+        total = 0
+        for sub in kv["state"].split(","):
+            shape, dtype = sub.rsplit(":", 1)
+            dims = [int(x) for x in shape.split("x")]
+            if any(d <= 0 for d in dims):
+                raise ValueError(f"shape {shape}")
+            total += prod(dims) * DTYPE_SIZES[dtype]
+        page = int(kv["page_bytes"])
+    except (KeyError, ValueError) as exc:
+        raise GroupsError(f"KV cache group {desc!r}: its state's sub-tensors and page are not readable "
+                          f"({type(exc).__name__}: {exc})") from exc
+    if not 0 < total <= page:
+        raise GroupsError(f"KV cache group {desc!r}: a state of {total} bytes in a page of {page}")
+    return total
 
 
 # Words of a state group's description that are each engine's own bookkeeping: how many

@@ -19,25 +19,33 @@ either side fails the whole transfer. Each attention group counts its blocks wit
 block size (Mamba2 hybrids: attention 128 beside a state block of 2048); vLLM gives every
 group the same page bytes, so each pair is one page of every layer tensor.
 
-The pairs come out as two flat lists of whole blocks in group order: the planner then copies
-each pair's whole block (all tokens; a partial last block's tail is never read before the
-decode engine writes it), as ``num_tokens = len(pairs) * block_size`` from token 0.
+The pairs come out as two flat lists in group order, with each pair's bytes (``Pairs.nbytes``):
+an attention pair (0) is copied as its whole block (all tokens; a partial last block's tail is
+never read before the decode engine writes it), as ``num_tokens = len(pairs) * block_size``
+from token 0; a state pair only as the leading bytes of its page that hold the state's
+sub-tensors (``Group.state_bytes``, from the engine's own layout, never the wire), as vLLM's
+NixlConnector moves it: :func:`plan_pairs` plans both kinds into the one WRITE. A block in two
+pairs on either side (two groups claiming it) fails the whole transfer.
 
-Pure: block IDs in, block IDs out.
+Pure: block IDs in, block IDs (and descriptors) out.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvpush.daemon.core.planner import PlanError
-from kvpush.proto.groups import NULL_BLOCK, Group, GroupsError, clip_state, split
+import numpy as np
 
-__all__ = ["Pairs", "pair_groups"]
+from kvpush.daemon.core.planner import Plan, PlanError, check_bounds, plan, plan_state
+from kvpush.proto.groups import NULL_BLOCK, Group, GroupsError, clip_state, split
+from kvpush.proto.layout import KVLayout
+
+__all__ = ["Pairs", "pair_groups", "plan_pairs"]
 
 
 class Pairs(tuple):
-    """``(src_block_ids, dst_block_ids, per_group)``: the flat pairs and each group's count."""
+    """``(src_block_ids, dst_block_ids, per_group, nbytes)``: the flat pairs, each group's count
+    and each pair's bytes per layer (0: the whole block; a state pair: its state's bytes)."""
 
     __slots__ = ()
 
@@ -52,6 +60,15 @@ class Pairs(tuple):
     @property
     def per_group(self) -> tuple[int, ...]:
         return self[2]
+
+    @property
+    def nbytes(self) -> tuple[int, ...]:
+        return self[3]
+
+    @property
+    def partial(self) -> bool:
+        """Does a pair move less than its whole block (a state pair)?"""
+        return any(self.nbytes)
 
 
 def pair_groups(src_ids: Sequence[int], src_groups: Sequence[int], dst_ids: Sequence[int],
@@ -75,6 +92,7 @@ def pair_groups(src_ids: Sequence[int], src_groups: Sequence[int], dst_ids: Sequ
         raise PlanError(f"groups: {len(dst_lists)} block lists for an engine of {len(kinds)} KV cache groups")
     src_out: list[int] = []
     dst_out: list[int] = []
+    nbytes: list[int] = []
     counts = []
     for g, (s, d) in enumerate(zip(src_lists, dst_lists, strict=True)):
         kind = kinds[g] if kinds else None
@@ -85,6 +103,7 @@ def pair_groups(src_ids: Sequence[int], src_groups: Sequence[int], dst_ids: Sequ
                                 f"{'prefill' if not ss or NULL_BLOCK in ss else 'decode'} side")
             src_out.append(ss[0])
             dst_out.append(ds[0])
+            nbytes.append(kind.state_bytes)
             counts.append(1)
             continue
         bs = kind.block_size if kind is not None else block_size
@@ -106,8 +125,29 @@ def pair_groups(src_ids: Sequence[int], src_groups: Sequence[int], dst_ids: Sequ
                                 "side no longer holds")
             src_out.append(int(sb))
             dst_out.append(int(db))
+            nbytes.append(0)
             n += 1
         counts.append(n)
     if not src_out:
         raise PlanError("groups: no block to move")
-    return Pairs((tuple(src_out), tuple(dst_out), tuple(counts)))
+    for side, ids in (("prefill", src_out), ("decode", dst_out)):
+        if len(set(ids)) != len(ids):
+            raise PlanError(f"groups: a block is in two groups' pairs on the {side} side")
+    return Pairs((tuple(src_out), tuple(dst_out), tuple(counts), tuple(nbytes)))
+
+
+def plan_pairs(src: KVLayout, dst: KVLayout, pairs: Pairs) -> Plan:
+    """The one WRITE of every pair: each attention pair's whole block (``planner.plan``), each
+    state pair's leading ``nbytes`` of its page in every layer (``planner.plan_state``); raises
+    PlanError before producing anything."""
+    whole = [i for i, n in enumerate(pairs.nbytes) if n == 0]
+    parts = []
+    if whole:
+        parts.append(plan(src, [pairs.src[i] for i in whole], dst, [pairs.dst[i] for i in whole],
+                          len(whole) * src.block_size))
+    for i, n in enumerate(pairs.nbytes):
+        if n:
+            parts.append(plan_state(src, pairs.src[i], dst, pairs.dst[i], n))
+    out = Plan(*(np.concatenate(c) for c in zip(*((p.src_off, p.dst_off, p.length) for p in parts), strict=True)))
+    check_bounds(out, src.regions, dst.regions)
+    return out

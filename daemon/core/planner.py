@@ -310,7 +310,45 @@ def plan(
 
     cols = [np.concatenate(c) for c in zip(*out, strict=True)]
     result = _merge(*cols)
-    _check_bounds(result, src.regions, dst.regions)
+    check_bounds(result, src.regions, dst.regions)
+    return result
+
+
+def plan_state(src: KVLayout, src_block: int, dst: KVLayout, dst_block: int, nbytes: int) -> Plan:
+    """Plan copying the first ``nbytes`` of one block's page in every layer (a state group's
+    running-state slot: vLLM packs the state's sub-tensors from the page's first byte, and pads
+    the rest of the page, which never moves).
+
+    A layer's page of block ``b`` starts at its base plus ``b`` block strides (the address of
+    its K, first head, first token) and holds the block's ``block_bytes / num_layers`` bytes;
+    ``nbytes`` (from the engine's own group description) must fit in that page and in one
+    block stride on both sides, which hold every KV head (a state page is never split by
+    heads). Raises PlanError before producing anything."""
+    try:
+        src.validate()
+        dst.validate()
+    except LayoutError as exc:
+        raise PlanError(f"invalid layout: {exc}") from exc
+    check_compatible(src, dst)
+    for name, lay in (("source", src), ("destination", dst)):
+        page = lay.block_bytes // lay.num_layers
+        if not 0 < nbytes <= min(page, lay.block_stride):
+            raise PlanError(f"a state of {nbytes} bytes does not fit the {name}'s page of {page} bytes "
+                            f"(block stride {lay.block_stride})")
+        if (lay.num_kv > 1 and lay.kv_stride >= lay.block_stride) or (
+                lay.num_heads > 1 and lay.head_stride >= lay.block_stride):
+            raise PlanError(f"the {name}'s block is not one page (K/V stride {lay.kv_stride}, head stride "
+                            f"{lay.head_stride}, block stride {lay.block_stride}): a state does not start it")
+        if lay.head_start or lay.num_heads != lay.model_heads:
+            raise PlanError(f"a state page moves whole: the {name} holds KV heads [{lay.head_start}, "
+                            f"{lay.head_start + lay.num_heads}) of {lay.model_heads}")
+    (sb,) = _check_blocks("source", _as_ids([src_block]), src, 1)
+    (db,) = _check_blocks("destination", _as_ids([dst_block]), dst, 1)
+    s_off = src.virtual_offsets() + sb * src.block_stride
+    d_off = dst.virtual_offsets() + db * dst.block_stride
+    result = Plan(s_off, d_off, np.full(src.num_layers, nbytes, dtype=np.int64),
+                  np.arange(src.num_layers, dtype=np.int64))
+    check_bounds(result, src.regions, dst.regions)
     return result
 
 
@@ -322,7 +360,7 @@ def addresses(plan_addr: np.ndarray, bases: tuple[int, ...] | list[int]) -> np.n
     return np.asarray(bases, dtype=np.int64)[region] + local
 
 
-def _check_bounds(p: Plan, src_sizes: tuple[int, ...], dst_sizes: tuple[int, ...]) -> None:
+def check_bounds(p: Plan, src_sizes: tuple[int, ...], dst_sizes: tuple[int, ...]) -> None:
     """Last line of defence: no descriptor may leave its region."""
     if len(p) == 0:
         return

@@ -242,18 +242,24 @@ def test_state_streamed_answer_starts_with_the_decode_engines_token(state) -> No
         _equal(preset, n, got["text"], _colocated(stack, prompt))
 
 
-# Per state preset: the attention block (tokens), the cache's element size, its state groups.
-# A page is one attention block's K and V (one KV head of 64); every group's page is that size.
-PAGES = {"mamba": (128, 4, 1), "linear": (1152, 2, 3)}
+# Per state preset: the attention block (tokens), the cache's element size, its state groups and
+# each one's state bytes. A page is one attention block's K and V (one KV head of 64); every
+# group's page is that size, and of a state page only its sub-tensors move (vLLM's
+# state_content_size_bytes, as its NixlConnector moves them): mamba (fp32) conv 3 x (4 x 32 +
+# 2 x 16) x 4 + SSM 4 x 32 x 16 x 4 = 1,920 + 8,192; linear conv 3 x 1024 x 2 (bf16) + SSM
+# 4 x 128 x 128 x 4 (fp32) = 6,144 + 262,144.
+PAGES = {"mamba": (128, 4, 1, 10_112), "linear": (1152, 2, 3, 268_288)}
 
 
 def test_state_decode_loads_all_but_the_last_prompt_token(state) -> None:
     """D's external_kv_transfer grows by the N - 1 tokens it loaded (the last one it computes),
     and again when asked again (mamba: no prefix caching; linear: under one 1152 block). The
-    WRITE is the attention blocks of N - 1 tokens and one page per state group, no more."""
+    WRITE is the attention blocks of N - 1 tokens and each state group's state (its sub-tensors
+    at the start of one page), no more: mamba 8 x 65,536 + 10,112 = 534,400 bytes, linear
+    294,912 + 3 x 268,288 = 1,099,776, what vLLM's NixlConnector moves."""
     preset, stack = state
     prompt = ids(1000, seed=4343)
-    block, elem, states = PAGES[preset]
+    block, elem, states, state_bytes = PAGES[preset]
     page = block * 2 * 64 * elem
     for _ in range(2):
         before = external(stack.d_url)
@@ -261,4 +267,4 @@ def test_state_decode_loads_all_but_the_last_prompt_token(state) -> None:
         assert external(stack.d_url) - before == len(prompt) - 1
         moved = _write_bytes(stack)[0]  # this request's
         print(f"{preset} 1000-token prompt: {moved} bytes moved ({moved / page:.2f} pages of {page})")
-        assert moved == (-(-(len(prompt) - 1) // block) + states) * page, moved
+        assert moved == -(-(len(prompt) - 1) // block) * page + states * state_bytes, moved

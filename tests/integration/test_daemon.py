@@ -389,15 +389,20 @@ def test_hybrid_groups_move_only_the_blocks_decode_holds(pd):
 
 def test_a_state_group_moves_its_running_slot_beside_attention_blocks(pd):
     """A Mamba2 state group (block 2048 tokens) beside full attention (block 16), overlaid on
-    one layer tensor: the WRITE moves the prefill side's running-state slot into the decode
-    side's and each attention block the prompt's first N - 1 tokens fill, in one WRITE; every
-    other decode byte stays. A null state slot on either side fails the whole transfer."""
+    the layer tensors: the WRITE moves, in every layer, the state's bytes at the start of the
+    prefill side's running-state slot's page into the decode side's (its sub-tensors, 960 +
+    2048 bytes of the 8192-byte page; the page's padding after them is not written) and each
+    attention block the prompt's first N - 1 tokens fill, whole, in one WRITE; every other
+    decode byte stays. A null state slot on either side fails the whole transfer."""
     from dataclasses import replace
 
     p, d = pd
-    lay, meta = cpu(num_layers=1)
-    state = ("Mamba block_size=2048 page_bytes=4096 state=3x160:bfloat16,4x32x16:float32 type=MAMBA2 mode=none "
-             "spec_blocks=0")
+    lay, meta = cpu(num_layers=2)
+    page = lay.block_bytes // lay.num_layers
+    state = (f"Mamba block_size=2048 page_bytes={page} state=3x160:bfloat16,4x32x4:float32 type=MAMBA2 "
+             "mode=none spec_blocks=0")
+    nstate = 3 * 160 * 2 + 4 * 32 * 4 * 4
+    assert (page, nstate) == (8192, 3008)
     lay = replace(lay, kv_groups=(state, "FullAttention block_size=16"))
     with engines(p, d, lay, seed=6) as (pe, de):
         before = de.bytes.copy()
@@ -407,12 +412,24 @@ def test_a_state_group_moves_its_running_slot_beside_attention_blocks(pd):
         pe.send(proto.PrefillDone(t, (9, 3, 4, 5, 6), n, 10_000, kv_groups=(1, 4)))
         assert isinstance(de.result(t), proto.Received)
         assert isinstance(pe.result(t), proto.Sent)
-        check_transfer(pe, meta, [9, 3, 4, 5, 6], de, meta, [44, 20, 21, 22, 23], 5 * 16, before)
+        src, got, state_bytes = pe.bytes, de.bytes, before.copy()
+        for off in lay.layer_offsets:
+            s0, d0 = off + 9 * lay.block_stride, off + 44 * lay.block_stride
+            # the state's bytes landed; after them the decode page is as it was (the prefill
+            # side's padding differs: a whole-page copy would show)
+            assert np.array_equal(got[d0: d0 + nstate], src[s0: s0 + nstate])
+            assert np.array_equal(got[d0 + nstate: d0 + page], before[d0 + nstate: d0 + page])
+            assert not np.array_equal(src[s0 + nstate: s0 + page], before[d0 + nstate: d0 + page])
+            state_bytes[d0: d0 + nstate] = src[s0: s0 + nstate]
+        # the attention blocks whole, and nothing else changed
+        check_transfer(pe, meta, [3, 4, 5, 6], de, meta, [20, 21, 22, 23], 4 * 16, state_bytes)
+        row = next(r for r in p.ops("transfers")["recent"] if r["transfer_id"] == t)
+        assert row["bytes"] == 4 * lay.block_bytes + lay.num_layers * nstate, row
 
-        for src, dst in (((0, 3, 4, 5, 6), (45, 30, 31, 32, 33)), ((9, 3, 4, 5, 6), (0, 30, 31, 32, 33))):
+        for src_ids, dst in (((0, 3, 4, 5, 6), (45, 30, 31, 32, 33)), ((9, 3, 4, 5, 6), (0, 30, 31, 32, 33))):
             t2, after = tid("ssm"), de.bytes.copy()
             de.send(proto.Register(t2, 0, dst, n, eps, 1, 10_000, kv_groups=(1, 4)))
-            pe.send(proto.PrefillDone(t2, src, n, 10_000, kv_groups=(1, 4)))
-            got = de.result(t2)
-            assert isinstance(got, proto.ReceiveFailed), got
+            pe.send(proto.PrefillDone(t2, src_ids, n, 10_000, kv_groups=(1, 4)))
+            got2 = de.result(t2)
+            assert isinstance(got2, proto.ReceiveFailed), got2
             assert np.array_equal(de.bytes, after)

@@ -9,8 +9,10 @@ that drops the prompt's last token once and the decode leg that loads all but it
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 pytest.importorskip("vllm")
@@ -27,8 +29,8 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
 from kvpush.daemon.core.checks import check_blocks  # noqa: E402
-from kvpush.daemon.core.group_pairs import pair_groups  # noqa: E402
-from kvpush.daemon.core.planner import PlanError  # noqa: E402
+from kvpush.daemon.core.group_pairs import Pairs, pair_groups, plan_pairs  # noqa: E402
+from kvpush.daemon.core.planner import PlanError, plan, plan_state  # noqa: E402
 from kvpush.engine_plugin.config import PluginConfig  # noqa: E402
 from kvpush.engine_plugin.metadata import Send  # noqa: E402
 from kvpush.engine_plugin.scheduler.half import KVPushScheduler  # noqa: E402
@@ -39,7 +41,7 @@ from kvpush.engine_plugin.worker.layouts import (  # noqa: E402
     check_pages,
     hybrid_groups,
 )
-from kvpush.proto.groups import clip_state, describe, need, pack, parse, slice_from  # noqa: E402
+from kvpush.proto.groups import GroupsError, clip_state, describe, need, pack, parse, slice_from  # noqa: E402
 from kvpush.proto.layout import KVLayout, vllm_cpu_layout  # noqa: E402
 from kvpush.proto.params import PROMPT_TRUNCATED, prompt_truncated  # noqa: E402
 
@@ -58,10 +60,13 @@ def test_a_state_group_is_described_with_its_sub_tensors_and_read_back() -> None
     d = describe(MAMBA)
     assert d.startswith("Mamba block_size=2048 page_bytes=32768 state=3x160:bfloat16,4x32x16:float32")
     assert "mode=none" in d and "spec_blocks=0" in d and "type=MAMBA2" in d
-    assert parse(d) == ("Mamba", 2048, True, 0) and parse(d).state
+    assert parse(d) == ("Mamba", 2048, True, 0, 960 + 8192) and parse(d).state
     assert "mode=align" in describe(GDN)
+    # the state's bytes are vLLM's own count of them (the page's padding is not state)
+    assert parse(d).state_bytes == MAMBA.state_content_size_bytes < MAMBA.page_size_bytes
+    assert parse(describe(GDN)).state_bytes == GDN.state_content_size_bytes == 6144 + 262144
     a = parse(describe(ATTN))
-    assert a == ("FullAttention", 128, False, 0) and not a.state
+    assert a == ("FullAttention", 128, False, 0, 0) and not a.state
     assert need(a, 1000) == 8 and need(a, 1000, 256) == 6 and need(parse(d), 1000) == 1
 
 
@@ -91,6 +96,7 @@ def test_a_state_group_moves_its_running_slot_and_attention_counts_its_own_block
     # 999 tokens (a 1000-token prompt less the last): 8 attention blocks of 128, one state slot
     p = _pair([(40,), tuple(range(11, 19))], [(50,), tuple(range(61, 69))], 999, KINDS)
     assert p.src == (40, *range(11, 19)) and p.dst == (50, *range(61, 69)) and p.per_group == (1, 8)
+    assert p.nbytes == (9152,) + (0,) * 8 and p.partial  # the state's bytes; attention: whole blocks
     # without the kinds the state list would be read as attention of 128 tokens a block: refused
     with pytest.raises(PlanError, match="group 0 holds 1 blocks"):
         _pair([(40,), tuple(range(11, 19))], [(50,), tuple(range(61, 69))], 999, ())
@@ -108,10 +114,75 @@ def test_a_short_attention_list_beside_a_state_group_fails_the_whole_transfer() 
         _pair([(40,), tuple(range(11, 19))], [(50,), tuple(range(61, 68))], 999, KINDS)
 
 
-def _layout(groups: tuple[str, ...]) -> KVLayout:
-    lay = vllm_cpu_layout(num_layers=1, num_blocks=128, block_size=128, num_heads=1, head_size=64, dtype="bfloat16",
-                          packing="row")
+def _layout(groups: tuple[str, ...], num_layers: int = 1) -> KVLayout:
+    lay = vllm_cpu_layout(num_layers=num_layers, num_blocks=128, block_size=128, num_heads=1, head_size=64,
+                          dtype="bfloat16", packing="row")
     return KVLayout(**{**lay.__dict__, "kv_groups": groups})
+
+
+def test_a_state_pair_moves_only_its_states_bytes_and_attention_pairs_their_whole_blocks() -> None:
+    """One WRITE's descriptors: each attention pair's whole block, exactly as the planner
+    copies any block, and of the state slot's page in each layer only its first 9152 bytes
+    (conv 960 + SSM 8192; vLLM pads the page to 32768), never the padding after them."""
+    lay = _layout((describe(MAMBA), describe(ATTN)), num_layers=2)
+    pairs = _pair([(40,), tuple(range(11, 19))], [(50,), (61, 62, 63, 70, 71, 72, 73, 74)], 999, KINDS)
+    got = plan_pairs(lay, lay, pairs)
+    whole = plan(lay, list(pairs.src[1:]), lay, list(pairs.dst[1:]), 8 * 128)
+    state = len(got) - len(whole)
+    assert state == 2  # one descriptor per layer
+    for a, b in ((got.src_off, whole.src_off), (got.dst_off, whole.dst_off), (got.length, whole.length)):
+        assert np.array_equal(a[:len(whole)], b)
+    base = np.asarray(lay.layer_offsets)
+    assert np.array_equal(got.src_off[len(whole):], base + 40 * lay.block_stride)
+    assert np.array_equal(got.dst_off[len(whole):], base + 50 * lay.block_stride)
+    assert np.array_equal(got.length[len(whole):], [9152, 9152])
+    assert got.nbytes == 8 * lay.block_bytes + 2 * 9152  # against 9 whole blocks before
+    only = plan_pairs(lay, lay, Pairs(((40,), (50,), (1,), (9152,))))  # a state slot alone plans too
+    assert np.array_equal(only.length, [9152, 9152]) and np.array_equal(only.src_off, got.src_off[len(whole):])
+    # attention groups alone (dense, sliding window) are never partial: their blocks move whole
+    assert not _pair([tuple(range(11, 19))], [tuple(range(61, 69))], 999, (parse(describe(ATTN)),)).partial
+
+
+def test_the_state_bytes_are_those_vllm_binds_the_state_layers_sub_tensors_to() -> None:
+    """vLLM's own allocation and Mamba layer binding (allocate_kv_cache, MambaBase.bind_kv_cache):
+    block b's conv and SSM state are one run of bytes from the page's first byte, the run
+    plan_state copies; the rest of the page is padding no state view reaches."""
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    for order in (KVCacheLayout.LBHNC, KVCacheLayout.LBNHC):
+        kv = allocate_kv_cache(_cfg([MAMBA, ATTN], _tensors()), torch.device("cpu"), order)
+        layer = SimpleNamespace(get_state_shape=lambda: MAMBA.shapes, get_state_dtype=lambda: MAMBA.dtypes)
+        MambaBase.bind_kv_cache(layer, kv["model.layers.0.mixer"])
+        attn = kv["model.layers.1.mixer"]
+        assert attn.stride(0) * attn.element_size() == 32768
+        lay = KVLayout(**{**_layout((describe(MAMBA), describe(ATTN))).__dict__, "num_blocks": 8,
+                          "region_size": 8 * 32768})
+        for b in (0, 5):
+            runs = sorted((s[b].data_ptr() - attn.data_ptr(), s[b].numel() * s[b].element_size())
+                          for s in layer.kv_cache)
+            assert all(s[b].is_contiguous() for s in layer.kv_cache)
+            assert runs == [(b * 32768, 960), (b * 32768 + 960, 8192)]  # back to back from the page start
+            p = plan_state(lay, b, lay, 7 - b, parse(describe(MAMBA)).state_bytes)
+            assert (int(p.src_off[0]), int(p.length[0])) == (b * 32768, sum(n for _, n in runs))
+            assert int(p.dst_off[0]) == (7 - b) * 32768
+
+
+def test_a_state_that_does_not_fit_its_page_is_never_planned() -> None:
+    lay = _layout((describe(MAMBA), describe(ATTN)))
+    with pytest.raises(PlanError, match="a state of 32769 bytes does not fit the source's page of 32768"):
+        plan_state(lay, 1, lay, 2, 32769)
+    with pytest.raises(PlanError, match="block ID 128 out of range"):
+        plan_state(lay, 128, lay, 2, 9152)
+    bad = describe(MAMBA).replace("page_bytes=32768", "page_bytes=9151")
+    with pytest.raises(GroupsError, match="a state of 9152 bytes in a page of 9151"):
+        parse(bad)
+    for broken in ("state=3x160:complex64", "state=3x0:bfloat16", "state=3x160"):
+        with pytest.raises(GroupsError, match="not readable"):
+            parse(re.sub(r"state=\S+", broken, describe(MAMBA)))
+    with pytest.raises(PlanError, match="a block is in two groups' pairs on the decode side"):
+        _pair([(40,), tuple(range(11, 19))], [(61,), tuple(range(61, 69))], 999, KINDS)
 
 
 def test_registrations_are_checked_per_group() -> None:

@@ -10,7 +10,11 @@
 4. sends the same prompts through the router (streaming), prints per-request TTFT,
    TPOT and whether the generated tokens equal the colocated run; exits 1 if any differ
    (bf16 presets: unless it parts from colocated, each prompt alone, at a near tie of its
-   top two tokens, docs/models.md).
+   top two tokens, docs/models.md; state presets, ``linear`` and ``mamba``: unless it equals,
+   token for token, what vLLM's own NixlConnector answers on the same P/D split, run after
+   kvpush for those prompts only: both resume the state after N - 1 prompt tokens, a kernel
+   path that a colocated engine itself takes on a prefix-cache hit, and whose rounding can part
+   from computing the prompt in one go).
 
 Every process runs in its own process group and is cleaned up, also on Ctrl-C.
 """
@@ -30,6 +34,7 @@ from kvpush_dev.demo_report import near_tie, prompts, report
 from kvpush_dev.pd_stack import PDStack, prompt_tokens_by_source
 from kvpush_dev.procs import free_port
 from kvpush_dev.sse import run_prompts
+from kvpush_dev.sweep.launchers import start_nixl
 
 ROOT = ve.ROOT
 
@@ -103,11 +108,44 @@ def main(argv: list[str] | None = None) -> int:
         before = prompt_tokens_by_source(stack.d_url).get("external_kv_transfer", 0.0)
         pd = asyncio.run(run_prompts(url, ps, args.max_tokens, args.concurrency))
         after = prompt_tokens_by_source(stack.d_url).get("external_kv_transfer", 0.0)
+        cleanup()
+        pulled = _nixl_answers(args, model, work, gpu_args, ps, reference, pd, judged)
     finally:
         cleanup()
 
-    tie = None if judged is None else (lambda i, got: near_tie(got, judged[i]))
+    def tie(i: int, got: str) -> str | None:
+        if judged is not None and (why := near_tie(got, judged[i])):
+            return f"near tie: {why}"
+        if pulled.get(i) == got:
+            return "equals vLLM's NixlConnector on the same split (the state resumed after N - 1 tokens)"
+        return None
+
     return report(ps, reference, pd, after - before, tie)
+
+
+def _nixl_answers(args: argparse.Namespace, model: Path, work: Path, engine_args: list[str], ps: list[str],
+                  reference: list[dict[str, Any]], pd: list[dict[str, Any]],
+                  judged: list[dict[str, Any]] | None) -> dict[int, str]:
+    """State presets: the prompts whose kvpush answer differs from colocated (beyond a near
+    tie), asked one at a time through vLLM's NixlConnector (pull) on the same split."""
+    if not tiny_model.resumes_state(args.model_preset):
+        return {}
+    odd = [i for i, (ref, got) in enumerate(zip(reference, pd, strict=True))
+           if "error" not in got and "error" not in ref and got["text"] != ref["text"]
+           and (judged is None or near_tie(got["text"], judged[i]) is None)]
+    if not odd:
+        return {}
+    print(f"{len(odd)} answers differ from colocated: asking vLLM's NixlConnector (pull) the same prompts ...",
+          flush=True)
+    (work / "pull").mkdir(exist_ok=True)
+    ms = start_nixl("pull", model, work / "pull", 900, 600, engine_args=tuple(engine_args))
+    try:
+        return {i: str(ve.post_json(f"{ms.front_url}/v1/completions",
+                                    {"model": "tiny", "prompt": ps[i], "max_tokens": args.max_tokens,
+                                     "temperature": 0.0, "ignore_eos": True}, timeout=600)["choices"][0]["text"])
+                for i in odd}
+    finally:
+        ms.stop()
 
 
 if __name__ == "__main__":

@@ -155,6 +155,13 @@ def engine_args(preset: str) -> tuple[str, ...]:
     return FAMILIES[preset].engine
 
 
+def resumes_state(preset: str) -> bool:
+    """Whether ``preset`` has state layers (Mamba, linear attention): its decode engine resumes
+    the state after the prompt's first N - 1 tokens, as vLLM's own NixlConnector has it do, a
+    kernel path whose rounding can differ from computing the prompt in one go (docs/models.md)."""
+    return preset in FAMILIES and bool({"mamba", "linear_attention"} & set(FAMILIES[preset].layer_kinds))
+
+
 def spec_dtype(preset: str) -> str:
     """The weights' (and so the engines') dtype of ``preset``."""
     return FAMILIES[preset].dtype if preset in FAMILIES else "float32"

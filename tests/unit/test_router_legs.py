@@ -33,6 +33,7 @@ from kvpush_dev.procs import free_port
 
 KEEPALIVE_S = 0.3  # the prefill stand-in's keep-alive timeout
 STOP_S = 1.0  # how long it is stopped: well past its keep-alive
+ATTEMPTS = 5  # tries of the stopped engine before the test gives up on meeting the case
 
 # The prefill stand-in: answers /v1/completions, counts the requests it read and the
 # connections they came over (GET /stats).
@@ -132,10 +133,17 @@ async def _stopped_prefill_engine(proc: subprocess.Popen, p_url: str) -> tuple[l
 
 
 def test_a_prefill_leg_its_stopped_engine_closed_unread_is_sent_again_on_a_fresh_connection():
-    with _engine_process() as (proc, p_url):
-        statuses, resent, body, seen = asyncio.run(_stopped_prefill_engine(proc, p_url))
-    assert statuses == [200, 200] and json.loads(body or "null") == {
-        "id": "d", "choices": [{"index": 0, "text": " a b", "finish_reason": "length"}]}, body  # whole
+    # On a loaded machine the stop can land while the stand-in is not yet back in its poll; it
+    # then reads the request on the kept-alive connection as usual (one connection, nothing
+    # resent). That run shows nothing: the scenario is tried again, a few times at most.
+    for _ in range(ATTEMPTS):
+        with _engine_process() as (proc, p_url):
+            statuses, resent, body, seen = asyncio.run(_stopped_prefill_engine(proc, p_url))
+        assert statuses == [200, 200] and json.loads(body or "null") == {
+            "id": "d", "choices": [{"index": 0, "text": " a b", "finish_reason": "length"}]}, body  # whole
+        if seen == {"requests": 2, "connections": 1} and resent == 0:
+            continue  # read where it was kept alive: not the case under test
+        break
     assert resent == 1  # the pooled connection was closed under it, unread
     # the engine read each request once (the copy that failed never reached it), over two
     # connections: the first request's (kept alive, then closed unread) and the fresh one

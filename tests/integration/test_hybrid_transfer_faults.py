@@ -45,7 +45,7 @@ FAULTS = {
     # one group's list is missing: a single list for an engine of two groups
     "group_missing": ((3, 4, 5, 6), (), "1 block list(s) for an engine of 2", True),
     # one group's list is shorter than the prompt
-    "group_short": (*_packed(((3, 4, 5, 6), (7, 8, 9))), "a KV cache group of 3 blocks", True),
+    "group_short": (*_packed(((3, 4, 5, 6), (7, 8, 9))), "KV cache group 1 (FullAttention) of 3 blocks", True),
     # a block the decode side needs is gone on the prefill side (null: freed, outside its window)
     "block_gone": (*_packed(((0, 0, 0, 6), (7, 8, 9, 10))), "block 2 of group 0", False),
 }

@@ -20,11 +20,14 @@ from kvpush.proto.layout import KVLayout
 # 4: layer-wise streaming (LayerProgress, LayerEvents), least-reach handshakes and bound transfers.
 # 5: PeerRegister.key; the NIXL notification carries an HMAC under it (kvpush.proto.notif, "kvp2");
 #    hybrid KV cache groups: Register / PeerRegister / PrefillDone.kv_groups, KVLayout.kv_groups.
-PROTOCOL_VERSION = 5
+# 6: state groups (Mamba2, gated delta net): a group's description carries its state; a state
+#    pair moves only the state's bytes of its page, and a prefill leg of such a model computes
+#    all but the prompt's last token. A version-5 daemon would copy whole pages by position.
+PROTOCOL_VERSION = 6
 #: Older versions whose ``Error`` message is this version's, field for field: a sender on one
 #: of them is refused with an Error in its own envelope (it can read why), and its refusals
 #: of us are read too. Every other message of another version is refused as a whole.
-ERROR_COMPATIBLE_VERSIONS = frozenset({2, 3, 4})
+ERROR_COMPATIBLE_VERSIONS = frozenset({2, 3, 4, 5})
 
 MEMORY_KINDS = frozenset({"cpu_shm", "cuda_ipc"})
 MEM_TYPES = frozenset({"DRAM", "VRAM"})  # NIXL memory types of registered regions

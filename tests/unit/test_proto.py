@@ -296,7 +296,7 @@ def test_hand_encoded_dicts_decode() -> None:
             "timeout_ms": 500,
             "t": "Register",
             "block_ids": [1, 2, 3],
-            "v": 5,
+            "v": 6,
             "transfer_id": "abc",
             "attempt": 0,
             "num_tokens": 33,
@@ -305,13 +305,13 @@ def test_hand_encoded_dicts_decode() -> None:
         }
     )
     assert decode(reg) == Register("abc", 0, (1, 2, 3), 33, ("tcp://p:1", "tcp://p:2"), 2, 500)
-    assert decode(pack({"v": 5, "t": "OpsRequest", "cmd": "status"})) == OpsRequest("status")
+    assert decode(pack({"v": 6, "t": "OpsRequest", "cmd": "status"})) == OpsRequest("status")
     assert decode(pack({"v": 4, "t": "Error", "code": "E", "message": "m"})) == Error("E", "m")
-    assert decode(pack({"v": 5, "t": "Error", "code": "E", "message": "m"})) == Error("E", "m")
+    assert decode(pack({"v": 6, "t": "Error", "code": "E", "message": "m"})) == Error("E", "m")
     lay = small_layout()
     lay_map = dataclasses.asdict(lay)  # nested Packing maps, tuples as arrays
     att = {
-        "v": 5,
+        "v": 6,
         "t": "Attach",
         "engine_id": "e",
         "rank": 0,
@@ -350,9 +350,11 @@ def test_block_ids_must_be_ints() -> None:
 
 def test_versions() -> None:
     good = wire(Heartbeat(1))
-    assert good["v"] == PROTOCOL_VERSION == 5
+    assert good["v"] == PROTOCOL_VERSION == 6
     text = rejects(pack({**good, "v": 7}))
-    assert text == "unsupported protocol version 7 (this side speaks 5)"
+    assert text == "unsupported protocol version 7 (this side speaks 6)"
+    # version 5 (before state groups): its daemons would copy a state page whole, by position
+    assert rejects(pack({**good, "v": 5})) == "unsupported protocol version 5 (this side speaks 6)"
     rejects(pack({**good, "v": 0}), "unsupported protocol version 0")
     rejects(pack({**good, "v": 1}), "unsupported protocol version 1")  # one region per Attach
     rejects(pack({**good, "v": True}), "'v'", "bool")  # True == 1, but is not the version
@@ -681,11 +683,11 @@ def test_version_2_peers_are_refused_in_words_they_can_read() -> None:
 
     old = {"v": 2, "t": "PeerRegister", "transfer_id": "t", "attempt": 0, "block_ids": [1],
            "num_tokens": 16, "dest_rank": 0, "dest_tp_size": 1, "expected_dests": 1, "deadline_ms": 500}
-    with pytest.raises(VersionMismatch, match="unsupported protocol version 2 .this side speaks 5.") as e:
+    with pytest.raises(VersionMismatch, match="unsupported protocol version 2 .this side speaks 6.") as e:
         decode(pack(old))
     assert e.value.version == 2 and 2 in ERROR_COMPATIBLE_VERSIONS
     with pytest.raises(ProtocolError, match="unexpected field.*deadline_ms"):
-        decode(pack({**old, "v": 5}))  # the old field name under the new version: missing field
+        decode(pack({**old, "v": 6}))  # the old field name under the new version: missing field
     refusal = Error("protocol", str(e.value))
     raw = encode(refusal, version=2)
     assert msgpack.unpackb(raw)["v"] == 2 and decode(raw) == refusal
@@ -703,9 +705,9 @@ def test_version_4_peers_are_refused_naming_both_versions() -> None:
 
     old = {"v": 4, "t": "PeerRegister", "transfer_id": "t", "attempt": 0, "block_ids": [1],
            "num_tokens": 16, "dest_rank": 0, "dest_tp_size": 1, "expected_dests": 1, "timeout_ms": 500}
-    with pytest.raises(VersionMismatch, match=r"^unsupported protocol version 4 \(this side speaks 5\)$"):
+    with pytest.raises(VersionMismatch, match=r"^unsupported protocol version 4 \(this side speaks 6\)$"):
         decode(pack(old))
-    refusal = Error("protocol", "unsupported protocol version 4 (this side speaks 5)")
+    refusal = Error("protocol", "unsupported protocol version 4 (this side speaks 6)")
     assert decode(encode(refusal, version=4)) == refusal
 
 
@@ -718,7 +720,7 @@ def test_a_version_4_register_is_refused_never_read_as_one_group() -> None:
 
     old = {"v": 4, "t": "Register", "transfer_id": "t", "attempt": 0, "block_ids": [1, 2], "num_tokens": 16,
            "prefill_endpoints": ["tcp://p:1"], "prefill_tp_size": 1, "timeout_ms": 500}
-    with pytest.raises(VersionMismatch, match="unsupported protocol version 4 .this side speaks 5.") as e:
+    with pytest.raises(VersionMismatch, match="unsupported protocol version 4 .this side speaks 6.") as e:
         decode(pack(old))
     assert e.value.version == 4 and 4 in ERROR_COMPATIBLE_VERSIONS
     raw = encode(Error("protocol", str(e.value)), version=4)

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from math import prod
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvpush.proto.layout import DTYPE_SIZES
 
@@ -103,32 +103,14 @@ def clip_state(ids: Sequence[int], spec_blocks: int) -> tuple[int, ...]:
     return (ids[: len(ids) - scratch])[-1:]
 
 
-class Group(tuple):
-    """``(kind, block_size, state, spec_blocks, state_bytes)`` of one group, read back from its
-    description."""
+class Group(NamedTuple):
+    """One group, read back from its description."""
 
-    __slots__ = ()
-
-    @property
-    def kind(self) -> str:
-        return self[0]
-
-    @property
-    def block_size(self) -> int:
-        return self[1]
-
-    @property
-    def state(self) -> bool:
-        return self[2]
-
-    @property
-    def spec_blocks(self) -> int:
-        return self[3]
-
-    @property
-    def state_bytes(self) -> int:
-        """A state group's sub-tensors' bytes, from its page's first byte (0: attention)."""
-        return self[4]
+    kind: str
+    block_size: int
+    state: bool
+    spec_blocks: int
+    state_bytes: int  # a state group's sub-tensors' bytes, from its page's first byte (0: attention)
 
 
 def parse(desc: str) -> Group:
@@ -145,7 +127,7 @@ def parse(desc: str) -> Group:
     if bs <= 0 or spec < 0:
         raise GroupsError(f"KV cache group {desc!r}: block size {bs}, speculative slots {spec}")
     state = words[0] == STATE_KIND
-    return Group((words[0], bs, state, spec, _state_bytes(desc, kv) if state else 0))
+    return Group(words[0], bs, state, spec, _state_bytes(desc, kv) if state else 0)
 
 
 def _state_bytes(desc: str, kv: dict[str, str]) -> int:

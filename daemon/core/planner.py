@@ -92,6 +92,16 @@ def check_compatible(
             )
 
 
+def _checked(src: KVLayout, dst: KVLayout) -> None:
+    """Both layouts valid and compatible, or PlanError."""
+    try:
+        src.validate()
+        dst.validate()
+    except LayoutError as exc:
+        raise PlanError(f"invalid layout: {exc}") from exc
+    check_compatible(src, dst)
+
+
 def _check_blocks(name: str, blocks: np.ndarray, layout: KVLayout, needed: int) -> np.ndarray:
     if blocks.ndim != 1:
         raise PlanError(f"{name} block IDs must be a flat list")
@@ -228,12 +238,7 @@ def plan(
     each one's (the daemon's prepared lists are then sliced by layer). Raises PlanError before
     producing anything if the input is inconsistent.
     """
-    try:
-        src.validate()
-        dst.validate()
-    except LayoutError as exc:
-        raise PlanError(f"invalid layout: {exc}") from exc
-    check_compatible(src, dst)
+    _checked(src, dst)
     if num_tokens <= 0:
         raise PlanError(f"num_tokens must be positive, got {num_tokens}")
     if dst_first_token < 0 or dst_first_token % dst.block_size or dst_first_token >= num_tokens:
@@ -324,12 +329,7 @@ def plan_state(src: KVLayout, src_block: int, dst: KVLayout, dst_block: int, nby
     ``nbytes`` (from the engine's own group description) must fit in that page and in one
     block stride on both sides, which hold every KV head (a state page is never split by
     heads). Raises PlanError before producing anything."""
-    try:
-        src.validate()
-        dst.validate()
-    except LayoutError as exc:
-        raise PlanError(f"invalid layout: {exc}") from exc
-    check_compatible(src, dst)
+    _checked(src, dst)
     for name, lay in (("source", src), ("destination", dst)):
         page = lay.block_bytes // lay.num_layers
         if not 0 < nbytes <= min(page, lay.block_stride):

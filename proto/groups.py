@@ -35,6 +35,7 @@ layer tensor, whichever group owns it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from math import prod
 from typing import Any, NamedTuple
@@ -113,8 +114,11 @@ class Group(NamedTuple):
     state_bytes: int  # a state group's sub-tensors' bytes, from its page's first byte (0: attention)
 
 
+@functools.lru_cache(maxsize=64)
 def parse(desc: str) -> Group:
-    """What a group's :func:`describe` string says the planner needs; raises GroupsError."""
+    """What a group's :func:`describe` string says the planner needs; raises GroupsError.
+    Cached: the checks, the pairing and every WRITE read the same few attached layouts' groups
+    (a refusal is not cached; it raises again)."""
     words = str(desc).split()
     if not words:
         raise GroupsError("an empty KV cache group description")

@@ -33,6 +33,7 @@ Pure: block IDs in, block IDs (and descriptors) out.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -43,27 +44,14 @@ from kvpush.proto.layout import KVLayout
 __all__ = ["Pairs", "pair_groups", "plan_pairs"]
 
 
-class Pairs(tuple):
-    """``(src_block_ids, dst_block_ids, per_group, nbytes)``: the flat pairs, each group's count
-    and each pair's bytes per layer (0: the whole block; a state pair: its state's bytes)."""
+class Pairs(NamedTuple):
+    """The flat pairs, each group's count and each pair's bytes per layer (0: the whole block;
+    a state pair: its state's bytes)."""
 
-    __slots__ = ()
-
-    @property
-    def src(self) -> tuple[int, ...]:
-        return self[0]
-
-    @property
-    def dst(self) -> tuple[int, ...]:
-        return self[1]
-
-    @property
-    def per_group(self) -> tuple[int, ...]:
-        return self[2]
-
-    @property
-    def nbytes(self) -> tuple[int, ...]:
-        return self[3]
+    src: tuple[int, ...]
+    dst: tuple[int, ...]
+    per_group: tuple[int, ...]
+    nbytes: tuple[int, ...]
 
     @property
     def partial(self) -> bool:
@@ -133,7 +121,7 @@ def pair_groups(src_ids: Sequence[int], src_groups: Sequence[int], dst_ids: Sequ
     for side, ids in (("prefill", src_out), ("decode", dst_out)):
         if len(set(ids)) != len(ids):
             raise PlanError(f"groups: a block is in two groups' pairs on the {side} side")
-    return Pairs((tuple(src_out), tuple(dst_out), tuple(counts), tuple(nbytes)))
+    return Pairs(tuple(src_out), tuple(dst_out), tuple(counts), tuple(nbytes))
 
 
 def plan_pairs(src: KVLayout, dst: KVLayout, pairs: Pairs) -> Plan:

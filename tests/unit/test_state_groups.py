@@ -137,7 +137,7 @@ def test_a_state_pair_moves_only_its_states_bytes_and_attention_pairs_their_whol
     assert np.array_equal(got.dst_off[len(whole):], base + 50 * lay.block_stride)
     assert np.array_equal(got.length[len(whole):], [9152, 9152])
     assert got.nbytes == 8 * lay.block_bytes + 2 * 9152  # against 9 whole blocks before
-    only = plan_pairs(lay, lay, Pairs(((40,), (50,), (1,), (9152,))))  # a state slot alone plans too
+    only = plan_pairs(lay, lay, Pairs((40,), (50,), (1,), (9152,)))  # a state slot alone plans too
     assert np.array_equal(only.length, [9152, 9152]) and np.array_equal(only.src_off, got.src_off[len(whole):])
     # attention groups alone (dense, sliding window) are never partial: their blocks move whole
     assert not _pair([tuple(range(11, 19))], [tuple(range(61, 69))], 999, (parse(describe(ATTN)),)).partial

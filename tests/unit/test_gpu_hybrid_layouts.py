@@ -1,0 +1,280 @@
+"""Each family's GPU KV layout, as the installed vLLM lays it out on CUDA, derived and moved.
+
+The engines' KV is what vLLM's GPU model runner builds: the ``KVCacheConfig`` from vLLM's own
+``get_kv_cache_config_from_groups`` (a hybrid's groups overlaid from byte 0 of one allocation),
+the per-layer views from its ``allocate_kv_cache`` (the same code runs on CUDA; here on CPU
+tensors of the same shapes and strides), a state layer's conv and SSM views from its own
+``MambaBase.bind_kv_cache``. kvpush derives its layout from them the way the GPU engine does
+(``layouts.describe_gpu_kv``: the attention backend's shape, the groups attached as on the CPU
+path), pairs and plans a request as the daemon does (``group_pairs``), and the plan is applied
+to the raw bytes. Right means: every byte the decode engine's vLLM reads for the request,
+through every layer's own view (the other groups' layers included, and the state's sub-tensors),
+is the prefill engine's, and no other byte of the decode allocation changed (a state page's
+padding included).
+
+Families: FlashAttention with sliding-window groups beside full attention (gpt-oss / Gemma 3),
+Mamba2 state (conv + SSM in one padded page) beside attention, gated delta net state (mode
+'align', attention raised to the state's page, split into FlashInfer's kernel blocks), and
+FlashMLA (a 576-wide bf16 latent in blocks of 64).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheLayout,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
+
+from kvpush.daemon.core.group_pairs import pair_groups, plan_pairs  # noqa: E402
+from kvpush.daemon.core.planner import PlanError, check_compatible, plan, producer_fanout  # noqa: E402
+from kvpush.engine_plugin.worker.layouts import (  # noqa: E402
+    EngineGeometry,
+    LayoutRefused,
+    describe_gpu_kv,
+)
+from kvpush.proto.groups import NULL_BLOCK, describe, pack, parse  # noqa: E402
+from kvpush_dev.kvref import apply_plan_regions  # noqa: E402
+from kvpush_dev.vllm_layouts import bind_state, v032_hybrid_caches, views_over  # noqa: E402
+
+BF16 = torch.bfloat16
+# gpt-oss / Gemma 3 shape: full attention and sliding-window layers, the same heads.
+FULL = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=BF16)
+SWA = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=BF16, sliding_window=32)
+# The mamba preset's groups (Mamba2 conv + SSM, padded to the attention page of 32768 bytes).
+MAMBA = MambaSpec(block_size=2048, shapes=((3, 160), (4, 32, 16)), dtypes=(BF16, torch.float32),
+                  page_size_padded=32768)
+ATTN = FullAttentionSpec(block_size=128, num_kv_heads=1, head_size=64, dtype=BF16)
+# The linear preset's: gated delta net in mode 'align', every group's block 1152 tokens.
+GDN = MambaSpec(block_size=1152, shapes=((3, 1024), (4, 128, 128)), dtypes=(BF16, torch.float32),
+                page_size_padded=294912, mamba_cache_mode="align")
+ATTN_1152 = FullAttentionSpec(block_size=1152, num_kv_heads=1, head_size=64, dtype=BF16)
+# FlashMLA: one 576-wide latent a token, bf16, kernel blocks of 64 (FlashMLABackend).
+MLA = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576, dtype=BF16)
+
+
+def layers(prefix: str, ids: range) -> list[str]:
+    return [f"model.layers.{i}.{prefix}" for i in ids]
+
+
+SWA_GROUPS = [(layers("attn", range(0, 6, 2)), FULL), (layers("attn", range(1, 6, 2)), SWA)]
+MAMBA_GROUPS = [(layers("mixer", range(0, 4, 2)), MAMBA), (layers("attn", range(1, 4, 2)), ATTN)]
+GDN_GROUPS = [(layers("linear_attn", range(0, 6, 2)), GDN), (layers("attn", range(1, 6, 2)), ATTN_1152)]
+
+
+class Engine:
+    """One engine rank's KV as vLLM allocates it, and what kvpush derives from it."""
+
+    def __init__(self, groups, layout: str, *, backend: str = "FLASH_ATTN", num_blocks: int = 12,
+                 kernel: list[int] | None = None, seed: int = 0, fill: str = "random", rank: int = 0,
+                 heads: int | None = None) -> None:
+        if heads is not None:  # this rank's share of the attention heads (TP)
+            groups = [(n, replace(s, num_kv_heads=heads) if hasattr(s, "num_kv_heads") else s) for n, s in groups]
+        self.groups = groups
+        self.kv, self.cfg = v032_hybrid_caches(groups, layout, num_blocks=num_blocks, kernel_block_sizes=kernel,
+                                               seed=seed, fill=fill)
+        attn = next(s for _, s in groups if hasattr(s, "num_kv_heads"))
+        self.geo = EngineGeometry(backend, KVCacheLayout[layout].layer_view_order, attn.head_size,
+                                  attn.num_kv_heads, self.cfg.num_blocks, isinstance(attn, MLAAttentionSpec))
+        total = attn.num_kv_heads * (2 if heads is not None else 1)
+        self.regions, self.layout, self.names = describe_gpu_kv(
+            self.kv, self.geo, self.cfg, rank=rank, total_heads=total, model="m")
+        storage = next(iter(self.kv.values())).untyped_storage()
+        self.raw = torch.empty(0, dtype=torch.uint8)
+        self.raw.set_(storage, 0, (storage.nbytes(),))
+
+    def pages(self, group: int, block: int, raw: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """What vLLM reads of block ``block`` in every layer of group ``group``: an attention
+        layer's ``[H, N, C]`` block (kernel blocks grouped), a state layer's sub-tensors
+        (``raw``: the same views over another allocation of this size)."""
+        names, spec = self.groups[group]
+        kv = self.kv if raw is None else views_over(self.kv, raw)
+        out: list[torch.Tensor] = []
+        for n in names:
+            t = kv[n]
+            if isinstance(spec, MambaSpec):
+                out += [s[block] for s in bind_state(t, spec.shapes, spec.dtypes)]
+            else:
+                k = t.shape[0] // self.cfg.num_blocks
+                out.append(t[block * k:(block + 1) * k])
+        return out
+
+
+def move(src: Engine, dst: Engine, src_lists, dst_lists, num_tokens: int) -> tuple[list[tuple[int, int, int]], int]:
+    """Pair and plan one request as the daemon does, apply the plan to the raw bytes; the pairs
+    (group, source block, destination block) and the bytes moved."""
+    s_ids, s_groups = pack(src_lists)
+    d_ids, d_groups = pack(dst_lists)
+    kinds = tuple(parse(g) for g in dst.layout.kv_groups)
+    pairs = pair_groups(s_ids, s_groups, d_ids, d_groups, num_tokens=num_tokens, dst_first_token=0,
+                        block_size=dst.layout.block_size, kinds=kinds)
+    p = plan_pairs(src.layout, dst.layout, pairs)
+    apply_plan_regions(p, [r.numpy() for r in src.regions], [r.numpy() for r in dst.regions])
+    out, at = [], 0
+    for g, n in enumerate(pairs.per_group):
+        out += [(g, pairs.src[i], pairs.dst[i]) for i in range(at, at + n)]
+        at += n
+    return out, p.nbytes
+
+
+def expect(src: Engine, dst: Engine, pairs) -> torch.Tensor:
+    """The decode allocation after the request, written through vLLM's own views on a copy."""
+    before = dst.raw.clone()
+    for g, sb, db in pairs:
+        for s, d in zip(src.pages(g, sb), dst.pages(g, db), strict=True):
+            d.copy_(s)
+    want = dst.raw.clone()
+    dst.raw.copy_(before)
+    return want
+
+
+def check(src: Engine, dst: Engine, src_lists, dst_lists, num_tokens: int) -> list[tuple[int, int, int]]:
+    dst_before = dst.raw.clone()
+    pairs, _ = move(src, dst, src_lists, dst_lists, num_tokens)
+    got = dst.raw.clone()
+    dst.raw.copy_(dst_before)
+    want = expect(src, dst, pairs)
+    diff = (got != want).nonzero()
+    assert diff.numel() == 0, f"{diff.numel()} bytes differ from vLLM's views, first at byte {int(diff[0])}"
+    for g, sb, db in pairs:  # and what vLLM reads there is the prefill engine's
+        dst.raw.copy_(got)
+        for s, d in zip(src.pages(g, sb), dst.pages(g, db), strict=True):
+            assert torch.equal(s.contiguous().view(torch.uint8), d.contiguous().view(torch.uint8))
+    return pairs
+
+
+# ---------------------------------------------------------------- sliding window beside full attention
+
+
+@pytest.mark.parametrize("p_layout, d_layout", [("LBHNC", "LBHNC"), ("LBNHC", "BLHNC"), ("BLHNC", "LHBNC")])
+def test_sliding_window_groups_beside_full_attention(p_layout, d_layout):
+    """gpt-oss / Gemma 3 on FlashAttention: each group's blocks land in the decode engine's
+    pages, read through both groups' layers; the window's null blocks are not moved."""
+    p = Engine(SWA_GROUPS, p_layout, seed=1)
+    d = Engine(SWA_GROUPS, d_layout, fill="zeros")
+    assert p.layout.kv_groups == (describe(FULL), describe(SWA)) and len(p.regions) == 1
+    assert p.names == SWA_GROUPS[0][0]  # group 0's layers describe the pages (the others overlay them)
+    n = 70  # 5 blocks; the window (32 tokens) keeps the last 3 in the sliding-window group
+    pairs = check(p, d, [[3, 7, 9, 11, 5], [NULL_BLOCK, NULL_BLOCK, 2, 4, 6]],
+                  [[1, 2, 3, 4, 5], [NULL_BLOCK, NULL_BLOCK, 8, 9, 10]], n)
+    assert [g for g, _, _ in pairs] == [0] * 5 + [1] * 3
+
+
+def test_sliding_window_groups_across_tp():
+    """TP 2 -> 2: each rank's KV heads (head_start = rank) land in its peer's pages, both groups.
+    Different TP sizes are refused at the handshake: a hybrid's group descriptions carry each
+    rank's page bytes, which differ (the CPU path's rule, unchanged here)."""
+    src_lists, dst_lists = [[3, 7, 9], [NULL_BLOCK, 2, 4]], [[1, 2, 3], [NULL_BLOCK, 8, 9]]
+    for rank in range(2):
+        p = Engine(SWA_GROUPS, "LBNHC", seed=5 + rank, rank=rank, heads=1)
+        d = Engine(SWA_GROUPS, "BLHNC", fill="zeros", rank=rank, heads=1)
+        assert (p.layout.head_start, p.layout.num_heads, p.layout.model_heads) == (rank, 1, 2)
+        check(p, d, src_lists, dst_lists, 40)
+    with pytest.raises(PlanError, match="KV cache group 0 .*page_bytes=4096.*page_bytes=8192"):
+        check_compatible(p.layout, Engine(SWA_GROUPS, "LBHNC").layout)
+
+
+def test_sliding_window_block_sizes_must_agree():
+    """A hybrid's groups are compared whole at the handshake: another block size is refused,
+    naming the group (dense and MLA caches map across block sizes, below)."""
+    p = Engine(SWA_GROUPS, "LBHNC")
+    other = [(n, replace(s, block_size=32)) for n, s in SWA_GROUPS]
+    d = Engine(other, "LBHNC", num_blocks=6)
+    with pytest.raises(PlanError, match="KV cache group 0"):
+        check_compatible(p.layout, d.layout)
+
+
+# ---------------------------------------------------------------- state groups (Mamba2, gated delta net)
+
+
+@pytest.mark.parametrize("p_layout, d_layout", [("LBHNC", "LBHNC"), ("LBNHC", "BLHNC")])
+def test_mamba2_state_beside_attention(p_layout, d_layout):
+    """The running state's conv and SSM sub-tensors, as vLLM binds them in the padded page,
+    land in the decode engine's state slot; the page's padding is never written; the
+    attention group's blocks move whole."""
+    p = Engine(MAMBA_GROUPS, p_layout, seed=2)
+    d = Engine(MAMBA_GROUPS, d_layout, fill="zeros")
+    assert parse(p.layout.kv_groups[0]).state_bytes == MAMBA.state_content_size_bytes == 9152
+    assert p.names == MAMBA_GROUPS[1][0] and p.layout.block_bytes // p.layout.num_layers == 32768
+    pairs = check(p, d, [[4], [1, 2, 3]], [[7], [5, 6, 9]], 300)
+    assert pairs[0] == (0, 4, 7)
+    page = d.raw.view(-1)  # the state slot's padding, in every state layer, is still zero
+    for t in (d.kv[n] for n in MAMBA_GROUPS[0][0]):
+        start = t.data_ptr() - d.raw.data_ptr() + 7 * t.stride(0)
+        assert not page[start + 9152:start + 32768].any()
+
+
+def test_gated_delta_net_state_with_kernel_blocks():
+    """The linear preset on FlashInfer: attention raised to the state's 1152-token page and
+    split into kernel blocks of 64 (vLLM's kernel block splitting, layer-compact LBNHC): a
+    page is read as its kernel blocks together; the 'align' state slot moves its state."""
+    p = Engine(GDN_GROUPS, "LBNHC", backend="FLASHINFER", num_blocks=5, kernel=[1152, 64], seed=3)
+    d = Engine(GDN_GROUPS, "LBNHC", backend="FLASHINFER", num_blocks=5, kernel=[1152, 64], fill="zeros")
+    t = p.kv[GDN_GROUPS[1][0][0]]
+    assert t.shape[0] == 5 * 18 and (p.layout.num_blocks, p.layout.block_size) == (5, 1152)
+    check(p, d, [[NULL_BLOCK, 2, 3], [1, 4]], [[1], [2, 3]], 2000)
+
+
+def test_a_state_page_moves_whole_never_split_by_tp():
+    p = Engine(MAMBA_GROUPS, "LBHNC", rank=1, heads=1)
+    d = Engine(MAMBA_GROUPS, "LBHNC", fill="zeros")
+    with pytest.raises(PlanError, match="KV heads|model_heads"):
+        move(p, d, [[4], [1, 2, 3]], [[7], [5, 6, 9]], 300)
+
+
+def test_state_layers_not_on_the_attention_pages_are_refused():
+    """vLLM's head-outermost layout with several heads: an attention block is no page, a
+    state page is none of its blocks: refused at start-up, naming the state layer."""
+    groups = [(layers("mixer", range(0, 4, 2)), replace(MAMBA, page_size_padded=65536)),
+              (layers("attn", range(1, 4, 2)), replace(ATTN, num_kv_heads=2))]
+    with pytest.raises(LayoutRefused, match="state layer model.layers.0.mixer's pages"):
+        Engine(groups, "LHBNC")
+
+
+# ---------------------------------------------------------------- FlashMLA
+
+
+@pytest.mark.parametrize("d_backend, d_block", [("FLASHMLA", 64), ("TRITON_MLA", 16)])
+def test_flashmla_latent(d_backend, d_block):
+    """FlashMLA's 576-wide bf16 latent in blocks of 64, into FlashMLA or Triton MLA (blocks of
+    16): token by token through vLLM's views; one producer per decode rank across TP."""
+    p = Engine([(layers("attn", range(3)), MLA)], "LBHNC", backend="FLASHMLA", num_blocks=6, seed=4)
+    d = Engine([(layers("attn", range(3)), replace(MLA, block_size=d_block))], "LBHNC", backend=d_backend,
+               num_blocks=6 * 64 // d_block, fill="zeros")
+    assert p.layout.kv_groups == () and p.layout.replicated and p.layout.num_kv == 1
+    assert (p.layout.head_size, p.layout.elem_size, p.layout.block_size) == (576, 2, 64)
+    n, sb = 100, [4, 1]
+    db = list(range(3, 3 + -(-n // d_block)))
+    before = d.raw.clone()
+    pl = plan(p.layout, sb, d.layout, db, n)
+    apply_plan_regions(pl, [r.numpy() for r in p.regions], [r.numpy() for r in d.regions])
+    assert 3 * n * 576 * 2 <= pl.nbytes <= 3 * len(db) * d_block * 576 * 2  # the latent once a token
+    want = before.clone()
+    wv = views_over(d.kv, want)
+    for name_s, name_d in zip(p.kv, d.kv, strict=True):
+        s = p.kv[name_s]
+        for tok in range(n):
+            wv[name_d][db[tok // d_block], 0, tok % d_block] = s[sb[tok // 64], 0, tok % 64]
+        last = wv[name_d][db[-1], 0, n % d_block or d_block:]  # the last block's tail: never read
+        last.copy_(d.kv[name_d][db[-1], 0, n % d_block or d_block:])
+    assert torch.equal(d.raw, want)
+    assert [producer_fanout(d.layout, 2, 4, r) for r in range(2)] == [[(0, 1)], [(1, 1)]]
+
+
+def test_gpu_families_each_derive_from_one_allocation():
+    """One CUDA IPC handle per distinct allocation: every family is one region."""
+    for groups, layout, kw in ((SWA_GROUPS, "BLHNC", {}), (MAMBA_GROUPS, "LBHNC", {}),
+                               ([(layers("attn", range(2)), MLA)], "LBHNC", {"backend": "FLASHMLA"})):
+        e = Engine(groups, layout, **kw)
+        assert len(e.regions) == 1 and e.regions[0].numel() == e.raw.numel()
+        assert np.all(np.asarray(e.layout.layer_offsets) < e.raw.numel())

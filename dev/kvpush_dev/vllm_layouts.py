@@ -191,7 +191,10 @@ def v032_hybrid_caches(groups: list[tuple[list[str], object]], layout_name: str,
     ``device``. ``groups``: (layer names, KV cache spec) per group. Returns (views, config)."""
     from types import SimpleNamespace
 
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
+    try:  # vLLM 0.33+
+        from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
+    except ImportError:  # vLLM 0.32
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
     from vllm.v1.kv_cache_interface import KVCacheGroupSpec, KVCacheLayout
     from vllm.v1.worker.utils import allocate_kv_cache
 
@@ -222,13 +225,17 @@ def views_over(kv: Mapping[str, torch.Tensor], raw: torch.Tensor) -> dict[str, t
             for n, t in kv.items()}
 
 
-def bind_state(kv: torch.Tensor, shapes: tuple[tuple[int, ...], ...],
-               dtypes: tuple[torch.dtype, ...]) -> tuple[torch.Tensor, ...]:
+def bind_state(kv: torch.Tensor, shapes: tuple[tuple[int, ...], ...], dtypes: tuple[torch.dtype, ...],
+               state_alignment: int = 1) -> tuple[torch.Tensor, ...]:
     """A state layer's sub-tensor views (conv, SSM) of its raw ``[B, 1, 1, bytes]`` pages, by
-    the installed vLLM's own ``MambaBase.bind_kv_cache``."""
+    the installed vLLM's own ``MambaBase.bind_kv_cache`` (vLLM 0.34 aligns each sub-tensor's
+    start to the layer's ``state_alignment``)."""
     from vllm.model_executor.layers.mamba.abstract import MambaBase
 
     class _Layer:  # what bind_kv_cache reads of a Mamba layer
+        def __init__(self) -> None:
+            self.state_alignment = state_alignment
+
         def get_state_shape(self) -> tuple[tuple[int, ...], ...]:
             return shapes
 

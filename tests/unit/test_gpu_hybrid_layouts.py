@@ -28,129 +28,26 @@ import torch
 
 pytest.importorskip("vllm")
 
-from vllm.v1.kv_cache_interface import (  # noqa: E402
-    FullAttentionSpec,
-    KVCacheLayout,
-    MambaSpec,
-    MLAAttentionSpec,
-    SlidingWindowSpec,
-)
-
-from kvpush.daemon.core.group_pairs import pair_groups, plan_pairs  # noqa: E402
 from kvpush.daemon.core.planner import PlanError, check_compatible, plan, producer_fanout  # noqa: E402
-from kvpush.engine_plugin.worker.layouts import (  # noqa: E402
-    EngineGeometry,
-    LayoutRefused,
-    describe_gpu_kv,
+from kvpush.engine_plugin.worker.layouts import LayoutRefused  # noqa: E402
+from kvpush.proto.groups import NULL_BLOCK, describe, parse  # noqa: E402
+from kvpush_dev.gpu_families import (  # noqa: E402
+    Engine,
+    cases,
+    check,
+    check_family,
+    family_groups,
+    move,
 )
-from kvpush.proto.groups import NULL_BLOCK, describe, pack, parse  # noqa: E402
+from kvpush_dev.gpu_families import layers as _layers  # noqa: E402
+from kvpush_dev.gpu_families import specs as _specs  # noqa: E402
 from kvpush_dev.kvref import apply_plan_regions  # noqa: E402
-from kvpush_dev.vllm_layouts import bind_state, v032_hybrid_caches, views_over  # noqa: E402
+from kvpush_dev.vllm_layouts import views_over  # noqa: E402
 
-BF16 = torch.bfloat16
-# gpt-oss / Gemma 3 shape: full attention and sliding-window layers, the same heads.
-FULL = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=BF16)
-SWA = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=BF16, sliding_window=32)
-# The mamba preset's groups (Mamba2 conv + SSM, padded to the attention page of 32768 bytes).
-MAMBA = MambaSpec(block_size=2048, shapes=((3, 160), (4, 32, 16)), dtypes=(BF16, torch.float32),
-                  page_size_padded=32768)
-ATTN = FullAttentionSpec(block_size=128, num_kv_heads=1, head_size=64, dtype=BF16)
-# The linear preset's: gated delta net in mode 'align', every group's block 1152 tokens.
-GDN = MambaSpec(block_size=1152, shapes=((3, 1024), (4, 128, 128)), dtypes=(BF16, torch.float32),
-                page_size_padded=294912, mamba_cache_mode="align")
-ATTN_1152 = FullAttentionSpec(block_size=1152, num_kv_heads=1, head_size=64, dtype=BF16)
-# FlashMLA: one 576-wide latent a token, bf16, kernel blocks of 64 (FlashMLABackend).
-MLA = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576, dtype=BF16)
-
-
-def layers(prefix: str, ids: range) -> list[str]:
-    return [f"model.layers.{i}.{prefix}" for i in ids]
-
-
-SWA_GROUPS = [(layers("attn", range(0, 6, 2)), FULL), (layers("attn", range(1, 6, 2)), SWA)]
-MAMBA_GROUPS = [(layers("mixer", range(0, 4, 2)), MAMBA), (layers("attn", range(1, 4, 2)), ATTN)]
-GDN_GROUPS = [(layers("linear_attn", range(0, 6, 2)), GDN), (layers("attn", range(1, 6, 2)), ATTN_1152)]
-
-
-class Engine:
-    """One engine rank's KV as vLLM allocates it, and what kvpush derives from it."""
-
-    def __init__(self, groups, layout: str, *, backend: str = "FLASH_ATTN", num_blocks: int = 12,
-                 kernel: list[int] | None = None, seed: int = 0, fill: str = "random", rank: int = 0,
-                 heads: int | None = None) -> None:
-        if heads is not None:  # this rank's share of the attention heads (TP)
-            groups = [(n, replace(s, num_kv_heads=heads) if hasattr(s, "num_kv_heads") else s) for n, s in groups]
-        self.groups = groups
-        self.kv, self.cfg = v032_hybrid_caches(groups, layout, num_blocks=num_blocks, kernel_block_sizes=kernel,
-                                               seed=seed, fill=fill)
-        attn = next(s for _, s in groups if hasattr(s, "num_kv_heads"))
-        self.geo = EngineGeometry(backend, KVCacheLayout[layout].layer_view_order, attn.head_size,
-                                  attn.num_kv_heads, self.cfg.num_blocks, isinstance(attn, MLAAttentionSpec))
-        total = attn.num_kv_heads * (2 if heads is not None else 1)
-        self.regions, self.layout, self.names = describe_gpu_kv(
-            self.kv, self.geo, self.cfg, rank=rank, total_heads=total, model="m")
-        storage = next(iter(self.kv.values())).untyped_storage()
-        self.raw = torch.empty(0, dtype=torch.uint8)
-        self.raw.set_(storage, 0, (storage.nbytes(),))
-
-    def pages(self, group: int, block: int, raw: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """What vLLM reads of block ``block`` in every layer of group ``group``: an attention
-        layer's ``[H, N, C]`` block (kernel blocks grouped), a state layer's sub-tensors
-        (``raw``: the same views over another allocation of this size)."""
-        names, spec = self.groups[group]
-        kv = self.kv if raw is None else views_over(self.kv, raw)
-        out: list[torch.Tensor] = []
-        for n in names:
-            t = kv[n]
-            if isinstance(spec, MambaSpec):
-                out += [s[block] for s in bind_state(t, spec.shapes, spec.dtypes)]
-            else:
-                k = t.shape[0] // self.cfg.num_blocks
-                out.append(t[block * k:(block + 1) * k])
-        return out
-
-
-def move(src: Engine, dst: Engine, src_lists, dst_lists, num_tokens: int) -> tuple[list[tuple[int, int, int]], int]:
-    """Pair and plan one request as the daemon does, apply the plan to the raw bytes; the pairs
-    (group, source block, destination block) and the bytes moved."""
-    s_ids, s_groups = pack(src_lists)
-    d_ids, d_groups = pack(dst_lists)
-    kinds = tuple(parse(g) for g in dst.layout.kv_groups)
-    pairs = pair_groups(s_ids, s_groups, d_ids, d_groups, num_tokens=num_tokens, dst_first_token=0,
-                        block_size=dst.layout.block_size, kinds=kinds)
-    p = plan_pairs(src.layout, dst.layout, pairs)
-    apply_plan_regions(p, [r.numpy() for r in src.regions], [r.numpy() for r in dst.regions])
-    out, at = [], 0
-    for g, n in enumerate(pairs.per_group):
-        out += [(g, pairs.src[i], pairs.dst[i]) for i in range(at, at + n)]
-        at += n
-    return out, p.nbytes
-
-
-def expect(src: Engine, dst: Engine, pairs) -> torch.Tensor:
-    """The decode allocation after the request, written through vLLM's own views on a copy."""
-    before = dst.raw.clone()
-    for g, sb, db in pairs:
-        for s, d in zip(src.pages(g, sb), dst.pages(g, db), strict=True):
-            d.copy_(s)
-    want = dst.raw.clone()
-    dst.raw.copy_(before)
-    return want
-
-
-def check(src: Engine, dst: Engine, src_lists, dst_lists, num_tokens: int) -> list[tuple[int, int, int]]:
-    dst_before = dst.raw.clone()
-    pairs, _ = move(src, dst, src_lists, dst_lists, num_tokens)
-    got = dst.raw.clone()
-    dst.raw.copy_(dst_before)
-    want = expect(src, dst, pairs)
-    diff = (got != want).nonzero()
-    assert diff.numel() == 0, f"{diff.numel()} bytes differ from vLLM's views, first at byte {int(diff[0])}"
-    for g, sb, db in pairs:  # and what vLLM reads there is the prefill engine's
-        dst.raw.copy_(got)
-        for s, d in zip(src.pages(g, sb), dst.pages(g, db), strict=True):
-            assert torch.equal(s.contiguous().view(torch.uint8), d.contiguous().view(torch.uint8))
-    return pairs
+S = _specs()
+FULL, SWA, MAMBA, ATTN, MLA = S["FULL"], S["SWA"], S["MAMBA"], S["ATTN"], S["MLA"]
+SWA_GROUPS, MAMBA_GROUPS, GDN_GROUPS = family_groups("swa"), family_groups("mamba"), family_groups("gdn")
+layers = _layers
 
 
 # ---------------------------------------------------------------- sliding window beside full attention
@@ -278,3 +175,21 @@ def test_gpu_families_each_derive_from_one_allocation():
         e = Engine(groups, layout, **kw)
         assert len(e.regions) == 1 and e.regions[0].numel() == e.raw.numel()
         assert np.all(np.asarray(e.layout.layer_offsets) < e.raw.numel())
+
+
+@pytest.mark.parametrize("family", list(cases()))
+def test_each_familys_canonical_case(family):
+    """What ``python -m kvpush_dev.gpu_families`` runs with each vLLM release (tests/compat)
+    and scripts/gpu_check.sh's ``families`` step moves through two kvpushd on CUDA."""
+    assert check_family(family).startswith("ok")
+
+
+def test_a_wrong_state_size_is_caught_by_the_comparison():
+    """The comparison can fail: a description whose state is a few bytes short (a sub-tensor
+    aligned differently than vLLM binds it) leaves bytes vLLM reads unwritten."""
+    p, d = Engine(MAMBA_GROUPS, "LBHNC", seed=2), Engine(MAMBA_GROUPS, "LBHNC", fill="zeros")
+    short = replace(d.layout, kv_groups=(d.layout.kv_groups[0].replace("3x160", "3x152"), d.layout.kv_groups[1]))
+    p.layout = replace(p.layout, kv_groups=short.kv_groups)
+    d.layout = short
+    with pytest.raises(AssertionError, match="bytes differ from vLLM's views"):
+        check(p, d, [[4], [1, 2, 3]], [[7], [5, 6, 9]], 300)

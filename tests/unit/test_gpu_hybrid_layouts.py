@@ -28,6 +28,8 @@ import torch
 
 pytest.importorskip("vllm")
 
+from vllm.v1.kv_cache_interface import KVCacheLayout  # noqa: E402
+
 from kvpush.daemon.core.planner import PlanError, check_compatible, plan, producer_fanout  # noqa: E402
 from kvpush.engine_plugin.worker.layouts import LayoutRefused  # noqa: E402
 from kvpush.proto.groups import NULL_BLOCK, describe, parse  # noqa: E402
@@ -44,6 +46,7 @@ from kvpush_dev.gpu_families import specs as _specs  # noqa: E402
 from kvpush_dev.kvref import apply_plan_regions  # noqa: E402
 from kvpush_dev.vllm_layouts import views_over  # noqa: E402
 
+BF16 = torch.bfloat16
 S = _specs()
 FULL, SWA, MAMBA, ATTN, MLA = S["FULL"], S["SWA"], S["MAMBA"], S["ATTN"], S["MLA"]
 SWA_GROUPS, MAMBA_GROUPS, GDN_GROUPS = family_groups("swa"), family_groups("mamba"), family_groups("gdn")
@@ -193,3 +196,80 @@ def test_a_wrong_state_size_is_caught_by_the_comparison():
     d.layout = short
     with pytest.raises(AssertionError, match="bytes differ from vLLM's views"):
         check(p, d, [[4], [1, 2, 3]], [[7], [5, 6, 9]], 300)
+
+
+
+def _engine_config(layout: str, layers_backends: dict[str, type], head_size: int, heads: int):
+    """What engine_geometry reads of vLLM's VllmConfig, the layers' backends real classes."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    class Layer(AttentionLayerBase):
+        def __init__(self, backend: type) -> None:
+            self.backend = backend
+
+        def get_attn_backend(self) -> type:
+            return self.backend
+
+        def get_kv_cache_spec(self, vllm_config):  # not read here
+            return None
+
+    return SimpleNamespace(
+        compilation_config=SimpleNamespace(static_forward_context={n: Layer(b) for n, b in layers_backends.items()}),
+        model_config=SimpleNamespace(get_head_size=lambda: head_size, get_num_kv_heads=lambda pc: heads,
+                                     use_mla=False),
+        parallel_config=None,
+        cache_config=SimpleNamespace(get_resolved_kv_cache_layout=lambda: KVCacheLayout[layout]))
+
+
+def test_the_gpu_engine_reads_a_hybrids_attention_backend_not_its_state_layers():
+    """What ``_register_gpu_kv_caches`` runs before exporting: engine_geometry over vLLM's
+    layers (a Mamba2 layer's backend is not the KV layout's), then describe_gpu_kv."""
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+    from vllm.v1.attention.backends.mamba2_attn import Mamba2AttentionBackend
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
+
+    from kvpush.engine_plugin.worker.layouts import describe_gpu_kv, engine_geometry
+
+    e = Engine(MAMBA_GROUPS, "LBHNC")
+    backends = {**dict.fromkeys(MAMBA_GROUPS[0][0], Mamba2AttentionBackend),
+                **dict.fromkeys(MAMBA_GROUPS[1][0], FlashAttentionBackend)}
+    geo = engine_geometry(_engine_config("LBHNC", backends, 64, 1), e.cfg)
+    assert (geo.backend, geo.layer_view_order, geo.num_blocks, geo.mla) == ("FLASH_ATTN", (0, 1, 2, 3), 12, False)
+    _, layout, names = describe_gpu_kv(e.kv, geo, e.cfg, rank=0, total_heads=1, model="m")
+    assert layout == e.layout and names == MAMBA_GROUPS[1][0]
+    mixed = {**backends, MAMBA_GROUPS[1][0][1]: TritonAttentionBackend}
+    with pytest.raises(LayoutRefused, match="2 attention backends"):
+        engine_geometry(_engine_config("LBHNC", mixed, 64, 1), e.cfg)
+    with pytest.raises(LayoutRefused, match="the cache holds 128 elements per head and token, the model's head size "
+                                            "is 32"):
+        describe_gpu_kv(e.kv, engine_geometry(_engine_config("LBHNC", backends, 32, 1), e.cfg), e.cfg, rank=0,
+                        total_heads=1)
+
+
+def test_what_the_gpu_engine_still_refuses_names_the_family():
+    """Chunked local attention, quantized pages in a hybrid group, state groups of cache mode
+    'all' and MLA beside other groups stay refused at start-up, each naming what."""
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, KVQuantMode
+
+    from kvpush.engine_plugin.worker.layouts import check_kv_cache_config
+
+    def cfg(*specs):
+        from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+        return KVCacheConfig(num_blocks=4, kv_cache_tensors=[], kv_cache_groups=[
+            KVCacheGroupSpec([f"l{i}"], s) for i, s in enumerate(specs)])
+
+    chunked = ChunkedLocalAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=BF16,
+                                        attention_chunk_size=64)
+    with pytest.raises(LayoutRefused, match="ChunkedLocalAttentionSpec"):
+        check_kv_cache_config(cfg(FULL, chunked))
+    quant = replace(SWA, dtype=torch.uint8, kv_quant_mode=KVQuantMode.FP8_PER_TOKEN_HEAD)
+    full8 = replace(FULL, dtype=torch.uint8)  # pages of one size beside it
+    with pytest.raises(LayoutRefused, match="FP8_PER_TOKEN_HEAD"):
+        check_kv_cache_config(cfg(full8, quant))
+    with pytest.raises(LayoutRefused, match="mamba_cache_mode 'all'"):
+        check_kv_cache_config(cfg(ATTN, replace(MAMBA, mamba_cache_mode="all")))
+    with pytest.raises(LayoutRefused, match="MLAAttentionSpec"):
+        check_kv_cache_config(cfg(MLA, replace(MLA, block_size=16)))

@@ -28,7 +28,8 @@ agree, or the plugin refuses to attach (never a guess, never wrong KV):
 Hybrid KV cache groups (vLLM's hybrid allocator: sliding-window or Mamba / gated-delta-net
 state groups beside full attention) are described by :func:`hybrid_groups`: each group's kind
 for the handshake, and the distinct layer tensors in vLLM's ``KVCacheConfig`` order (the
-groups overlay them).
+groups overlay them); :func:`describe_gpu_kv` is a GPU rank's whole derivation, one group or
+several.
 
 What is refused at start-up, with the reason: state groups of cache mode 'all' or replicated
 across TP ranks, chunked-local groups, a sliding window without a full-attention group or without vLLM's hybrid

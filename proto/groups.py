@@ -24,7 +24,8 @@ checkpoint slots before it, speculative scratch slots after it). Only the runnin
 one slot, never sliced by a prefix hit. Of that slot's page only the state itself moves
 (:attr:`Group.state_bytes`): vLLM 0.32 packs a state layer's sub-tensors (conv, then SSM)
 back to back from the page's first byte (``MambaBase.bind_kv_cache`` slices them from offset 0
-of each block's ``[B, 1, 1, state bytes]`` view) and pads the page to the attention page
+of each block's ``[B, 1, 1, state bytes]`` view; vLLM 0.34 may align each sub-tensor's start,
+``state_alignment``, described as ``align=``) and pads the page to the attention page
 after them; the padding is never read. The state is cumulative: the decode engine loads the
 state after the prompt's first ``N - 1`` tokens and computes the last one itself (the prefill
 engine drops the prompt's last token, :data:`STATE_BACKOFF`). A group's own block size
@@ -136,15 +137,19 @@ def parse(desc: str) -> Group:
 
 def _state_bytes(desc: str, kv: dict[str, str]) -> int:
     """Bytes of a state group's sub-tensors (``state=3x160:bfloat16,...``: each shape's elements
-    x its dtype's size, as vLLM's ``MambaSpec.state_content_size_bytes``), at most its page."""
+    x its dtype's size, each rounded up to ``align=`` bytes where the description has it, as
+    vLLM's ``MambaSpec.state_content_size_bytes``), at most its page."""
     try:
         total = 0
+        align = int(kv.get("align", "1"))
+        if align <= 0:
+            raise ValueError(f"alignment {align}")
         for sub in kv["state"].split(","):
             shape, dtype = sub.rsplit(":", 1)
             dims = [int(x) for x in shape.split("x")]
             if any(d <= 0 for d in dims):
                 raise ValueError(f"shape {shape}")
-            total += prod(dims) * DTYPE_SIZES[dtype]
+            total += -(-prod(dims) * DTYPE_SIZES[dtype] // align) * align
         page = int(kv["page_bytes"])
     except (KeyError, ValueError) as exc:
         raise GroupsError(f"KV cache group {desc!r}: its state's sub-tensors and page are not readable "
@@ -197,7 +202,8 @@ def describe(spec: Any) -> str:
         subs = ",".join(f"{'x'.join(map(str, s))}:{str(d).removeprefix('torch.')}"
                         for s, d in zip(shapes, dtypes, strict=True))
         mtype = getattr(spec, "mamba_type", "")
-        parts += [f"state={subs}", f"type={getattr(mtype, 'name', mtype)}",
+        align = int(getattr(spec, "state_alignment", 1) or 1)  # vLLM 0.34: each sub-tensor's start aligned
+        parts += [f"state={subs}", *([f"align={align}"] if align > 1 else []), f"type={getattr(mtype, 'name', mtype)}",
                   f"mode={getattr(spec, 'mamba_cache_mode', 'none')}",
                   f"spec_blocks={int(getattr(spec, 'num_speculative_blocks', 0) or 0)}"]
     return " ".join(parts)

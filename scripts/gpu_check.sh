@@ -6,12 +6,16 @@
 # registration), a kvpushd WRITE between two GPU regions (per-layer
 # FlashAttention caches, bytes compared with the reference copy), layer-wise streaming's
 # interprocess event pool opened in a second process by the daemon's gate (LayerGate over
-# CudaEventPort: held while the kernel runs, through once it ended) and, when vLLM with CUDA
-# imports, a 1P1D pair on one GPU through kvpush. Ends with one verdict line.
+# CudaEventPort: held while the kernel runs, through once it ended), each model family's KV as
+# vLLM lays it out on CUDA (sliding window beside full attention, Mamba2 and gated-delta-net
+# state, FlashMLA) moved by kvpushd between two CUDA allocations and compared through vLLM's
+# own views and, when vLLM with CUDA imports, a 1P1D pair on one GPU through kvpush, then one
+# per family preset (swa, mla, mamba). Ends with one verdict line.
 #
 # Exit codes: 0 PASS, 1 FAIL, 2 bad usage or kvpush not installable,
 #             77 no GPU here (nothing was run; 77 is automake's / CTest's "skipped").
-# Options: --skip-vllm, --model DIR (for the 1P1D step), --steps legacy,vmm,daemon,events (run a
+# Options: --skip-vllm, --model DIR (for the 1P1D step), --presets swa,mla,mamba (the family
+# presets run 1P1D after it; '' for none), --steps legacy,vmm,daemon,events,families (run a
 # subset). $KVPUSH_PYTHON picks the interpreter.
 set -euo pipefail
 cd "$(dirname "$0")/.."

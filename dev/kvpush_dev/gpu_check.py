@@ -27,9 +27,20 @@ Steps, each printed as one line, then one verdict line ``gpu_check: PASS`` / ``F
    the pending event's item is held while the fired ones' go through, and goes once the
    kernel ends; re-recorded behind another kernel (the pool's reuse), every item is held
    again until the newer recordings complete; nothing is dropped.
-6. ``vllm``: if vLLM with CUDA imports, a 1P1D pair on this one GPU (two engines sharing its
-   memory) through kvpush, whose greedy output must equal a colocated engine's. Otherwise the
-   step says why it was skipped (the verdict does not depend on it).
+6. ``families``: each model family's KV as vLLM lays it out on CUDA (``kvpush_dev.gpu_families``:
+   vLLM's own KV cache config builder and allocator, the views copied onto the GPU): sliding
+   window beside full attention (FlashAttention), Mamba2 state (conv + SSM in one padded page),
+   gated delta net state (FlashInfer kernel blocks), FlashMLA (576-wide bf16 latent, blocks of
+   64); kvpush derives each engine's layout as the GPU engine does (``describe_gpu_kv``), two
+   real kvpushd WRITE one request between two such CUDA allocations (CUDA IPC), and the decode
+   allocation, read back, must equal a copy written through vLLM's own views byte for byte.
+   Needs vLLM to import (any build: the layouts come from its Python code); otherwise skipped,
+   saying why.
+7. ``vllm``: if vLLM with CUDA imports, a 1P1D pair on this one GPU (two engines sharing its
+   memory) through kvpush, whose greedy output must equal a colocated engine's; then the same
+   with each of ``--presets`` (default ``swa,mla,mamba``: the family presets of
+   ``kvpush_dev.tiny_model``, one line each). Otherwise the step says why it was skipped (the
+   verdict does not depend on it).
 
 Exit codes: 0 PASS, 1 FAIL, :data:`EXIT_NO_GPU` no GPU, 2 bad usage.
 """
@@ -53,7 +64,7 @@ EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_NO_GPU = 0, 1, 2, 77
 
 def say(step: str, ok: bool | None, detail: str) -> None:
     mark = {True: "ok", False: "FAIL", None: "skip"}[ok]
-    print(f"gpu_check: {step:7s} {mark:4s} {detail}", flush=True)
+    print(f"gpu_check: {step:8s} {mark:4s} {detail}", flush=True)
 
 
 def cuda_visible() -> str:
@@ -343,6 +354,22 @@ def step_daemon(device: str = "cuda") -> str:
     return "; ".join(lines)
 
 
+class Skipped(Exception):
+    """A step that cannot run here (says why); the verdict does not depend on it."""
+
+
+def step_families(device: str = "cuda") -> str:
+    """Every family of ``kvpush_dev.gpu_families`` moved by two kvpushd between allocations
+    on ``device`` ("cpu": shm regions, which the test suite runs where there is no GPU)."""
+    try:
+        from kvpush_dev.gpu_families import cases, daemon_check
+
+        families = list(cases())
+    except ImportError as exc:
+        raise Skipped(f"vLLM does not import ({exc}): the layouts come from its allocator") from None
+    return "; ".join(daemon_check(f, device) for f in families)
+
+
 def vllm_cuda_reason() -> str:
     """"" when vLLM with CUDA imports here, else why the 1P1D step is skipped."""
     try:
@@ -355,17 +382,34 @@ def vllm_cuda_reason() -> str:
     return ""
 
 
-def step_vllm(model: str) -> tuple[bool | None, str]:
+def step_vllm(model: str, preset: str = "") -> tuple[bool | None, str]:
+    """1P1D on one GPU through kvpush (``demo --gpu``): the tiny model at ``model``, or the
+    family ``preset`` (built under .models/PRESET)."""
     why = vllm_cuda_reason()
     if why:
         return None, why
     from kvpush_dev.demo import main as demo_main
 
-    rc = demo_main(["--model-dir", model, "--gpu"])
-    return rc == 0, f"1P1D on one GPU through kvpush (demo --gpu): exit {rc}"
+    argv = ["--model-preset", preset, "--gpu"] if preset else ["--model-dir", model, "--gpu"]
+    rc = demo_main(argv)
+    return rc == 0, f"1P1D on one GPU through kvpush (demo {' '.join(argv)}): exit {rc}"
 
 
-STEPS = {"legacy": step_legacy, "vmm": step_vmm, "daemon": step_daemon, "events": step_events}
+STEPS = {"legacy": step_legacy, "vmm": step_vmm, "daemon": step_daemon, "events": step_events,
+         "families": step_families}
+DEFAULT_PRESETS = ("swa", "mla", "mamba")
+
+
+def parse_presets(text: str) -> tuple[str, ...]:
+    """``--presets``: the family presets for the 1P1D runs after the tiny model's ("": none)."""
+    from kvpush_dev.tiny_model import FAMILIES
+
+    asked = tuple(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
+    unknown = [p for p in asked if p not in FAMILIES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"presets are a comma-separated subset of {','.join(FAMILIES)}, "
+                                         f"got {text!r}")
+    return asked
 
 
 def parse_steps(text: str) -> tuple[str, ...]:
@@ -383,6 +427,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-vllm", action="store_true", help="do not run the vLLM 1P1D step")
     ap.add_argument("--steps", type=parse_steps, default=tuple(STEPS),
                     help=f"run only these of {','.join(STEPS)} (comma-separated; default all)")
+    ap.add_argument("--presets", type=parse_presets, default=DEFAULT_PRESETS,
+                    help="family presets the vllm step runs 1P1D after the tiny model (comma-separated; "
+                         f"default {','.join(DEFAULT_PRESETS)}; '' for none)")
     try:
         args = ap.parse_args(argv)
     except SystemExit as exc:
@@ -402,20 +449,24 @@ def main(argv: list[str] | None = None) -> int:
             continue
         try:
             say(name, True, STEPS[name]())
+        except Skipped as exc:
+            say(name, None, str(exc))
         except Exception as exc:
             failed.append(name)
             say(name, False, f"{type(exc).__name__}: {exc}")
             traceback.print_exc(file=sys.stderr)
-    if args.skip_vllm:
-        say("vllm", None, "--skip-vllm")
-    else:
+    for preset in ("", *args.presets):
+        name = f"vllm:{preset}" if preset else "vllm"
+        if args.skip_vllm:
+            say(name, None, "--skip-vllm")
+            continue
         try:
-            ok, detail = step_vllm(args.model)
+            ok, detail = step_vllm(args.model, preset)
         except Exception as exc:
             ok, detail = False, f"{type(exc).__name__}: {exc}"
-        say("vllm", ok, detail)
+        say(name, ok, detail)
         if ok is False:
-            failed.append("vllm")
+            failed.append(name)
     if failed:
         print(f"gpu_check: FAIL ({', '.join(failed)})", flush=True)
         return EXIT_FAIL

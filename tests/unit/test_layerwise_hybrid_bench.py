@@ -106,3 +106,18 @@ def test_table_shows_bytes_transfer_time_and_the_mode_not_measured() -> None:
     assert "| 1650 / 1660 | 16.00 | 447.4 | 450.0 |" in row
     assert "**pull: not measured: RuntimeError: did not start**" in t and '"decision": "whole"' in t
     assert lh.transfer_ms(None, 300.0) is None
+
+
+def test_rounds_pool_requests_and_take_the_median_bytes_and_write_times() -> None:
+    def rnd(ttfts: list[float], nbytes: float, write: float) -> dict:
+        return {"ttft_ms": {2000: ttfts}, "ttft": {2000: lw.ttft_stats([{"ttft_ms": x} for x in ttfts])},
+                "bytes": {2000: nbytes}, "write_ms": {2000: write}, "texts": {"2000:0": "a"}}
+
+    got = lh.pool([rnd([100.0, 110.0], 10.0, 5.0), rnd([300.0, 310.0], 30.0, 7.0), rnd([200.0], 20.0, 9.0)])
+    assert got["ttft"][2000]["n"] == 5 and got["round_p50"][2000] == [100.0, 300.0, 200.0]
+    assert got["bytes"][2000] == 20.0 and got["write_ms"][2000] == 7.0
+    out = _out(auto=1650.0, lw_dense=1700.0)
+    out["rounds"], out["modes"]["auto"]["round_p50"] = 2, {2000: [1600.0, 1700.0]}
+    t = lh.table(out, "x")
+    assert "in each of 2 rounds" in t and "auto: 2000: 1600.0 / 1700.0" in t
+    assert lh.pool([{"error": "E"}, rnd([1.0], 1.0, 1.0)]) == {"error": "E"}

@@ -300,7 +300,7 @@ def _layerwise(args: argparse.Namespace, argv: list[str] | None) -> int:
 
         out = lh.bench(model, tiny_model.engine_args(args.model_preset), layerwise_lengths(args.lengths),
                        args.requests, args.seed, args.output_len, lh.parse_modes(args.modes), args.cap, work,
-                       args.layer_group)
+                       args.layer_group, args.rounds)
         (results / lh.RESULT).write_text(lh.table(out, command))
     elif args.loopback:
         lengths = [int(x) for x in (args.lengths or "16,256,1024,2000").split(",")]

@@ -153,17 +153,21 @@ def run_mode(name: str, start: Any, lengths: list[int], n: int, seed: int, out_l
 
 
 def bench(model: Path, preset_args: tuple[str, ...], lengths: list[int], n: int, seed: int, out_len: int,
-          modes: list[str], cap: str | None, work: Path, layer_group: int | None = None) -> dict[str, Any]:
-    """Calibrate (colocated, hybrid on), the cap from the dense KV, every mode across it."""
+          modes: list[str], cap: str | None, work: Path, layer_group: int | None = None,
+          rounds: int = 1) -> dict[str, Any]:
+    """Calibrate (colocated, hybrid on), the cap from the dense KV, every mode across it;
+    ``rounds`` > 1: colocated and the modes again, in reverse order every other round (A B B A),
+    fresh engines each, the requests pooled (kvpush_dev.bench.layerwise's ``--rounds``)."""
     from kvpush_dev.netlab import Lab, sweep_stale
 
     per_tok = lw.kv_bytes_per_token(model)
     out: dict[str, Any] = {"model": {"dir": model.name, "layers": lw.num_layers(model), "kv_bytes_per_token": per_tok,
                                      "config": _shape(model)},
                            "lengths": lengths, "requests": n, "seed": seed, "output_len": out_len,
-                           "layer_group": layer_group, "modes": {}}
+                           "layer_group": layer_group, "rounds": rounds, "modes": {}}
     pre: dict[str, Any] = {}
-    out["modes"]["colocated"] = lw._colocated(model, work / "colocated", lengths, n, seed, out_len, pre, preset_args)
+    runs: dict[str, list[dict[str, Any]]] = {"colocated": [
+        lw._colocated(model, work / "colocated", lengths, n, seed, out_len, pre, preset_args)]}
     out["calibration"] = {"layers": lw.num_layers(model), "kv_bytes_per_token": per_tok,
                           "lengths": {L: {"prefill_ms_p50": lw.ttft_stats(rs).get("p50"), "kv_bytes": per_tok * L,
                                           "kv_mib": round(per_tok * L / 2**20, 2)} for L, rs in pre.items()}}
@@ -176,24 +180,44 @@ def bench(model: Path, preset_args: tuple[str, ...], lengths: list[int], n: int,
     lab = Lab(("p0", "d0", "rt"), name=f"t{os.getpid()}h").up()
     try:
         lab.cap("p0", c["rate"], burst="1mb", latency="200ms")
-        for m in modes:
+        for r, m in lw.round_order(["colocated", *modes], rounds):
+            if m == "colocated":
+                if r:  # round 0's ran with the calibration
+                    runs[m].append(lw._colocated(model, work / f"colocated-{r}", lengths, n, seed, out_len,
+                                                 None, preset_args))
+                continue
             _, key, hybrid, want = MODES[m]
+            wd = work / (m if r == 0 else f"{m}-{r}")
             args = tuple(preset_args) + (() if hybrid else HYBRID_OFF)
 
-            def start(m: str = m, key: str | None = key, args: tuple[str, ...] = args) -> lw.Front:
+            def start(m: str = m, key: str | None = key, args: tuple[str, ...] = args, wd: Path = wd) -> lw.Front:
                 if m == "pull":
-                    return lw.start_pull(lab, model, work / m, args)
-                return lw.start_kvpush(lab, model, work / m, key, layer_group, engine_args=args,
+                    return lw.start_pull(lab, model, wd, args)
+                return lw.start_kvpush(lab, model, wd, key, layer_group, engine_args=args,
                                        plugin_extra=None if MODES[m][2] else DENSE_KEYS)
 
             try:
-                out["modes"][m] = run_mode(m, start, lengths, n, seed, out_len, want)
+                runs.setdefault(m, []).append(run_mode(m if rounds == 1 else f"{m}, round {r}", start, lengths, n,
+                                                       seed, out_len, want))
             except Exception as exc:  # one mode failing must not lose the others' figures
-                out["modes"][m] = {"error": f"{type(exc).__name__}: {exc}"}
+                runs.setdefault(m, []).append({"error": f"{type(exc).__name__}: {exc}"})
                 lw.log(f"[{m}] FAILED: {exc}")
     finally:
         lab.down()
+    out["modes"] = {m: pool(rs) for m, rs in runs.items()}
     out["verdict"] = verdict(out)
+    return out
+
+
+def pool(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One mode's rounds as one result (kvpush_dev.bench.layerwise._pool: TTFT over every
+    round's requests, each round's p50 kept), with the bytes and WRITE times the median of the
+    rounds'."""
+    out = lw._pool(runs)
+    if len(runs) > 1 and not out.get("error"):
+        for k in ("bytes", "write_ms"):
+            if all(k in r for r in runs):
+                out[k] = {L: _median([r[k].get(L) for r in runs]) for L in runs[0][k]}
     return out
 
 
@@ -259,7 +283,10 @@ def table(out: dict[str, Any], command: str) -> str:
     sh, mbit = out["model"]["config"], float(c["mbit_per_s"])
     lines = [f"# Layer-wise push and a hybrid model across a capped link ({out['model']['dir']} model, netns lab)", "",
              f"Written by `{command}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. "
-             f"{out['requests']} sequential streaming requests a length and mode after one warm-up a length, "
+             f"{out['requests']} sequential streaming requests a length and mode after one warm-up a length"
+             + (f", in each of {out['rounds']} rounds (colocated and the modes in order, then reversed; fresh "
+                "engines each round; the cells pool every round's requests; bytes and WRITE ms: the rounds' median)"
+                if out.get("rounds", 1) > 1 else "") + ", "
              f"{out['output_len']} output tokens, same prompts (token IDs, seed {out['seed']}) for every mode. "
              f"Model: {out['model']['layers']} layers, {sh['sliding_layers']} sliding-window (window "
              f"{sh['sliding_window']}) and {sh['full_layers']} full attention, {out['model']['kv_bytes_per_token']} B "
@@ -296,6 +323,10 @@ def table(out: dict[str, Any], command: str) -> str:
               "- per-group frames (not built) estimate: hybrid-on TTFT less the dense run's hidden fraction "
               "((TTFT whole, hybrid off - TTFT layer-wise, hybrid off) / its WRITE ms) of the hybrid WRITE.",
               "- One run on a shared 2-core machine: absolute figures are noisy, compare modes side by side."]
+    if out.get("rounds", 1) > 1:
+        lines.insert(-1, "- Each round's p50, ms: " + "; ".join(
+            f"{k}: " + ", ".join(f"{L}: {' / '.join(str(x) for x in (r.get('round_p50') or {}).get(L, []))}"
+                                 for L in lengths) for k, r in m.items() if r.get("round_p50")) + ".")
     for k, r in m.items():
         if r.get("error"):
             lines.append(f"- **{k}: not measured: {r['error']}**")

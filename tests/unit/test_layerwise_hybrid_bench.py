@@ -46,7 +46,8 @@ def test_modes_parse_and_refuse_unknown_names() -> None:
     with pytest.raises(ValueError, match="layerwise"):
         lh.parse_modes("auto,layerwise")  # the deep bench's name: here it must say which allocator
     # the modes the decision needs turn the allocator off only where they say so
-    assert [m for m, (_, _, hybrid, _) in lh.MODES.items() if not hybrid] == ["whole-dense", "layerwise-dense"]
+    assert [m for m, (_, _, hybrid, _) in lh.MODES.items() if not hybrid] == ["colocated-dense", "whole-dense",
+                                                                             "layerwise-dense"]
     assert lh.MODES["layerwise-hybrid"][1] == "on" and lh.MODES["layerwise-hybrid"][3] == "whole"
 
 
@@ -89,6 +90,8 @@ def test_verdict_keeps_hybrids_whole_when_fewer_bytes_beat_streaming_more() -> N
     # per-group frames would hide that fraction of the hybrid WRITE
     assert r["per_group_frames_gain_ms"] == round(1300 / 1500 * 450.0, 1)
     assert v["whole-dense_tokens_equal_auto"] == "1/1"
+    out["modes"]["colocated-dense"] = {"ttft": {2000: {"p50": 2100.0}}}
+    assert lh.verdict(out)["per_length"][2000]["colocated_dense_over_hybrid"] == 1.5
 
 
 def test_verdict_asks_for_per_group_frames_when_dense_streaming_wins() -> None:

@@ -11,6 +11,8 @@ lab, the calibration and the cap; the cap is set from the model's dense KV, what
 allocator off moves, as the deep model's is):
 
 - ``colocated``: one engine, no connector (hybrid allocator on).
+- ``colocated-dense``: the same with the hybrid allocator off: what turning it off costs the
+  prefill itself (every layer keeps, and attends over, the whole prompt's cache).
 - ``auto``: kvpush as shipped, hybrid allocator on: whole-request push of the groups' blocks
   (a sliding-window group moves only the blocks its window still reads).
 - ``whole-dense``: hybrid allocator off, ``layerwise: off`` (and the connector's
@@ -44,13 +46,14 @@ DENSE_KEYS = {"windowed_as_full": True}
 # mode -> (what the table calls it, the connector's layerwise key, hybrid allocator on, what
 # the prefill daemon's transfer rows must say: the mode fails loudly otherwise)
 MODES: dict[str, tuple[str, str | None, bool, str | None]] = {
+    "colocated-dense": ("colocated, hybrid off", None, False, None),
     "auto": ("kvpush auto (as shipped), hybrid on: whole", "auto", True, "whole"),
     "layerwise-hybrid": ("kvpush layerwise=on forced, hybrid on", "on", True, "whole"),
     "whole-dense": ("kvpush whole, hybrid off", "off", False, "whole"),
     "layerwise-dense": ("kvpush layer-wise, hybrid off", "on", False, "layerwise"),
     "pull": ("vLLM pull (NixlConnector), hybrid on", None, True, None),
 }
-DEFAULT_MODES = ("auto", "whole-dense", "layerwise-dense", "pull")
+DEFAULT_MODES = ("colocated-dense", "auto", "whole-dense", "layerwise-dense", "pull")
 RESULT = "layerwise-hybrid.md"
 
 
@@ -196,6 +199,9 @@ def bench(model: Path, preset_args: tuple[str, ...], lengths: list[int], n: int,
                 return lw.start_kvpush(lab, model, wd, key, layer_group, engine_args=args,
                                        plugin_extra=None if MODES[m][2] else DENSE_KEYS)
 
+            if m == "colocated-dense":
+                runs.setdefault(m, []).append(lw._colocated(model, wd, lengths, n, seed, out_len, None, args))
+                continue
             try:
                 runs.setdefault(m, []).append(run_mode(m if rounds == 1 else f"{m}, round {r}", start, lengths, n,
                                                        seed, out_len, want))
@@ -258,6 +264,9 @@ def verdict(out: dict[str, Any]) -> dict[str, Any]:
         r: dict[str, Any] = {"auto_minus_layerwise_dense_ms": round(a - ld, 1)}
         if ab and db:
             r["hybrid_over_dense_bytes"] = round(ab / db, 3)
+        cd, co = _p50(out, "colocated-dense", L), _p50(out, "colocated", L)
+        if cd and co:  # what the allocator off costs the prefill itself
+            r["colocated_dense_over_hybrid"] = round(cd / co, 3)
         wms = m.get("whole-dense", {}).get("write_ms", {}).get(L)
         if wd is not None and wms:
             hf = (wd - ld) / wms

@@ -246,7 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     lw.add_argument("--modes", default=None,
                     help="capped: colocated is always run; from whole,layerwise,auto,pull,default (default "
                          "whole,layerwise,pull; default: as shipped, the first token from the prefill leg). "
-                         "loopback: from whole,layerwise,auto (default all)")
+                         "loopback: from whole,layerwise,auto (default all). A hybrid --model-preset: from "
+                         "colocated-dense,auto,layerwise-hybrid,whole-dense,layerwise-dense,pull (default all but "
+                         "layerwise-hybrid)")
     lw.add_argument("--cap", default=None, help="e.g. 300mbit (default: computed from the calibration)")
     lw.add_argument("--layer-group", type=int, default=None,
                     help="the connector's layer_group for the layer-wise mode (default: its own); sets the TTFT bound")

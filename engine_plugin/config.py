@@ -106,8 +106,17 @@ class PluginConfig:
                          "than layer_group layers, on a CPU engine, and only to decode peers whose link "
                          "makes it worth it (the daemon's layerwise_min_transfer_ms) (on a GPU, \"on\" once "
                          "scripts/gpu_check.sh's events step passed there), \"off\" "
-                         "whole-request pushes only (PrefillDone after the forward)",
+                         "whole-request pushes only (PrefillDone after the forward). A model with several KV "
+                         "cache groups (vLLM's hybrid allocator: sliding-window or state layers) pushes whole "
+                         "requests whatever this says, logged at start (measured: "
+                         "docs/results/layerwise-hybrid.md)",
                          choices=LAYERWISE_MODES)
+    windowed_as_full: bool = key(False, "accept a sliding-window (or chunked) model served with "
+                                 "--disable-hybrid-kv-cache-manager, each layer keeping the whole prompt: "
+                                 "kvpush then moves every layer's whole prompt (the dense model's bytes, several "
+                                 "times what the hybrid allocator's groups move) and may stream it per layer; "
+                                 "false: refused at start-up. Measured against the hybrid allocator's "
+                                 "whole-request push: docs/results/layerwise-hybrid.md")
     layer_group: int = key(LAYER_GROUP, "layers per progress frame while streaming: fewer frames cost "
                            "the engine less, more let the daemon start sooner",
                            parse=int_in(*LAYER_GROUP_RANGE))

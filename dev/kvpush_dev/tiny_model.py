@@ -118,6 +118,16 @@ FAMILIES: dict[str, FamilySpec] = {
          "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"]},
         hybrid=True, layer_kinds=("sliding_attention",) * 3 + ("full_attention",),
         examples="Gemma 3, gpt-oss, Mistral/Ministral with sliding layers"),
+    # ``swa`` at the ``deep`` preset's shape (24 layers, 2 KV heads of 64: 24 KiB of float32 KV a
+    # token, as ``deep``) in Gemma 3's own pattern, five sliding-window layers (window 128) to one
+    # full-attention layer: the layer-wise bench's hybrid model (docs/results/layerwise-hybrid.md).
+    "swa-deep": FamilySpec(
+        "sliding window + full attention", "Gemma3TextConfig", "Gemma3ForCausalLM",
+        {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 24, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "head_dim": 64, "sliding_window": 128,
+         "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 4},
+        hybrid=True, layer_kinds=(("sliding_attention",) * 5 + ("full_attention",)) * 4,
+        examples="Gemma 3 (5 sliding layers to 1 full)"),
     # Qwen3-Next style: gated delta net (linear attention) beside full attention. bf16; the
     # CPU GDN kernel needs linear head dims of 128; prefix caching on is mamba_cache_mode 'align'.
     "linear": FamilySpec(

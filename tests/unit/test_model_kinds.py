@@ -69,6 +69,9 @@ def test_windowed_full_attention_spec_is_refused() -> None:
     cfg = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names, windowed)])
     with pytest.raises(LayoutRefused, match="window of 128 tokens"):
         check_kv_cache_config(cfg, pages=False)
+    # the connector's windowed_as_full: moved as the dense model vLLM allocated (every layer's
+    # whole prompt; the layer-wise hybrid bench's hybrid-off modes)
+    check_kv_cache_config(cfg, pages=False, windowed_as_full=True)
     full = FullAttentionSpec(block_size=128, num_kv_heads=1, head_size=64, dtype=torch.float32)
     check_kv_cache_config(KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
                                         kv_cache_groups=[KVCacheGroupSpec(names, full)]), pages=False)

@@ -378,3 +378,30 @@ def test_a_daemon_without_streaming_turns_it_off_and_pushes_whole_requests(endpo
     finally:
         w.shutdown()
         d.close()
+
+
+@pytest.mark.parametrize("mode", ["on", "auto"])
+def test_a_hybrid_model_pushes_whole_even_with_layerwise_on_and_says_so(mode: str, caplog) -> None:
+    """A layer frame names no KV cache group: with several groups (vLLM's hybrid allocator)
+    ``on`` and ``auto`` alike push each request whole, and the start-up log says why (the
+    measured choice: docs/results/layerwise-hybrid.md)."""
+    from kvpush.proto.groups import parse
+
+    kinds = (parse(f"SlidingWindow block_size={BLOCK} window=32 page_bytes=4096"),
+             parse(f"FullAttention block_size={BLOCK} page_bytes=4096"))
+    with caplog.at_level("INFO"):
+        s = KVPushScheduler(PluginConfig(daemon="ipc:///nowhere", layerwise=mode, layerwise_min_tokens=0),
+                            BLOCK, num_layers=LAYERS, kv_groups=2, group_kinds=kinds)
+    r = prefill_req("a", 40)
+    match(s, r)
+    so = out()
+    so.scheduled_new_reqs.append(NewRequestData.from_request(r, ([1, 2, 3], [4, 5, 6])))
+    so.num_scheduled_tokens["a"] = so.total_num_scheduled_tokens = 40
+    m = s.build_connector_meta(so)
+    assert m.streams == [] and [x.early for x in of(m, Send)] == [True]
+    assert "2 KV cache groups" in caplog.text and "layer-wise streaming is off" in caplog.text
+    # the same model with one group streams (what --disable-hybrid-kv-cache-manager gives)
+    dense = sched(mode, 0, num_layers=LAYERS)
+    r = prefill_req("b", 40)
+    match(dense, r)
+    assert len(dense.build_connector_meta(out(new=[(r, [1, 2, 3], 40)])).streams) == 1

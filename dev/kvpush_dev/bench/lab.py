@@ -16,10 +16,13 @@ is a ratio against a baseline measured in the same run.
 - ``layerwise``: layer-wise push against whole-request push and vLLM's pull across a ``tbf``
   capped P -> D link, on the project's deep model (kvpush_dev.bench.layerwise); tables
   in docs/results/layerwise*.md. ``--loopback``: the kvpush modes without a cap.
+  ``--model-preset swa-deep``: a hybrid model, whole-request (hybrid allocator on) against
+  layer-wise with the allocator off (kvpush_dev.bench.layerwise_hybrid).
 
     python scripts/bench_lab.py write --json
     python scripts/bench_lab.py serve --json     # real vLLM engines (hold the engines lock)
     python scripts/bench_lab.py layerwise [--lengths 512,2000,4000] [--requests 5] [--loopback]
+    python scripts/bench_lab.py layerwise --model-preset swa-deep   # a hybrid model's modes
 """
 
 from __future__ import annotations
@@ -232,7 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--levels", default="2,8", help="concurrency levels for 2P2D vs 1P1D")
     s.add_argument("--point", type=int, default=4, help="the moderate load point (concurrency)")
     lw = sub.add_parser("layerwise", help="layer-wise vs whole-request vs pull across a capped link")
-    lw.add_argument("--model-dir", default=str(ve.ROOT / ".models" / "deep"), help="built (preset deep) if missing")
+    lw.add_argument("--model-preset", default="deep", choices=LAYERWISE_PRESETS,
+                    help="deep (dense, the default) or a hybrid family: then the modes of "
+                         "kvpush_dev.bench.layerwise_hybrid, written to docs/results/layerwise-hybrid.md")
+    lw.add_argument("--model-dir", default=None, help="default .models/<preset>, built if missing")
     lw.add_argument("--lengths", default=None, help="default 512,2000,4000 (capped), 16,256,1024,2000 (loopback)")
     lw.add_argument("--requests", type=int, default=5)
     lw.add_argument("--output-len", type=int, default=8)
@@ -240,7 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     lw.add_argument("--modes", default=None,
                     help="capped: colocated is always run; from whole,layerwise,auto,pull,default (default "
                          "whole,layerwise,pull; default: as shipped, the first token from the prefill leg). "
-                         "loopback: from whole,layerwise,auto (default all)")
+                         "loopback: from whole,layerwise,auto (default all). A hybrid --model-preset: from "
+                         "colocated-dense,auto,layerwise-hybrid,whole-dense,layerwise-dense,pull (default all but "
+                         "layerwise-hybrid)")
     lw.add_argument("--cap", default=None, help="e.g. 300mbit (default: computed from the calibration)")
     lw.add_argument("--layer-group", type=int, default=None,
                     help="the connector's layer_group for the layer-wise mode (default: its own); sets the TTFT bound")
@@ -265,25 +273,44 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+# --model-preset: the dense deep model, or a hybrid family whose allocator can be turned off
+LAYERWISE_PRESETS = ("deep", "swa", "swa-deep")
+
+
+def layerwise_lengths(text: str | None) -> list[int]:
+    """``--lengths`` across the capped link (default 512,2000,4000)."""
+    return [int(x) for x in (text or "512,2000,4000").split(",")]
+
+
 def _layerwise(args: argparse.Namespace, argv: list[str] | None) -> int:
     import shlex
     import sys
 
     from kvpush_dev.bench import layerwise as lw
 
-    model = ve.ensure_tiny_model(args.model_dir, preset="deep")
+    model = ve.ensure_tiny_model(args.model_dir or ve.ROOT / ".models" / args.model_preset, preset=args.model_preset)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="kvpush-layerwise-"))
     work.mkdir(parents=True, exist_ok=True)
     command = "scripts/bench_lab.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     results = Path(args.results_dir)
     results.mkdir(parents=True, exist_ok=True)
-    if args.loopback:
+    if args.model_preset != "deep":
+        if args.loopback:
+            raise SystemExit("--loopback runs the deep model only")
+        from kvpush_dev import tiny_model
+        from kvpush_dev.bench import layerwise_hybrid as lh
+
+        out = lh.bench(model, tiny_model.engine_args(args.model_preset), layerwise_lengths(args.lengths),
+                       args.requests, args.seed, args.output_len, lh.parse_modes(args.modes), args.cap, work,
+                       args.layer_group, args.rounds)
+        (results / lh.RESULT).write_text(lh.table(out, command))
+    elif args.loopback:
         lengths = [int(x) for x in (args.lengths or "16,256,1024,2000").split(",")]
         modes = (args.modes or "whole,layerwise,auto").split(",")
         out = lw.bench_loopback(model, lengths, args.requests, args.seed, args.output_len, modes, work, args.rounds)
         (results / "layerwise-loopback.md").write_text(lw.table_loopback(out, command))
     else:
-        lengths = [int(x) for x in (args.lengths or "512,2000,4000").split(",")]
+        lengths = layerwise_lengths(args.lengths)
         modes = (args.modes or "whole,layerwise,pull").split(",")
         out = lw.bench_layerwise(model, lengths, args.requests, args.seed, args.output_len, modes, args.cap, work,
                                  args.layer_group, args.rounds)

@@ -186,12 +186,12 @@ def _direct(fn: Any, *args: Any, timeout: float | None = None) -> Any:
     return fn(*args)
 
 
-def start_colocated(model: Path, work: Path) -> Front:
+def start_colocated(model: Path, work: Path, engine_args: tuple[str, ...] = ()) -> Front:
     from kvpush_dev.procs import free_port
 
     port = free_port()
     proc = ve.start_engine(model, port, work / "colocated.log", cpu_bind="0",
-                           extra_args=["--kv-cache-memory-bytes", str(KV_CACHE_BYTES)])
+                           extra_args=["--kv-cache-memory-bytes", str(KV_CACHE_BYTES), *engine_args])
     try:
         ve.wait_healthy(f"http://127.0.0.1:{port}/health", 600, proc)
     except BaseException:
@@ -201,10 +201,13 @@ def start_colocated(model: Path, work: Path) -> Front:
 
 
 def start_kvpush(lab: Any, model: Path, work: Path, layerwise: str | None, layer_group: int | None = None,
-                 router_args: list[str] | None = None) -> Front:
+                 router_args: list[str] | None = None, engine_args: tuple[str, ...] = (),
+                 plugin_extra: dict[str, Any] | None = None) -> Front:
     """1P1D across the lab (P on p0, D on d0, router on rt); ``layerwise`` is the connector's
     key (None: not sent at all, the connector's default); ``layer_group`` likewise (None: the
-    connector's default); ``router_args`` the router's flags (None: ``KV_BOUND``)."""
+    connector's default); ``router_args`` the router's flags (None: ``KV_BOUND``);
+    ``engine_args`` more vLLM flags for both engines (a model preset's); ``plugin_extra`` more
+    connector keys."""
     from kvpush_dev.labstack import EngineSpec, LabStack
 
     extra: dict[str, Any] = {"timeout_ms": 30_000, "lease_ms": 30_000}
@@ -212,9 +215,10 @@ def start_kvpush(lab: Any, model: Path, work: Path, layerwise: str | None, layer
         extra["layerwise"] = layerwise
     if layer_group is not None:
         extra["layer_group"] = layer_group
+    extra.update(plugin_extra or {})
     stack = LabStack(lab, model, work, [EngineSpec("p0", "prefill", "0"), EngineSpec("d0", "decode", "1")],
                      ucx_log=False, plugin_extra=extra, daemon_extra={"write_timeout_s": 20.0},
-                     engine_args=["--kv-cache-memory-bytes", str(KV_CACHE_BYTES)],
+                     engine_args=["--kv-cache-memory-bytes", str(KV_CACHE_BYTES), *engine_args],
                      router_args=KV_BOUND if router_args is None else router_args)
     stack.start()
     return Front(stack.router_url, stack.stop, stack.client, {"stack": stack})
@@ -227,7 +231,7 @@ def start_kvpush(lab: Any, model: Path, work: Path, layerwise: str | None, layer
 KV_BOUND = ["--first-token", "decode"]
 
 
-def start_pull(lab: Any, model: Path, work: Path) -> Front:
+def start_pull(lab: Any, model: Path, work: Path, engine_args: tuple[str, ...] = ()) -> Front:
     """vLLM's NixlConnector (pull) across the lab: P on p0, D on d0, both pinned as kvpush's
     are, UCX over TCP on the veth (the same env as kvpush's daemons), the serial proxy on rt."""
     from kvpush_dev.labstack import ENGINE_PORT, UCX_NETWORK_ENV
@@ -245,7 +249,8 @@ def start_pull(lab: Any, model: Path, work: Path) -> Front:
             env = {**ve.engine_env(cpu), **UCX_NETWORK_ENV, "VLLM_HOST_IP": lab.addr(host),
                    "VLLM_NIXL_SIDE_CHANNEL_HOST": lab.addr(host), "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side)}
             cmd = ve.engine_cmd(model, ENGINE_PORT, host=lab.addr(host), kv_cache_bytes=KV_CACHE_BYTES,
-                                extra_args=args, kv_transfer_config=nixl_transfer_config("NixlConnector", role))
+                                extra_args=[*engine_args, *args],
+                                kv_transfer_config=nixl_transfer_config("NixlConnector", role))
             procs[role] = lab.popen(host, cmd, work / f"{role}.log", env=env, cpus=ve.parse_cpus(cpu))
         p_url, d_url = f"http://{lab.addr('p0')}:{ENGINE_PORT}", f"http://{lab.addr('d0')}:{ENGINE_PORT}"
         front = f"http://{lab.addr('rt')}:8000"
@@ -259,7 +264,8 @@ def start_pull(lab: Any, model: Path, work: Path) -> Front:
     except BaseException:
         stop()
         raise
-    return Front(front, stop, lambda fn, *a, timeout=900: lab.call("rt", fn, *a, timeout=timeout), {})
+    return Front(front, stop, lambda fn, *a, timeout=900: lab.call("rt", fn, *a, timeout=timeout),
+                 {"decode_metrics": f"{d_url}/metrics"})
 
 
 def recent_transfers(ops_socket: str) -> list[dict[str, Any]]:
@@ -397,11 +403,11 @@ def hidden(whole: dict[str, Any], lw: dict[str, Any], L: int) -> float | None:
 
 
 def _colocated(model: Path, work: Path, lengths: list[int], n: int, seed: int, out_len: int,
-               pre: dict[str, Any] | None = None) -> dict[str, Any]:
+               pre: dict[str, Any] | None = None, engine_args: tuple[str, ...] = ()) -> dict[str, Any]:
     """The colocated mode on a fresh engine; into ``pre`` (when given) first the prefill per
     length on one core, from the same engine: one-token answers to other prompts."""
     work.mkdir(parents=True, exist_ok=True)
-    front = start_colocated(model, work)
+    front = start_colocated(model, work, engine_args)
     try:
         if pre is not None:
             pre.update(measure(front, lengths, n, seed + 100, 1))

@@ -84,7 +84,7 @@ def test_verdict_keeps_hybrids_whole_when_fewer_bytes_beat_streaming_more() -> N
     out = _out(auto=1650.0, lw_dense=1700.0)
     v = lh.verdict(out)
     r = v["per_length"][2000]
-    assert v["decision"] == "whole" and r["auto_minus_layerwise_dense_ms"] == -50.0
+    assert v["auto_fastest_everywhere"] is True and r["auto_minus_layerwise_dense_ms"] == -50.0
     assert r["hybrid_over_dense_bytes"] == round(16 / 48, 3)
     assert r["hidden_fraction_dense"] == round((3000 - 1700) / 1500, 3)
     # per-group frames would hide that fraction of the hybrid WRITE
@@ -95,7 +95,7 @@ def test_verdict_keeps_hybrids_whole_when_fewer_bytes_beat_streaming_more() -> N
 
 
 def test_verdict_asks_for_per_group_frames_when_dense_streaming_wins() -> None:
-    assert lh.verdict(_out(auto=1800.0, lw_dense=1700.0))["decision"] == "per-group frames"
+    assert lh.verdict(_out(auto=1800.0, lw_dense=1700.0))["auto_fastest_everywhere"] is False
     assert lh.verdict({"lengths": [2000], "modes": {"auto": {"ttft": {}}}}) == {}  # nothing to judge
 
 
@@ -107,7 +107,7 @@ def test_table_shows_bytes_transfer_time_and_the_mode_not_measured() -> None:
     row = next(ln for ln in t.splitlines() if "hybrid on: whole" in ln)
     # 16 MiB, and 16 MiB x 8 / 300 Mbit/s at the cap
     assert "| 1650 / 1660 | 16.00 | 447.4 | 450.0 |" in row
-    assert "**pull: not measured: RuntimeError: did not start**" in t and '"decision": "whole"' in t
+    assert "**pull: not measured: RuntimeError: did not start**" in t and '"auto_fastest_everywhere": true' in t
     assert lh.transfer_ms(None, 300.0) is None
 
 

@@ -249,8 +249,8 @@ def verdict(out: dict[str, Any]) -> dict[str, Any]:
     """Per length: hybrid-on whole (``auto``) against the best hybrid-off layer-wise, the bytes
     each moves, the hidden fraction of the dense transfer, and what per-group frames would give:
     ``auto``'s TTFT less that fraction of its own transfer (the hybrid bytes streamed as well as
-    the dense ones are). ``decision``: "whole" when ``auto`` is at least as fast at every
-    length, else "per-group frames"."""
+    the dense ones are). ``auto_fastest_everywhere``: whether ``auto`` was at least as fast at
+    every length (a fact for the decision, which docs/models.md states with the bytes and memory)."""
     m, v = out["modes"], {}
     lengths = out["lengths"]
     if not all(k in m and "ttft" in m[k] for k in ("auto", "layerwise-dense")):
@@ -277,8 +277,7 @@ def verdict(out: dict[str, Any]) -> dict[str, Any]:
                 r["per_group_frames_ttft_ms"] = round(a - max(0.0, hf) * aw, 1)
         rows[L] = r
     v["per_length"] = rows
-    v["decision"] = "whole" if rows and all(r["auto_minus_layerwise_dense_ms"] <= 0 for r in rows.values()) \
-        else "per-group frames"
+    v["auto_fastest_everywhere"] = bool(rows) and all(r["auto_minus_layerwise_dense_ms"] <= 0 for r in rows.values())
     ref = m.get("auto", {}).get("texts")
     for name in m:
         if name != "auto" and ref and m[name].get("texts"):

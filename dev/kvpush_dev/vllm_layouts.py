@@ -87,12 +87,7 @@ def v032_caches(layout_name: str, *, num_layers: int, num_blocks: int, block_siz
                         kv_cache_tensors=[KVCacheTensor(size=size, layers=names, layer_stride=sl, block_stride=sb)],
                         kv_cache_groups=[KVCacheGroupSpec(names, spec)])
     kv = allocate_kv_cache(cfg, torch.device("cpu"), lay)
-    raw = next(iter(kv.values())).untyped_storage()
-    whole = torch.empty(0, dtype=torch.uint8)
-    whole.set_(raw, 0, (raw.nbytes(),))
-    if fill == "random":
-        whole.copy_(torch.randint(0, 256, (raw.nbytes(),), dtype=torch.uint8,
-                                  generator=torch.Generator().manual_seed(seed)))
+    _whole(kv, fill, seed)  # fills the allocation in place
     return kv
 
 
@@ -206,12 +201,7 @@ def v032_hybrid_caches(groups: list[tuple[list[str], object]], layout_name: str,
     specs = [KVCacheGroupSpec(list(names), spec) for names, spec in groups]
     cfg = get_kv_cache_config_from_groups(stand_in, specs, available_memory=1 << 40)  # type: ignore[arg-type]
     kv = allocate_kv_cache(cfg, torch.device("cpu"), lay, kernel_block_sizes)
-    raw = next(iter(kv.values())).untyped_storage()
-    whole = torch.empty(0, dtype=torch.uint8)
-    whole.set_(raw, 0, (raw.nbytes(),))
-    if fill == "random":
-        whole.copy_(torch.randint(0, 256, (raw.nbytes(),), dtype=torch.uint8,
-                                  generator=torch.Generator().manual_seed(seed)))
+    whole = _whole(kv, fill, seed)
     if device != "cpu":  # the same views over a copy of the allocation on the device
         kv = views_over(kv, whole.to(device))
     return kv, cfg
@@ -245,3 +235,14 @@ def bind_state(kv: torch.Tensor, shapes: tuple[tuple[int, ...], ...], dtypes: tu
     layer = _Layer()
     MambaBase.bind_kv_cache(layer, kv)  # type: ignore[arg-type]
     return layer.kv_cache  # type: ignore[attr-defined]
+
+
+def _whole(kv: dict[str, torch.Tensor], fill: str, seed: int) -> torch.Tensor:
+    """The allocation behind vLLM's views, as bytes (random where ``fill`` says so)."""
+    raw = next(iter(kv.values())).untyped_storage()
+    whole = torch.empty(0, dtype=torch.uint8)
+    whole.set_(raw, 0, (raw.nbytes(),))
+    if fill == "random":
+        whole.copy_(torch.randint(0, 256, (raw.nbytes(),), dtype=torch.uint8,
+                                  generator=torch.Generator().manual_seed(seed)))
+    return whole

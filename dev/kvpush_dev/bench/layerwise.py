@@ -700,9 +700,7 @@ def table_capped(out: dict[str, Any], command: str) -> str:
               "first one the KV bounds (one decode step after the KV-bound token of the other columns).",
               "- One run on a shared 2-core machine: absolute figures are noisy, compare modes side by side."]
     if out.get("rounds", 1) > 1:
-        lines.insert(-1, "- Each round's p50, ms: " + "; ".join(
-            f"{k}: " + ", ".join(f"{L}: {' / '.join(str(x) for x in (r.get('round_p50') or {}).get(L, []))}"
-                                 for L in lengths) for k, r in m.items() if r.get("round_p50")) + ".")
+        lines.insert(-1, rounds_note(m, lengths))
     ft = m.get("default", {}).get("first_tokens")
     if ft:
         lines.insert(-1, f"- As shipped, the client's first token came from the prefill leg in {ft.get('prefill', 0):g} of "
@@ -777,3 +775,10 @@ def table_model(cal: dict[str, Any], command: str) -> str:
     for L, r in cal["lengths"].items():
         lines.append(f"| {L} | {r['prefill_ms_p50']} | {r['kv_mib']} |")
     return "\n".join(lines) + "\n"
+
+
+def rounds_note(m: dict[str, Any], lengths: Any) -> str:
+    """The table notes' line with each round's p50 per mode and length."""
+    return "- Each round's p50, ms: " + "; ".join(
+        f"{k}: " + ", ".join(f"{L}: {' / '.join(str(x) for x in (r.get('round_p50') or {}).get(L, []))}"
+                             for L in lengths) for k, r in m.items() if r.get("round_p50")) + "."

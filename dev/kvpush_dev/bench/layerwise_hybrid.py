@@ -332,9 +332,7 @@ def table(out: dict[str, Any], command: str) -> str:
               "((TTFT whole, hybrid off - TTFT layer-wise, hybrid off) / its WRITE ms) of the hybrid WRITE.",
               "- One run on a shared 2-core machine: absolute figures are noisy, compare modes side by side."]
     if out.get("rounds", 1) > 1:
-        lines.insert(-1, "- Each round's p50, ms: " + "; ".join(
-            f"{k}: " + ", ".join(f"{L}: {' / '.join(str(x) for x in (r.get('round_p50') or {}).get(L, []))}"
-                                 for L in lengths) for k, r in m.items() if r.get("round_p50")) + ".")
+        lines.insert(-1, lw.rounds_note(m, lengths))
     for k, r in m.items():
         if r.get("error"):
             lines.append(f"- **{k}: not measured: {r['error']}**")

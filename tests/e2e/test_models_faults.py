@@ -95,12 +95,15 @@ class Family:
 # usable blocks and need 4 x (6 + 1) = 28 by 650 tokens, so D preempts.
 # linear (Qwen3-Next style, bf16, mamba_cache_mode 'align' on D too): every group's block is 1152
 # tokens; a request holds one block in each of the 4 groups (1 attention, 3 GDN) until it crosses
-# 1152 tokens, then 4 more: 4 requests of 1000 tokens hold 16 of D's 23 usable blocks and need 32
-# by 1300, so D preempts. Its prefix-hit prompts are longer than one block (max-model-len 2560).
+# 1152 tokens, then 4 more: 4 requests of 1000 tokens hold 16 of D's 23 usable blocks from the
+# moment their decode legs arrive (blocks for the load), and the second to cross 1152 tokens
+# preempts, so long as the first is still decoding: 700 tokens out (1700 in all) keep it decoding
+# well past that (with 300, one CI run's requests came too far apart: no preemption). Its
+# prefix-hit prompts are longer than one block (max-model-len 2560).
 LINEAR_BLOCK = 1152
 FAMILIES = {"swa": Family(exact=True, d_blocks=40), "mla": Family(exact=False, d_blocks=72),
             "mamba": Family(exact=True, d_blocks=16, backoff=1, d_prefix_caching=False),
-            "linear": Family(exact=False, d_blocks=24, backoff=1, max_len=2560, preempt=(4, 1000, 300))}
+            "linear": Family(exact=False, d_blocks=24, backoff=1, max_len=2560, preempt=(4, 1000, 700))}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -305,9 +308,10 @@ def test_preemption_on_decode_answers_as_colocated(stack: PDStack) -> None:
     recomputed there, prompt and answer so far, by the prefill kernels, whose rounding differs
     from the decode steps colocated takes, and a random-weight model's nearly flat logits part
     beyond a near tie soon after (measured: 1 of 4 answers). So each linear answer equals
-    colocated up to a near tie, or at least for its first tokens, half of those before the
-    first block boundary (1152): no preemption comes before a request crosses it (D has room
-    for every request's first blocks), and wrong KV parts at once. (MLA
+    colocated up to a near tie, or at least in its first token (wrong KV parts at once), and
+    at most one answer per preemption parts before half the tokens a request decodes before
+    the first block boundary (1152), where preemptions start (D has room for every request's
+    first blocks; a request that arrived late may have decoded fewer by then). (MLA
     has no such drill: its bf16 recompute parts the same way, and with CPU_MLA's blocks of 16
     a preemption may come at any step, so no tokens before it are known.)"""
     fam = FAMILIES[stack.family]  # type: ignore[attr-defined]
@@ -323,11 +327,17 @@ def test_preemption_on_decode_answers_as_colocated(stack: PDStack) -> None:
         for g, w in zip(got, want, strict=True):
             assert same(stack, g, w), (g, w["text"])
     else:
-        before = (LINEAR_BLOCK - length) // 2  # output tokens every request decoded before any preemption
+        before = (LINEAR_BLOCK - length) // 2  # output tokens a request decodes before preemptions start
+        drifted = 0
         for g, w in zip(got, want, strict=True):
             why = near_tie(g, w)
             print(f"{stack.family}: {agreed(g, w)} of {tokens} tokens as colocated, {why}")  # type: ignore[attr-defined]
-            assert why is not None or agreed(g, w) >= before, (before, agreed(g, w), g, w["text"])
+            # wrong KV parts at the first token; a recomputed answer parts later
+            assert why is not None or agreed(g, w) >= 1, (g, w["text"])
+            drifted += why is None and agreed(g, w) < before
+        # a request that arrived late may be preempted with fewer tokens decoded: at most one
+        # answer per preemption parts early, never more
+        assert drifted <= pre1 - pre0, (drifted, pre1 - pre0)
     assert prefill_holds(stack) == []
 
 

@@ -59,9 +59,9 @@ def test_final_rows_map_to_lengths_in_request_order_warm_ups_dropped() -> None:
     # newest first, as the daemon lists them: warm-ups (1, 2), then 2 requests at each length
     oldest_first = [_row(1), _row(2), _row(10), _row(11, group=3), _row(12), _row(20), _row(21, result="failed"),
                     _row(22)]
-    got = lh.final_rows(list(reversed(oldest_first)), [512, 2000], 2)
+    got = lw.final_rows(list(reversed(oldest_first)), [512, 2000], 2)
     assert {L: [r["latency_ms"] for r in rs] for L, rs in got.items()} == {512: [10, 12], 2000: [20, 22]}
-    assert lh.final_rows(list(reversed(oldest_first[:-1])), [512, 2000], 2) == {}  # one missing: no guess
+    assert lw.final_rows(list(reversed(oldest_first[:-1])), [512, 2000], 2) == {}  # one missing: no guess
 
 
 def _out(auto: float, lw_dense: float, whole_dense: float = 3000.0) -> dict:

@@ -330,26 +330,31 @@ def _transfer_ms_by_length(rows: list[dict[str, Any]], lengths: list[int], per_t
     return out
 
 
-def stream_stats(rows: list[dict[str, Any]], lengths: list[int], n: int) -> dict[int, dict[str, Any]]:
-    """Per length, the final WRITEs' stream summary (``kvpushctl transfers``): median parts
-    streamed, first-group lag and tail (last frame, or the seal, to the final WRITE's end).
-    Rows map to requests by order: one warm-up per length, then ``n`` per length."""
+def final_rows(rows: list[dict[str, Any]], lengths: list[int], n: int) -> dict[int, list[dict[str, Any]]]:
+    """The prefill daemon's final WRITE rows per length, oldest first, the warm-ups (one per
+    length, sent first) dropped; {} when the count does not match (rows map by order)."""
     final = [r for r in reversed(rows) if r.get("side") == "prefill" and not r.get("group")
              and r.get("result") == "ok"]
     final = final[len(lengths):]
     if len(final) != n * len(lengths):
         return {}
+    return {L: final[i * n:(i + 1) * n] for i, L in enumerate(lengths)}
 
-    def med(xs: list[Any]) -> float | None:
-        xs = [float(x) for x in xs if isinstance(x, (int, float))]
-        return round(statistics.median(xs), 1) if xs else None
 
-    out: dict[int, dict[str, Any]] = {}
-    for i, L in enumerate(lengths):
-        rs = final[i * n:(i + 1) * n]
-        out[L] = {"groups": med([r.get("groups") for r in rs]), "lag_ms": med([r.get("first_group_lag_ms") for r in rs]),
-                  "tail_ms": med([r.get("tail_ms") for r in rs])}
-    return out
+def median1(xs: list[Any]) -> float | None:
+    """The median of the numbers among ``xs``, to 0.1; None when there are none."""
+    vals = [float(x) for x in xs if isinstance(x, (int, float))]
+    return round(statistics.median(vals), 1) if vals else None
+
+
+def stream_stats(rows: list[dict[str, Any]], lengths: list[int], n: int) -> dict[int, dict[str, Any]]:
+    """Per length, the final WRITEs' stream summary (``kvpushctl transfers``): median parts
+    streamed, first-group lag and tail (last frame, or the seal, to the final WRITE's end).
+    Rows map to requests by order: one warm-up per length, then ``n`` per length."""
+    return {L: {"groups": median1([r.get("groups") for r in rs]),
+                "lag_ms": median1([r.get("first_group_lag_ms") for r in rs]),
+                "tail_ms": median1([r.get("tail_ms") for r in rs])}
+            for L, rs in final_rows(rows, lengths, n).items()}
 
 
 def measure(front: Front, lengths: list[int], n: int, seed: int, out_len: int) -> dict[int, list[dict[str, Any]]]:

@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -104,21 +103,6 @@ def _bytes_probe(front: lw.Front) -> Any:
 
 # --------------------------------------------------------------------------- one mode
 
-def final_rows(rows: list[dict[str, Any]], lengths: list[int], n: int) -> dict[int, list[dict[str, Any]]]:
-    """The prefill daemon's final WRITE rows per length, oldest first, the warm-ups (one per
-    length, sent first) dropped; {} when the count does not match (rows map by order)."""
-    final = [r for r in reversed(rows) if r.get("side") == "prefill" and not r.get("group") and r.get("result") == "ok"]
-    final = final[len(lengths):]
-    if len(final) != n * len(lengths):
-        return {}
-    return {L: final[i * n:(i + 1) * n] for i, L in enumerate(lengths)}
-
-
-def _median(xs: list[Any]) -> float | None:
-    vals = [float(x) for x in xs if isinstance(x, (int, float))]
-    return round(statistics.median(vals), 1) if vals else None
-
-
 def run_mode(name: str, start: Any, lengths: list[int], n: int, seed: int, out_len: int,
              want_mode: str | None) -> dict[str, Any]:
     """Start a mode; warm every length; then per length ``n`` requests between two reads of its
@@ -144,8 +128,8 @@ def run_mode(name: str, start: Any, lengths: list[int], n: int, seed: int, out_l
         if stack is not None:
             time.sleep(0.5)
             rows = lw.prefill_daemon_transfers(stack)
-            per = final_rows(rows, lengths, n)
-            res["write_ms"] = {L: _median([r.get("latency_ms") for r in rs]) for L, rs in per.items()}
+            per = lw.final_rows(rows, lengths, n)
+            res["write_ms"] = {L: lw.median1([r.get("latency_ms") for r in rs]) for L, rs in per.items()}
             res["stream"] = lw.stream_stats(rows, lengths, n)
             if want_mode is not None and (why := lw.check_modes(rows, want_mode)):
                 res["error"] = why
@@ -223,7 +207,7 @@ def pool(runs: list[dict[str, Any]]) -> dict[str, Any]:
     if len(runs) > 1 and not out.get("error"):
         for k in ("bytes", "write_ms"):
             if all(k in r for r in runs):
-                out[k] = {L: _median([r[k].get(L) for r in runs]) for L in runs[0][k]}
+                out[k] = {L: lw.median1([r[k].get(L) for r in runs]) for L in runs[0][k]}
     return out
 
 

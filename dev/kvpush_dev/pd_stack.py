@@ -8,6 +8,7 @@ run exactly the same processes. Every process gets its own process group;
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -178,3 +179,21 @@ class PDStack:
 def prompt_tokens_by_source(url: str) -> dict[str, float]:
     """vLLM's own counter of where the decode engine's prompt tokens came from."""
     return by_label(parse(fetch_text(f"{url}/metrics")), "vllm:prompt_tokens_by_source_total", "source")
+
+
+def first_token_leg(router_url: str, attempt: Callable[[], Any]) -> tuple[str, Any]:
+    """Run one streamed request through the router (``attempt``): which leg its first token
+    came from, "prefill" or "decode", and what ``attempt`` returned. The leg is read off the
+    router's ``kvpush_router_first_tokens_total`` (each streamed answer counted by exactly one
+    leg). Which leg reaches the router first is a
+    race: on a loaded machine the decode engine's stream may open before the prefill engine's
+    answer arrives, and then the decode leg's token goes out (rightly)."""
+    def counts() -> dict[str, float]:
+        return by_label(parse(fetch_text(f"{router_url}/metrics")), "kvpush_router_first_tokens_total", "source")
+
+    before = counts()
+    result = attempt()
+    after = counts()
+    moved = {leg: after.get(leg, 0.0) - before.get(leg, 0.0) for leg in ("prefill", "decode")}
+    assert sorted(moved.values()) == [0.0, 1.0], moved
+    return max(moved, key=lambda leg: moved[leg]), result

@@ -9,6 +9,7 @@ by what the decode engine generates after it, never the decode leg's own first t
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import subprocess
@@ -21,7 +22,7 @@ import pytest
 
 from kvpush_dev import prom
 from kvpush_dev import vllm_env as ve
-from kvpush_dev.pd_stack import PDStack
+from kvpush_dev.pd_stack import PDStack, first_token_leg
 from kvpush_dev.tiny_model import prompt_ids as ids
 
 pytestmark = pytest.mark.e2e
@@ -67,11 +68,9 @@ def test_a_decode_leg_that_disagrees_with_the_sent_token_is_continued_from_it(ti
                     keys_dir=tmp_path)
     stack.start()
     try:
-        def counter(name: str, **labels: str) -> float:
-            return prom.total(prom.scrape(f"{stack.router_url}/metrics"), name, **labels) or 0.0
-
         def mismatches() -> float:
-            return counter("kvpush_router_first_token_mismatches_total")
+            return prom.total(prom.scrape(f"{stack.router_url}/metrics"),
+                              "kvpush_router_first_token_mismatches_total") or 0.0
 
         for n, max_tokens in ((300, 6), (40, 1)):
             prompt = ids(n, 900 + n)
@@ -84,16 +83,15 @@ def test_a_decode_leg_that_disagrees_with_the_sent_token_is_continued_from_it(ti
             rest = "" if max_tokens == 1 else ve.post_json(
                 f"{stack.d_url}/v1/completions", {**b, "prompt": prompt + t1, "max_tokens": max_tokens - 1},
             )["choices"][0]["text"]
-            # Which leg reaches the router first is a race: on a loaded machine the decode
-            # engine's stream may open before the prefill engine's answer arrives, and then the
-            # client gets the decode leg's own answer (rightly, no mismatch). Try until the
-            # prefill leg's token went out first; every try's answer is checked.
+            # Which leg reaches the router first is a race (first_token_leg): a try where the
+            # decode leg was first gets the decode engine's own answer (rightly, no mismatch).
+            # Try until the prefill leg's token went out first; every try's answer is checked.
             for _ in range(3):
                 before = mismatches()
-                early = counter("kvpush_router_first_tokens_total", source="prefill")
-                got, usage = streamed(f"{stack.router_url}/v1/completions", b)
+                leg, (got, usage) = first_token_leg(
+                    stack.router_url, functools.partial(streamed, f"{stack.router_url}/v1/completions", b))
                 assert usage["prompt_tokens"] == n and usage["completion_tokens"] == max_tokens, usage
-                if counter("kvpush_router_first_tokens_total", source="prefill") == early:
+                if leg == "decode":
                     assert got == own and mismatches() == before
                     continue
                 assert got == t1_text + rest

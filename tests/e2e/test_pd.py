@@ -27,7 +27,7 @@ from kvpush_dev.pd_faults import (
     running,
     wait_daemon,
 )
-from kvpush_dev.pd_stack import PDStack, prompt_tokens_by_source
+from kvpush_dev.pd_stack import PDStack, first_token_leg, prompt_tokens_by_source
 from kvpush_dev.sse import sse_data
 from kvpush_dev.tiny_model import prompt_ids as ids
 
@@ -330,17 +330,9 @@ def test_a_streamed_answer_starts_with_the_prefill_legs_token_and_equals_colocat
 
 def until_early(pd: PDStack, attempt: Callable[[], None], tries: int = 3) -> None:
     """Run one streamed request (``attempt`` checks its answer) until its first token went out
-    from the prefill leg. Which leg reaches the router first is a race: on a loaded machine the
-    decode engine's stream may open before the prefill engine's answer arrives, and then the
-    decode leg's token goes out (rightly). Each try is counted once, by exactly one leg."""
+    from the prefill leg (``first_token_leg``: which leg reaches the router first is a race)."""
     for _ in range(tries):
-        early0 = router_counter(pd, "kvpush_router_first_tokens_total", source="prefill")
-        late0 = router_counter(pd, "kvpush_router_first_tokens_total", source="decode")
-        attempt()
-        early = router_counter(pd, "kvpush_router_first_tokens_total", source="prefill") - early0
-        late = router_counter(pd, "kvpush_router_first_tokens_total", source="decode") - late0
-        assert (early, late) in ((1, 0), (0, 1)), (early, late)
-        if early:
+        if first_token_leg(pd.router_url, attempt)[0] == "prefill":
             return
     raise AssertionError(f"the prefill leg's token never went out first in {tries} tries")
 

@@ -260,6 +260,19 @@ def prefill_done(pe: Engine, t: str, blocks: Sequence[int], n: int, lease_ms: in
     pe.send(proto.PrefillDone(t, tuple(blocks), n, lease_ms))
 
 
+def push(pe: Engine, de: Engine, reg: proto.Register, done: proto.PrefillDone, what: str) -> None:
+    """One transfer, both sides told: ``reg`` on the decode engine, ``done`` on the prefill
+    engine, then Received and Sent, or RuntimeError naming ``what`` (the GPU checks run
+    outside pytest, so no assert)."""
+    de.send(reg)
+    pe.send(done)
+    got = de.result(reg.transfer_id)
+    if not isinstance(got, proto.Received):
+        raise RuntimeError(f"{what}: the decode side got {got}")
+    if not isinstance(pe.result(reg.transfer_id), proto.Sent):
+        raise RuntimeError(f"{what}: the prefill side did not hear Sent")
+
+
 def check_tp2_to_tp1(p0: Daemon, p1: Daemon, d: Daemon, t: str) -> None:
     """A TP=2 prefill engine (one rank per daemon, one KV head each) feeds a TP=1 decode
     engine: Received only after both producers, and each head lands where the reference says."""

@@ -296,7 +296,7 @@ def step_daemon(device: str = "cuda") -> str:
 
     from kvpush import proto
     from kvpush.engine_plugin.worker.layouts import BACKENDS, derive_layout
-    from kvpush_dev.daemon_harness import Daemon, Engine, device_config
+    from kvpush_dev.daemon_harness import Daemon, Engine, device_config, push
     from kvpush_dev.vllm_layouts import (
         caches_equal,
         clone_caches,
@@ -330,13 +330,8 @@ def step_daemon(device: str = "cuda") -> str:
                     want = clone_caches({k: v.cpu() for k, v in dst.items()})  # a copy on CPU too
                     src_cpu = {k: v.cpu() for k, v in src.items()}
                     reference_copy(src_cpu, fa, s_lay, sb, want, fa, d_lay, db[: -(-n // dbs)], n)
-                    de.send(proto.Register(t, 0, tuple(db[: -(-n // dbs)]), n, (p_d.peer_endpoint,), 1, 10_000))
-                    pe.send(proto.PrefillDone(t, tuple(sb), n, 10_000))
-                    got = de.result(t)
-                    if not isinstance(got, proto.Received):
-                        raise RuntimeError(f"{case}: decode side got {got}")
-                    if not isinstance(pe.result(t), proto.Sent):
-                        raise RuntimeError(f"{case}: prefill side did not hear Sent")
+                    push(pe, de, proto.Register(t, 0, tuple(db[: -(-n // dbs)]), n, (p_d.peer_endpoint,), 1, 10_000),
+                         proto.PrefillDone(t, tuple(sb), n, 10_000), case)
                     sync()
                     after = {k: v.cpu() for k, v in dst.items()}
                     ignore_tail(want, after, fa, d_lay, db[: -(-n // dbs)], n)

@@ -234,7 +234,7 @@ def daemon_check(family: str, device: str = "cuda") -> str:
     two engines' allocations on ``device`` (CUDA IPC regions on a GPU, shm files on CPU); the
     decode allocation, read back, must be :func:`expect`'s byte for byte."""
     from kvpush import proto
-    from kvpush_dev.daemon_harness import Daemon, device_config
+    from kvpush_dev.daemon_harness import Daemon, device_config, push
     from kvpush_dev.daemon_harness import Engine as Attached
 
     p, d, sl, dl, n = engines(family, device)
@@ -249,13 +249,8 @@ def daemon_check(family: str, device: str = "cuda") -> str:
             pe = Attached(p_d, p.layout, "prefill", regions=p.regions, engine_id="P")
             de = Attached(d_d, d.layout, "decode", regions=d.regions, engine_id="D")
             t = f"families-{family}-{time.monotonic_ns()}"
-            de.send(proto.Register(t, 0, d_ids, n, (p_d.peer_endpoint,), 1, 10_000, kv_groups=d_groups))
-            pe.send(proto.PrefillDone(t, s_ids, n, 10_000, kv_groups=s_groups))
-            got = de.result(t)
-            if not isinstance(got, proto.Received):
-                raise RuntimeError(f"{family}: the decode side got {got}")
-            if not isinstance(pe.result(t), proto.Sent):
-                raise RuntimeError(f"{family}: the prefill side did not hear Sent")
+            push(pe, de, proto.Register(t, 0, d_ids, n, (p_d.peer_endpoint,), 1, 10_000, kv_groups=d_groups),
+                 proto.PrefillDone(t, s_ids, n, 10_000, kv_groups=s_groups), family)
             if device == "cuda":
                 torch.cuda.synchronize()
             compare(d.raw.cpu(), want, f"{family} daemon WRITE")
